@@ -1,0 +1,27 @@
+# The two set-up commands of README.md live here: `make run` and `make test`. Both create the venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU install path: pin torch to the CPU build (any other torch request downloads several GB of CUDA wheels).
+CONSTRAINTS ?= constraints/cpu.txt
+PROMPT ?= a red circle at the top left on a blue background
+
+.PHONY: setup run test lint bench
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test]'
+	touch $@
+
+run: setup
+	$(VENV)/bin/diffusiond generate "$(PROMPT)" --out out.png --previews previews
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest
+
+bench: setup
+	$(VENV)/bin/diffusiond bench engine

@@ -1,0 +1,109 @@
+"""The adapter contract: everything the engine may ask of a model family, and nothing it may assume beyond it.
+
+Core code never tests model names; it asks the adapter for its capabilities, batch key and the five step verbs.
+Tensors stay inside `RequestState`s, which only the adapter reads or writes.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from diffusiond.engine.request import SamplingParams
+from diffusiond.engine.wire import NewRequest
+
+
+class ParamError(ValueError):
+    """A request parameter is invalid for this model; `param` names the field (OpenAI error `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    family: str
+    pipeline_class: str
+    default_width: int
+    default_height: int
+    default_steps: int
+    default_guidance: float
+    # Width and height must be multiples of this (VAE downsampling times patch size).
+    size_multiple: int
+    max_side: int
+    supports_negative_prompt: bool
+    dtype: str
+    device: str
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One request's tensors and sampler position on one rank. Owned by the adapter; the engine only reads the
+    bookkeeping fields."""
+
+    request_id: str
+    params: SamplingParams
+    # Model-space latents as the transformer sees them (packed for FLUX), batch dim 1.
+    latents: torch.Tensor
+    sampler: Any
+    step_index: int = 0
+    # Family-specific conditioning (prompt embeddings, ids, ...).
+    cond: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Conditioning that is identical across a batch (same batch key) and passed once, not concatenated.
+    shared: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def total_steps(self) -> int:
+        return self.params.num_inference_steps or 0
+
+    @property
+    def finished(self) -> bool:
+        return self.step_index >= self.total_steps
+
+
+class ModelAdapter(abc.ABC):
+    pipeline_class: ClassVar[str]
+    capabilities: Capabilities
+
+    @classmethod
+    @abc.abstractmethod
+    def from_pretrained(cls, path: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> ModelAdapter:
+        """Load from a local diffusers folder or a hub id, through the components' own `from_pretrained`."""
+
+    @abc.abstractmethod
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        """Fill defaults and validate; raises ParamError naming the field. The result is what every rank runs."""
+
+    @abc.abstractmethod
+    def batch_key(self, params: SamplingParams) -> Hashable:
+        """What must match for two requests to share one forward."""
+
+    @abc.abstractmethod
+    def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
+        """Encode prompts, draw initial latents from each request's seed, and set each request's own timesteps."""
+
+    @abc.abstractmethod
+    def denoise(self, states: Sequence[RequestState]) -> torch.Tensor:
+        """One batched transformer call; returns the guided model output for each state, stacked in order."""
+
+    @abc.abstractmethod
+    def step(self, states: Sequence[RequestState], model_output: torch.Tensor) -> None:
+        """Advance each state by its own sampler; updates `latents` and `step_index`."""
+
+    @abc.abstractmethod
+    def predicted_x0(self, state: RequestState, model_output: torch.Tensor) -> torch.Tensor:
+        """The clean latent predicted from the state's current latents and its model output ([C, h, w])."""
+
+    @abc.abstractmethod
+    def decode(self, states: Sequence[RequestState]) -> list[np.ndarray]:
+        """Final images, float32 [H, W, 3] in [0, 1], as diffusers' `output_type="np"` gives them."""
+
+    @abc.abstractmethod
+    def preview(self, x0: torch.Tensor) -> np.ndarray:
+        """A small uint8 RGB image [h, w, 3] of a predicted clean latent."""

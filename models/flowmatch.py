@@ -1,0 +1,197 @@
+"""What SD3 and FLUX share: loading through the diffusers pipeline class, request validation, per-request
+flow-matching samplers, the batched Euler step, x0 prediction, decoding and previews.
+
+The pipeline object is only a holder for the components and their helpers (`encode_prompt`, `prepare_latents`);
+its `__call__` never runs while serving.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Hashable, Sequence
+from typing import Any, ClassVar
+
+import diffusers
+import numpy as np
+import torch
+
+from diffusiond.engine.request import SamplingParams
+from diffusiond.models import preview as preview_maps
+from diffusiond.models.base import Capabilities, ModelAdapter, ParamError, RequestState
+from diffusiond.models.sampler import step_batch
+
+MAX_PROMPT_CHARS = 10_000
+MAX_STEPS = 1000
+MAX_SEED = 2**63 - 1
+
+
+class FlowMatchAdapter(ModelAdapter):
+    family: ClassVar[str]
+    default_steps: ClassVar[int] = 28
+    default_guidance: ClassVar[float]
+
+    def __init__(self, pipe: Any, *, source: str) -> None:
+        self.pipe = pipe
+        self.source = source
+        self.transformer = pipe.transformer
+        self.vae = pipe.vae
+        self.device = self.transformer.device
+        self.dtype = self.transformer.dtype
+        self.vae_scale_factor: int = pipe.vae_scale_factor
+        self.latent_rgb = self._load_preview_map(source)
+        self.capabilities = self._capabilities()
+        self._cond_cache: tuple[tuple[str, ...], dict[str, torch.Tensor]] | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> FlowMatchAdapter:
+        pipeline_cls = getattr(diffusers, cls.pipeline_class)
+        pipe = pipeline_cls.from_pretrained(path, dtype=dtype)
+        pipe.to(device)
+        pipe.set_progress_bar_config(disable=True)
+        for module in pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                module.eval().requires_grad_(False)
+        return cls(pipe, source=path)
+
+    # ---- family hooks ----
+
+    def _default_size(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def _size_multiple(self) -> int:
+        raise NotImplementedError
+
+    def _max_side(self) -> int:
+        return 4096
+
+    def _unpack(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """Model-space latents [B, ...] -> VAE-shaped latents [B, C, h, w]."""
+        return latents
+
+    # ---- contract ----
+
+    def _capabilities(self) -> Capabilities:
+        width, height = self._default_size()
+        return Capabilities(
+            family=self.family,
+            pipeline_class=self.pipeline_class,
+            default_width=width,
+            default_height=height,
+            default_steps=self.default_steps,
+            default_guidance=self.default_guidance,
+            size_multiple=self._size_multiple(),
+            max_side=self._max_side(),
+            supports_negative_prompt=True,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+        )
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        caps = self.capabilities
+        if not isinstance(params.prompt, str) or not params.prompt.strip():
+            raise ParamError("prompt", "prompt must be a non-empty string")
+        for name in ("prompt", "negative_prompt"):
+            text = getattr(params, name)
+            if text is not None and len(text) > MAX_PROMPT_CHARS:
+                raise ParamError(name, f"{name} is {len(text)} characters long; the limit is {MAX_PROMPT_CHARS}")
+        width = params.width if params.width is not None else caps.default_width
+        height = params.height if params.height is not None else caps.default_height
+        for name, side in (("width", width), ("height", height)):
+            if side < caps.size_multiple or side > caps.max_side or side % caps.size_multiple:
+                raise ParamError(
+                    name,
+                    f"{name} must be a multiple of {caps.size_multiple} between {caps.size_multiple} and "
+                    f"{caps.max_side} for this model, got {side}",
+                )
+        steps = params.num_inference_steps if params.num_inference_steps is not None else caps.default_steps
+        if not 1 <= steps <= MAX_STEPS:
+            raise ParamError(
+                "num_inference_steps", f"num_inference_steps must be between 1 and {MAX_STEPS}, got {steps}"
+            )
+        guidance = params.guidance_scale if params.guidance_scale is not None else caps.default_guidance
+        if not math.isfinite(guidance) or guidance < 0 or guidance > 100:
+            raise ParamError("guidance_scale", f"guidance_scale must be between 0 and 100, got {guidance}")
+        true_cfg = params.true_cfg_scale if params.true_cfg_scale is not None else 1.0
+        if not math.isfinite(true_cfg) or true_cfg < 0 or true_cfg > 100:
+            raise ParamError("true_cfg_scale", f"true_cfg_scale must be between 0 and 100, got {true_cfg}")
+        seed = params.seed
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little") & MAX_SEED
+        elif not 0 <= seed <= MAX_SEED:
+            raise ParamError("seed", f"seed must be between 0 and {MAX_SEED}, got {seed}")
+        if params.preview_every < 0:
+            raise ParamError("preview_every", f"preview_every must be >= 0, got {params.preview_every}")
+        return SamplingParams(
+            prompt=params.prompt,
+            negative_prompt=params.negative_prompt,
+            seed=seed,
+            width=width,
+            height=height,
+            num_inference_steps=steps,
+            guidance_scale=float(guidance),
+            true_cfg_scale=float(true_cfg),
+            preview_every=params.preview_every,
+        )
+
+    def batch_key(self, params: SamplingParams) -> Hashable:
+        return (params.width, params.height, self._uses_cfg(params))
+
+    def _uses_cfg(self, params: SamplingParams) -> bool:
+        raise NotImplementedError
+
+    def _generator(self, params: SamplingParams) -> torch.Generator:
+        # A CPU generator on every device: the same seed gives the same image on CPU and GPU, as in diffusers when
+        # it is handed a CPU generator.
+        assert params.seed is not None
+        return torch.Generator(device="cpu").manual_seed(params.seed)
+
+    def _batched_cond(self, states: Sequence[RequestState]) -> dict[str, torch.Tensor]:
+        """Conditioning tensors concatenated along the batch, reused while the batch keeps the same members."""
+        ids = tuple(s.request_id for s in states)
+        if self._cond_cache is not None and self._cond_cache[0] == ids:
+            return self._cond_cache[1]
+        names = states[0].cond.keys()
+        cond = {name: torch.cat([s.cond[name] for s in states]) for name in names}
+        self._cond_cache = (ids, cond)
+        return cond
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """States were freed: drop cached batch tensors that hold them."""
+        if self._cond_cache is not None and set(request_ids) & set(self._cond_cache[0]):
+            self._cond_cache = None
+
+    def step(self, states: Sequence[RequestState], model_output: torch.Tensor) -> None:
+        sample = torch.cat([s.latents for s in states])
+        out = step_batch([s.sampler for s in states], sample, model_output)
+        for i, state in enumerate(states):
+            state.latents = out[i : i + 1]
+            state.step_index += 1
+
+    def predicted_x0(self, state: RequestState, model_output: torch.Tensor) -> torch.Tensor:
+        sigma = state.sampler.sigma.to(device=model_output.device, dtype=torch.float32)
+        x0 = state.latents.to(torch.float32) - sigma * model_output.to(torch.float32)
+        return self._unpack(x0.view_as(state.latents), state.params)[0]
+
+    @torch.inference_mode()
+    def decode(self, states: Sequence[RequestState]) -> list[np.ndarray]:
+        latents = self._unpack(torch.cat([s.latents for s in states]), states[0].params)
+        latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
+        image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+        images = self.pipe.image_processor.postprocess(image, output_type="np")  # [B, H, W, 3] float32 in [0, 1]
+        return list(images)
+
+    def preview(self, x0: torch.Tensor) -> np.ndarray:
+        return self.latent_rgb.to_uint8(x0)
+
+    def _load_preview_map(self, source: str) -> preview_maps.LatentRGB:
+        """A map written beside the checkpoint (fitted for our own models) wins over published factors; a
+        checkpoint with neither gets one fitted against its VAE now."""
+        if os.path.isdir(source):
+            fitted = preview_maps.load_preview_factors(source)
+            if fitted is not None:
+                return fitted
+        published = preview_maps.published(self.family)
+        if published is not None and len(published.factors) == self.vae.config.latent_channels:
+            return published
+        return preview_maps.fit_latent_rgb(self.vae)

@@ -1,0 +1,112 @@
+"""FLUX.1 (`FluxPipeline` checkpoints): packed 2x2 latent patches, rotary position ids, the distilled guidance
+embedding (`guidance_scale`) and optional true CFG (`true_cfg_scale` > 1 with a negative prompt)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from diffusers import FluxPipeline
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+from diffusiond.engine.request import SamplingParams
+from diffusiond.engine.wire import NewRequest
+from diffusiond.models.base import RequestState
+from diffusiond.models.flowmatch import FlowMatchAdapter
+from diffusiond.models.sampler import FlowMatchSampler
+
+
+class FluxAdapter(FlowMatchAdapter):
+    pipeline_class = "FluxPipeline"
+    family = "flux"
+    default_guidance = 3.5
+    max_sequence_length = 512
+
+    def _default_size(self) -> tuple[int, int]:
+        side = self.pipe.default_sample_size * self.vae_scale_factor
+        return side, side
+
+    def _size_multiple(self) -> int:
+        return self.vae_scale_factor * 2
+
+    def _uses_cfg(self, params: SamplingParams) -> bool:
+        # As the pipeline's `do_true_cfg`.
+        return (params.true_cfg_scale or 0.0) > 1 and params.negative_prompt is not None
+
+    def _unpack(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        return FluxPipeline._unpack_latents(latents, params.height, params.width, self.vae_scale_factor)
+
+    @torch.inference_mode()
+    def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
+        params = [n.params for n in new]
+        embeds, pooled, text_ids = self.pipe.encode_prompt(
+            prompt=[p.prompt for p in params],
+            prompt_2=None,
+            device=self.device,
+            max_sequence_length=self.max_sequence_length,
+        )
+        cfg = [self._uses_cfg(p) for p in params]
+        negatives = [p.negative_prompt for p, c in zip(params, cfg, strict=True) if c]
+        if negatives:
+            neg_embeds, neg_pooled, _ = self.pipe.encode_prompt(
+                prompt=negatives, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length
+            )
+        config = self.pipe.scheduler.config
+        channels = self.transformer.config.in_channels // 4
+        states = []
+        neg_row = 0
+        for i, (req, p) in enumerate(zip(new, params, strict=True)):
+            latents, image_ids = self.pipe.prepare_latents(
+                1, channels, p.height, p.width, embeds.dtype, self.device, self._generator(p)
+            )  # latents [1, seq, C * 4], image_ids [seq, 3]
+            sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
+            if getattr(config, "use_flow_sigmas", False):
+                sigmas = None
+            mu = calculate_shift(
+                latents.shape[1],
+                config.get("base_image_seq_len", 256),
+                config.get("max_image_seq_len", 4096),
+                config.get("base_shift", 0.5),
+                config.get("max_shift", 1.15),
+            )
+            sampler = FlowMatchSampler(self.pipe.scheduler, p.num_inference_steps, self.device, sigmas=sigmas, mu=mu)
+            guidance = torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)
+            if cfg[i]:
+                # Rows (positive, negative) per request; a batch interleaves them.
+                cond = {
+                    "embeds": torch.cat([embeds[i : i + 1], neg_embeds[neg_row : neg_row + 1]]),
+                    "pooled": torch.cat([pooled[i : i + 1], neg_pooled[neg_row : neg_row + 1]]),
+                    "guidance": guidance.expand(2),
+                }
+                neg_row += 1
+            else:
+                cond = {"embeds": embeds[i : i + 1], "pooled": pooled[i : i + 1], "guidance": guidance}
+            shared = {"text_ids": text_ids, "image_ids": image_ids}
+            states.append(RequestState(req.request_id, p, latents, sampler, cond=cond, shared=shared))
+        return states
+
+    @torch.inference_mode()
+    def denoise(self, states: Sequence[RequestState]) -> torch.Tensor:
+        cond = self._batched_cond(states)
+        shared = states[0].shared  # same size and text length across the batch (batch key)
+        latents = torch.cat([s.latents for s in states])  # [B, seq, C * 4]
+        timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device, latents.dtype)  # [B]
+        rows = cond["embeds"].shape[0] // len(states)
+        guidance = cond["guidance"] if self.transformer.config.guidance_embeds else None
+        out = self.transformer(
+            hidden_states=latents.repeat_interleave(rows, dim=0),  # [B * rows, seq, C * 4]
+            timestep=timestep.repeat_interleave(rows) / 1000,
+            guidance=guidance,
+            pooled_projections=cond["pooled"],
+            encoder_hidden_states=cond["embeds"],
+            txt_ids=shared["text_ids"],
+            img_ids=shared["image_ids"],
+            return_dict=False,
+        )[0]
+        if rows == 1:
+            return out
+        out = out.unflatten(0, (len(states), 2))  # [B, 2, seq, C * 4]
+        pos, neg = out[:, 0], out[:, 1]
+        scale = torch.tensor([s.params.true_cfg_scale for s in states], dtype=out.dtype, device=out.device)
+        return neg + scale.view(-1, 1, 1) * (pos - neg)

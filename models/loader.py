@@ -1,0 +1,33 @@
+"""Load a model from a local diffusers folder or a hub id: read `model_index.json`, pick the adapter, load."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from diffusiond.models.base import ModelAdapter
+from diffusiond.models.registry import adapter_for
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def read_model_index(model: str) -> dict:
+    if os.path.isdir(model):
+        path = Path(model) / "model_index.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{model} has no model_index.json: not a diffusers checkpoint folder")
+    else:
+        from huggingface_hub import hf_hub_download
+
+        path = Path(hf_hub_download(model, "model_index.json"))
+    return json.loads(path.read_text())
+
+
+def load_adapter(model: str, *, device: str = "cpu", dtype: str | torch.dtype = "float32") -> ModelAdapter:
+    torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    index = read_model_index(model)
+    cls = adapter_for(index.get("_class_name", "<missing _class_name>"))
+    return cls.from_pretrained(model, device=device, dtype=torch_dtype)

@@ -1,0 +1,106 @@
+"""Stable Diffusion 3 / 3.5 (`StableDiffusion3Pipeline` checkpoints): MMDiT on 2D latents, classifier-free guidance
+with the negative branch first, as the pipeline batches it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+from diffusers.utils.torch_utils import randn_tensor
+
+from diffusiond.engine.request import SamplingParams
+from diffusiond.engine.wire import NewRequest
+from diffusiond.models.base import RequestState
+from diffusiond.models.flowmatch import FlowMatchAdapter
+from diffusiond.models.sampler import FlowMatchSampler
+
+
+class SD3Adapter(FlowMatchAdapter):
+    pipeline_class = "StableDiffusion3Pipeline"
+    family = "sd3"
+    default_guidance = 7.0
+    # The pipeline's default T5 length; the text context length is fixed, so any prompts can share a batch.
+    max_sequence_length = 256
+
+    def _default_size(self) -> tuple[int, int]:
+        side = self.transformer.config.sample_size * self.vae_scale_factor
+        return side, side
+
+    def _size_multiple(self) -> int:
+        return self.vae_scale_factor * self.transformer.config.patch_size
+
+    def _max_side(self) -> int:
+        pos_embed_max_size = self.transformer.config.pos_embed_max_size
+        if pos_embed_max_size is None:
+            return super()._max_side()
+        return pos_embed_max_size * self._size_multiple()
+
+    def _uses_cfg(self, params: SamplingParams) -> bool:
+        # As the pipeline's `do_classifier_free_guidance`.
+        return (params.guidance_scale or 0.0) > 1
+
+    @torch.inference_mode()
+    def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
+        params = [n.params for n in new]
+        cfg = [self._uses_cfg(p) for p in params]
+        embeds, neg_embeds, pooled, neg_pooled = self.pipe.encode_prompt(
+            prompt=[p.prompt for p in params],
+            prompt_2=None,
+            prompt_3=None,
+            negative_prompt=[p.negative_prompt or "" for p in params],
+            do_classifier_free_guidance=any(cfg),
+            device=self.device,
+            max_sequence_length=self.max_sequence_length,
+        )
+        config = self.pipe.scheduler.config
+        states = []
+        for i, (req, p) in enumerate(zip(new, params, strict=True)):
+            shape = (
+                1,
+                self.transformer.config.in_channels,
+                p.height // self.vae_scale_factor,
+                p.width // self.vae_scale_factor,
+            )  # [1, C, h, w]
+            latents = randn_tensor(shape, generator=self._generator(p), device=self.device, dtype=embeds.dtype)
+            kwargs = {}
+            if config.get("use_dynamic_shifting", None):
+                patch = self.transformer.config.patch_size
+                kwargs["mu"] = calculate_shift(
+                    (shape[2] // patch) * (shape[3] // patch),
+                    config.get("base_image_seq_len", 256),
+                    config.get("max_image_seq_len", 4096),
+                    config.get("base_shift", 0.5),
+                    config.get("max_shift", 1.16),
+                )
+            sampler = FlowMatchSampler(self.pipe.scheduler, p.num_inference_steps, self.device, **kwargs)
+            if cfg[i]:
+                # Rows (negative, positive) per request: a batch of them interleaves, one concatenation per batch.
+                cond = {
+                    "embeds": torch.cat([neg_embeds[i : i + 1], embeds[i : i + 1]]),
+                    "pooled": torch.cat([neg_pooled[i : i + 1], pooled[i : i + 1]]),
+                }
+            else:
+                cond = {"embeds": embeds[i : i + 1], "pooled": pooled[i : i + 1]}
+            states.append(RequestState(req.request_id, p, latents, sampler, cond=cond))
+        return states
+
+    @torch.inference_mode()
+    def denoise(self, states: Sequence[RequestState]) -> torch.Tensor:
+        cond = self._batched_cond(states)
+        latents = torch.cat([s.latents for s in states])  # [B, C, h, w]
+        timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device)  # [B]
+        rows = cond["embeds"].shape[0] // len(states)  # 2 with CFG: (negative, positive) per request
+        out = self.transformer(
+            hidden_states=latents.repeat_interleave(rows, dim=0),  # [B * rows, C, h, w]
+            timestep=timestep.repeat_interleave(rows),
+            encoder_hidden_states=cond["embeds"],
+            pooled_projections=cond["pooled"],
+            return_dict=False,
+        )[0]
+        if rows == 1:
+            return out
+        out = out.unflatten(0, (len(states), 2))  # [B, 2, C, h, w]
+        uncond, text = out[:, 0], out[:, 1]
+        scale = torch.tensor([s.params.guidance_scale for s in states], dtype=out.dtype, device=out.device)
+        return uncond + scale.view(-1, 1, 1, 1) * (text - uncond)

@@ -1,0 +1,247 @@
+"""The asyncio face of the engine: add a request, iterate its events, cancel it.
+
+Steps run in one dedicated thread (`schedule() -> broadcast -> execute() -> update_from_output()`); the event loop
+never runs torch. The loop talks to the step thread through a command queue (add, cancel, stop), which the thread
+drains between steps, and the thread hands events back with `loop.call_soon_threadsafe`, one callback per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from diffusiond.engine.comm import Communicator, LocalComm
+from diffusiond.engine.executor import ExecResult, Executor
+from diffusiond.engine.mailbox import Mailbox
+from diffusiond.engine.outputs import TERMINAL, Cancelled, Completed, Event, Failed, Preview, Progress, Queued
+from diffusiond.engine.request import RequestStatus, SamplingParams
+from diffusiond.engine.scheduler import QueueFullError, SchedRequest, Scheduler, StepResult
+from diffusiond.engine.wire import PlanKind, StepPlan, decode_plan, encode_plan
+from diffusiond.models.base import ModelAdapter
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Engine", "EngineDeadError", "QueueFullError", "RequestHandle"]
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop stopped on an engine-level error; no request can be served."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: SchedRequest
+    submitted: float
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+class RequestHandle:
+    def __init__(self, engine: Engine, request_id: str, params: SamplingParams, mailbox: Mailbox) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.params = params
+        self._mailbox = mailbox
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every event of this request; ends after its one terminal event."""
+        while True:
+            event = await self._mailbox.get()
+            yield event
+            if isinstance(event, TERMINAL):
+                return
+
+    async def result(self) -> Event:
+        """The terminal event (Completed, Cancelled or Failed)."""
+        async for event in self.events():
+            if isinstance(event, TERMINAL):
+                return event
+        raise AssertionError("unreachable: events() ends with a terminal event")
+
+    def cancel(self) -> None:
+        self.engine.cancel(self.request_id)
+
+
+class Engine:
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        *,
+        max_batch: int = 8,
+        max_running: int | None = None,
+        max_waiting: int = 256,
+        comm: Communicator | None = None,
+    ) -> None:
+        self.adapter = adapter
+        self.scheduler = Scheduler(max_batch=max_batch, max_running=max_running, max_waiting=max_waiting)
+        self.executor = Executor(adapter, driver=True)
+        self.comm = comm or LocalComm()
+        self._commands: queue.SimpleQueue[_Add | _Cancel | _Stop] = queue.SimpleQueue()
+        self._mailboxes: dict[str, Mailbox] = {}
+        self._capacity = max_waiting + self.scheduler.max_running
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.steps = 0
+
+    # ---- lifecycle ----
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="diffusiond-step", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._commands.put(_Stop())
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._mailboxes)
+
+    # ---- requests (event-loop thread) ----
+
+    def add_request(self, params: SamplingParams, request_id: str | None = None) -> RequestHandle:
+        """Validate, resolve defaults and queue a request. Raises ParamError (bad input), QueueFullError (retry
+        later) or EngineDeadError."""
+        if not self.alive:
+            raise EngineDeadError(f"engine is not running: {self.error!r}" if self.error else "engine is not running")
+        resolved = self.adapter.resolve(params)
+        if len(self._mailboxes) >= self._capacity:
+            raise QueueFullError(f"{len(self._mailboxes)} requests in flight (capacity {self._capacity})")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._mailboxes:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        mailbox = Mailbox()
+        self._mailboxes[request_id] = mailbox
+        request = SchedRequest(
+            request_id=request_id,
+            params=resolved,
+            key=self.adapter.batch_key(resolved),
+            total_steps=resolved.num_inference_steps or 0,
+        )
+        self._commands.put(_Add(request, time.perf_counter()))
+        return RequestHandle(self, request_id, resolved, mailbox)
+
+    def cancel(self, request_id: str) -> None:
+        """Stops the request at the next step boundary; its terminal event is Cancelled (unless it finished first)."""
+        if request_id in self._mailboxes:
+            self._commands.put(_Cancel(request_id))
+
+    def _deliver(self, events: list[Event]) -> None:
+        for event in events:
+            mailbox = self._mailboxes.get(event.request_id)
+            if mailbox is None:
+                continue
+            mailbox.put(event)
+            if isinstance(event, TERMINAL):
+                del self._mailboxes[event.request_id]
+
+    # ---- the step thread ----
+
+    def _emit(self, events: list[Event]) -> None:
+        if events and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deliver, events)
+
+    def _drain_commands(self, events: list[Event], *, block: bool) -> bool:
+        """Apply queued commands; False once asked to stop."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if isinstance(command, _Stop):
+                return False
+            if isinstance(command, _Add):
+                request = command.request
+                try:
+                    self.scheduler.add(request)
+                except QueueFullError as exc:
+                    events.append(Failed(request.request_id, f"queue full: {exc}"))
+                    continue
+                events.append(Queued(request.request_id, self.scheduler.num_waiting - 1))
+            elif isinstance(command, _Cancel):
+                request = self.scheduler.cancel(command.request_id)
+                if request is not None and request.status == RequestStatus.FINISHED_CANCELLED:
+                    events.append(Cancelled(request.request_id))
+
+    def _run(self) -> None:
+        try:
+            while True:
+                events: list[Event] = []
+                running = self._drain_commands(events, block=not self.scheduler.has_work())
+                if running and self.scheduler.has_work():
+                    plan = decode_plan(self.comm.broadcast(encode_plan(self.scheduler.schedule())))
+                    result = self.executor.execute(plan)
+                    self.steps += 1
+                    events.extend(self._events_for(plan, result))
+                if not running:
+                    # Stopped with requests in flight: each still gets its one terminal event.
+                    leftovers = [*self.scheduler.waiting, *self.scheduler.running.values()]
+                    self.scheduler.fail_all("engine stopped")
+                    events.extend(Cancelled(r.request_id, "engine stopped") for r in leftovers)
+                self._emit(events)
+                if not running:
+                    return
+        except BaseException as exc:
+            log.exception("engine step loop failed; failing every request")
+            self.error = exc
+            failed = self.scheduler.fail_all(repr(exc))
+            self._emit([Failed(r.request_id, f"engine error: {exc!r}") for r in failed])
+            # Requests whose add command never reached the scheduler end too.
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._fail_orphans, repr(exc))
+        finally:
+            try:
+                self.comm.broadcast(encode_plan(StepPlan(step=-1, kind=PlanKind.SHUTDOWN)))
+            except Exception:
+                log.exception("could not send the shutdown plan")
+
+    def _fail_orphans(self, error: str) -> None:
+        self._deliver([Failed(rid, f"engine error: {error}") for rid in list(self._mailboxes)])
+
+    def _events_for(self, plan: StepPlan, result: ExecResult) -> list[Event]:
+        finished = self.scheduler.update_from_output(plan, StepResult(result.advanced, result.failed))
+        finished_by_id = {r.request_id: r for r in finished}
+        events: list[Event] = []
+        for request_id in result.advanced:
+            request = self.scheduler.get(request_id) or finished_by_id.get(request_id)
+            if request is not None and request.status != RequestStatus.FINISHED_FAILED:
+                events.append(Progress(request_id, request.steps_done, request.total_steps))
+        for request_id, (step, image) in result.previews.items():
+            request = self.scheduler.get(request_id)
+            if request is not None:
+                events.append(Preview(request_id, step, request.total_steps, image))
+        for request in finished:
+            if request.status == RequestStatus.FINISHED_COMPLETED:
+                image = result.images.get(request.request_id)
+                if image is None:
+                    events.append(Failed(request.request_id, "internal error: finished without an image"))
+                    continue
+                events.append(Completed(request.request_id, request.params.seed or 0, image, dict(result.timings)))
+            elif request.status == RequestStatus.FINISHED_CANCELLED:
+                events.append(Cancelled(request.request_id))
+            else:
+                events.append(Failed(request.request_id, request.error or "failed"))
+        return events

@@ -1,0 +1,57 @@
+"""What a request's client sees: the events of its mailbox. Rank-local (never sent between ranks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    request_id: str
+    # Requests waiting ahead of this one when it was queued.
+    position: int
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    request_id: str
+    step: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
+class Preview:
+    request_id: str
+    step: int
+    total: int
+    # uint8 [h, w, 3] at latent resolution: the predicted clean image after `step` steps.
+    image: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    request_id: str
+    seed: int
+    # float32 [H, W, 3] in [0, 1], exactly what diffusers' `output_type="np"` gives.
+    image: np.ndarray
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Cancelled:
+    request_id: str
+    reason: str = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    request_id: str
+    error: str
+
+
+Event = Queued | Progress | Preview | Completed | Cancelled | Failed
+TERMINAL = (Completed, Cancelled, Failed)
+# A slow reader may miss intermediate progress and previews (only the newest is kept), never a terminal event.
+COALESCIBLE = (Progress, Preview)

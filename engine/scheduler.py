@@ -1,0 +1,215 @@
+"""The step scheduler: pure Python, no torch, no I/O, no awaits.
+
+Each call to `schedule()` decides one denoising step: which batch key runs, which requests of that key advance
+together in one forward (at most `max_batch`), which waiting requests are admitted, and which are dropped. The engine
+turns the result into a `StepPlan`, every rank executes it, and `update_from_output()` records what happened.
+
+Fairness: keys take turns (the key served least recently goes next), so an incompatible request at the head of the
+queue never blocks the others, and a busy key never starves a lone request of another key: while an older request of
+another key waits, admissions of the running key leave one slot free for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+from diffusiond.engine.request import RequestStatus, SamplingParams
+from diffusiond.engine.wire import NewRequest, StepPlan
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at `max_waiting`; the caller should retry later (HTTP 429)."""
+
+
+@dataclass(eq=False)
+class SchedRequest:
+    request_id: str
+    params: SamplingParams
+    # What must match to share a forward (size, CFG on/off, ...); decided by the model adapter.
+    key: Hashable
+    total_steps: int
+    status: RequestStatus = RequestStatus.WAITING
+    steps_done: int = 0
+    arrival: int = 0
+    last_advanced: int = -1
+    cancel_requested: bool = False
+    error: str | None = None
+
+
+@dataclass
+class StepResult:
+    """What one executed plan reports back (rank 0's view), in scheduler terms."""
+
+    advanced: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, *, max_batch: int, max_running: int | None = None, max_waiting: int = 256) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_batch = max_batch
+        self.max_running = max_running if max_running is not None else max_batch
+        if self.max_running < max_batch:
+            raise ValueError(f"max_running ({self.max_running}) must be >= max_batch ({max_batch})")
+        self.max_waiting = max_waiting
+        self.waiting: deque[SchedRequest] = deque()
+        self.running: dict[str, SchedRequest] = {}
+        self._requests: dict[str, SchedRequest] = {}
+        self._arrivals = itertools.count()
+        self._step = 0
+        self._key_last_served: dict[Hashable, int] = {}
+        self._pending_drop: list[str] = []
+
+    # ---- admission and cancellation (called between steps) ----
+
+    def add(self, req: SchedRequest) -> None:
+        if req.request_id in self._requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_waiting={self.max_waiting})")
+        req.status = RequestStatus.WAITING
+        req.arrival = next(self._arrivals)
+        self.waiting.append(req)
+        self._requests[req.request_id] = req
+
+    def cancel(self, request_id: str) -> SchedRequest | None:
+        """Cancel a request. A waiting one finishes now (the returned request is FINISHED_CANCELLED); a running one
+        is dropped by the next plan and finishes when `update_from_output` sees that plan. None if unknown/finished."""
+        req = self._requests.get(request_id)
+        if req is None or req.status.is_finished:
+            return None
+        if req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_CANCELLED)
+        else:
+            req.cancel_requested = True
+        return req
+
+    def get(self, request_id: str) -> SchedRequest | None:
+        return self._requests.get(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._pending_drop)
+
+    # ---- one step ----
+
+    def schedule(self) -> StepPlan:
+        step = self._step
+        self._step += 1
+        drop = self._pending_drop
+        self._pending_drop = []
+        for req in list(self.running.values()):
+            if req.cancel_requested:
+                drop.append(req.request_id)
+                del self.running[req.request_id]
+
+        advance: list[SchedRequest] = []
+        new: list[NewRequest] = []
+        for key in self._keys_in_turn():
+            group = sorted(
+                (r for r in self.running.values() if r.key == key), key=lambda r: (r.last_advanced, r.arrival)
+            )
+            advance = group[: self.max_batch]
+            for req in self._admit(key, self.max_batch - len(advance)):
+                advance.append(req)
+                new.append(NewRequest(req.request_id, req.params))
+            if advance:
+                self._key_last_served[key] = step
+                break
+        for req in advance:
+            req.last_advanced = step
+        return StepPlan(step=step, new=new, advance=[r.request_id for r in advance], drop=drop)
+
+    def update_from_output(self, plan: StepPlan, result: StepResult) -> list[SchedRequest]:
+        """Record an executed plan; returns the requests that reached a terminal status with it."""
+        finished: list[SchedRequest] = []
+        for request_id in plan.drop:
+            req = self._requests.get(request_id)
+            if req is not None and req.cancel_requested and not req.status.is_finished:
+                finished.append(self._finish(req, RequestStatus.FINISHED_CANCELLED))
+        for request_id, error in result.failed.items():
+            req = self._requests.get(request_id)
+            if req is None or req.status.is_finished:
+                continue
+            req.error = error
+            self.running.pop(request_id, None)
+            # Other ranks may still hold its state: the next plan frees it everywhere.
+            self._pending_drop.append(request_id)
+            finished.append(self._finish(req, RequestStatus.FINISHED_FAILED))
+        for request_id in result.advanced:
+            req = self._requests.get(request_id)
+            if req is None or req.status.is_finished:
+                continue
+            req.steps_done += 1
+            if req.steps_done >= req.total_steps:
+                self.running.pop(request_id, None)
+                finished.append(self._finish(req, RequestStatus.FINISHED_COMPLETED))
+        return finished
+
+    def fail_all(self, error: str) -> list[SchedRequest]:
+        """Engine-level failure: every admitted request ends FINISHED_FAILED."""
+        victims = [*self.waiting, *self.running.values()]
+        self.waiting.clear()
+        self.running.clear()
+        for req in victims:
+            req.error = error
+            self._finish(req, RequestStatus.FINISHED_FAILED)
+        return victims
+
+    def cancel_all(self) -> list[SchedRequest]:
+        """Drain deadline passed: waiting requests end now, running ones are dropped by the next plan."""
+        cancelled = []
+        for req in [*self.waiting, *self.running.values()]:
+            if self.cancel(req.request_id) is not None and req.status.is_finished:
+                cancelled.append(req)
+        return cancelled
+
+    # ---- internals ----
+
+    def _finish(self, req: SchedRequest, status: RequestStatus) -> SchedRequest:
+        req.status = status
+        del self._requests[req.request_id]
+        return req
+
+    def _candidate_keys(self) -> Iterable[tuple[Hashable, int]]:
+        """(key, oldest arrival) for every key that could run now."""
+        oldest: dict[Hashable, int] = {}
+        for req in self.running.values():
+            oldest[req.key] = min(oldest.get(req.key, req.arrival), req.arrival)
+        if len(self.running) < self.max_running:
+            for req in self.waiting:
+                oldest.setdefault(req.key, req.arrival)
+        return oldest.items()
+
+    def _keys_in_turn(self) -> list[Hashable]:
+        """Keys that could run now, the one served least recently first (ties: the oldest request first)."""
+        ranked = sorted(self._candidate_keys(), key=lambda item: (self._key_last_served.get(item[0], -1), item[1]))
+        return [key for key, _ in ranked]
+
+    def _admit(self, key: Hashable, room: int) -> list[SchedRequest]:
+        admitted: list[SchedRequest] = []
+        head = self.waiting[0] if self.waiting else None
+        # Keep a slot for an older request of another key, or a busy key would starve it.
+        reserve = 1 if head is not None and head.key != key else 0
+        for req in list(self.waiting):
+            if len(admitted) >= room or len(self.running) + reserve >= self.max_running:
+                break
+            if req.key != key:
+                continue
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running[req.request_id] = req
+            admitted.append(req)
+        return admitted

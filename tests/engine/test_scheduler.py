@@ -1,0 +1,187 @@
+"""The scheduler alone: no torch, hand-made step results (vLLM's create_scheduler() idea)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from diffusiond.engine.request import RequestStatus, SamplingParams
+from diffusiond.engine.scheduler import QueueFullError, SchedRequest, Scheduler, StepResult
+from diffusiond.engine.wire import decode_plan, encode_plan
+
+
+def make(request_id: str, key="a", steps: int = 3) -> SchedRequest:
+    params = SamplingParams(prompt=request_id, seed=0, width=64, height=64, num_inference_steps=steps)
+    return SchedRequest(request_id=request_id, params=params, key=key, total_steps=steps)
+
+
+def run_step(sched: Scheduler, failed: dict[str, str] | None = None):
+    plan = decode_plan(encode_plan(sched.schedule()))  # through the wire, as the engine does
+    advanced = [r for r in plan.advance if r not in (failed or {})]
+    finished = sched.update_from_output(plan, StepResult(advanced=advanced, failed=failed or {}))
+    return plan, finished
+
+
+def test_scheduler_needs_no_torch():
+    code = "import sys, diffusiond.engine.scheduler; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_admission_order_and_capacity():
+    sched = Scheduler(max_batch=2)
+    for rid in "abcd":
+        sched.add(make(rid))
+    plan, _ = run_step(sched)
+    assert [n.request_id for n in plan.new] == ["a", "b"]
+    assert plan.advance == ["a", "b"]
+    assert sched.num_running == 2 and sched.num_waiting == 2
+    plan, _ = run_step(sched)
+    assert plan.new == [] and plan.advance == ["a", "b"]
+
+
+def test_requests_join_running_batch_and_leave_when_done():
+    sched = Scheduler(max_batch=4)
+    sched.add(make("a", steps=2))
+    plan, _ = run_step(sched)
+    assert plan.advance == ["a"]
+    sched.add(make("b", steps=3))
+    plan, finished = run_step(sched)
+    assert [n.request_id for n in plan.new] == ["b"]
+    assert plan.advance == ["a", "b"]
+    assert [r.request_id for r in finished] == ["a"]
+    assert finished[0].status == RequestStatus.FINISHED_COMPLETED
+    plan, _ = run_step(sched)
+    assert plan.advance == ["b"]
+    plan, finished = run_step(sched)
+    assert [r.request_id for r in finished] == ["b"]
+    assert not sched.has_work()
+
+
+def test_keys_never_share_a_forward():
+    sched = Scheduler(max_batch=8)
+    for rid, key in [("a1", "a"), ("b1", "b"), ("a2", "a"), ("b2", "b")]:
+        sched.add(make(rid, key=key))
+    seen = []
+    for _ in range(4):
+        plan, _ = run_step(sched)
+        keys = {sched.get(r).key if sched.get(r) else None for r in plan.advance}
+        assert len(keys) == 1
+        seen.append(plan.advance)
+    assert seen[0] == ["a1", "a2"] and seen[1] == ["b1", "b2"]
+    assert seen[2] == ["a1", "a2"] and seen[3] == ["b1", "b2"]
+
+
+def test_incompatible_head_does_not_block_others():
+    sched = Scheduler(max_batch=4, max_running=4)
+    sched.add(make("big", key="1024", steps=2))
+    for i in range(3):
+        sched.add(make(f"s{i}", key="256", steps=2))
+    first, _ = run_step(sched)
+    second, _ = run_step(sched)
+    assert first.advance == ["big"]
+    assert second.advance == ["s0", "s1", "s2"]
+
+
+def test_busy_key_does_not_starve_a_lone_request():
+    sched = Scheduler(max_batch=2, max_running=2)
+    sched.add(make("a0", key="a", steps=1000))
+    sched.add(make("a1", key="a", steps=1000))
+    run_step(sched)
+    sched.add(make("lone", key="b", steps=1))
+    # A stream of newer "a" requests keeps arriving; none may take the slot that "lone" is waiting for.
+    for i in range(2, 6):
+        sched.add(make(f"a{i}", key="a", steps=1000))
+    finished_lone = False
+    for _ in range(3):
+        _, finished = run_step(sched)
+        finished_lone |= any(r.request_id == "lone" for r in finished)
+    assert not finished_lone  # both slots are held by long-running "a" requests...
+    # ...until one of them is cancelled: the freed slot goes to the oldest waiting request, not to newer "a"s.
+    sched.cancel("a0")
+    for _ in range(3):
+        _, finished = run_step(sched)
+        finished_lone |= any(r.request_id == "lone" for r in finished)
+    assert finished_lone
+
+
+def test_reserved_slot_for_older_request_of_another_key():
+    sched = Scheduler(max_batch=4, max_running=4)
+    sched.add(make("a0", key="a", steps=100))
+    run_step(sched)
+    sched.add(make("b0", key="b", steps=1))
+    sched.add(make("a1", key="a", steps=100))
+    sched.add(make("a2", key="a", steps=100))
+    sched.add(make("a3", key="a", steps=100))
+    plans = [run_step(sched)[0] for _ in range(3)]
+    assert any(p.advance == ["b0"] for p in plans)
+    # b0 got a slot although three newer "a" requests wanted the same capacity.
+    assert sched.get("b0") is None
+
+
+def test_cancel_while_waiting_finishes_at_once():
+    sched = Scheduler(max_batch=1)
+    sched.add(make("a"))
+    sched.add(make("b"))
+    run_step(sched)
+    req = sched.cancel("b")
+    assert req is not None and req.status == RequestStatus.FINISHED_CANCELLED
+    assert sched.num_waiting == 0 and sched.get("b") is None
+    assert sched.cancel("b") is None
+
+
+def test_cancel_while_running_drops_at_next_step():
+    sched = Scheduler(max_batch=2)
+    sched.add(make("a", steps=10))
+    sched.add(make("b", steps=10))
+    run_step(sched)
+    req = sched.cancel("a")
+    assert req is not None and req.status == RequestStatus.RUNNING
+    plan, finished = run_step(sched)
+    assert plan.drop == ["a"]
+    assert plan.advance == ["b"]
+    assert [r.request_id for r in finished] == ["a"]
+    assert finished[0].status == RequestStatus.FINISHED_CANCELLED
+    plan, _ = run_step(sched)
+    assert plan.drop == [] and plan.advance == ["b"]
+
+
+def test_failure_is_isolated():
+    sched = Scheduler(max_batch=3)
+    for rid in "abc":
+        sched.add(make(rid, steps=2))
+    plan, finished = run_step(sched, failed={"b": "RuntimeError: boom"})
+    assert [(r.request_id, r.status, r.error) for r in finished] == [
+        ("b", RequestStatus.FINISHED_FAILED, "RuntimeError: boom")
+    ]
+    plan, finished = run_step(sched)
+    assert plan.drop == ["b"]  # other ranks free it too
+    assert plan.advance == ["a", "c"]
+    assert {r.request_id for r in finished} == {"a", "c"}
+    assert all(r.status == RequestStatus.FINISHED_COMPLETED for r in finished)
+
+
+def test_queue_bound():
+    sched = Scheduler(max_batch=1, max_waiting=2)
+    sched.add(make("a"))
+    sched.add(make("b"))
+    with pytest.raises(QueueFullError):
+        sched.add(make("c"))
+    with pytest.raises(ValueError, match="duplicate"):
+        sched.add(make("a"))
+
+
+def test_status_order():
+    assert not RequestStatus.RUNNING.is_finished
+    assert not RequestStatus.PREEMPTED.is_finished
+    assert all(s.is_finished for s in RequestStatus if s >= RequestStatus.FINISHED_COMPLETED)
+
+
+def test_fail_all_ends_everything():
+    sched = Scheduler(max_batch=1)
+    sched.add(make("a"))
+    sched.add(make("b"))
+    run_step(sched)
+    victims = sched.fail_all("rank died")
+    assert {r.request_id for r in victims} == {"a", "b"}
+    assert all(r.status == RequestStatus.FINISHED_FAILED for r in victims)
+    assert not sched.has_work()

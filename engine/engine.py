@@ -19,13 +19,26 @@ from dataclasses import dataclass
 from diffusiond.engine.comm import Communicator, LocalComm
 from diffusiond.engine.executor import ExecResult, Executor
 from diffusiond.engine.mailbox import Mailbox
-from diffusiond.engine.outputs import TERMINAL, Cancelled, Completed, Event, Failed, Preview, Progress, Queued
+from diffusiond.engine.observer import EngineObserver, NullObserver
+from diffusiond.engine.outputs import (
+    TERMINAL,
+    Cancelled,
+    Completed,
+    Event,
+    Failed,
+    Latent,
+    Preview,
+    Progress,
+    Queued,
+)
 from diffusiond.engine.request import RequestStatus, SamplingParams
 from diffusiond.engine.scheduler import QueueFullError, SchedRequest, Scheduler, StepResult
 from diffusiond.engine.wire import PlanKind, StepPlan, decode_plan, encode_plan
 from diffusiond.models.base import ModelAdapter
 
 log = logging.getLogger(__name__)
+# One line per finished request; structured fields ride in `extra={"fields": ...}` for the JSON formatter.
+request_log = logging.getLogger("diffusiond.requests")
 
 __all__ = ["Engine", "EngineDeadError", "QueueFullError", "RequestHandle"]
 
@@ -47,6 +60,13 @@ class _Cancel:
 
 class _Stop:
     pass
+
+
+@dataclass
+class _Clock:
+    submitted: float
+    admitted: float | None = None
+    first_preview: float | None = None
 
 
 class RequestHandle:
@@ -84,6 +104,7 @@ class Engine:
         max_running: int | None = None,
         max_waiting: int = 256,
         comm: Communicator | None = None,
+        observer: EngineObserver | None = None,
     ) -> None:
         self.adapter = adapter
         self.scheduler = Scheduler(max_batch=max_batch, max_running=max_running, max_waiting=max_waiting)
@@ -94,6 +115,9 @@ class Engine:
         self._capacity = max_waiting + self.scheduler.max_running
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self.observer: EngineObserver = observer or NullObserver()
+        # Step-thread only: per-request timestamps (perf_counter) for metrics and the request log line.
+        self._clock: dict[str, _Clock] = {}
         self.error: BaseException | None = None
         self.steps = 0
 
@@ -114,6 +138,9 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def has_capacity(self, n: int = 1) -> bool:
+        return len(self._mailboxes) + n <= self._capacity
 
     @property
     def num_in_flight(self) -> int:
@@ -175,16 +202,19 @@ class Engine:
                 return False
             if isinstance(command, _Add):
                 request = command.request
+                self._clock[request.request_id] = _Clock(command.submitted)
                 try:
                     self.scheduler.add(request)
                 except QueueFullError as exc:
                     events.append(Failed(request.request_id, f"queue full: {exc}"))
+                    self._finished(request, RequestStatus.FINISHED_FAILED)
                     continue
                 events.append(Queued(request.request_id, self.scheduler.num_waiting - 1))
             elif isinstance(command, _Cancel):
                 request = self.scheduler.cancel(command.request_id)
                 if request is not None and request.status == RequestStatus.FINISHED_CANCELLED:
                     events.append(Cancelled(request.request_id))
+                    self._finished(request, request.status)
 
     def _run(self) -> None:
         try:
@@ -192,15 +222,28 @@ class Engine:
                 events: list[Event] = []
                 running = self._drain_commands(events, block=not self.scheduler.has_work())
                 if running and self.scheduler.has_work():
+                    t0 = time.perf_counter()
                     plan = decode_plan(self.comm.broadcast(encode_plan(self.scheduler.schedule())))
+                    broadcast = time.perf_counter() - t0
+                    self._admitted(plan, t0)
                     result = self.executor.execute(plan)
                     self.steps += 1
+                    result.timings["broadcast"] = broadcast
                     events.extend(self._events_for(plan, result))
+                    self.observer.on_step(
+                        result.timings,
+                        result.batch_size,
+                        len(result.advanced),
+                        self.scheduler.num_waiting,
+                        self.scheduler.num_running,
+                    )
                 if not running:
                     # Stopped with requests in flight: each still gets its one terminal event.
                     leftovers = [*self.scheduler.waiting, *self.scheduler.running.values()]
                     self.scheduler.fail_all("engine stopped")
-                    events.extend(Cancelled(r.request_id, "engine stopped") for r in leftovers)
+                    for request in leftovers:
+                        events.append(Cancelled(request.request_id, "engine stopped"))
+                        self._finished(request, RequestStatus.FINISHED_CANCELLED)
                 self._emit(events)
                 if not running:
                     return
@@ -208,6 +251,8 @@ class Engine:
             log.exception("engine step loop failed; failing every request")
             self.error = exc
             failed = self.scheduler.fail_all(repr(exc))
+            for request in failed:
+                self._finished(request, RequestStatus.FINISHED_FAILED)
             self._emit([Failed(r.request_id, f"engine error: {exc!r}") for r in failed])
             # Requests whose add command never reached the scheduler end too.
             if self._loop is not None and not self._loop.is_closed():
@@ -221,9 +266,51 @@ class Engine:
     def _fail_orphans(self, error: str) -> None:
         self._deliver([Failed(rid, f"engine error: {error}") for rid in list(self._mailboxes)])
 
+    def _admitted(self, plan: StepPlan, now: float) -> None:
+        for new in plan.new:
+            clock = self._clock.get(new.request_id)
+            if clock is not None:
+                clock.admitted = now
+                self.observer.on_admitted(new.request_id, now - clock.submitted)
+
+    def _finished(self, request: SchedRequest, status: RequestStatus) -> None:
+        """Metrics and the one log line of a request that reached a terminal status."""
+        clock = self._clock.pop(request.request_id, None)
+        if clock is None:
+            return
+        now = time.perf_counter()
+        duration = now - clock.submitted
+        queue_wait = (clock.admitted if clock.admitted is not None else now) - clock.submitted
+        self.observer.on_finished(request.request_id, status, duration, request.steps_done, request.total_steps)
+        outcome = status.name.removeprefix("FINISHED_").lower()
+        fields = {
+            "request_id": request.request_id,
+            "outcome": outcome,
+            "steps": request.steps_done,
+            "total_steps": request.total_steps,
+            "queue_s": round(queue_wait, 4),
+            "duration_s": round(duration, 4),
+        }
+        if clock.first_preview is not None:
+            fields["first_preview_s"] = round(clock.first_preview - clock.submitted, 4)
+        if request.error:
+            fields["error"] = request.error
+        request_log.info(
+            "request %s %s steps=%d/%d queue=%.3fs total=%.3fs%s",
+            request.request_id,
+            outcome,
+            request.steps_done,
+            request.total_steps,
+            queue_wait,
+            duration,
+            f" error={request.error}" if request.error else "",
+            extra={"fields": fields},
+        )
+
     def _events_for(self, plan: StepPlan, result: ExecResult) -> list[Event]:
         finished = self.scheduler.update_from_output(plan, StepResult(result.advanced, result.failed))
         finished_by_id = {r.request_id: r for r in finished}
+        now = time.perf_counter()
         events: list[Event] = []
         for request_id in result.advanced:
             request = self.scheduler.get(request_id) or finished_by_id.get(request_id)
@@ -233,7 +320,16 @@ class Engine:
             request = self.scheduler.get(request_id)
             if request is not None:
                 events.append(Preview(request_id, step, request.total_steps, image))
+                clock = self._clock.get(request_id)
+                if clock is not None and clock.first_preview is None:
+                    clock.first_preview = now
+                    self.observer.on_first_preview(request_id, now - clock.submitted)
+        for request_id, latent in result.latents.items():
+            request = self.scheduler.get(request_id)
+            if request is not None:
+                events.append(Latent(request_id, request.steps_done, request.total_steps, latent))
         for request in finished:
+            self._finished(request, request.status)
             if request.status == RequestStatus.FINISHED_COMPLETED:
                 image = result.images.get(request.request_id)
                 if image is None:

@@ -27,6 +27,7 @@ class ExecResult:
     failed: dict[str, str] = field(default_factory=dict)
     previews: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)
     images: dict[str, np.ndarray] = field(default_factory=dict)
+    latents: dict[str, np.ndarray] = field(default_factory=dict)
     # stage -> seconds spent in this step: encode, denoise, sampler, preview, decode.
     timings: dict[str, float] = field(default_factory=dict)
     batch_size: int = 0
@@ -83,6 +84,9 @@ class Executor:
         batch, _ = self._isolated(lambda b: self._step(b, batch, model_output), batch, _state_id, result.failed)
         timings["sampler"] = time.perf_counter() - t0
         result.advanced = [s.request_id for s in batch]
+        for state in batch:
+            if state.request_id in result.previews and state.params.stream_latents:
+                result.latents[state.request_id] = state.latents[0].to(torch.float32).cpu().numpy()
 
         finished = [s for s in batch if s.finished]
         if finished:

@@ -6,7 +6,11 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from diffusiond.engine.outputs import COALESCIBLE, TERMINAL, Event
+from diffusiond.engine.outputs import COALESCIBLE, TERMINAL, Event, Latent, Preview, Progress
+
+# How many unread events of a kind a slow reader may have before the oldest goes. Only the newest progress matters;
+# previews are few (every K steps) and each is wanted, so a handful is kept.
+UNREAD_LIMIT = {Progress: 1, Preview: 4, Latent: 4}
 
 
 class Mailbox:
@@ -22,10 +26,9 @@ class Mailbox:
         if self.closed:
             return
         if isinstance(event, COALESCIBLE):
-            for i, old in enumerate(self._items):
-                if type(old) is type(event):
-                    del self._items[i]
-                    break
+            same = [i for i, old in enumerate(self._items) if type(old) is type(event)]
+            if len(same) >= UNREAD_LIMIT[type(event)]:
+                del self._items[same[0]]
         self._items.append(event)
         if isinstance(event, TERMINAL):
             self.closed = True

@@ -31,6 +31,15 @@ class Preview:
 
 
 @dataclass(frozen=True, slots=True)
+class Latent:
+    request_id: str
+    step: int
+    total: int
+    # The sampler's current model-space latent after `step` steps, float32, as the transformer sees it.
+    latent: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
 class Completed:
     request_id: str
     seed: int
@@ -51,7 +60,7 @@ class Failed:
     error: str
 
 
-Event = Queued | Progress | Preview | Completed | Cancelled | Failed
+Event = Queued | Progress | Preview | Latent | Completed | Cancelled | Failed
 TERMINAL = (Completed, Cancelled, Failed)
 # A slow reader may miss intermediate progress and previews (only the newest is kept), never a terminal event.
-COALESCIBLE = (Progress, Preview)
+COALESCIBLE = (Progress, Preview, Latent)

@@ -40,3 +40,5 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     true_cfg_scale: float | None = None
     # Emit a preview every K steps (0: never). Previews never change the final image.
     preview_every: int = 0
+    # With each preview, also hand out the raw latent.
+    stream_latents: bool = False

@@ -69,8 +69,13 @@ class Scheduler:
     def add(self, req: SchedRequest) -> None:
         if req.request_id in self._requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        if len(self.waiting) >= self.max_waiting:
-            raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_waiting={self.max_waiting})")
+        # Bound everything in flight, not just the queue: requests that arrive together are all waiting until the
+        # next schedule() moves some of them into free running slots.
+        if len(self.waiting) + len(self.running) >= self.max_waiting + self.max_running:
+            raise QueueFullError(
+                f"{len(self.waiting)} waiting and {len(self.running)} running "
+                f"(max_waiting={self.max_waiting}, max_running={self.max_running})"
+            )
         req.status = RequestStatus.WAITING
         req.arrival = next(self._arrivals)
         self.waiting.append(req)

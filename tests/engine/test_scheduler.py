@@ -160,12 +160,16 @@ def test_failure_is_isolated():
     assert all(r.status == RequestStatus.FINISHED_COMPLETED for r in finished)
 
 
-def test_queue_bound():
+def test_queue_bound_counts_everything_in_flight():
     sched = Scheduler(max_batch=1, max_waiting=2)
-    sched.add(make("a"))
-    sched.add(make("b"))
+    for rid in "abc":  # arriving together, before any of them runs: still within max_waiting + max_running
+        sched.add(make(rid))
     with pytest.raises(QueueFullError):
-        sched.add(make("c"))
+        sched.add(make("d"))
+    run_step(sched)
+    assert sched.num_running == 1 and sched.num_waiting == 2
+    with pytest.raises(QueueFullError):
+        sched.add(make("d"))
     with pytest.raises(ValueError, match="duplicate"):
         sched.add(make("a"))
 

@@ -1,0 +1,40 @@
+"""What the engine reports as it runs, for metrics and logs. The engine calls these from its step thread; an
+implementation must be thread-safe and quick (prometheus_client's objects are)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from diffusiond.engine.request import RequestStatus
+
+
+class EngineObserver(Protocol):
+    def on_step(self, timings: dict[str, float], batch_size: int, advanced: int, waiting: int, running: int) -> None:
+        """One executed plan: seconds per stage (broadcast, encode, denoise, sampler, preview, decode) and the
+        number of requests that shared its forward (0: no forward ran), and how many of them advanced a step."""
+
+    def on_admitted(self, request_id: str, queue_wait: float) -> None:
+        """A request left the queue (its parameters went out in a plan)."""
+
+    def on_first_preview(self, request_id: str, since_submit: float) -> None: ...
+
+    def on_finished(
+        self, request_id: str, status: RequestStatus, duration: float, steps_done: int, total_steps: int
+    ) -> None:
+        """A request reached its terminal status `duration` seconds after it was submitted."""
+
+
+class NullObserver:
+    def on_step(self, timings: dict[str, float], batch_size: int, advanced: int, waiting: int, running: int) -> None:
+        pass
+
+    def on_admitted(self, request_id: str, queue_wait: float) -> None:
+        pass
+
+    def on_first_preview(self, request_id: str, since_submit: float) -> None:
+        pass
+
+    def on_finished(
+        self, request_id: str, status: RequestStatus, duration: float, steps_done: int, total_steps: int
+    ) -> None:
+        pass

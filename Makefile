@@ -4,8 +4,9 @@ PY := $(VENV)/bin/python
 # CPU install path: pin torch to the CPU build (any other torch request downloads several GB of CUDA wheels).
 CONSTRAINTS ?= constraints/cpu.txt
 PROMPT ?= a red circle at the top left on a blue background
+PORT ?= 8000
 
-.PHONY: setup run test lint bench
+.PHONY: setup run generate test bench
 
 setup: $(VENV)/.installed
 
@@ -16,6 +17,9 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	touch $@
 
 run: setup
+	$(VENV)/bin/diffusiond serve --port $(PORT)
+
+generate: setup
 	$(VENV)/bin/diffusiond generate "$(PROMPT)" --out out.png --previews previews
 
 test: setup

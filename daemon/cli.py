@@ -132,10 +132,55 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_engine(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    configure_threads(args.threads)
+    quiet_libraries()
+    from aiohttp import web
+
+    from diffusiond.daemon.app import ServeConfig, create_app
+
+    config = ServeConfig(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get("DIFFUSIOND_API_KEY") or None,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    try:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        loop = asyncio.new_event_loop()
+    # handler_cancellation: a client that disconnects cancels its handler, which cancels its request.
+    web.run_app(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        loop=loop,
+        handler_cancellation=True,
+        print=lambda msg: logging.getLogger("diffusiond").info(msg),
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffusiond", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one object per line")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the HTTP API (OpenAI Images API, native SSE API)")
+    add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or set DIFFUSIOND_API_KEY)")
+    serve.add_argument("--max-batch", type=int, default=8, help="requests per batched forward")
+    serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
+    serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate one image through the engine and write it to a file")
     add_model_args(gen)
@@ -171,7 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from diffusiond.daemon.logs import configure_logging
+
+    configure_logging(args.log_level, args.log_format)
     return args.func(args)
 
 

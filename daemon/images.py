@@ -21,3 +21,9 @@ def encode_image(image: np.ndarray, fmt: str = "png", quality: int | None = None
     kwargs = {} if quality is None or fmt == "png" else {"quality": quality}
     pil.save(buf, format={"jpg": "jpeg"}.get(fmt, fmt).upper(), **kwargs)
     return buf.getvalue()
+
+
+def encode_preview(image: np.ndarray, size: tuple[int, int], fmt: str = "png", quality: int | None = None) -> bytes:
+    """A latent-resolution preview, scaled up to the requested image size (OpenAI partial images have it)."""
+    pil = Image.fromarray(to_uint8(image)).resize(size, Image.Resampling.BILINEAR)
+    return encode_image(np.asarray(pil), fmt, quality)

@@ -132,6 +132,7 @@ class FlowMatchAdapter(ModelAdapter):
             guidance_scale=float(guidance),
             true_cfg_scale=float(true_cfg),
             preview_every=params.preview_every,
+            stream_latents=params.stream_latents,
         )
 
     def batch_key(self, params: SamplingParams) -> Hashable:

@@ -1,6 +1,27 @@
+"""Shared fixtures: tiny checkpoints built offline once per session, and live servers on loopback sockets.
+
+A live server is a real diffusiond app in a background thread with its own (uv)loop. `serve(**config)` starts one
+server per distinct config and keeps it for the session, so the tiny model loads once per variant; `server`,
+`auth_server` and `small_server` are the variants the tests use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
 import pytest
 import torch
+from aiohttp import web
 
+from diffusiond.daemon.app import STATE, ServeConfig, ServerState, create_app
+from diffusiond.models.loader import load_adapter
 from diffusiond.models.tiny import build_tiny
 
 # 2 cores on CI; more threads than cores slows torch down by an order of magnitude.
@@ -15,3 +36,213 @@ def tiny_sd3(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_flux(tmp_path_factory) -> str:
     return str(build_tiny("flux", tmp_path_factory.mktemp("tiny") / "flux"))
+
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is optional off Linux/macOS
+    uvloop = None
+
+T = TypeVar("T")
+
+READY_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
+API_KEY = "secret"
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    port: int
+    app: web.Application
+    loop: asyncio.AbstractEventLoop
+    config: ServeConfig
+
+    @property
+    def state(self) -> ServerState:
+        return self.app[STATE]
+
+    def call(self, fn: Callable[[], T], timeout: float = 10.0) -> T:
+        """Run `fn` on the server's event loop (where request state is mutated) and return its result."""
+
+        async def run() -> T:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)
+
+    def run(self, coro_fn: Callable[[], Awaitable[T]], timeout: float = 30.0) -> T:
+        """Run a coroutine on the server's event loop (e.g. a request straight to `state.engine`)."""
+
+        async def run() -> T:
+            return await coro_fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)
+
+    def record(self, request_id: str) -> dict | None:
+        """A copy of the status record of a request, read on the server loop."""
+
+        def read() -> dict | None:
+            rec = self.state.records.get(request_id)
+            return None if rec is None else dict(vars(rec))
+
+        return self.call(read)
+
+    def num_in_flight(self) -> int:
+        return self.call(lambda: self.state.engine.num_in_flight)
+
+    def wait_until(self, predicate: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            time.sleep(0.02)
+
+    def wait_idle(self, timeout: float = 15.0) -> None:
+        """No request in flight and no per-request state left in the executor."""
+
+        def idle() -> bool:
+            engine = self.state.engine
+            return self.num_in_flight() == 0 and not engine.executor.states and not engine.scheduler.has_work()
+
+        self.wait_until(idle, timeout, "the engine to become idle")
+
+
+class ServerThread:
+    def __init__(self, config: ServeConfig, model: str) -> None:
+        self.config = config
+        self.model = model
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.runner: web.AppRunner | None = None
+        self.app: web.Application | None = None
+        self.port: int | None = None
+        self.error: BaseException | None = None
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._main, name=f"diffusiond-test-server-{id(self)}", daemon=True)
+
+    def start(self) -> LiveServer:
+        self._thread.start()
+        if not self._started.wait(READY_TIMEOUT_S):
+            raise RuntimeError("server thread did not start")
+        if self.error is not None:
+            raise RuntimeError("server failed to start") from self.error
+        assert self.app is not None and self.loop is not None and self.port is not None
+        server = LiveServer(f"http://127.0.0.1:{self.port}", self.port, self.app, self.loop, self.config)
+        self._wait_ready()
+        return server
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        last = None
+        while time.monotonic() < deadline:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+            try:
+                conn.request("GET", "/ready")
+                resp = conn.getresponse()
+                body = resp.read()
+                last = (resp.status, body)
+                if resp.status == 200:
+                    return
+                if resp.status == 503 and json.loads(body).get("status") == "failed":
+                    raise RuntimeError(f"model failed to load: {body!r}")
+            finally:
+                conn.close()
+            time.sleep(0.05)
+        raise RuntimeError(f"server not ready after {READY_TIMEOUT_S}s; last /ready answer {last!r}")
+
+    def _main(self) -> None:
+        loop = uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
+        self.loop = loop
+        try:
+            try:
+                loop.run_until_complete(self._setup())
+            except BaseException as exc:
+                self.error = exc
+                return
+            finally:
+                self._started.set()
+            loop.run_forever()
+            loop.run_until_complete(self._teardown())
+        finally:
+            loop.close()
+
+    async def _setup(self) -> None:
+        adapter = load_adapter(self.model)
+        self.app = create_app(self.config, adapter=adapter)
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=5.0)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+
+    async def _teardown(self) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+        loop = asyncio.get_running_loop()
+        await loop.shutdown_asyncgens()
+        await loop.shutdown_default_executor()
+
+    def stop(self) -> None:
+        if self.loop is not None and self._thread.is_alive() and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(STOP_TIMEOUT_S)
+        if self._thread.is_alive():
+            raise RuntimeError("server thread did not stop")
+
+
+@pytest.fixture(scope="session")
+def serve(tiny_sd3) -> Iterator[Callable[..., LiveServer]]:
+    """serve(**ServeConfig fields) -> a live server for that config, started once per session."""
+    threads: dict[tuple, ServerThread] = {}
+    servers: dict[tuple, LiveServer] = {}
+
+    def get(**overrides: Any) -> LiveServer:
+        key = tuple(sorted(overrides.items()))
+        if key not in servers:
+            thread = ServerThread(ServeConfig(model=tiny_sd3, port=0, **overrides), tiny_sd3)
+            threads[key] = thread
+            try:
+                servers[key] = thread.start()
+            except BaseException:
+                thread.stop()
+                del threads[key]
+                raise
+        return servers[key]
+
+    yield get
+    errors = []
+    for thread in threads.values():
+        try:
+            thread.stop()
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+@pytest.fixture(scope="session")
+def server(serve) -> LiveServer:
+    return serve()
+
+
+@pytest.fixture(scope="session")
+def auth_server(serve) -> LiveServer:
+    return serve(api_key=API_KEY)
+
+
+@pytest.fixture(scope="session")
+def small_server(serve) -> LiveServer:
+    return serve(max_batch=1, max_queue=1)
+
+
+@pytest.fixture(scope="session")
+def model_id(server) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.request("GET", "/v1/models")
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+    finally:
+        conn.close()
+    assert resp.status == 200, body
+    assert body["object"] == "list" and len(body["data"]) == 1, body
+    return body["data"][0]["id"]

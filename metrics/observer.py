@@ -1,0 +1,35 @@
+"""The engine's observer, recording into `Metrics`. Called from the step thread; prometheus_client is thread-safe."""
+
+from __future__ import annotations
+
+from diffusiond.engine.request import RequestStatus
+from diffusiond.metrics.registry import Metrics
+
+
+class PrometheusObserver:
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def on_step(self, timings: dict[str, float], batch_size: int, advanced: int, waiting: int, running: int) -> None:
+        m = self.metrics
+        for stage, seconds in timings.items():
+            m.stage_seconds.labels(stage).observe(seconds)
+        if batch_size:
+            m.batch_size.observe(batch_size)
+        m.steps.inc(advanced)
+        m.waiting.set(waiting)
+        m.running.set(running)
+
+    def on_admitted(self, request_id: str, queue_wait: float) -> None:
+        self.metrics.queue_wait.observe(queue_wait)
+        self.metrics.stage_seconds.labels("queue").observe(queue_wait)
+
+    def on_first_preview(self, request_id: str, since_submit: float) -> None:
+        self.metrics.time_to_first_preview.observe(since_submit)
+
+    def on_finished(
+        self, request_id: str, status: RequestStatus, duration: float, steps_done: int, total_steps: int
+    ) -> None:
+        outcome = status.name.removeprefix("FINISHED_").lower()
+        self.metrics.requests.labels(outcome).inc()
+        self.metrics.request_duration.labels(outcome).observe(duration)

@@ -1,0 +1,97 @@
+"""Every Prometheus object of diffusiond. Only rank 0 exports them (`GET /metrics`).
+
+Each `Metrics` owns its own `CollectorRegistry`, so several daemons (or test servers) in one process never collide.
+
+Buckets are chosen for diffusion time scales and documented here:
+- `STAGE_BUCKETS` (one stage of one step: a forward, a decode, a broadcast): 0.5 ms to 60 s. A broadcast of a plan
+  is sub-millisecond; a forward is milliseconds (tiny models) to seconds (FLUX at 1024 on one GPU); a CPU decode of
+  a large image can take tens of seconds.
+- `REQUEST_BUCKETS` (whole requests, queue wait, time to first preview): 50 ms to 10 min.
+- `BATCH_BUCKETS`: requests sharing one forward, 1 to 64.
+- `LAG_BUCKETS`: event-loop lag, 0.5 ms (healthy) to 1 s (a blocked loop).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+
+# queue: submit -> admitted into a plan; encode: prompt encoding + initial latents of the new requests in a plan;
+# denoise: one batched transformer call; sampler: the per-request sampler updates; preview: latent->RGB previews;
+# decode: VAE decode of the requests that finished; broadcast: encode + broadcast + decode of the step plan (time
+# spent waiting on other ranks shows up here); encode_response: image encoding for the HTTP response.
+STAGES = ("queue", "encode", "denoise", "sampler", "preview", "decode", "broadcast", "encode_response")
+OUTCOMES = ("completed", "cancelled", "failed")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.stage_seconds = Histogram(
+            "diffusiond_stage_seconds",
+            "Seconds spent in one stage of the serving path.",
+            ["stage"],
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "diffusiond_request_duration_seconds",
+            "Seconds from submission to the terminal event, by outcome.",
+            ["outcome"],
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.time_to_first_preview = Histogram(
+            "diffusiond_time_to_first_preview_seconds",
+            "Seconds from submission to a request's first preview.",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "diffusiond_queue_wait_seconds",
+            "Seconds a request waited before joining the running batch.",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "diffusiond_batch_size",
+            "Requests sharing one batched denoising forward.",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge("diffusiond_requests_running", "Requests in the running batch set.", registry=r)
+        self.waiting = Gauge("diffusiond_requests_waiting", "Requests waiting to be admitted.", registry=r)
+        self.requests = Counter(
+            "diffusiond_requests", "Requests that reached a terminal status, by outcome.", ["outcome"], registry=r
+        )
+        self.steps = Counter("diffusiond_steps", "Denoising steps advanced, summed over requests.", registry=r)
+        self.loop_lag = Histogram(
+            "diffusiond_event_loop_lag_seconds",
+            "How late the event loop woke up from a timed sleep.",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
+        self.info = Info("diffusiond_model", "The served model and how it runs.", registry=r)
+        # Every labelled series exists from the start, so rates and dashboards work before the first event.
+        for stage in STAGES:
+            self.stage_seconds.labels(stage)
+        for outcome in OUTCOMES:
+            self.request_duration.labels(outcome)
+            self.requests.labels(outcome)
+
+    def set_info(self, *, model: str, family: str, dtype: str, device: str, world_size: int, version: str) -> None:
+        self.info.info(
+            {
+                "model": model,
+                "family": family,
+                "dtype": dtype,
+                "device": device,
+                "world_size": str(world_size),
+                "version": version,
+            }
+        )

@@ -1,0 +1,188 @@
+"""/metrics on a live daemon: valid exposition (promtool), scraped by a real Prometheus, numbers that add up, and a
+dashboard that only queries metrics the daemon exports."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from diffusiond.metrics.registry import STAGES
+
+DASHBOARD = Path(__file__).parents[2] / "metrics" / "grafana-dashboard.json"
+
+
+def need(tool: str) -> str:
+    """CI installs Debian's prometheus package (.ci/run); on a developer machine without it, skip."""
+    path = shutil.which(tool)
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{tool} is not installed; .ci/run should have installed Debian's prometheus package")
+        pytest.skip(f"{tool} not installed (apt-get install prometheus)")
+    return path
+
+
+def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, str]:
+    req = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return resp.status, resp.headers.get("Content-Type", ""), resp.read().decode()
+
+
+def generate(server, steps: int, seed: int) -> None:
+    body = json.dumps({"prompt": "a red circle", "size": "64x64", "num_inference_steps": steps, "seed": seed})
+    req = urllib.request.Request(
+        f"{server.base_url}/v1/images/generations",
+        data=body.encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.status == 200
+
+
+def samples(text: str) -> dict[str, float]:
+    """Prometheus text exposition -> {'name{labels}': value}."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+@pytest.fixture
+def live(server):
+    server.wait_idle()
+    return server
+
+
+def test_promtool_finds_nothing(live):
+    promtool = need("promtool")
+    for seed in range(2):
+        generate(live, steps=2, seed=seed)
+    _, content_type, text = get(f"{live.base_url}/metrics")
+    assert content_type.startswith("text/plain")
+    assert "diffusiond_stage_seconds_bucket" in text
+    check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), check
+
+
+def test_openmetrics_on_request(live):
+    _, content_type, text = get(f"{live.base_url}/metrics", {"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert content_type.startswith("application/openmetrics-text")
+    assert text.rstrip().endswith("# EOF")
+
+
+def test_counts_agree_with_requests_and_steps(live):
+    k, s = 3, 4
+    before = samples(get(f"{live.base_url}/metrics")[2])
+    for seed in range(k):
+        generate(live, steps=s, seed=seed)  # one after another: every forward holds exactly one request
+    live.wait_idle()
+    after = samples(get(f"{live.base_url}/metrics")[2])
+
+    def delta(key: str) -> float:
+        return after[key] - before.get(key, 0.0)
+
+    assert delta("diffusiond_steps_total") == k * s
+    assert delta('diffusiond_requests_total{outcome="completed"}') == k
+    assert delta('diffusiond_request_duration_seconds_count{outcome="completed"}') == k
+    assert delta("diffusiond_queue_wait_seconds_count") == k
+    assert delta("diffusiond_batch_size_count") == k * s
+    assert delta("diffusiond_batch_size_sum") == k * s
+    for stage, count in {
+        "queue": k,
+        "encode": k,
+        "denoise": k * s,
+        "sampler": k * s,
+        "broadcast": k * s,
+        "decode": k,
+        "encode_response": k,
+    }.items():
+        assert delta(f'diffusiond_stage_seconds_count{{stage="{stage}"}}') == count, stage
+    assert delta('diffusiond_stage_seconds_sum{stage="denoise"}') > 0
+    assert after["diffusiond_requests_running"] == 0 and after["diffusiond_requests_waiting"] == 0
+    assert after["diffusiond_event_loop_lag_seconds_count"] > before.get("diffusiond_event_loop_lag_seconds_count", 0)
+
+
+def test_dashboard_queries_only_exported_metrics(live):
+    generate(live, steps=1, seed=0)
+    exported = {key.partition("{")[0] for key in samples(get(f"{live.base_url}/metrics")[2])}
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 10
+    queried = {name for expr in exprs for name in re.findall(r"\bdiffusiond_[a-z_]+\b", expr)}
+    assert queried, "dashboard queries no diffusiond metric"
+    missing = queried - exported
+    assert not missing, f"dashboard queries metrics the daemon does not export: {sorted(missing)}"
+    # Importable as is: a Prometheus datasource variable, no hard-coded datasource uid.
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert all(p["datasource"]["uid"] == "${datasource}" for p in dashboard["panels"])
+    titles = " ".join(p["title"].lower() for p in dashboard["panels"])
+    for topic in ("throughput", "latency", "queue", "batch", "stage", "preview", "lag"):
+        assert topic in titles, topic
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_real_prometheus_scrapes_stage_series(live, tmp_path):
+    prometheus = need("prometheus")
+    port = free_port()
+    target = urllib.parse.urlparse(live.base_url).netloc
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        f"scrape_configs:\n  - job_name: diffusiond\n    static_configs:\n      - targets: ['{target}']\n"
+    )
+    proc = subprocess.Popen(
+        [
+            prometheus,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for seed in range(3):
+            generate(live, steps=2, seed=seed)
+        query = urllib.parse.quote('diffusiond_stage_seconds_count{job="diffusiond"}')
+        deadline = time.monotonic() + 60
+        stages: dict[str, float] = {}
+        while time.monotonic() < deadline:
+            try:
+                _, _, body = get(f"http://127.0.0.1:{port}/api/v1/query?query={query}")
+            except OSError:
+                time.sleep(0.5)
+                continue
+            result = json.loads(body)["data"]["result"]
+            stages = {r["metric"]["stage"]: float(r["value"][1]) for r in result}
+            if stages.get("denoise", 0) > 0 and stages.get("decode", 0) > 0:
+                break
+            time.sleep(0.5)
+        assert set(STAGES) <= set(stages), stages
+        assert stages["denoise"] >= 6 and stages["decode"] >= 3, stages
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()

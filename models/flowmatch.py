@@ -13,6 +13,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any, ClassVar
 
 import diffusers
+import msgspec
 import numpy as np
 import torch
 
@@ -24,6 +25,27 @@ from diffusiond.models.sampler import step_batch
 MAX_PROMPT_CHARS = 10_000
 MAX_STEPS = 1000
 MAX_SEED = 2**63 - 1
+
+
+DEFAULTS_FILE = "diffusiond.json"
+
+
+class CheckpointDefaults(msgspec.Struct, forbid_unknown_fields=True):
+    """Serving defaults a checkpoint may ship beside `model_index.json` (diffusers has no place for them): a model
+    trained for 64x64 images and 16 steps should not be served at the family's 1024x1024 and 28 steps."""
+
+    width: int | None = None
+    height: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+
+
+def checkpoint_defaults(source: str) -> CheckpointDefaults:
+    path = os.path.join(source, DEFAULTS_FILE)
+    if not os.path.isfile(path):
+        return CheckpointDefaults()
+    with open(path, "rb") as f:
+        return msgspec.json.decode(f.read(), type=CheckpointDefaults)
 
 
 class FlowMatchAdapter(ModelAdapter):
@@ -73,13 +95,16 @@ class FlowMatchAdapter(ModelAdapter):
 
     def _capabilities(self) -> Capabilities:
         width, height = self._default_size()
+        overrides = checkpoint_defaults(self.source)
         return Capabilities(
             family=self.family,
             pipeline_class=self.pipeline_class,
-            default_width=width,
-            default_height=height,
-            default_steps=self.default_steps,
-            default_guidance=self.default_guidance,
+            default_width=overrides.width or width,
+            default_height=overrides.height or height,
+            default_steps=overrides.num_inference_steps or self.default_steps,
+            default_guidance=(
+                overrides.guidance_scale if overrides.guidance_scale is not None else self.default_guidance
+            ),
             size_multiple=self._size_multiple(),
             max_side=self._max_side(),
             supports_negative_prompt=True,

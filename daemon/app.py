@@ -30,6 +30,7 @@ from diffusiond.daemon.api import (
     parse_size,
     validate_openai,
 )
+from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.images import encode_image, encode_preview
 from diffusiond.engine.engine import Engine, QueueFullError, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Completed, Event, Failed, Latent, Preview, Progress, Queued
@@ -42,19 +43,6 @@ from diffusiond.models.base import ModelAdapter, ParamError
 log = logging.getLogger(__name__)
 
 MAX_RECORDS = 4096
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    model: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_batch: int = 8
-    max_queue: int = 64
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_body_bytes: int = 1 << 20
 
 
 @dataclass

@@ -137,7 +137,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     quiet_libraries()
     from aiohttp import web
 
-    from diffusiond.daemon.app import ServeConfig, create_app
+    from diffusiond.daemon.app import create_app
+    from diffusiond.daemon.config import ServeConfig
 
     config = ServeConfig(
         model=args.model,

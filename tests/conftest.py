@@ -20,7 +20,8 @@ import pytest
 import torch
 from aiohttp import web
 
-from diffusiond.daemon.app import STATE, ServeConfig, ServerState, create_app
+from diffusiond.daemon.app import STATE, ServerState, create_app
+from diffusiond.daemon.config import ServeConfig
 from diffusiond.models.loader import load_adapter
 from diffusiond.models.tiny import build_tiny
 

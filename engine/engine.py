@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from diffusiond.engine.comm import Communicator, LocalComm
-from diffusiond.engine.executor import ExecResult, Executor
+from diffusiond.engine.executor import FATAL, ExecResult, Executor
 from diffusiond.engine.mailbox import Mailbox
 from diffusiond.engine.observer import EngineObserver, NullObserver
 from diffusiond.engine.outputs import (
@@ -105,6 +105,7 @@ class Engine:
         max_waiting: int = 256,
         comm: Communicator | None = None,
         observer: EngineObserver | None = None,
+        heartbeat: float = 1.0,
     ) -> None:
         self.adapter = adapter
         self.scheduler = Scheduler(max_batch=max_batch, max_running=max_running, max_waiting=max_waiting)
@@ -116,6 +117,9 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.observer: EngineObserver = observer or NullObserver()
+        self.heartbeat = heartbeat
+        # Set on the event loop when the step loop dies (a rank died, a bug): the process should exit and restart.
+        self.fatal = asyncio.Event()
         # Step-thread only: per-request timestamps (perf_counter) for metrics and the request log line.
         self._clock: dict[str, _Clock] = {}
         self.error: BaseException | None = None
@@ -191,11 +195,16 @@ class Engine:
             self._loop.call_soon_threadsafe(self._deliver, events)
 
     def _drain_commands(self, events: list[Event], *, block: bool) -> bool:
-        """Apply queued commands; False once asked to stop."""
+        """Apply queued commands; False once asked to stop. While idle in a group, heartbeat plans keep followers
+        out of collective timeouts and reveal a dead rank within a heartbeat."""
+        group = self.comm.world_size > 1
         while True:
             try:
-                command = self._commands.get(block=block)
+                command = self._commands.get(block=block, timeout=self.heartbeat if block and group else None)
             except queue.Empty:
+                if block and group:
+                    self.comm.broadcast(encode_plan(StepPlan(step=-1, kind=PlanKind.HEARTBEAT)))
+                    continue
                 return True
             block = False
             if isinstance(command, _Stop):
@@ -257,11 +266,13 @@ class Engine:
             # Requests whose add command never reached the scheduler end too.
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._fail_orphans, repr(exc))
+                self._loop.call_soon_threadsafe(self.fatal.set)
         finally:
-            try:
-                self.comm.broadcast(encode_plan(StepPlan(step=-1, kind=PlanKind.SHUTDOWN)))
-            except Exception:
-                log.exception("could not send the shutdown plan")
+            if self.error is None or not isinstance(self.error, FATAL):
+                try:
+                    self.comm.broadcast(encode_plan(StepPlan(step=-1, kind=PlanKind.SHUTDOWN)))
+                except Exception:
+                    log.exception("could not send the shutdown plan")
 
     def _fail_orphans(self, error: str) -> None:
         self._deliver([Failed(rid, f"engine error: {error}") for rid in list(self._mailboxes)])
@@ -341,3 +352,10 @@ class Engine:
             else:
                 events.append(Failed(request.request_id, request.error or "failed"))
         return events
+
+    def cancel_all(self) -> int:
+        """Cancels every request in flight (the drain deadline passed); each still gets its terminal event.
+        Returns how many were in flight."""
+        for request_id in list(self._mailboxes):
+            self.cancel(request_id)
+        return len(self._mailboxes)

@@ -14,11 +14,15 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+import torch.distributed
 
+from diffusiond.engine.comm import CommError
 from diffusiond.engine.wire import StepPlan
 from diffusiond.models.base import ModelAdapter, RequestState
 
 T = TypeVar("T")
+# A broken collective is the group's failure, not a request's: it stops the engine instead of being isolated.
+FATAL = (CommError, torch.distributed.DistError)
 
 
 @dataclass
@@ -126,6 +130,8 @@ class Executor:
         items = list(items)
         try:
             return items, fn(items)
+        except FATAL:
+            raise
         except Exception as exc:
             if len(items) == 1:
                 failed[ident(items[0])] = _describe(exc)
@@ -136,6 +142,8 @@ class Executor:
             try:
                 outputs.append(fn([item]))
                 ok.append(item)
+            except FATAL:
+                raise
             except Exception as exc:
                 failed[ident(item)] = _describe(exc)
         if not ok:

@@ -16,8 +16,10 @@ import diffusers
 import msgspec
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from diffusiond.engine.request import SamplingParams
+from diffusiond.kernels.parallel import CFGGroup
 from diffusiond.models import preview as preview_maps
 from diffusiond.models.base import Capabilities, ModelAdapter, ParamError, RequestState
 from diffusiond.models.sampler import step_batch
@@ -64,6 +66,7 @@ class FlowMatchAdapter(ModelAdapter):
         self.latent_rgb = self._load_preview_map(source)
         self.capabilities = self._capabilities()
         self._cond_cache: tuple[tuple[str, ...], dict[str, torch.Tensor]] | None = None
+        self.cfg_group: CFGGroup | None = None
 
     @classmethod
     def from_pretrained(cls, path: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> FlowMatchAdapter:
@@ -181,6 +184,27 @@ class FlowMatchAdapter(ModelAdapter):
         cond = {name: torch.cat([s.cond[name] for s in states]) for name in names}
         self._cond_cache = (ids, cond)
         return cond
+
+    def enable_cfg_parallel(self, group: CFGGroup) -> None:
+        """The two CFG branches of every request run on the two ranks of `group`; outputs are all-gathered."""
+        self.cfg_group = group
+
+    def _transformer_rows(
+        self, rows: int, batched: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """One transformer call over B requests x `rows` rows (interleaved per request); returns [B, rows, ...].
+
+        With CFG-parallel and two rows per request, each rank of the CFG group computes one row of every request
+        and the halves are all-gathered."""
+        n = batched["hidden_states"].shape[0] // rows
+        if rows == 2 and self.cfg_group is not None:
+            local = {name: t[self.cfg_group.rank :: 2] for name, t in batched.items()}
+            out = self.transformer(**local, **shared, return_dict=False)[0].contiguous()  # [B, ...]
+            halves = [torch.empty_like(out) for _ in range(2)]
+            dist.all_gather(halves, out, group=self.cfg_group.group)
+            return torch.stack(halves, dim=1)
+        out = self.transformer(**batched, **shared, return_dict=False)[0]
+        return out.unflatten(0, (n, rows))
 
     def forget(self, request_ids: Sequence[str]) -> None:
         """States were freed: drop cached batch tensors that hold them."""

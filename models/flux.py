@@ -12,6 +12,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from diffusiond.engine.request import SamplingParams
 from diffusiond.engine.wire import NewRequest
+from diffusiond.kernels.ulysses import UlyssesFluxAttnProcessor, UlyssesGroup, check_heads, gather_output
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.sampler import FlowMatchSampler
@@ -92,21 +93,34 @@ class FluxAdapter(FlowMatchAdapter):
         shared = states[0].shared  # same size and text length across the batch (batch key)
         latents = torch.cat([s.latents for s in states])  # [B, seq, C * 4]
         timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device, latents.dtype)  # [B]
-        rows = cond["embeds"].shape[0] // len(states)
-        guidance = cond["guidance"] if self.transformer.config.guidance_embeds else None
-        out = self.transformer(
-            hidden_states=latents.repeat_interleave(rows, dim=0),  # [B * rows, seq, C * 4]
-            timestep=timestep.repeat_interleave(rows) / 1000,
-            guidance=guidance,
-            pooled_projections=cond["pooled"],
-            encoder_hidden_states=cond["embeds"],
-            txt_ids=shared["text_ids"],
-            img_ids=shared["image_ids"],
-            return_dict=False,
-        )[0]
+        rows = cond["embeds"].shape[0] // len(states)  # 2 with true CFG: (positive, negative) per request
+        batched = {
+            "hidden_states": latents.repeat_interleave(rows, dim=0),  # [B * rows, seq, C * 4]
+            "timestep": timestep.repeat_interleave(rows) / 1000,
+            "pooled_projections": cond["pooled"],
+            "encoder_hidden_states": cond["embeds"],
+        }
+        if self.transformer.config.guidance_embeds:
+            batched["guidance"] = cond["guidance"]
+        out = self._transformer_rows(
+            rows, batched, {"txt_ids": shared["text_ids"], "img_ids": shared["image_ids"]}
+        )  # [B, rows, seq, C * 4]
         if rows == 1:
-            return out
-        out = out.unflatten(0, (len(states), 2))  # [B, 2, seq, C * 4]
+            return out[:, 0]
         pos, neg = out[:, 0], out[:, 1]
         scale = torch.tensor([s.params.true_cfg_scale for s in states], dtype=out.dtype, device=out.device)
         return neg + scale.view(-1, 1, 1) * (pos - neg)
+
+    def enable_ulysses(self, group: UlyssesGroup) -> None:
+        check_heads(self.transformer.config.num_attention_heads, group.size)
+        self.transformer.set_attn_processor(UlyssesFluxAttnProcessor(group))
+
+        def shard_inputs(module, args, kwargs):
+            # Image tokens and their rotary ids are sharded; text stays whole (the replicated prefix).
+            hidden_states, img_ids = kwargs["hidden_states"], kwargs["img_ids"]
+            start, stop = group.split(hidden_states.shape[1])
+            group.text_len = kwargs["encoder_hidden_states"].shape[1]
+            return args, {**kwargs, "hidden_states": hidden_states[:, start:stop], "img_ids": img_ids[start:stop]}
+
+        self.transformer.register_forward_pre_hook(shard_inputs, with_kwargs=True)
+        gather_output(self.transformer.proj_out, group)

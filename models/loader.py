@@ -19,6 +19,8 @@ def read_model_index(model: str) -> dict:
         path = Path(model) / "model_index.json"
         if not path.is_file():
             raise FileNotFoundError(f"{model} has no model_index.json: not a diffusers checkpoint folder")
+    elif model.startswith((".", "/", "~")) or os.path.exists(model):
+        raise FileNotFoundError(f"{model} is not a checkpoint folder")
     else:
         from huggingface_hub import hf_hub_download
 

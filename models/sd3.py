@@ -11,6 +11,13 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from diffusiond.engine.request import SamplingParams
 from diffusiond.engine.wire import NewRequest
+from diffusiond.kernels.ulysses import (
+    UlyssesGroup,
+    UlyssesJointAttnProcessor,
+    check_heads,
+    gather_output,
+    shard_output,
+)
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.sampler import FlowMatchSampler
@@ -91,16 +98,24 @@ class SD3Adapter(FlowMatchAdapter):
         latents = torch.cat([s.latents for s in states])  # [B, C, h, w]
         timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device)  # [B]
         rows = cond["embeds"].shape[0] // len(states)  # 2 with CFG: (negative, positive) per request
-        out = self.transformer(
-            hidden_states=latents.repeat_interleave(rows, dim=0),  # [B * rows, C, h, w]
-            timestep=timestep.repeat_interleave(rows),
-            encoder_hidden_states=cond["embeds"],
-            pooled_projections=cond["pooled"],
-            return_dict=False,
-        )[0]
+        out = self._transformer_rows(
+            rows,
+            {
+                "hidden_states": latents.repeat_interleave(rows, dim=0),  # [B * rows, C, h, w]
+                "timestep": timestep.repeat_interleave(rows),
+                "encoder_hidden_states": cond["embeds"],
+                "pooled_projections": cond["pooled"],
+            },
+            {},
+        )  # [B, rows, C, h, w]
         if rows == 1:
-            return out
-        out = out.unflatten(0, (len(states), 2))  # [B, 2, C, h, w]
+            return out[:, 0]
         uncond, text = out[:, 0], out[:, 1]
         scale = torch.tensor([s.params.guidance_scale for s in states], dtype=out.dtype, device=out.device)
         return uncond + scale.view(-1, 1, 1, 1) * (text - uncond)
+
+    def enable_ulysses(self, group: UlyssesGroup) -> None:
+        check_heads(self.transformer.config.num_attention_heads, group.size)
+        self.transformer.set_attn_processor(UlyssesJointAttnProcessor(group))
+        shard_output(self.transformer.pos_embed, group)  # patch tokens [B, S, D] -> this rank's slice
+        gather_output(self.transformer.proj_out, group)  # [B, S_local, p*p*C] -> [B, S, p*p*C] before unpatchify

@@ -1,0 +1,58 @@
+"""One SPMD rank: join the group, load the model, apply the parallel layout, then either drive (rank 0) or follow.
+
+Used by `diffusiond serve` under torchrun / our elastic launch, and by the SPMD tests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from diffusiond.engine.comm import TorchComm
+from diffusiond.kernels.parallel import ParallelLayout, build_groups
+from diffusiond.models.base import ModelAdapter
+from diffusiond.models.loader import load_adapter
+
+# Long enough for rank 0 to load and warm up while followers wait in their first broadcast; heartbeats keep idle
+# groups well inside it.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+@dataclass
+class Rank:
+    rank: int
+    world_size: int
+    adapter: ModelAdapter
+    comm: TorchComm
+
+
+def in_launched_group() -> bool:
+    """True under torchrun or our elastic launch (the agent sets these for every worker)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def join_group(
+    model: str, *, device: str = "cpu", dtype: str = "float32", cfg_parallel: int = 1, ulysses: int = 1
+) -> Rank:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    layout = ParallelLayout(world_size, cfg_parallel, ulysses)
+    layout.validate()
+    if device.startswith("cuda"):
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(local_rank)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+    adapter = load_adapter(model, device=device, dtype=dtype)
+    cfg_group, ulysses_group = build_groups(layout, rank)
+    if cfg_group is not None:
+        adapter.enable_cfg_parallel(cfg_group)
+    if ulysses_group is not None:
+        adapter.enable_ulysses(ulysses_group)
+    return Rank(rank, world_size, adapter, TorchComm(device=device))

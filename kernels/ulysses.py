@@ -1,0 +1,224 @@
+"""Ulysses sequence parallelism for MMDiT transformers (SD3, FLUX) over any process group, gloo included.
+
+Image tokens are sharded across the group (rank j holds a contiguous slice, sizes differ by at most one token, so
+any image size works); text tokens stay replicated. Around each attention call, an all-to-all trades the sequence
+shard for a head shard: every rank attends over the whole sequence for H/N heads, then a second all-to-all trades
+back. The replicated text part only needs its heads sliced before and all-gathered after.
+
+Why our own and not diffusers' `enable_parallelism`: in diffusers 0.42 SD3 has no `_cp_plan` and its
+`JointAttnProcessor2_0` calls SDPA directly, and `enable_parallelism` computes
+`rank % torch.accelerator.device_count()`, which divides by zero on a CPU-only host (gloo). The processors below
+follow diffusers' `JointAttnProcessor2_0` and `FluxAttnProcessor` step by step, with the attention call replaced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from diffusers.models.embeddings import apply_rotary_emb
+
+
+@dataclass
+class UlyssesGroup:
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+    # Replicated prefix length of the current forward (FLUX single-stream blocks see [text, image] concatenated).
+    text_len: int = 0
+    # Shard sizes of the current forward's image sequence, per rank.
+    shards: list[int] = field(default_factory=list)
+
+    def split(self, total: int) -> tuple[int, int]:
+        """Set this forward's shard sizes; returns (start, stop) of this rank's slice."""
+        base, extra = divmod(total, self.size)
+        self.shards = [base + (1 if j < extra else 0) for j in range(self.size)]
+        start = sum(self.shards[: self.rank])
+        return start, start + self.shards[self.rank]
+
+    def gather_seq(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Inverse of the shard slicing: every rank gets the whole sequence. gloo's all_gather needs equal sizes, so
+        shards are padded to the largest and trimmed after."""
+        longest = max(self.shards)
+        if x.shape[dim] < longest:
+            pad = list(x.shape)
+            pad[dim] = longest - x.shape[dim]
+            x = torch.cat([x, x.new_zeros(pad)], dim=dim)
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in self.shards]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat([p.narrow(dim, 0, size) for p, size in zip(parts, self.shards, strict=True)], dim=dim)
+
+
+def _seq_to_heads(x: torch.Tensor, g: UlyssesGroup) -> torch.Tensor:
+    """[B, H, S_local, d] (my sequence shard, all heads) -> [B, H/N, S, d] (whole sequence, my heads)."""
+    b, h, s_local, d = x.shape
+    n = g.size
+    send = x.reshape(b, n, h // n, s_local, d).transpose(0, 1).contiguous()  # [N, B, H/N, S_local, d]
+    recv = [x.new_empty(b, h // n, s, d) for s in g.shards]
+    sizes_out = [t.numel() for t in recv]
+    out = x.new_empty(sum(sizes_out))
+    dist.all_to_all_single(out, send.view(-1), sizes_out, [send[0].numel()] * n, group=g.group)
+    chunks = [c.view(b, h // n, s, d) for c, s in zip(out.split(sizes_out), g.shards, strict=True)]
+    return torch.cat(chunks, dim=2)
+
+
+def _heads_to_seq(x: torch.Tensor, g: UlyssesGroup) -> torch.Tensor:
+    """[B, H/N, S, d] -> [B, H, S_local, d]: the inverse of `_seq_to_heads`."""
+    b, hn, _, d = x.shape
+    n = g.size
+    parts = [p.contiguous() for p in x.split(g.shards, dim=2)]  # part j goes back to rank j
+    send = torch.cat([p.view(-1) for p in parts])
+    s_local = g.shards[g.rank]
+    out = x.new_empty(n * b * hn * s_local * d)
+    dist.all_to_all_single(out, send, [b * hn * s_local * d] * n, [p.numel() for p in parts], group=g.group)
+    return out.view(n, b, hn, s_local, d).transpose(0, 1).reshape(b, n * hn, s_local, d)
+
+
+def ulysses_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: UlyssesGroup, *, replicated: int, replicated_first: bool
+) -> torch.Tensor:
+    """Attention over the whole sequence from per-rank shards. q, k, v: [B, H, L_local, d] where `replicated` tokens
+    (text, identical on every rank) sit before (`replicated_first`) or after this rank's image shard."""
+    h = q.shape[1]
+    heads = slice(g.rank * h // g.size, (g.rank + 1) * h // g.size)
+
+    def split(x):
+        if replicated_first:
+            return x[:, :, :replicated], x[:, :, replicated:]
+        return x[:, :, x.shape[2] - replicated :], x[:, :, : x.shape[2] - replicated]
+
+    def full(x):
+        rep, img = split(x)
+        rep, img = rep[:, heads], _seq_to_heads(img, g)
+        return torch.cat([rep, img] if replicated_first else [img, rep], dim=2)  # [B, H/N, T + S, d]
+
+    out = F.scaled_dot_product_attention(full(q), full(k), full(v), dropout_p=0.0, is_causal=False)
+    total_img = out.shape[2] - replicated
+    if replicated_first:
+        rep, img = out[:, :, :replicated], out[:, :, replicated:]
+    else:
+        rep, img = out[:, :, total_img:], out[:, :, :total_img]
+    img = _heads_to_seq(img.contiguous(), g)  # [B, H, S_local, d]
+    if replicated:
+        gathered = [torch.empty_like(rep) for _ in range(g.size)]
+        dist.all_gather(gathered, rep.contiguous(), group=g.group)
+        rep = torch.cat(gathered, dim=1)  # [B, H, T, d]
+    return torch.cat([rep, img] if replicated_first else [img, rep], dim=2)
+
+
+class UlyssesJointAttnProcessor:
+    """SD3's joint attention (diffusers `JointAttnProcessor2_0`) with image tokens sharded across `g`."""
+
+    def __init__(self, g: UlyssesGroup) -> None:
+        self.g = g
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        residual = hidden_states
+        batch_size = hidden_states.shape[0]
+        query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        head_dim = key.shape[-1] // attn.heads
+        query, key, value = (x.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2) for x in (query, key, value))
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        text_len = 0
+        if encoder_hidden_states is not None:
+            text_len = encoder_hidden_states.shape[1]
+            eq, ek, ev = (
+                proj(encoder_hidden_states).view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+                for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+            )
+            if attn.norm_added_q is not None:
+                eq = attn.norm_added_q(eq)
+            if attn.norm_added_k is not None:
+                ek = attn.norm_added_k(ek)
+            query, key, value = (torch.cat([a, b], dim=2) for a, b in ((query, eq), (key, ek), (value, ev)))
+        hidden_states = ulysses_sdpa(query, key, value, self.g, replicated=text_len, replicated_first=False)
+        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
+        hidden_states = hidden_states.to(query.dtype)
+        if encoder_hidden_states is not None:
+            hidden_states, encoder_hidden_states = (
+                hidden_states[:, : residual.shape[1]],
+                hidden_states[:, residual.shape[1] :],
+            )
+            if not attn.context_pre_only:
+                encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+        if encoder_hidden_states is not None:
+            return hidden_states, encoder_hidden_states
+        return hidden_states
+
+
+class UlyssesFluxAttnProcessor:
+    """FLUX attention (diffusers `FluxAttnProcessor`) with image tokens sharded across `g`. Layout [B, L, H, d]."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, g: UlyssesGroup) -> None:
+        self.g = g
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        from diffusers.models.transformers.transformer_flux import _get_qkv_projections
+
+        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states
+        )
+        query, key, value = (x.unflatten(-1, (-1, attn.head_dim)) for x in (query, key, value))
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        if attn.added_kv_proj_dim is not None:
+            encoder_query, encoder_key, encoder_value = (
+                x.unflatten(-1, (-1, attn.head_dim)) for x in (encoder_query, encoder_key, encoder_value)
+            )
+            encoder_query, encoder_key = attn.norm_added_q(encoder_query), attn.norm_added_k(encoder_key)
+            query = torch.cat([encoder_query, query], dim=1)
+            key = torch.cat([encoder_key, key], dim=1)
+            value = torch.cat([encoder_value, value], dim=1)
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        out = ulysses_sdpa(
+            query.transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            self.g,
+            replicated=self.g.text_len,
+            replicated_first=True,
+        ).transpose(1, 2)  # [B, L_local, H, d]
+        hidden_states = out.flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is not None:
+            encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+                [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1
+            )
+            hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
+            encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
+            return hidden_states, encoder_hidden_states
+        return hidden_states
+
+
+def shard_output(module: torch.nn.Module, g: UlyssesGroup, dim: int = 1) -> None:
+    """After `module`, keep only this rank's slice of the sequence (dim `dim`)."""
+
+    def hook(module, args, output):
+        start, stop = g.split(output.shape[dim])
+        return output.narrow(dim, start, stop - start)
+
+    module.register_forward_hook(hook)
+
+
+def gather_output(module: torch.nn.Module, g: UlyssesGroup, dim: int = 1) -> None:
+    """After `module`, reassemble the whole sequence from every rank's slice."""
+
+    def hook(module, args, output):
+        return g.gather_seq(output, dim=dim)
+
+    module.register_forward_hook(hook)
+
+
+def check_heads(num_heads: int, degree: int) -> None:
+    if num_heads % degree:
+        raise ValueError(f"--ulysses {degree} must divide the number of attention heads ({num_heads})")

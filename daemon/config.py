@@ -1,28 +1,178 @@
 """The daemon's configuration: one msgspec Struct that CLI flags, `DIFFUSIOND_*` environment variables and a TOML
-file all decode into (precedence: CLI > environment > file > defaults)."""
+file all decode into (precedence: CLI > environment > file > defaults).
+
+Each layer is decoded on its own first, so an error names the key and where it came from: an unknown key in the
+file, an unknown `DIFFUSIOND_*` variable, a value of the wrong type or out of range. Environment values are strings
+converted by msgspec ("4" -> 4); an empty one counts as unset, so an env file may list every variable.
+"""
 
 from __future__ import annotations
 
+import difflib
+import json
+import math
+import re
+import tomllib
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
 import msgspec
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     api_key: str | None = None
-    max_batch: int = 8
-    max_queue: int = 64
+    max_batch: Positive = 8
+    max_queue: NonNegative = 64
     device: str = "cpu"
-    dtype: str = "float32"
-    threads: int | None = None
-    max_body_bytes: int = 1 << 20
-    log_level: str = "INFO"
-    log_format: str = "text"
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    threads: Positive | None = None
+    max_body_bytes: Positive = 1 << 20
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+    log_format: Literal["text", "json"] = "text"
     # Seconds that running requests get to finish after SIGTERM/SIGINT before they are cancelled.
-    drain_timeout: float = 30.0
+    drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     # SPMD: ranks, parallel degrees (their product must equal nproc), restarts of the whole group by the agent.
-    nproc: int = 1
-    cfg_parallel: int = 1
-    ulysses: int = 1
-    max_restarts: int = 3
+    nproc: Positive = 1
+    cfg_parallel: Positive = 1
+    ulysses: Positive = 1
+    max_restarts: NonNegative = 3
+
+
+FIELDS: tuple[str, ...] = tuple(f.name for f in msgspec.structs.fields(ServeConfig))
+ENV_PREFIX = "DIFFUSIOND_"
+CONFIG_ENV = "DIFFUSIOND_CONFIG"
+# Variables with the prefix that are not fields: the config file path, and the model cache (models/default.py).
+ENV_NOT_FIELDS = frozenset({CONFIG_ENV, "DIFFUSIOND_CACHE"})
+SECRET_FIELDS = frozenset({"api_key"})
+HIDDEN = "<hidden>"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the key and its source."""
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_var(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def load_config(
+    cli: Mapping[str, Any], env: Mapping[str, str], path: str | None = None
+) -> tuple[ServeConfig, dict[str, str]]:
+    """The effective configuration, and where each field's value came from (a flag, a variable, the file, default).
+
+    `cli` holds only the flags that were given (argparse with `default=SUPPRESS`); keys that are not fields (the
+    subcommand, `config`) are ignored. `path` is the config file (`--config`, else `$DIFFUSIOND_CONFIG`)."""
+    path = path or env.get(CONFIG_ENV) or None
+    from_file = _decode(_read_file(path), lambda key: f"in {path}", strict=True) if path else {}
+    env_layer = _env_layer(env)
+    from_env = _decode(env_layer, lambda key: f"from {env_var(key)}={env_layer[key]!r}", strict=False)
+    cli_layer = {k: v for k, v in cli.items() if k in FIELDS and v is not None}
+    from_cli = _decode(cli_layer, lambda key: f"from {flag(key)} {cli_layer[key]!r}", strict=True)
+
+    sources = dict.fromkeys(FIELDS, "default")
+    sources.update(dict.fromkeys(from_file, path))
+    sources.update({key: env_var(key) for key in from_env})
+    sources.update({key: flag(key) for key in from_cli})
+    merged = {**from_file, **from_env, **from_cli}
+    return ServeConfig(**merged), sources
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    for key in data:
+        if key not in FIELDS:
+            raise ConfigError(f"unknown key {key!r} in {path}{_did_you_mean(key.replace('-', '_'), FIELDS)}")
+    return data
+
+
+def _env_layer(env: Mapping[str, str]) -> dict[str, str]:
+    layer = {}
+    for var, value in env.items():
+        if not var.startswith(ENV_PREFIX) or var in ENV_NOT_FIELDS:
+            continue
+        key = var.removeprefix(ENV_PREFIX).lower()
+        if key not in FIELDS:
+            known = [env_var(f) for f in FIELDS]
+            raise ConfigError(f"unknown environment variable {var}{_did_you_mean(var, known)}")
+        if value != "":
+            layer[key] = value
+    return layer
+
+
+def _decode(layer: dict[str, Any], describe, *, strict: bool) -> dict[str, Any]:
+    """Type-checks one layer alone (fields it lacks take defaults) and returns its typed values."""
+    if isinstance(layer.get("log_level"), str):
+        layer = {**layer, "log_level": layer["log_level"].upper()}
+    try:
+        config = msgspec.convert(layer, ServeConfig, strict=strict)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        match = re.search(r" - at `\$\.(\w+)`", message)
+        if match is None:
+            raise ConfigError(message) from None
+        key = match.group(1)
+        reason = message[: match.start()]
+        raise ConfigError(f"bad value for {key} {describe(key)}: {reason[:1].lower()}{reason[1:]}") from None
+    return {key: getattr(config, key) for key in layer}
+
+
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# ---- printing (`diffusiond config`) ----
+
+
+def public_dict(config: ServeConfig) -> dict[str, Any]:
+    """The configuration as plain values, secrets hidden."""
+    data = msgspec.structs.asdict(config)
+    for key in SECRET_FIELDS:
+        if data[key] is not None:
+            data[key] = HIDDEN
+    return data
+
+
+def to_json(config: ServeConfig) -> str:
+    return json.dumps(public_dict(config), indent=2) + "\n"
+
+
+def to_toml(config: ServeConfig, sources: Mapping[str, str] | None = None) -> str:
+    """A TOML file that loads back into the same configuration (secrets and unset values become comments)."""
+    lines = ["# diffusiond: effective configuration (CLI > environment > file > defaults)"]
+    for key, value in msgspec.structs.asdict(config).items():
+        source = sources[key] if sources else ""
+        if value is None:
+            lines.append(f"# {key}: not set" + (f" ({source})" if source else ""))
+        elif key in SECRET_FIELDS:
+            lines.append(f"# {key}: set, hidden" + (f" ({source})" if source else ""))
+        else:
+            lines.append(f"{key} = {_toml_value(value)}" + (f"  # {source}" if source else ""))
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, int | float):
+        return repr(value)
+    # JSON string escapes are valid in TOML basic strings.
+    return json.dumps(str(value), ensure_ascii=False)

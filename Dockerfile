@@ -1,0 +1,62 @@
+# diffusiond for NVIDIA GPUs.
+#   docker build -t diffusiond .
+#   docker run --gpus all -p 8000:8000 -v diffusiond-cache:/var/cache/diffusiond diffusiond --model ID_OR_DIR --nproc 1
+# Arguments after the image name go to `diffusiond serve`; settings also come from DIFFUSIOND_* variables (-e).
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn
+ARG UBUNTU=ubuntu24.04
+
+# ---- build: a virtual environment with CUDA torch, flash-attn (compiled here when no prebuilt wheel fits), diffusiond
+FROM ${CUDA_IMAGE}-devel-${UBUNTU} AS build
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 MAX_JOBS=4
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev git \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/diffusiond
+ENV PATH=/opt/diffusiond/bin:$PATH
+# flash-attn compiles against the installed torch: torch and the build tools first, then no build isolation.
+RUN pip install --index-url "$TORCH_INDEX" "torch==${TORCH_VERSION}" \
+    && pip install "setuptools>=69" "wheel>=0.43" "packaging>=24" "ninja>=1.11" "psutil>=5.9"
+WORKDIR /src
+COPY . .
+RUN pip install --no-build-isolation "./[gpu]"
+
+# ---- runtime: the CUDA runtime image, the virtual environment, a user without privileges
+FROM ${CUDA_IMAGE}-runtime-${UBUNTU}
+ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 curl \
+    && rm -rf /var/lib/apt/lists/* \
+    && groupadd --system --gid 10001 diffusiond \
+    && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /var/lib/diffusiond diffusiond \
+    && install -d -o diffusiond -g diffusiond /var/cache/diffusiond
+COPY --from=build /opt/diffusiond /opt/diffusiond
+# Settings as variables, not CMD arguments, so that arguments given to `docker run` (which replace CMD) keep them.
+# Inside a container the daemon must listen on every interface (its own default is loopback only).
+ENV PATH=/opt/diffusiond/bin:$PATH \
+    HOME=/var/lib/diffusiond \
+    XDG_CACHE_HOME=/var/cache/diffusiond \
+    HF_HOME=/var/cache/diffusiond/huggingface \
+    DIFFUSIOND_CACHE=/var/cache/diffusiond/models \
+    DIFFUSIOND_HOST=0.0.0.0 \
+    DIFFUSIOND_PORT=8000 \
+    DIFFUSIOND_DEVICE=cuda \
+    DIFFUSIOND_DTYPE=bfloat16 \
+    DIFFUSIOND_LOG_FORMAT=json
+# Downloaded checkpoints and the bundled default model, kept across containers.
+VOLUME ["/var/cache/diffusiond"]
+USER 10001:10001
+WORKDIR /var/lib/diffusiond
+EXPOSE 8000
+# Liveness: /health turns 503 when the engine failed (/ready is the load balancers' readiness check).
+HEALTHCHECK --interval=30s --timeout=5s --start-period=10m --retries=3 \
+    CMD ["sh", "-c", "curl -fsS -o /dev/null http://127.0.0.1:${DIFFUSIOND_PORT}/health"]
+# `docker stop` sends SIGTERM and waits 10 s by default: requests in flight get drain_timeout (30 s) to finish,
+# so stop with `docker stop --time 40`, or set DIFFUSIOND_DRAIN_TIMEOUT below the wait.
+ENTRYPOINT ["diffusiond", "serve"]
+# Default arguments, e.g. `docker run ... diffusiond --model ID --nproc 2` (one rank per GPU; DIFFUSIOND_NPROC works
+# too). None by default, so that no argument overrides a DIFFUSIOND_* variable.
+CMD []

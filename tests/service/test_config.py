@@ -1,0 +1,201 @@
+"""Configuration: CLI flags > DIFFUSIOND_* environment > TOML file > defaults, unknown keys and bad values named,
+and `diffusiond config` printing the effective configuration."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+
+import msgspec
+import pytest
+
+from diffusiond.daemon.cli import build_parser, main
+from diffusiond.daemon.config import FIELDS, ConfigError, ServeConfig, load_config
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """No DIFFUSIOND_* variables from the machine running the tests."""
+    import os
+
+    for var in list(os.environ):
+        if var.startswith("DIFFUSIOND_"):
+            monkeypatch.delenv(var)
+
+
+def write(path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def cli(*argv: str) -> dict:
+    """The flags as `serve` parses them."""
+    return vars(build_parser().parse_args(["serve", *argv]))
+
+
+def run_config(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["config", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---- precedence ----
+
+
+def test_each_layer_overrides_the_ones_below(tmp_path):
+    path = write(tmp_path / "d.toml", 'max_batch = 2\nmax_queue = 2\nport = 2\nhost = "10.0.0.2"\n')
+    env = {"DIFFUSIOND_MAX_BATCH": "3", "DIFFUSIOND_MAX_QUEUE": "3", "DIFFUSIOND_PORT": "3"}
+    config, sources = load_config(cli("--max-batch", "4", "--max-queue", "4"), env, path)
+    # max_batch and max_queue: CLI over env over file; port: env over file; host: file over default.
+    assert (config.max_batch, config.max_queue, config.port, config.host) == (4, 4, 3, "10.0.0.2")
+    assert config.device == ServeConfig().device
+    assert sources["max_batch"] == "--max-batch"
+    assert sources["port"] == "DIFFUSIOND_PORT"
+    assert sources["host"] == path
+    assert sources["device"] == "default"
+
+
+def test_flags_not_given_do_not_override(tmp_path):
+    """argparse must not inject defaults: a bare `serve` leaves every field to the layers below."""
+    assert not set(cli()) & set(FIELDS)
+    assert not set(vars(build_parser().parse_args(["config"]))) & set(FIELDS)
+    path = write(tmp_path / "d.toml", 'host = "0.0.0.0"\nlog_level = "debug"\nlog_format = "json"\n')
+    config, _ = load_config(cli(), {"DIFFUSIOND_DRAIN_TIMEOUT": "5"}, path)
+    assert (config.host, config.log_level, config.log_format, config.drain_timeout) == ("0.0.0.0", "DEBUG", "json", 5)
+
+
+def test_every_serve_flag_maps_to_its_field():
+    argv = [
+        "--model", "m", "--host", "0.0.0.0", "--port", "9", "--api-key", "k", "--max-batch", "2", "--max-queue", "3",
+        "--device", "cuda:1", "--dtype", "bfloat16", "--threads", "2", "--drain-timeout", "1.5", "--nproc", "4",
+        "--cfg-parallel", "2", "--ulysses", "2", "--max-restarts", "0", "--max-body-bytes", "100",
+        "--log-level", "debug", "--log-format", "json",
+    ]  # fmt: skip
+    config, sources = load_config(cli(*argv), {})
+    assert config == ServeConfig(
+        model="m", host="0.0.0.0", port=9, api_key="k", max_batch=2, max_queue=3, device="cuda:1", dtype="bfloat16",
+        threads=2, drain_timeout=1.5, nproc=4, cfg_parallel=2, ulysses=2, max_restarts=0, max_body_bytes=100,
+        log_level="DEBUG", log_format="json",
+    )  # fmt: skip
+    assert all(source.startswith("--") for source in sources.values()), sources
+    # The global logging flags, before the subcommand, still work.
+    args = vars(build_parser().parse_args(["--log-level", "warning", "--log-format", "json", "serve"]))
+    config, _ = load_config(args, {})
+    assert (config.log_level, config.log_format) == ("WARNING", "json")
+
+
+def test_environment_values_are_converted():
+    env = {
+        "DIFFUSIOND_MAX_BATCH": "4",
+        "DIFFUSIOND_DRAIN_TIMEOUT": "2.5",
+        "DIFFUSIOND_THREADS": "3",
+        "DIFFUSIOND_API_KEY": "secret",
+        "DIFFUSIOND_LOG_LEVEL": "debug",
+        # Empty counts as unset (an env file may list every variable); DIFFUSIOND_CACHE is the model cache's.
+        "DIFFUSIOND_MODEL": "",
+        "DIFFUSIOND_CACHE": "/tmp/somewhere",
+    }
+    config, _ = load_config({}, env)
+    assert (config.max_batch, config.drain_timeout, config.threads) == (4, 2.5, 3)
+    assert (config.api_key, config.log_level, config.model) == ("secret", "DEBUG", None)
+
+
+def test_config_file_from_the_environment_and_the_flag(tmp_path):
+    from_env = write(tmp_path / "env.toml", "max_batch = 5\n")
+    from_flag = write(tmp_path / "flag.toml", "max_batch = 6\n")
+    assert load_config({}, {"DIFFUSIOND_CONFIG": from_env})[0].max_batch == 5
+    assert load_config(cli("--config", from_flag), {"DIFFUSIOND_CONFIG": from_env}, from_flag)[0].max_batch == 6
+
+
+# ---- errors ----
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("max_bach = 4\n", "unknown key 'max_bach' in {path} (did you mean 'max_batch'?)"),
+        ("max-batch = 4\n", "unknown key 'max-batch' in {path} (did you mean 'max_batch'?)"),
+        ("[serve]\nport = 1\n", "unknown key 'serve' in {path}"),
+        ('max_batch = "4"\n', "bad value for max_batch in {path}: expected `int`, got `str`"),
+        ("max_batch = 0\n", "bad value for max_batch in {path}: expected `int` >= 1"),
+        ("port = 70000\n", "bad value for port in {path}: expected `int` <= 65535"),
+        ('dtype = "float8"\n', "bad value for dtype in {path}: invalid enum value 'float8'"),
+        ("max_batch = \n", "{path} is not valid TOML"),
+    ],
+)
+def test_file_errors_name_the_key_and_file(tmp_path, capsys, toml, message):
+    path = write(tmp_path / "diffusiond.toml", toml)
+    code, out, err = run_config(capsys, "--config", path)
+    assert code == 2 and out == ""
+    assert message.format(path=path) in err
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "message"),
+    [
+        ("DIFFUSIOND_MAX_BACH", "4", "unknown environment variable DIFFUSIOND_MAX_BACH"),
+        ("DIFFUSIOND_NPROCS", "2", "unknown environment variable DIFFUSIOND_NPROCS (did you mean 'DIFFUSIOND_NPROC'?)"),
+        ("DIFFUSIOND_MAX_BATCH", "four", "bad value for max_batch from DIFFUSIOND_MAX_BATCH='four'"),
+        ("DIFFUSIOND_LOG_FORMAT", "xml", "bad value for log_format from DIFFUSIOND_LOG_FORMAT='xml'"),
+        ("DIFFUSIOND_DRAIN_TIMEOUT", "-1", "bad value for drain_timeout from DIFFUSIOND_DRAIN_TIMEOUT='-1'"),
+    ],
+)
+def test_environment_errors_name_the_variable(monkeypatch, capsys, var, value, message):
+    monkeypatch.setenv(var, value)
+    code, out, err = run_config(capsys)
+    assert code == 2 and out == ""
+    assert message in err
+
+
+def test_flag_errors_and_missing_file(tmp_path, capsys):
+    code, _, err = run_config(capsys, "--max-batch", "0")
+    assert code == 2 and "bad value for max_batch from --max-batch 0: expected `int` >= 1" in err
+    code, _, err = run_config(capsys, "--config", str(tmp_path / "missing.toml"))
+    assert code == 2 and f"cannot read config file {tmp_path / 'missing.toml'}" in err
+
+
+def test_serve_exits_2_on_a_bad_configuration(monkeypatch, capsys):
+    """Before binding a socket or loading anything."""
+    monkeypatch.setenv("DIFFUSIOND_MAX_BATCH", "many")
+    assert main(["serve"]) == 2
+    assert (
+        "diffusiond serve: error: bad value for max_batch from DIFFUSIOND_MAX_BATCH='many'" in capsys.readouterr().err
+    )
+
+
+def test_load_config_raises_config_error():
+    with pytest.raises(ConfigError, match="DIFFUSIOND_PORTT"):
+        load_config({}, {"DIFFUSIOND_PORTT": "1"})
+
+
+# ---- diffusiond config ----
+
+
+def test_config_prints_toml_that_loads_back(tmp_path, monkeypatch, capsys):
+    path = write(tmp_path / "d.toml", 'model = "some/model"\nport = 2\ndrain_timeout = 7.5\n')
+    monkeypatch.setenv("DIFFUSIOND_MAX_BATCH", "3")
+    monkeypatch.setenv("DIFFUSIOND_API_KEY", "hunter2")
+    code, out, _ = run_config(capsys, "--config", path, "--max-queue", "5")
+    assert code == 0
+    assert "hunter2" not in out
+    assert "max_batch = 3  # DIFFUSIOND_MAX_BATCH" in out
+    assert f"port = 2  # {path}" in out
+    assert "max_queue = 5  # --max-queue" in out
+    assert "# api_key: set, hidden (DIFFUSIOND_API_KEY)" in out
+    # The output is a config file: loaded back (without the environment) it gives the same settings, the hidden key
+    # aside.
+    printed = write(tmp_path / "printed.toml", out)
+    expected, _ = load_config(cli("--max-queue", "5"), {"DIFFUSIOND_MAX_BATCH": "3"}, path)
+    assert expected.api_key is None
+    assert load_config({}, {}, printed)[0] == expected
+    assert tomllib.loads(out)["drain_timeout"] == 7.5
+
+
+def test_config_prints_json_with_the_key_hidden(monkeypatch, capsys):
+    monkeypatch.setenv("DIFFUSIOND_API_KEY", "hunter2")
+    code, out, _ = run_config(capsys, "--format", "json", "--port", "1234")
+    assert code == 0 and "hunter2" not in out
+    data = json.loads(out)
+    assert set(data) == set(FIELDS)
+    assert data["api_key"] == "<hidden>" and data["port"] == 1234 and data["model"] is None
+    assert data == {**msgspec.to_builtins(ServeConfig(port=1234)), "api_key": "<hidden>"}

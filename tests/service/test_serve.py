@@ -1,0 +1,159 @@
+"""`diffusiond serve` as a real subprocess: service manager notifications (READY, WATCHDOG, STATUS, STOPPING), the
+drain on SIGTERM (running requests finish, new ones get 503, the rest are cancelled at the deadline, exit 0), and a
+second signal that exits at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import urllib.error
+import urllib.request
+
+import aiohttp
+import pytest
+
+# Long enough to still be running at any drain deadline here (max steps: 1000, ~10 ms or more each).
+LONG_STEPS = 1000
+# Short enough to finish well inside the drain deadline below.
+SHORT_STEPS = 10
+DRAIN_TIMEOUT_S = 3
+TIMEOUT = aiohttp.ClientTimeout(total=120)
+
+
+def get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def native(steps: int, seed: int) -> dict:
+    return {"prompt": "drain", "seed": seed, "width": 64, "height": 64, "num_inference_steps": steps}
+
+
+async def sse_events(resp: aiohttp.ClientResponse):
+    """Yields (event name, data dict) from a text/event-stream response."""
+    name, data = None, []
+    async for raw in resp.content:
+        line = raw.decode().rstrip("\r\n")
+        if not line:
+            if data:
+                yield name, json.loads("\n".join(data))
+            name, data = None, []
+        elif line.startswith("event:"):
+            name = line[len("event:") :].strip()
+        elif line.startswith("data:"):
+            data.append(line[len("data:") :].strip())
+
+
+class Stream:
+    """A native SSE request held open: read up to its first progress event, then to its end."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, body: dict) -> None:
+        self._cm = session.post(url, json=body)
+        self.events: list[tuple[str, dict]] = []
+
+    async def until_running(self) -> Stream:
+        self.resp = await self._cm.__aenter__()
+        assert self.resp.status == 200, await self.resp.text()
+        self._iter = sse_events(self.resp)
+        async for name, data in self._iter:
+            self.events.append((name, data))
+            if name == "progress":
+                return self
+        raise AssertionError(f"stream ended before any progress: {self.events}")
+
+    async def rest(self) -> list[tuple[str, dict]]:
+        async for name, data in self._iter:
+            self.events.append((name, data))
+        await self.close()
+        return self.events
+
+    async def close(self) -> None:
+        await self._cm.__aexit__(None, None, None)
+
+
+def test_notifies_ready_watchdog_status_and_stopping(start_daemon):
+    daemon = start_daemon()
+    daemon.wait_ready()
+    # READY=1 comes after warm-up: by then the daemon is ready for traffic.
+    status, body = get(f"{daemon.base_url}/ready")
+    assert status == 200, body
+    # Pings at half of WATCHDOG_USEC (0.2 s), from the event loop, while it serves.
+    daemon.notify.wait_for("WATCHDOG=1", 30, count=5)
+
+    daemon.signal(signal.SIGTERM)
+    daemon.notify.wait_for("STOPPING=1", 30)
+    assert daemon.wait_exit() == 0, daemon.log()
+
+    lines = [line for line in daemon.notify.assignments() if line != "WATCHDOG=1"]
+    statuses = [line.removeprefix("STATUS=") for line in lines if line.startswith("STATUS=")]
+    assert statuses[0].startswith("loading"), lines
+    assert any(s.startswith("ready") for s in statuses), lines
+    assert any(s.startswith("draining") for s in statuses), lines
+    # Loading, then READY, then STOPPING, each with its status line.
+    assert lines.index("READY=1") < lines.index("STOPPING=1"), lines
+    assert lines.index(f"STATUS={statuses[0]}") < lines.index("READY=1"), lines
+    assert lines.count("READY=1") == 1, lines
+
+
+@pytest.mark.asyncio
+async def test_sigterm_drains_then_cancels_and_exits_0(start_daemon):
+    daemon = start_daemon("--drain-timeout", str(DRAIN_TIMEOUT_S))
+    await asyncio.to_thread(daemon.wait_ready)
+    url = f"{daemon.base_url}/v1/generations"
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        longs = [await Stream(session, url, native(LONG_STEPS, seed)).until_running() for seed in (1, 2)]
+        short = await Stream(session, url, native(SHORT_STEPS, 3)).until_running()
+
+        daemon.signal(signal.SIGTERM)
+        await asyncio.to_thread(daemon.notify.wait_for, "STOPPING=1", 30)
+
+        # Draining, with requests still running: not ready, and new requests are refused with the OpenAI error shape.
+        status, body = await asyncio.to_thread(get, f"{daemon.base_url}/ready")
+        assert (status, body["status"]) == (503, "draining"), body
+        async with session.post(url, json=native(2, 4)) as resp:
+            assert resp.status == 503, await resp.text()
+            error = (await resp.json())["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["code"] == "unavailable", error
+        openai_body = {"prompt": "drain", "size": "64x64", "num_inference_steps": 2}
+        async with session.post(f"{daemon.base_url}/v1/images/generations", json=openai_body) as resp:
+            assert resp.status == 503, await resp.text()
+
+        # The short request finishes; the long ones are cancelled at the deadline, and their clients see it.
+        short_events = await short.rest()
+        assert short_events[-1][0] == "completed", short_events[-3:]
+        for stream in longs:
+            events = await stream.rest()
+            assert events[-1][0] == "cancelled", events[-3:]
+            assert events[-1][1]["type"] == "cancelled" and events[-1][1]["id"], events[-1]
+            assert events[-2][0] == "progress" and events[-2][1]["step"] < LONG_STEPS, events[-3:]
+
+    assert await asyncio.to_thread(daemon.wait_exit) == 0, daemon.log()
+    assert "drain deadline passed: cancelling 2 requests" in daemon.log()
+
+
+@pytest.mark.asyncio
+async def test_second_signal_exits_at_once(start_daemon):
+    daemon = start_daemon("--drain-timeout", "600")
+    await asyncio.to_thread(daemon.wait_ready)
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        stream = await Stream(session, f"{daemon.base_url}/v1/generations", native(LONG_STEPS, 1)).until_running()
+        daemon.signal(signal.SIGTERM)
+        await asyncio.to_thread(daemon.notify.wait_for, "STOPPING=1", 30)
+        # The drain would wait 600 s for the running request; a second signal does not.
+        daemon.signal(signal.SIGINT)
+        assert await asyncio.to_thread(daemon.wait_exit, 30) == 128 + signal.SIGINT, daemon.log()
+        await stream.close()
+    assert "SIGINT again: exiting now" in daemon.log()
+
+
+def test_a_model_that_does_not_load_exits_1(start_daemon, tmp_path):
+    """So that the service manager restarts it (Restart=on-failure), instead of a daemon that is never ready."""
+    daemon = start_daemon("--model", str(tmp_path / "no-such-checkpoint"))
+    assert daemon.wait_exit() == 1, daemon.log()
+    lines = daemon.notify.assignments()
+    assert "READY=1" not in lines
+    assert any(line.startswith("STATUS=failed: model did not load") for line in lines), lines

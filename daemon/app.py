@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -32,6 +32,7 @@ from diffusiond.daemon.api import (
 )
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.images import encode_image, encode_preview
+from diffusiond.engine.comm import Communicator
 from diffusiond.engine.engine import Engine, QueueFullError, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Completed, Event, Failed, Latent, Preview, Progress, Queued
 from diffusiond.engine.request import SamplingParams
@@ -65,6 +66,8 @@ class ServerState:
     ready: bool = False
     draining: bool = False
     load_error: str | None = None
+    # Set once loading ended, ready or failed (`serve.py` then notifies the service manager).
+    loaded: asyncio.Event = field(default_factory=asyncio.Event)
     records: OrderedDict[str, Record] = field(default_factory=OrderedDict)
     _settling: set[asyncio.Task] = field(default_factory=set)
 
@@ -124,14 +127,24 @@ class ServerState:
 STATE = web.AppKey("state", ServerState)
 METRICS = web.AppKey("metrics", Metrics)
 PRELOADED = web.AppKey("preloaded_adapter", ModelAdapter)
+JOIN = web.AppKey("join_group", Callable)
 
 
-def create_app(config: ServeConfig, *, adapter: ModelAdapter | None = None) -> web.Application:
+def create_app(
+    config: ServeConfig,
+    *,
+    adapter: ModelAdapter | None = None,
+    join: Callable[[], tuple[ModelAdapter, Communicator]] | None = None,
+) -> web.Application:
+    """`adapter`: a model already loaded (tests). `join`: how rank 0 of an SPMD group joins it and loads its model
+    (run in a thread by the loader task, so the loop answers /health and pings the watchdog meanwhile)."""
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware, auth_middleware])
     app[STATE] = ServerState(config)
     app[METRICS] = Metrics()
     if adapter is not None:
         app[PRELOADED] = adapter
+    if join is not None:
+        app[JOIN] = join
     app.cleanup_ctx.append(engine_ctx)
     app.router.add_post("/v1/images/generations", images_generations)
     app.router.add_post("/v1/generations", generations)
@@ -147,6 +160,7 @@ def create_app(config: ServeConfig, *, adapter: ModelAdapter | None = None) -> w
 async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     loader = asyncio.create_task(_load(app))
+    loader.add_done_callback(lambda _: state.loaded.set())
     lag = asyncio.create_task(watch_loop_lag(app[METRICS].loop_lag))
     yield
     state.ready = False
@@ -165,7 +179,10 @@ async def _load(app: web.Application) -> None:
     try:
         adapter = app.get(PRELOADED)
         model = config.model
-        if adapter is None:
+        comm = None
+        if JOIN in app:
+            adapter, comm = await asyncio.to_thread(app[JOIN])
+        elif adapter is None:
             from diffusiond.models.loader import load_adapter
 
             if model is None:
@@ -179,6 +196,7 @@ async def _load(app: web.Application) -> None:
             max_batch=config.max_batch,
             max_waiting=config.max_queue,
             observer=PrometheusObserver(app[METRICS]),
+            comm=comm,
         )
         caps = adapter.capabilities
         app[METRICS].set_info(

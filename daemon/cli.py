@@ -1,13 +1,15 @@
-"""`diffusiond` command line: generate, make-tiny, bench."""
+"""`diffusiond` command line: serve, config, generate, make-tiny, bench."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from pathlib import Path
+
+# Bad flags, environment or config file (as argparse exits on bad flags).
+EXIT_USAGE = 2
 
 
 def configure_threads(threads: int | None) -> None:
@@ -124,6 +126,13 @@ def run_async(coro) -> int:
     return uvloop.run(coro)
 
 
+def cmd_bench_spmd(args: argparse.Namespace) -> int:
+    quiet_libraries()
+    from diffusiond.daemon.bench_spmd import bench_spmd
+
+    return bench_spmd(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     configure_threads(args.threads)
     quiet_libraries()
@@ -132,56 +141,113 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_engine(args)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    configure_threads(args.threads)
-    quiet_libraries()
-    from aiohttp import web
+def _load_config(args: argparse.Namespace):
+    """The effective ServeConfig (CLI > environment > file > defaults), or None after printing the error."""
+    from diffusiond.daemon.config import ConfigError, load_config
 
-    from diffusiond.daemon.app import create_app
+    try:
+        return load_config(vars(args), os.environ, getattr(args, "config", None))
+    except ConfigError as exc:
+        print(f"diffusiond {args.command}: error: {exc}", file=sys.stderr)
+        return None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    loaded = _load_config(args)
+    if loaded is None:
+        return EXIT_USAGE
+    config, _ = loaded
+    from diffusiond.daemon.logs import configure_logging
+
+    configure_logging(config.log_level, config.log_format)
+    from diffusiond.daemon.ranks import in_launched_group
+
+    if in_launched_group():  # a worker of torchrun or of our own launch below
+        from diffusiond.daemon.launch import run_rank, worker_config
+
+        config = worker_config(config)
+        configure_threads(config.threads)
+        quiet_libraries()
+        return run_rank(config)
+    if config.nproc > 1:
+        from diffusiond.daemon.launch import launch
+
+        return launch(config)
+    configure_threads(config.threads)
+    quiet_libraries()
+    from diffusiond.daemon.serve import serve
+
+    return serve(config)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    loaded = _load_config(args)
+    if loaded is None:
+        return EXIT_USAGE
+    from diffusiond.daemon.config import to_json, to_toml
+
+    config, sources = loaded
+    print(to_json(config) if args.format == "json" else to_toml(config, sources), end="")
+    return 0
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """`serve` and `config` flags. Their parsers have `argument_default=SUPPRESS`: a flag that is not given must not
+    override the environment or the config file (CLI > environment > file > defaults, see daemon/config.py)."""
     from diffusiond.daemon.config import ServeConfig
 
-    config = ServeConfig(
-        model=args.model,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key or os.environ.get("DIFFUSIOND_API_KEY") or None,
-        max_batch=args.max_batch,
-        max_queue=args.max_queue,
-        device=args.device,
-        dtype=args.dtype,
+    d = ServeConfig()
+    add = parser.add_argument
+    add("--config", metavar="FILE", help="TOML file of the settings below (or set DIFFUSIOND_CONFIG)")
+    add("--model", help="diffusers checkpoint folder or hub id (default: the bundled default model)")
+    add("--host", help=f"bind address (default: {d.host}, loopback only)")
+    add("--port", type=int, help=f"(default: {d.port}; 0 picks a free port)")
+    add("--api-key", help="require 'Authorization: Bearer KEY' (or set DIFFUSIOND_API_KEY)")
+    add("--max-batch", type=int, help=f"requests per batched forward (default: {d.max_batch})")
+    add("--max-queue", type=int, help=f"waiting requests before answering 429 (default: {d.max_queue})")
+    add("--max-body-bytes", type=int, help=f"largest request body (default: {d.max_body_bytes})")
+    add("--device", help=f"(default: {d.device})")
+    add("--dtype", choices=["float32", "float16", "bfloat16"], help=f"(default: {d.dtype})")
+    add("--threads", type=int, help="torch threads (default: OMP_NUM_THREADS, else all cores)")
+    add(
+        "--drain-timeout",
+        type=float,
+        metavar="S",
+        help=f"seconds to finish requests on SIGTERM (default: {d.drain_timeout:g})",
     )
-    try:
-        import uvloop
+    add("--nproc", type=int, help=f"ranks, one per device (default: {d.nproc})")
+    add("--cfg-parallel", type=int, help=f"CFG-parallel degree (default: {d.cfg_parallel})")
+    add("--ulysses", type=int, help=f"Ulysses sequence-parallel degree (default: {d.ulysses})")
+    add("--max-restarts", type=int, help=f"restarts of the rank group after a failure (default: {d.max_restarts})")
+    add_log_args(parser)
 
-        loop = uvloop.new_event_loop()
-    except ImportError:
-        loop = asyncio.new_event_loop()
-    # handler_cancellation: a client that disconnects cancels its handler, which cancels its request.
-    web.run_app(
-        create_app(config),
-        host=config.host,
-        port=config.port,
-        loop=loop,
-        handler_cancellation=True,
-        print=lambda msg: logging.getLogger("diffusiond").info(msg),
+
+def add_log_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", type=str.upper, default=argparse.SUPPRESS, help="(default: INFO)")
+    parser.add_argument(
+        "--log-format", choices=["text", "json"], default=argparse.SUPPRESS, help="json: one object per line"
     )
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffusiond", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one object per line")
+    add_log_args(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="serve the HTTP API (OpenAI Images API, native SSE API)")
-    add_model_args(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or set DIFFUSIOND_API_KEY)")
-    serve.add_argument("--max-batch", type=int, default=8, help="requests per batched forward")
-    serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
+    serve = sub.add_parser(
+        "serve", help="serve the HTTP API (OpenAI Images API, native SSE API)", argument_default=argparse.SUPPRESS
+    )
+    add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    config = sub.add_parser(
+        "config",
+        help="print the effective serve configuration (flags, environment, file)",
+        argument_default=argparse.SUPPRESS,
+    )
+    add_serve_args(config)
+    config.add_argument("--format", choices=["toml", "json"], default="toml")
+    config.set_defaults(func=cmd_config)
 
     gen = sub.add_parser("generate", help="generate one image through the engine and write it to a file")
     add_model_args(gen)
@@ -212,14 +278,22 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--repeats", type=int, default=5, help="single-request latency samples per side")
     engine.add_argument("--guidance-scale", type=float, default=None)
     engine.set_defaults(func=cmd_bench)
+    spmd = bench_sub.add_parser("spmd", help="plan broadcast cost with 2 ranks; 1 rank vs 2 ranks CFG-parallel")
+    spmd.add_argument("--model", help="checkpoint (default: the bundled default model)")
+    spmd.add_argument("--size", type=parse_size, default=(64, 64))
+    spmd.add_argument("--steps", type=int, default=8)
+    spmd.add_argument("--images", type=int, default=32)
+    spmd.add_argument("--plans", type=int, default=2000, help="broadcast rounds per plan kind")
+    spmd.set_defaults(func=cmd_bench_spmd)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from diffusiond.daemon.logs import configure_logging
+    if args.command not in ("serve", "config"):  # those two take logging from their configuration
+        from diffusiond.daemon.logs import configure_logging
 
-    configure_logging(args.log_level, args.log_format)
+        configure_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
     return args.func(args)
 
 

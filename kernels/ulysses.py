@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from diffusers.models.embeddings import apply_rotary_emb
 
+from diffusiond.kernels.collectives import collective
+
 
 @dataclass
 class UlyssesGroup:
@@ -48,7 +50,8 @@ class UlyssesGroup:
             x = torch.cat([x, x.new_zeros(pad)], dim=dim)
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in self.shards]
-        dist.all_gather(parts, x, group=self.group)
+        with collective("ulysses all_gather"):
+            dist.all_gather(parts, x, group=self.group)
         return torch.cat([p.narrow(dim, 0, size) for p, size in zip(parts, self.shards, strict=True)], dim=dim)
 
 
@@ -60,7 +63,8 @@ def _seq_to_heads(x: torch.Tensor, g: UlyssesGroup) -> torch.Tensor:
     recv = [x.new_empty(b, h // n, s, d) for s in g.shards]
     sizes_out = [t.numel() for t in recv]
     out = x.new_empty(sum(sizes_out))
-    dist.all_to_all_single(out, send.view(-1), sizes_out, [send[0].numel()] * n, group=g.group)
+    with collective("ulysses all_to_all"):
+        dist.all_to_all_single(out, send.view(-1), sizes_out, [send[0].numel()] * n, group=g.group)
     chunks = [c.view(b, h // n, s, d) for c, s in zip(out.split(sizes_out), g.shards, strict=True)]
     return torch.cat(chunks, dim=2)
 
@@ -73,7 +77,8 @@ def _heads_to_seq(x: torch.Tensor, g: UlyssesGroup) -> torch.Tensor:
     send = torch.cat([p.view(-1) for p in parts])
     s_local = g.shards[g.rank]
     out = x.new_empty(n * b * hn * s_local * d)
-    dist.all_to_all_single(out, send, [b * hn * s_local * d] * n, [p.numel() for p in parts], group=g.group)
+    with collective("ulysses all_to_all"):
+        dist.all_to_all_single(out, send, [b * hn * s_local * d] * n, [p.numel() for p in parts], group=g.group)
     return out.view(n, b, hn, s_local, d).transpose(0, 1).reshape(b, n * hn, s_local, d)
 
 
@@ -104,7 +109,8 @@ def ulysses_sdpa(
     img = _heads_to_seq(img.contiguous(), g)  # [B, H, S_local, d]
     if replicated:
         gathered = [torch.empty_like(rep) for _ in range(g.size)]
-        dist.all_gather(gathered, rep.contiguous(), group=g.group)
+        with collective("ulysses all_gather"):
+            dist.all_gather(gathered, rep.contiguous(), group=g.group)
         rep = torch.cat(gathered, dim=1)  # [B, H, T, d]
     return torch.cat([rep, img] if replicated_first else [img, rep], dim=2)
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from diffusiond.engine.request import SamplingParams
+from diffusiond.kernels.collectives import collective
 from diffusiond.kernels.parallel import CFGGroup
 from diffusiond.models import preview as preview_maps
 from diffusiond.models.base import Capabilities, ModelAdapter, ParamError, RequestState
@@ -50,6 +51,15 @@ def checkpoint_defaults(source: str) -> CheckpointDefaults:
         return msgspec.json.decode(f.read(), type=CheckpointDefaults)
 
 
+def null_components(source: str) -> dict[str, None]:
+    """Components the checkpoint saved as None (`[null, null]` in model_index.json, e.g. SD3 without T5), to pass
+    as None again: diffusers drops them on load and then insists on every required component being there."""
+    from diffusiond.models.loader import read_model_index
+
+    index = read_model_index(source)
+    return {name: None for name, value in index.items() if isinstance(value, list) and value == [None, None]}
+
+
 class FlowMatchAdapter(ModelAdapter):
     family: ClassVar[str]
     default_steps: ClassVar[int] = 28
@@ -71,7 +81,7 @@ class FlowMatchAdapter(ModelAdapter):
     @classmethod
     def from_pretrained(cls, path: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> FlowMatchAdapter:
         pipeline_cls = getattr(diffusers, cls.pipeline_class)
-        pipe = pipeline_cls.from_pretrained(path, dtype=dtype)
+        pipe = pipeline_cls.from_pretrained(path, dtype=dtype, **null_components(path))
         pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         for module in pipe.components.values():
@@ -201,7 +211,8 @@ class FlowMatchAdapter(ModelAdapter):
             local = {name: t[self.cfg_group.rank :: 2] for name, t in batched.items()}
             out = self.transformer(**local, **shared, return_dict=False)[0].contiguous()  # [B, ...]
             halves = [torch.empty_like(out) for _ in range(2)]
-            dist.all_gather(halves, out, group=self.cfg_group.group)
+            with collective("cfg-parallel all_gather"):
+                dist.all_gather(halves, out, group=self.cfg_group.group)
             return torch.stack(halves, dim=1)
         out = self.transformer(**batched, **shared, return_dict=False)[0]
         return out.unflatten(0, (n, rows))

@@ -1,0 +1,257 @@
+"""`diffusiond serve --nproc 2` for real: two gloo ranks under the elastic agent, rank 0 serving HTTP.
+
+Faults: a killed follower fails the request in flight with a terminal event (no client hangs), the agent restarts
+the group and the daemon is ready again; SIGTERM ends every process within the drain deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+READY_WITHIN = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    """All descendants of `pid` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rpartition(")")[2].split()[1])
+    out, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, parent in parents.items() if parent == p]
+        out += kids
+        frontier += kids
+    return out
+
+
+def rank_pid(launcher: int, rank: int) -> int | None:
+    for pid in children(launcher):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and any(e.startswith(b"_DIFFUSIOND_RANK_CONFIG=") for e in env):
+            return pid
+    return None
+
+
+def get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def wait_ready(base: str, proc: subprocess.Popen, within: float = READY_WITHIN) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"daemon exited with {proc.returncode}"
+        try:
+            if get(f"{base}/ready")[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"not ready within {within}s")
+
+
+def stream(base: str, body: dict, timeout: float = 60.0):
+    """Native SSE events as (name, data) pairs."""
+    req = urllib.request.Request(f"{base}/v1/generations", data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        name = None
+        for raw in resp:
+            line = raw.decode().rstrip("\n")
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                yield name, json.loads(line[6:])
+
+
+@pytest.fixture
+def daemon(tiny_sd3, tmp_path):
+    port = free_port()
+    log = open(tmp_path / "daemon.log", "w")  # noqa: SIM115 - closed in the finalizer
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFUSIOND_CACHE": str(tmp_path / "cache")}
+    env = {k: v for k, v in env.items() if not k.startswith("DIFFUSIOND_") or k == "DIFFUSIOND_CACHE"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "diffusiond",
+            "serve",
+            "--model",
+            tiny_sd3,
+            "--port",
+            str(port),
+            "--nproc",
+            "2",
+            "--cfg-parallel",
+            "2",
+            "--max-restarts",
+            "2",
+            "--drain-timeout",
+            "5",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, proc)
+        yield proc, base, tmp_path / "daemon.log"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        log.close()
+
+
+def test_two_ranks_serve_and_survive_a_dead_rank(daemon):
+    proc, base, log = daemon
+    events = list(
+        stream(
+            base,
+            {
+                "prompt": "a red circle",
+                "width": 64,
+                "height": 64,
+                "num_inference_steps": 4,
+                "guidance_scale": 5.0,
+                "seed": 1,
+            },
+        )
+    )
+    assert events[-1][0] == "completed", events[-1]
+
+    follower = rank_pid(proc.pid, 1)
+    assert follower is not None, "rank 1 not found"
+    long = stream(
+        base,
+        {"prompt": "a long one", "width": 64, "height": 64, "num_inference_steps": 1000, "guidance_scale": 5.0},
+        timeout=30,
+    )
+    names = []
+    for name, data in long:
+        names.append(name)
+        if name == "progress" and data["step"] == 2:
+            os.kill(follower, signal.SIGKILL)
+    # The stream ended (no hang) with exactly one terminal event, a failure.
+    terminal = [n for n in names if n in ("completed", "cancelled", "failed")]
+    assert terminal == ["failed"] and names[-1] == "failed", (names, log.read_text()[-3000:])
+    # Not ready while the group is down (or the port is closed while rank 0 restarts).
+    status = None
+    with contextlib.suppress(OSError):
+        status = get(f"{base}/ready")[0]
+    assert status != 200
+    # The agent restarts the group; the daemon is ready again, with a new rank 1.
+    wait_ready(base, proc)
+    assert rank_pid(proc.pid, 1) not in (None, follower)
+    events = list(
+        stream(base, {"prompt": "after the restart", "width": 64, "height": 64, "num_inference_steps": 2, "seed": 2})
+    )
+    assert events[-1][0] == "completed", events[-1]
+
+
+def test_sigterm_ends_every_process_within_the_drain_deadline(daemon):
+    proc, base, log = daemon
+    ranks = [rank_pid(proc.pid, r) for r in (0, 1)]
+    assert all(ranks), ranks
+    # A request that cannot finish within the 5 s drain deadline is in flight when SIGTERM arrives.
+    names: list[str] = []
+    reached = threading.Event()
+
+    def client():
+        body = {"prompt": "long", "width": 64, "height": 64, "num_inference_steps": 1000, "guidance_scale": 5.0}
+        for name, data in stream(base, body, timeout=60):
+            names.append(name)
+            if name == "progress" and data["step"] >= 2:
+                reached.set()
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    assert reached.wait(30), log.read_text()[-3000:]
+    t0 = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=5 + 20)  # the drain deadline plus a margin for the handlers' last writes and the agent
+    elapsed = time.monotonic() - t0
+    thread.join(10)
+    for pid in ranks:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2], pid
+    print(f"SIGTERM to exit with a request in flight: {elapsed:.1f} s, exit code {proc.returncode}")
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    # The request in flight got its one terminal event: cancelled at the deadline.
+    assert names and names[-1] == "cancelled", names[-5:]
+    assert elapsed >= 4.5
+
+
+def test_torchrun_launches_the_same_workers(tiny_sd3, tmp_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DIFFUSIOND_")}
+    with open(tmp_path / "torchrun.log", "w") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                "--master-port",
+                str(free_port()),
+                "-m",
+                "diffusiond",
+                "serve",
+                "--model",
+                tiny_sd3,
+                "--port",
+                str(port),
+                "--ulysses",
+                "2",
+                "--drain-timeout",
+                "2",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**env, "OMP_NUM_THREADS": "1"},
+            start_new_session=True,
+        )
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(base, proc)
+            events = list(
+                stream(base, {"prompt": "a red circle", "width": 64, "height": 64, "num_inference_steps": 3, "seed": 1})
+            )
+            assert events[-1][0] == "completed", events[-1]
+            os.kill(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)

@@ -16,6 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 from aiohttp import web
@@ -154,6 +155,7 @@ def create_app(
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/", playground)
     return app
 
 
@@ -265,7 +267,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
 
 
 # Liveness, readiness and scraping stay open when an API key is set (probes and scrapers carry no key).
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/"})
 
 
 @web.middleware
@@ -311,11 +313,32 @@ async def metrics(request: web.Request) -> web.Response:
     return response
 
 
+PLAYGROUND = Path(__file__).parent / "static" / "index.html"
+
+
+async def playground(request: web.Request) -> web.Response:
+    """The playground page: plain HTML and JS, no build step."""
+    return web.FileResponse(PLAYGROUND, headers={"Cache-Control": "no-cache"})
+
+
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     data = []
     if state.model_id:
-        data.append({"id": state.model_id, "object": "model", "created": 0, "owned_by": "diffusiond"})
+        entry = {"id": state.model_id, "object": "model", "created": 0, "owned_by": "diffusiond"}
+        if state.engine is not None:
+            # Our extension (OpenAI clients ignore unknown fields): what a UI needs to offer sensible controls.
+            caps = state.engine.adapter.capabilities
+            entry["diffusiond"] = {
+                "family": caps.family,
+                "default_width": caps.default_width,
+                "default_height": caps.default_height,
+                "default_steps": caps.default_steps,
+                "default_guidance": caps.default_guidance,
+                "size_multiple": caps.size_multiple,
+                "max_side": caps.max_side,
+            }
+        data.append(entry)
     return web.json_response({"object": "list", "data": data})
 
 

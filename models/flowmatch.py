@@ -155,7 +155,8 @@ class FlowMatchAdapter(ModelAdapter):
             raise ParamError("true_cfg_scale", f"true_cfg_scale must be between 0 and 100, got {true_cfg}")
         seed = params.seed
         if seed is None:
-            seed = int.from_bytes(os.urandom(8), "little") & MAX_SEED
+            # Random seeds stay below 2**53, so JavaScript clients (JSON numbers are doubles) can reuse them exactly.
+            seed = int.from_bytes(os.urandom(8), "little") & (2**53 - 1)
         elif not 0 <= seed <= MAX_SEED:
             raise ParamError("seed", f"seed must be between 0 and {MAX_SEED}, got {seed}")
         if params.preview_every < 0:

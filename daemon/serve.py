@@ -22,9 +22,10 @@ from typing import Any
 
 from aiohttp import web
 
-from diffusiond.daemon.app import STATE, ServerState, create_app
+from diffusiond.daemon.app import create_app
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.notify import Notifier
+from diffusiond.daemon.state import STATE, ServerState
 
 log = logging.getLogger(__name__)
 

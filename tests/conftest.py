@@ -20,8 +20,9 @@ import pytest
 import torch
 from aiohttp import web
 
-from diffusiond.daemon.app import STATE, ServerState, create_app
+from diffusiond.daemon.app import create_app
 from diffusiond.daemon.config import ServeConfig
+from diffusiond.daemon.state import STATE, ServerState
 from diffusiond.models.loader import load_adapter
 from diffusiond.models.tiny import build_tiny
 

@@ -1,0 +1,109 @@
+"""The native API: `POST /v1/generations` (an SSE stream of everything the engine knows about one request), and
+status and cancellation by id."""
+
+from __future__ import annotations
+
+import base64
+
+import msgspec
+from aiohttp import web
+
+from diffusiond.daemon.api import ApiError, GenerationRequest, decode_body
+from diffusiond.daemon.images import encode_image
+from diffusiond.daemon.state import STATE, Record
+from diffusiond.daemon.streaming import encode_off_loop, queue_requests, sse_event, start_sse
+from diffusiond.engine.outputs import Cancelled, Completed, Failed, Latent, Preview, Progress, Queued
+from diffusiond.engine.request import SamplingParams
+
+
+async def generations(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = decode_body(await request.read(), GenerationRequest)
+    if body.output_format not in ("png", "jpeg", "webp"):
+        raise ApiError(
+            400, f"output_format must be png, jpeg or webp; got {body.output_format!r}", param="output_format"
+        )
+    engine = state.require_engine()
+    params = SamplingParams(
+        prompt=body.prompt,
+        negative_prompt=body.negative_prompt,
+        seed=body.seed,
+        width=body.width,
+        height=body.height,
+        num_inference_steps=body.num_inference_steps,
+        guidance_scale=body.guidance_scale,
+        true_cfg_scale=body.true_cfg_scale,
+        preview_every=body.preview_every,
+        stream_latents=body.latents,
+    )
+    if body.latents and not body.preview_every:
+        raise ApiError(400, "latents are streamed with previews: set preview_every > 0", param="latents")
+    (handle,) = queue_requests(engine, state, [engine.adapter.resolve(params)])
+    response = await start_sse(request, {"X-Request-Id": handle.request_id})
+    rid = handle.request_id
+    async for event in state.track(handle):
+        if isinstance(event, Queued):
+            out = ("queued", {"position": event.position})
+        elif isinstance(event, Progress):
+            out = ("progress", {"step": event.step, "total": event.total})
+        elif isinstance(event, Preview):
+            data = await encode_off_loop(request, encode_image, event.image, body.output_format)
+            out = (
+                "preview",
+                {
+                    "step": event.step,
+                    "total": event.total,
+                    "format": body.output_format,
+                    "width": event.image.shape[1],
+                    "height": event.image.shape[0],
+                    "b64": base64.b64encode(data).decode(),
+                },
+            )
+        elif isinstance(event, Latent):
+            out = (
+                "latent",
+                {
+                    "step": event.step,
+                    "total": event.total,
+                    "dtype": str(event.latent.dtype),
+                    "shape": list(event.latent.shape),
+                    "b64": base64.b64encode(event.latent.tobytes()).decode(),
+                },
+            )
+        elif isinstance(event, Completed):
+            data = await encode_off_loop(request, encode_image, event.image, body.output_format)
+            out = (
+                "completed",
+                {
+                    "seed": event.seed,
+                    "images": [{"format": body.output_format, "b64": base64.b64encode(data).decode()}],
+                },
+            )
+        elif isinstance(event, Cancelled):
+            out = ("cancelled", {"reason": event.reason})
+        else:
+            assert isinstance(event, Failed)
+            out = ("failed", {"error": event.error})
+        await response.write(sse_event(out[0], {"type": out[0], "id": rid, **out[1]}))
+    await response.write_eof()
+    return response
+
+
+def _get_record(request: web.Request) -> Record:
+    rec = request.app[STATE].records.get(request.match_info["id"])
+    if rec is None:
+        raise ApiError(404, f"no generation with id {request.match_info['id']!r}", param="id", code="not_found")
+    return rec
+
+
+async def generation_status(request: web.Request) -> web.Response:
+    return web.json_response(msgspec.to_builtins(_get_record(request)))
+
+
+async def generation_cancel(request: web.Request) -> web.Response:
+    rec = _get_record(request)
+    state = request.app[STATE]
+    if rec.status in ("queued", "running") and state.engine is not None:
+        state.engine.cancel(rec.id)
+        return web.json_response({**msgspec.to_builtins(rec), "cancel_requested": True}, status=202)
+    return web.json_response({**msgspec.to_builtins(rec), "cancel_requested": False}, status=409)

@@ -38,6 +38,10 @@ REQUESTS = {
         # 48x48: 9 image tokens, not divisible by 2, so Ulysses shards unevenly.
         SamplingParams(prompt="a cat", seed=3, width=48, height=48, num_inference_steps=3, guidance_scale=4.0),
         SamplingParams(prompt="no guidance", seed=4, width=64, height=64, num_inference_steps=2, guidance_scale=1.0),
+        # A plan larger than the 4 KiB broadcast buffer: its tail follows in a second broadcast.
+        SamplingParams(
+            prompt="a red circle " * 500, seed=5, width=64, height=64, num_inference_steps=2, guidance_scale=5.0
+        ),
     ],
     "flux": [
         SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=4, guidance_scale=3.5),

@@ -151,6 +151,7 @@ def _single(args: Args, threads: int) -> float:
 
 def bench_spmd(ns: argparse.Namespace) -> int:
     from diffusiond.daemon.cli import resolve_model
+    from diffusiond.daemon.launch import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         width, height = ns.size
@@ -161,7 +162,7 @@ def bench_spmd(ns: argparse.Namespace) -> int:
         )
         one_2t = _single(args, 2)
         one_1t = _single(args, 1)
-        port = _free_port()
+        port = free_port()
         subprocess.run(
             [
                 sys.executable,
@@ -189,14 +190,6 @@ def bench_spmd(ns: argparse.Namespace) -> int:
     print(f"  1 rank, 1 thread             {one_1t:7.2f}  {one_1t / one_2t:.2f}x")
     print(f"  2 ranks CFG-parallel, 1+1    {two:7.2f}  {two / one_2t:.2f}x  ({two / one_1t:.2f}x over 1 thread)")
     return 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ RANK_CONFIG_ENV = "_DIFFUSIOND_RANK_CONFIG"
 AGENT_KILL_AFTER = 30.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -67,7 +67,7 @@ def launch(config: ServeConfig) -> int:
         nproc_per_node=config.nproc,
         run_id=f"diffusiond-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=config.max_restarts,
         monitor_interval=0.5,
     )

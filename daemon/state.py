@@ -13,7 +13,7 @@ from aiohttp import web
 from diffusiond.daemon.api import ApiError
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.engine.engine import Engine, RequestHandle
-from diffusiond.engine.outputs import Cancelled, Completed, Event, Failed, Progress
+from diffusiond.engine.outputs import TERMINAL, Cancelled, Completed, Event, Failed, Progress
 from diffusiond.metrics.registry import Metrics
 from diffusiond.models.base import ModelAdapter
 
@@ -30,6 +30,16 @@ class Record:
     step: int = 0
     total: int = 0
     error: str | None = None
+
+    def update(self, event: Event) -> None:
+        if isinstance(event, Progress):
+            self.status, self.step = "running", event.step
+        elif isinstance(event, Completed):
+            self.status, self.step = "completed", self.total
+        elif isinstance(event, Cancelled):
+            self.status, self.error = "cancelled", event.reason
+        elif isinstance(event, Failed):
+            self.status, self.error = "failed", event.error
 
 
 @dataclass
@@ -68,15 +78,8 @@ class ServerState:
         finished = False
         try:
             async for event in handle.events():
-                if isinstance(event, Progress):
-                    rec.status, rec.step = "running", event.step
-                elif isinstance(event, Completed):
-                    rec.status, rec.step = "completed", rec.total
-                elif isinstance(event, Cancelled):
-                    rec.status, rec.error = "cancelled", event.reason
-                elif isinstance(event, Failed):
-                    rec.status, rec.error = "failed", event.error
-                finished = isinstance(event, Completed | Cancelled | Failed)
+                rec.update(event)
+                finished = isinstance(event, TERMINAL)
                 yield event
         finally:
             if not finished:
@@ -89,13 +92,7 @@ class ServerState:
 
     @staticmethod
     async def _settle(handle: RequestHandle, rec: Record) -> None:
-        event = await handle.result()
-        if isinstance(event, Completed):
-            rec.status, rec.step = "completed", rec.total
-        elif isinstance(event, Cancelled):
-            rec.status, rec.error = "cancelled", event.reason
-        elif isinstance(event, Failed):
-            rec.status, rec.error = "failed", event.error
+        rec.update(await handle.result())
 
 
 STATE = web.AppKey("state", ServerState)

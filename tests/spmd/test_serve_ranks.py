@@ -163,6 +163,8 @@ def test_two_ranks_serve_and_survive_a_dead_rank(daemon):
         names.append(name)
         if name == "progress" and data["step"] == 2:
             os.kill(follower, signal.SIGKILL)
+            killed_at = time.monotonic()
+    failed_after = time.monotonic() - killed_at
     # The stream ended (no hang) with exactly one terminal event, a failure.
     terminal = [n for n in names if n in ("completed", "cancelled", "failed")]
     assert terminal == ["failed"] and names[-1] == "failed", (names, log.read_text()[-3000:])
@@ -173,6 +175,10 @@ def test_two_ranks_serve_and_survive_a_dead_rank(daemon):
     assert status != 200
     # The agent restarts the group; the daemon is ready again, with a new rank 1.
     wait_ready(base, proc)
+    print(
+        f"rank 1 killed: request failed after {failed_after:.2f} s, ready again after "
+        f"{time.monotonic() - killed_at:.1f} s"
+    )
     assert rank_pid(proc.pid, 1) not in (None, follower)
     events = list(
         stream(base, {"prompt": "after the restart", "width": 64, "height": 64, "num_inference_steps": 2, "seed": 2})

@@ -173,14 +173,6 @@ class Scheduler:
             self._finish(req, RequestStatus.FINISHED_FAILED)
         return victims
 
-    def cancel_all(self) -> list[SchedRequest]:
-        """Drain deadline passed: waiting requests end now, running ones are dropped by the next plan."""
-        cancelled = []
-        for req in [*self.waiting, *self.running.values()]:
-            if self.cancel(req.request_id) is not None and req.status.is_finished:
-                cancelled.append(req)
-        return cancelled
-
     # ---- internals ----
 
     def _finish(self, req: SchedRequest, status: RequestStatus) -> SchedRequest:

@@ -8,7 +8,6 @@ ARG UBUNTU=ubuntu24.04
 # ---- build: a virtual environment with CUDA torch, flash-attn (compiled here when no prebuilt wheel fits), diffusiond
 FROM ${CUDA_IMAGE}-devel-${UBUNTU} AS build
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 MAX_JOBS=4
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -17,7 +16,8 @@ RUN apt-get update \
 RUN python3 -m venv /opt/diffusiond
 ENV PATH=/opt/diffusiond/bin:$PATH
 # flash-attn compiles against the installed torch: torch and the build tools first, then no build isolation.
-RUN pip install --index-url "$TORCH_INDEX" "torch==${TORCH_VERSION}" \
+# PyPI's Linux x86_64 torch wheels are CUDA builds.
+RUN pip install "torch==${TORCH_VERSION}" \
     && pip install "setuptools>=69" "wheel>=0.43" "packaging>=24" "ninja>=1.11" "psutil>=5.9"
 WORKDIR /src
 COPY . .

@@ -17,6 +17,8 @@ import os
 import signal
 import socket
 import sys
+import threading
+import time
 import uuid
 
 import msgspec
@@ -118,6 +120,7 @@ def run_rank(config: ServeConfig) -> int:
         log.info("rank %d/%d joined (pid %d)", rank.rank, rank.world_size, os.getpid())
         return rank
 
+    _stop_with_the_agent(rank_id)
     try:
         if rank_id == 0:
             from diffusiond.daemon.serve import serve
@@ -142,3 +145,19 @@ def run_rank(config: ServeConfig) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _stop_with_the_agent(rank_id: int) -> None:
+    """The agent starts workers in sessions of their own, so nothing reaps them if it dies without a chance to stop
+    them (SIGKILL, OOM). Rank 0 then drains as on SIGTERM, and its shutdown plan releases the followers."""
+    if rank_id != 0:
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        log.error("the elastic agent (pid %d) is gone; stopping", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="diffusiond-agent-watch", daemon=True).start()

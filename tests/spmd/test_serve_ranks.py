@@ -48,6 +48,14 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def kill_tree(proc: subprocess.Popen) -> None:
+    """The agent starts workers in sessions of their own: killing the launcher's group would leave them running."""
+    for pid in [proc.pid, *children(proc.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(30)
+
+
 def rank_pid(launcher: int, rank: int) -> int | None:
     for pid in children(launcher):
         try:
@@ -128,9 +136,7 @@ def daemon(tiny_sd3, tmp_path):
         wait_ready(base, proc)
         yield proc, base, tmp_path / "daemon.log"
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+        kill_tree(proc)
         log.close()
 
 
@@ -258,6 +264,19 @@ def test_torchrun_launches_the_same_workers(tiny_sd3, tmp_path):
             os.kill(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
+            kill_tree(proc)
+
+
+def test_ranks_stop_when_the_agent_is_killed(daemon):
+    proc, _, log = daemon
+    ranks = [rank_pid(proc.pid, r) for r in (0, 1)]
+    assert all(ranks), ranks
+    os.kill(proc.pid, signal.SIGKILL)  # no chance to stop its workers: they are in sessions of their own
+    proc.wait(10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in ranks):
+        time.sleep(0.2)
+    alive = [pid for pid in ranks if Path(f"/proc/{pid}").exists()]
+    for pid in alive:  # don't leak them into later tests, whatever the verdict
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, log.read_text()[-3000:]

@@ -230,6 +230,8 @@ def add_log_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from diffusiond.models.tiny import FAMILIES
+
     parser = argparse.ArgumentParser(prog="diffusiond", description=__doc__)
     add_log_args(parser)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -263,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random-weight checkpoint (offline) for tests and development")
-    tiny.add_argument("--family", required=True, choices=["sd3", "flux"])
+    tiny.add_argument("--family", required=True, choices=FAMILIES)
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_make_tiny)

@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU install path: pin torch to the CPU build (any other torch request downloads several GB of CUDA wheels).
 CONSTRAINTS ?= constraints/cpu.txt
-PROMPT ?= a red circle at the top left on a blue background
+PROMPT ?= a small red circle at the top left on a blue background
 PORT ?= 8000
 
 .PHONY: setup run generate test bench

@@ -1,6 +1,8 @@
 """The model `diffusiond` serves when none is named: a checkpoint that needs no download.
 
-Until our own trained model ships, that is a tiny random SD3 checkpoint, built on first use into the cache folder
+That is the demo model shipped inside the package (`models/demo/weights`, a 64x64 text-to-image SD3 checkpoint
+trained on procedural shape scenes; see models/demo/README.md). Only if that folder is missing (a stripped
+install) does it fall back to a tiny random SD3 checkpoint, built on first use into the cache folder
 (`$DIFFUSIOND_CACHE`, else `$XDG_CACHE_HOME/diffusiond`, else `~/.cache/diffusiond`).
 """
 
@@ -12,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 DEFAULT_NAME = "tiny-sd3"
+SHIPPED = Path(__file__).parent / "demo" / "weights"
 
 
 def cache_dir() -> Path:
@@ -22,7 +25,14 @@ def cache_dir() -> Path:
 
 
 def default_model() -> str:
-    """Path of the default checkpoint, built atomically on first use (a half-written folder is never used)."""
+    """Path of the shipped demo checkpoint; without it, of the tiny random checkpoint (`tiny_model`)."""
+    if (SHIPPED / "model_index.json").is_file():
+        return str(SHIPPED)
+    return tiny_model()
+
+
+def tiny_model() -> str:
+    """Path of the tiny random checkpoint, built atomically on first use (a half-written folder is never used)."""
     from diffusiond.models.preview import write_preview_factors
     from diffusiond.models.tiny import build_tiny
 

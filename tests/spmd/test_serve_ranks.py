@@ -201,7 +201,7 @@ def test_sigterm_ends_every_process_within_the_drain_deadline(daemon):
     reached = threading.Event()
 
     def client():
-        body = {"prompt": "long", "width": 64, "height": 64, "num_inference_steps": 1000, "guidance_scale": 5.0}
+        body = {"prompt": "long", "width": 256, "height": 256, "num_inference_steps": 1000, "guidance_scale": 5.0}
         for name, data in stream(base, body, timeout=60):
             names.append(name)
             if name == "progress" and data["step"] >= 2:

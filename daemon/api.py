@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import re
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 import msgspec
 from aiohttp import web
 
-MAX_N = 10
+from diffusiond.daemon.config import MAX_N
+from diffusiond.engine.request import Every, Guidance, Prompt, Seed, Side, Steps
+
 MAX_PARTIAL_IMAGES = 3
+# Every number a client sends is bounded here, at the edge, with the field named in the error: nothing unbounded may
+# reach the wire (msgpack holds 64-bit integers only) or the model.
+N = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
+PartialImages = Annotated[int, msgspec.Meta(ge=0, le=MAX_PARTIAL_IMAGES)]
+Compression = Annotated[int, msgspec.Meta(ge=0, le=100)]
+Short = Annotated[str, msgspec.Meta(max_length=256)]
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 T = TypeVar("T")
 QUALITIES = ("auto", "low", "medium", "high", "standard", "hd")
@@ -50,42 +58,42 @@ def _dumps(obj) -> str:
 class ImageGenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """OpenAI `POST /v1/images/generations`, plus our extensions (last four fields)."""
 
-    prompt: str
-    model: str | None = None
-    n: int | None = None
-    size: str | None = None
-    response_format: str | None = None
-    output_format: str | None = None
-    output_compression: int | None = None
-    quality: str | None = None
-    background: str | None = None
-    moderation: str | None = None
-    style: str | None = None
-    user: str | None = None
-    safety_identifier: str | None = None
+    prompt: Prompt
+    model: Short | None = None
+    n: N | None = None
+    size: Short | None = None
+    response_format: Short | None = None
+    output_format: Short | None = None
+    output_compression: Compression | None = None
+    quality: Short | None = None
+    background: Short | None = None
+    moderation: Short | None = None
+    style: Short | None = None
+    user: Short | None = None
+    safety_identifier: Short | None = None
     stream: bool | None = None
-    partial_images: int | None = None
-    negative_prompt: str | None = None
-    seed: int | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
+    partial_images: PartialImages | None = None
+    negative_prompt: Prompt | None = None
+    seed: Seed | None = None
+    num_inference_steps: Steps | None = None
+    guidance_scale: Guidance | None = None
 
 
 class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Native `POST /v1/generations`: an SSE stream of everything the engine knows about one request."""
 
-    prompt: str
-    negative_prompt: str | None = None
-    seed: int | None = None
-    width: int | None = None
-    height: int | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    true_cfg_scale: float | None = None
-    preview_every: int = 0
+    prompt: Prompt
+    negative_prompt: Prompt | None = None
+    seed: Seed | None = None
+    width: Side | None = None
+    height: Side | None = None
+    num_inference_steps: Steps | None = None
+    guidance_scale: Guidance | None = None
+    true_cfg_scale: Guidance | None = None
+    preview_every: Every = 0
     # Also stream the raw latent (base64, with dtype and shape) with each preview.
     latents: bool = False
-    output_format: str = "png"
+    output_format: Short = "png"
 
 
 _PARAM_PATTERNS = (
@@ -121,10 +129,10 @@ def parse_size(size: str | None) -> tuple[int | None, int | None]:
     return int(match.group(1)), int(match.group(2))
 
 
-def validate_openai(req: ImageGenerationRequest) -> None:
+def validate_openai(req: ImageGenerationRequest, max_n: int = MAX_N) -> None:
     """The OpenAI fields we check ourselves; size, steps and guidance limits come from the model adapter."""
-    if req.n is not None and not 1 <= req.n <= MAX_N:
-        raise ApiError(400, f"n must be between 1 and {MAX_N}; got {req.n}", param="n")
+    if req.n is not None and req.n > max_n:
+        raise ApiError(400, f"n is {req.n}; this server allows at most {max_n} images per request (--max-n)", param="n")
     if req.response_format == "url":
         raise ApiError(
             400,
@@ -139,21 +147,8 @@ def validate_openai(req: ImageGenerationRequest) -> None:
     if req.background == "transparent":
         raise ApiError(400, "background 'transparent' is not supported by diffusion models here", param="background")
     check_choice("background", req.background, ("auto", "opaque"))
-    if req.output_compression is not None:
-        if not 0 <= req.output_compression <= 100:
-            raise ApiError(
-                400,
-                f"output_compression must be between 0 and 100; got {req.output_compression}",
-                param="output_compression",
-            )
-        if (req.output_format or "png") == "png":
-            raise ApiError(400, "output_compression applies to jpeg and webp only", param="output_compression")
-    if req.partial_images is not None:
-        if not 0 <= req.partial_images <= MAX_PARTIAL_IMAGES:
-            raise ApiError(
-                400,
-                f"partial_images must be between 0 and {MAX_PARTIAL_IMAGES}; got {req.partial_images}",
-                param="partial_images",
-            )
-        if req.partial_images and not req.stream:
-            raise ApiError(400, "partial_images needs stream=true", param="partial_images")
+    # Ranges (n, output_compression, partial_images) are checked by the struct's annotated types.
+    if req.output_compression is not None and (req.output_format or "png") == "png":
+        raise ApiError(400, "output_compression applies to jpeg and webp only", param="output_compression")
+    if req.partial_images and not req.stream:
+        raise ApiError(400, "partial_images needs stream=true", param="partial_images")

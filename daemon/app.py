@@ -22,14 +22,15 @@ from diffusiond.daemon import native_api, openai_api
 from diffusiond.daemon.api import ApiError
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.state import JOIN, METRICS, PRELOADED, STATE, ServerState
+from diffusiond.daemon.streaming import ClientGone
 from diffusiond.engine.comm import Communicator
 from diffusiond.engine.engine import Engine, QueueFullError
 from diffusiond.engine.outputs import Completed
-from diffusiond.engine.request import SamplingParams
+from diffusiond.engine.request import RequestLimits, SamplingParams
 from diffusiond.metrics.loop_lag import watch_loop_lag
 from diffusiond.metrics.observer import PrometheusObserver
 from diffusiond.metrics.registry import Metrics
-from diffusiond.models.base import ModelAdapter, ParamError
+from diffusiond.models.base import Capabilities, ModelAdapter, ParamError
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +97,15 @@ async def _load(app: web.Application) -> None:
                 model = await asyncio.to_thread(default_model)
             adapter = await asyncio.to_thread(load_adapter, model, device=config.device, dtype=config.dtype)
         state.model_id = _model_id(model or getattr(adapter, "source", "model"))
+        caps = adapter.capabilities
         engine = Engine(
             adapter,
             max_batch=config.max_batch,
             max_waiting=config.max_queue,
             observer=PrometheusObserver(app[METRICS]),
             comm=comm,
+            limits=request_limits(config, caps),
         )
-        caps = adapter.capabilities
         app[METRICS].set_info(
             model=state.model_id,
             family=caps.family,
@@ -113,7 +115,7 @@ async def _load(app: web.Application) -> None:
             version=__version__,
         )
         await engine.start()
-        state.engine = engine
+        state.attach(engine)
         # Warm-up: one smallest, one-step request through the whole path.
         side = adapter.capabilities.size_multiple * 2
         warm = engine.add_request(
@@ -131,6 +133,16 @@ async def _load(app: web.Application) -> None:
         log.exception("model failed to load")
 
 
+def request_limits(config: ServeConfig, caps: Capabilities) -> RequestLimits:
+    """The operator's limits, or defaults from the model: 4x its default image area (capped by its largest
+    sides) and 4x its default step count (at least 50)."""
+    default_pixels = min(4 * caps.default_width * caps.default_height, caps.max_side * caps.max_side)
+    return RequestLimits(
+        max_pixels=config.max_pixels or default_pixels,
+        max_steps=config.max_steps or max(50, 4 * caps.default_steps),
+    )
+
+
 def _model_id(model: str) -> str:
     return os.path.basename(os.path.normpath(model)) if os.path.isdir(model) else model
 
@@ -144,6 +156,10 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     except ApiError as exc:
         return exc.response()
+    except ClientGone as exc:
+        # `track` logged it and cancelled the request; aiohttp finishes the response it already started, quietly.
+        log.debug("write failed, client gone: %s %s (request %s)", request.method, request.path, exc)
+        return exc.response
     except ParamError as exc:
         return ApiError(400, str(exc), param=exc.param, code="invalid_value").response()
     except QueueFullError as exc:
@@ -162,11 +178,15 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
             raise
         headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
         return ApiError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"), headers=headers).response()
-    except (asyncio.CancelledError, ConnectionResetError):
+    except asyncio.CancelledError:
         raise
-    except Exception as exc:
+    except ConnectionError:
+        # A client gone before its response started: aiohttp has nothing to send it.
+        log.debug("client hung up: %s %s", request.method, request.path)
+        raise asyncio.CancelledError from None
+    except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return ApiError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
+        return ApiError(500, "internal server error; details are in the server log", type="server_error").response()
 
 
 # Liveness, readiness and scraping stay open when an API key is set (probes and scrapers carry no key).
@@ -179,7 +199,9 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     if key and request.path not in OPEN_PATHS:
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        # Header bytes that are not UTF-8 arrive as surrogates: compare bytes, never fail on them.
+        token_bytes = token.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token_bytes, key.encode()):
             raise ApiError(
                 401,
                 "missing or invalid API key (send 'Authorization: Bearer KEY')",
@@ -195,7 +217,8 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
 async def health(request: web.Request) -> web.Response:
     engine = request.app[STATE].engine
     if engine is not None and engine.error is not None:
-        return web.json_response({"status": "engine_failed", "error": repr(engine.error)}, status=503)
+        # Details are in the log, not for whoever probes.
+        return web.json_response({"status": "engine_failed"}, status=503)
     return web.json_response({"status": "ok"})
 
 
@@ -204,7 +227,7 @@ async def ready(request: web.Request) -> web.Response:
     if state.ready and not state.draining and state.engine is not None and state.engine.alive:
         return web.json_response({"status": "ready", "model": state.model_id})
     status = "draining" if state.draining else ("failed" if state.load_error else "loading")
-    return web.json_response({"status": status, "error": state.load_error}, status=503)
+    return web.json_response({"status": status}, status=503)
 
 
 async def metrics(request: web.Request) -> web.Response:

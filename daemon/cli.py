@@ -157,6 +157,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if loaded is None:
         return EXIT_USAGE
     config, _ = loaded
+    from diffusiond.daemon.config import ConfigError, check_exposure
+
+    try:
+        check_exposure(config)
+    except ConfigError as exc:
+        print(f"diffusiond serve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     from diffusiond.daemon.logs import configure_logging
 
     configure_logging(config.log_level, config.log_format)
@@ -203,8 +210,23 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--host", help=f"bind address (default: {d.host}, loopback only)")
     add("--port", type=int, help=f"(default: {d.port}; 0 picks a free port)")
     add("--api-key", help="require 'Authorization: Bearer KEY' (or set DIFFUSIOND_API_KEY)")
+    add(
+        "--allow-unauthenticated",
+        action="store_const",
+        const=True,
+        help="allow a non-loopback --host without --api-key (something in front authenticates)",
+    )
     add("--max-batch", type=int, help=f"requests per batched forward (default: {d.max_batch})")
     add("--max-queue", type=int, help=f"waiting requests before answering 429 (default: {d.max_queue})")
+    add("--max-pixels", type=int, help="largest width x height of one image (default: 4x the model's default area)")
+    add("--max-steps", type=int, help="most denoising steps per request (default: 4x the model's default, >= 50)")
+    add("--max-n", type=int, help=f"most images per OpenAI request (default: {d.max_n})")
+    add(
+        "--sse-keepalive",
+        type=float,
+        metavar="S",
+        help=f"SSE comment after S seconds without an event, for proxies (default: {d.sse_keepalive:g})",
+    )
     add("--max-body-bytes", type=int, help=f"largest request body (default: {d.max_body_bytes})")
     add("--device", help=f"(default: {d.device})")
     add("--dtype", choices=["float32", "float16", "bfloat16"], help=f"(default: {d.dtype})")

@@ -9,6 +9,7 @@ converted by msgspec ("4" -> 4); an empty one counts as unset, so an env file ma
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import math
 import re
@@ -18,6 +19,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from diffusiond.engine.request import MAX_STEPS
+
+# The most images one OpenAI request may ask for (`n`): OpenAI's own limit.
+MAX_N = 10
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -27,8 +32,17 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     host: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     api_key: str | None = None
+    # Binding anything but loopback without an API key must be asked for (check_exposure).
+    allow_unauthenticated: bool = False
     max_batch: Positive = 8
     max_queue: NonNegative = 64
+    # What one request may ask for. None: from the model (4x its default image area, up to its largest sides; 4x
+    # its default step count, at least 50). max_n: images per OpenAI request.
+    max_pixels: Positive | None = None
+    max_steps: Annotated[int, msgspec.Meta(ge=1, le=MAX_STEPS)] | None = None
+    max_n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 10
+    # Seconds without an event after which an SSE stream gets a comment line, so proxies keep it open.
+    sse_keepalive: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     device: str = "cpu"
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     threads: Positive | None = None
@@ -55,6 +69,25 @@ HIDDEN = "<hidden>"
 
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the key and its source."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name may resolve to anything
+
+
+def check_exposure(config: ServeConfig) -> None:
+    """Listening beyond loopback without an API key is a choice the operator makes explicitly."""
+    if not is_loopback(config.host) and not config.api_key and not config.allow_unauthenticated:
+        raise ConfigError(
+            f"refusing to listen on {config.host} without an API key: anyone who reaches the port could use it. Set "
+            f"--api-key (or {env_var('api_key')}), or pass --allow-unauthenticated "
+            f"({env_var('allow_unauthenticated')}=true) if something in front of the daemon authenticates"
+        )
 
 
 def flag(name: str) -> str:

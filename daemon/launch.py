@@ -102,7 +102,6 @@ def run_rank(config: ServeConfig) -> int:
     import torch.distributed as dist
 
     from diffusiond.daemon.ranks import join_group
-    from diffusiond.engine.comm import CommError
     from diffusiond.engine.follower import run_follower
 
     if config.model is None:
@@ -121,6 +120,7 @@ def run_rank(config: ServeConfig) -> int:
         return rank
 
     _stop_with_the_agent(rank_id)
+    code = 1
     try:
         if rank_id == 0:
             from diffusiond.daemon.serve import serve
@@ -130,7 +130,8 @@ def run_rank(config: ServeConfig) -> int:
                 return rank.adapter, rank.comm
 
             # The server (and its watchdog pings) is up while the group forms and the model loads.
-            return serve(config, join=join_driver)
+            code = serve(config, join=join_driver)
+            return code
         # Followers leave when rank 0 sends the shutdown plan at the end of its drain; a signal must not kill them
         # first, or rank 0's last steps would fail. (A Python handler could not run inside gloo anyway.)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -138,12 +139,15 @@ def run_rank(config: ServeConfig) -> int:
         rank = join()
         try:
             run_follower(rank.adapter, rank.comm)
-        except CommError as exc:
+        except Exception as exc:
             log.error("rank %d: %s; exiting so the agent restarts the group", rank.rank, exc)
             return 1
-        return 0
+        code = 0
+        return code
     finally:
-        if dist.is_initialized():
+        # A failed group may have a collective in flight that never ends (NCCL): tearing it down could hang, and
+        # the process is about to exit anyway.
+        if code == 0 and dist.is_initialized():
             dist.destroy_process_group()
 
 

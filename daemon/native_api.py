@@ -4,6 +4,7 @@ status and cancellation by id."""
 from __future__ import annotations
 
 import base64
+import contextlib
 
 import msgspec
 from aiohttp import web
@@ -11,19 +12,29 @@ from aiohttp import web
 from diffusiond.daemon.api import ApiError, GenerationRequest, decode_body
 from diffusiond.daemon.images import encode_image
 from diffusiond.daemon.state import STATE, Record
-from diffusiond.daemon.streaming import encode_off_loop, queue_requests, sse_event, start_sse
+from diffusiond.daemon.streaming import (
+    KEEPALIVE,
+    encode_off_loop,
+    finish,
+    queue_requests,
+    send,
+    sse_event,
+    start_sse,
+    with_keepalive,
+)
 from diffusiond.engine.outputs import Cancelled, Completed, Failed, Latent, Preview, Progress, Queued
 from diffusiond.engine.request import SamplingParams
 
 
-async def generations(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    body = decode_body(await request.read(), GenerationRequest)
+def parse_generation(data: bytes) -> tuple[GenerationRequest, SamplingParams]:
+    """The body of `POST /v1/generations`, validated as far as it can be without the model (ApiError: 400)."""
+    body = decode_body(data, GenerationRequest)
     if body.output_format not in ("png", "jpeg", "webp"):
         raise ApiError(
             400, f"output_format must be png, jpeg or webp; got {body.output_format!r}", param="output_format"
         )
-    engine = state.require_engine()
+    if body.latents and not body.preview_every:
+        raise ApiError(400, "latents are streamed with previews: set preview_every > 0", param="latents")
     params = SamplingParams(
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,
@@ -36,56 +47,65 @@ async def generations(request: web.Request) -> web.StreamResponse:
         preview_every=body.preview_every,
         stream_latents=body.latents,
     )
-    if body.latents and not body.preview_every:
-        raise ApiError(400, "latents are streamed with previews: set preview_every > 0", param="latents")
-    (handle,) = queue_requests(engine, state, [engine.adapter.resolve(params)])
+    return body, params
+
+
+async def generations(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body, params = parse_generation(await request.read())
+    engine = state.require_engine()
+    (handle,) = queue_requests(engine, state, [engine.check(params)])
     response = await start_sse(request, {"X-Request-Id": handle.request_id})
     rid = handle.request_id
-    async for event in state.track(handle):
-        if isinstance(event, Queued):
-            out = ("queued", {"position": event.position})
-        elif isinstance(event, Progress):
-            out = ("progress", {"step": event.step, "total": event.total})
-        elif isinstance(event, Preview):
-            data = await encode_off_loop(request, encode_image, event.image, body.output_format)
-            out = (
-                "preview",
-                {
-                    "step": event.step,
-                    "total": event.total,
-                    "format": body.output_format,
-                    "width": event.image.shape[1],
-                    "height": event.image.shape[0],
-                    "b64": base64.b64encode(data).decode(),
-                },
-            )
-        elif isinstance(event, Latent):
-            out = (
-                "latent",
-                {
-                    "step": event.step,
-                    "total": event.total,
-                    "dtype": str(event.latent.dtype),
-                    "shape": list(event.latent.shape),
-                    "b64": base64.b64encode(event.latent.tobytes()).decode(),
-                },
-            )
-        elif isinstance(event, Completed):
-            data = await encode_off_loop(request, encode_image, event.image, body.output_format)
-            out = (
-                "completed",
-                {
-                    "seed": event.seed,
-                    "images": [{"format": body.output_format, "b64": base64.b64encode(data).decode()}],
-                },
-            )
-        elif isinstance(event, Cancelled):
-            out = ("cancelled", {"reason": event.reason})
-        else:
-            assert isinstance(event, Failed)
-            out = ("failed", {"error": event.error})
-        await response.write(sse_event(out[0], {"type": out[0], "id": rid, **out[1]}))
-    await response.write_eof()
+    async with contextlib.aclosing(with_keepalive(state.track(handle), state.config.sse_keepalive)) as events:
+        async for event in events:
+            if event is None:
+                await send(response, KEEPALIVE, [rid])
+                continue
+            if isinstance(event, Queued):
+                out = ("queued", {"position": event.position})
+            elif isinstance(event, Progress):
+                out = ("progress", {"step": event.step, "total": event.total})
+            elif isinstance(event, Preview):
+                data = await encode_off_loop(request, encode_image, event.image, body.output_format)
+                out = (
+                    "preview",
+                    {
+                        "step": event.step,
+                        "total": event.total,
+                        "format": body.output_format,
+                        "width": event.image.shape[1],
+                        "height": event.image.shape[0],
+                        "b64": base64.b64encode(data).decode(),
+                    },
+                )
+            elif isinstance(event, Latent):
+                out = (
+                    "latent",
+                    {
+                        "step": event.step,
+                        "total": event.total,
+                        "dtype": str(event.latent.dtype),
+                        "shape": list(event.latent.shape),
+                        "b64": base64.b64encode(event.latent.tobytes()).decode(),
+                    },
+                )
+            elif isinstance(event, Completed):
+                data = await encode_off_loop(request, encode_image, event.image, body.output_format)
+                out = (
+                    "completed",
+                    {
+                        "seed": event.seed,
+                        "images": [{"format": body.output_format, "b64": base64.b64encode(data).decode()}],
+                    },
+                )
+            elif isinstance(event, Cancelled):
+                out = ("cancelled", {"reason": event.reason})
+            else:
+                assert isinstance(event, Failed)
+                out = ("failed", {"error": event.error})
+            await send(response, sse_event(out[0], {"type": out[0], "id": rid, **out[1]}), [rid])
+    await finish(response, [rid])
     return response
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -14,16 +15,21 @@ from diffusiond.daemon.api import ApiError, ImageGenerationRequest, decode_body,
 from diffusiond.daemon.images import encode_image, encode_preview
 from diffusiond.daemon.state import STATE, ServerState
 from diffusiond.daemon.streaming import (
+    KEEPALIVE,
     encode_off_loop,
+    finish,
     last_event,
     queue_requests,
+    send,
     sse_event,
     start_sse,
     terminal_error,
+    with_keepalive,
 )
-from diffusiond.engine.engine import RequestHandle
+from diffusiond.engine.engine import Engine, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Completed, Event, Failed, Preview
-from diffusiond.engine.request import SamplingParams
+from diffusiond.engine.request import MAX_SEED, SamplingParams
+from diffusiond.models.base import ParamError
 
 
 def _partial_every(steps: int, partial_images: int) -> int:
@@ -31,20 +37,11 @@ def _partial_every(steps: int, partial_images: int) -> int:
     return max(1, (steps - 1) // partial_images) if partial_images else 0
 
 
-async def images_generations(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    body = decode_body(await request.read(), ImageGenerationRequest)
-    validate_openai(body)
-    engine = state.require_engine()
-    if body.model is not None and body.model != state.model_id:
-        raise ApiError(
-            404,
-            f"model {body.model!r} not found; this server serves {state.model_id!r}",
-            param="model",
-            code="model_not_found",
-        )
+def parse_image_generation(data: bytes, max_n: int) -> tuple[ImageGenerationRequest, SamplingParams]:
+    """The body of `POST /v1/images/generations`, validated as far as it can be without the model (ApiError)."""
+    body = decode_body(data, ImageGenerationRequest)
+    validate_openai(body, max_n)
     width, height = parse_size(body.size)
-    n = body.n or 1
     base = SamplingParams(
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,
@@ -54,15 +51,42 @@ async def images_generations(request: web.Request) -> web.StreamResponse:
         num_inference_steps=body.num_inference_steps,
         guidance_scale=body.guidance_scale,
     )
-    resolved = engine.adapter.resolve(base)  # raises ParamError (400) before anything is queued
+    return body, base
+
+
+def expand(engine: Engine, body: ImageGenerationRequest, base: SamplingParams) -> list[SamplingParams]:
+    """The `n` requests of one OpenAI request, checked against the model, the limits and the wire (ParamError)."""
+    try:
+        resolved = engine.check(base)
+    except ParamError as exc:
+        if exc.param in ("width", "height"):
+            # OpenAI clients send `size`, not width and height.
+            raise ParamError("size", str(exc)) from None
+        raise
     assert resolved.seed is not None
+    every = _partial_every(resolved.num_inference_steps or 1, body.partial_images or 0)
+    # Seeds stay within the wire's bounds; preview_every is at most the step count.
+    return [
+        msgspec.structs.replace(resolved, seed=(resolved.seed + i) % (MAX_SEED + 1), preview_every=every)
+        for i in range(body.n or 1)
+    ]
+
+
+async def images_generations(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body, base = parse_image_generation(await request.read(), state.config.max_n)
+    engine = state.require_engine()
+    if body.model is not None and body.model != state.model_id:
+        raise ApiError(
+            404,
+            f"model {body.model!r} not found; this server serves {state.model_id!r}",
+            param="model",
+            code="model_not_found",
+        )
+    many = expand(engine, body, base)  # before anything is queued
+    resolved = many[0]
     partial = body.partial_images or 0
-    every = _partial_every(resolved.num_inference_steps or 1, partial)
-    handles = queue_requests(
-        engine,
-        state,
-        [msgspec.structs.replace(resolved, seed=(resolved.seed + i) % (2**63), preview_every=every) for i in range(n)],
-    )
+    handles = queue_requests(engine, state, many)
     fmt = body.output_format or "png"
     meta = {
         "size": f"{resolved.width}x{resolved.height}",
@@ -73,6 +97,8 @@ async def images_generations(request: web.Request) -> web.StreamResponse:
     headers = {"X-Request-Id": ",".join(h.request_id for h in handles)}
     if body.stream:
         return await _openai_stream(request, state, handles, fmt, body.output_compression, partial, meta, headers)
+    # Non-streaming: nothing to write until the end, so a client that hangs up is noticed through handler
+    # cancellation (aiohttp), which cancels the requests through `track`.
     results = await asyncio.gather(*(last_event(state.track(h)) for h in handles))
     for result in results:
         if not isinstance(result, Completed):
@@ -98,7 +124,8 @@ def _usage() -> dict:
 
 
 async def _merged(state: ServerState, handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Event]]:
-    """Events of several requests as they come, tagged with the request's index."""
+    """Events of several requests as they come, tagged with the request's index. The pumps read every mailbox
+    whatever the client does, and their queue is bounded by the events the engine produces (previews coalesce)."""
     queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
 
     async def pump(i: int, handle: RequestHandle) -> None:
@@ -127,37 +154,41 @@ async def _openai_stream(request, state, handles, fmt, compression, partial, met
     response = await start_sse(request, headers)
     width, height = (int(v) for v in meta["size"].split("x"))
     sent = [0] * len(handles)
-    async for i, event in _merged(state, handles):
-        if isinstance(event, Preview) and sent[i] < partial:
-            data = await encode_off_loop(request, encode_preview, event.image, (width, height), fmt, compression)
-            await response.write(
-                sse_event(
-                    "image_generation.partial_image",
-                    {
-                        "type": "image_generation.partial_image",
-                        "b64_json": base64.b64encode(data).decode(),
-                        "partial_image_index": sent[i],
-                        "created_at": int(time.time()),
-                        **meta,
-                    },
-                )
-            )
-            sent[i] += 1
-        elif isinstance(event, Completed):
-            data = await encode_off_loop(request, encode_image, event.image, fmt, compression)
-            await response.write(
-                sse_event(
-                    "image_generation.completed",
-                    {
-                        "type": "image_generation.completed",
-                        "b64_json": base64.b64encode(data).decode(),
-                        "created_at": int(time.time()),
-                        **meta,
-                        "usage": _usage(),
-                    },
-                )
-            )
-        elif isinstance(event, Cancelled | Failed):
-            await response.write(sse_event("error", {"type": "error", **terminal_error(event).body()}))
-    await response.write_eof()
+    ids = [h.request_id for h in handles]
+    async with contextlib.aclosing(with_keepalive(_merged(state, handles), state.config.sse_keepalive)) as items:
+        async for item in items:
+            if item is None:
+                await send(response, KEEPALIVE, ids)
+                continue
+            i, event = item
+            # Our extension, as in the native stream: which request (of n) the event belongs to.
+            tag = {"id": event.request_id, "index": i}
+            if isinstance(event, Preview) and sent[i] < partial:
+                data = await encode_off_loop(request, encode_preview, event.image, (width, height), fmt, compression)
+                name = "image_generation.partial_image"
+                payload = {
+                    "type": name,
+                    "b64_json": base64.b64encode(data).decode(),
+                    "partial_image_index": sent[i],
+                    "created_at": int(time.time()),
+                    **meta,
+                    **tag,
+                }
+                await send(response, sse_event(name, payload), ids)
+                sent[i] += 1
+            elif isinstance(event, Completed):
+                data = await encode_off_loop(request, encode_image, event.image, fmt, compression)
+                name = "image_generation.completed"
+                payload = {
+                    "type": name,
+                    "b64_json": base64.b64encode(data).decode(),
+                    "created_at": int(time.time()),
+                    **meta,
+                    "usage": _usage(),
+                    **tag,
+                }
+                await send(response, sse_event(name, payload), ids)
+            elif isinstance(event, Cancelled | Failed):
+                await send(response, sse_event("error", {"type": "error", **terminal_error(event).body(), **tag}), ids)
+    await finish(response, ids)
     return response

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from diffusiond.engine.comm import TorchComm
+from diffusiond.engine.comm import FaultBoard, TorchComm
 from diffusiond.kernels.parallel import ParallelLayout, build_groups
 from diffusiond.models.base import ModelAdapter
 from diffusiond.models.loader import load_adapter
@@ -55,4 +55,4 @@ def join_group(
         adapter.enable_cfg_parallel(cfg_group)
     if ulysses_group is not None:
         adapter.enable_ulysses(ulysses_group)
-    return Rank(rank, world_size, adapter, TorchComm(device=device))
+    return Rank(rank, world_size, adapter, TorchComm(device=device, faults=FaultBoard.from_env()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -16,6 +17,8 @@ from diffusiond.engine.engine import Engine, RequestHandle
 from diffusiond.engine.outputs import TERMINAL, Cancelled, Completed, Event, Failed, Progress
 from diffusiond.metrics.registry import Metrics
 from diffusiond.models.base import ModelAdapter
+
+log = logging.getLogger(__name__)
 
 MAX_RECORDS = 4096
 
@@ -53,17 +56,27 @@ class ServerState:
     # Set once loading ended, ready or failed (`serve.py` then notifies the service manager).
     loaded: asyncio.Event = field(default_factory=asyncio.Event)
     records: OrderedDict[str, Record] = field(default_factory=OrderedDict)
-    _settling: set[asyncio.Task] = field(default_factory=set)
 
     def require_engine(self) -> Engine:
         if self.draining:
             raise ApiError(503, "the server is shutting down", type="server_error", code="unavailable")
         if self.engine is None or not self.ready:
-            reason = f"model failed to load: {self.load_error}" if self.load_error else "model is still loading"
+            reason = "the model failed to load" if self.load_error else "the model is still loading"
             raise ApiError(503, reason, type="server_error", code="unavailable", headers={"Retry-After": "5"})
         if not self.engine.alive:
-            raise ApiError(503, f"engine stopped: {self.engine.error!r}", type="server_error", code="unavailable")
+            raise ApiError(503, "the engine stopped; the server is restarting", type="server_error", code="unavailable")
         return self.engine
+
+    def attach(self, engine: Engine) -> None:
+        """Status records follow the engine's events as it delivers them, not as clients read them: a slow reader
+        must not make GET say `running` for a request the engine already finished."""
+        self.engine = engine
+        engine.on_event = self._on_event
+
+    def _on_event(self, event: Event) -> None:
+        rec = self.records.get(event.request_id)
+        if rec is not None:
+            rec.update(event)
 
     def record(self, handle: RequestHandle) -> Record:
         rec = Record(handle.request_id, int(time.time()), total=handle.params.num_inference_steps or 0)
@@ -73,26 +86,17 @@ class ServerState:
         return rec
 
     async def track(self, handle: RequestHandle) -> AsyncIterator[Event]:
-        """A request's events, keeping its record current; cancels the request if the consumer goes away."""
-        rec = self.records.get(handle.request_id) or self.record(handle)
+        """A request's events; cancels the request if the consumer goes away before its terminal event."""
         finished = False
         try:
             async for event in handle.events():
-                rec.update(event)
                 finished = isinstance(event, TERMINAL)
                 yield event
         finally:
             if not finished:
-                # The consumer went away (client disconnect): cancel, and keep the record current until the
-                # request's terminal event, which nobody else will read.
+                # The one line a hang-up gets (aiohttp's write errors are not logged as errors).
+                log.info("request %s: the client went away; cancelling it", handle.request_id)
                 handle.cancel()
-                task = asyncio.create_task(self._settle(handle, rec))
-                self._settling.add(task)
-                task.add_done_callback(self._settling.discard)
-
-    @staticmethod
-    async def _settle(handle: RequestHandle, rec: Record) -> None:
-        rec.update(await handle.result())
 
 
 STATE = web.AppKey("state", ServerState)

@@ -1,11 +1,14 @@
-"""What the HTTP routes share: queueing a request's siblings together, image encoding off the loop, SSE framing,
-terminal events as OpenAI-shaped errors."""
+"""What the HTTP routes share: queueing a request's siblings together, image encoding off the loop, SSE framing and
+keepalives, clients that hang up, terminal events as OpenAI-shaped errors."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 import msgspec
 from aiohttp import web
@@ -15,6 +18,63 @@ from diffusiond.daemon.state import METRICS, ServerState
 from diffusiond.engine.engine import Engine, QueueFullError, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Event, Failed
 from diffusiond.engine.request import SamplingParams
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+KEEPALIVE = b": keepalive\n\n"
+
+
+class ClientGone(Exception):
+    """The client hung up while its stream was written. Not an error: the error middleware logs one INFO line and
+    hands aiohttp the response it already started."""
+
+    def __init__(self, response: web.StreamResponse, request_ids: list[str]) -> None:
+        super().__init__(", ".join(request_ids))
+        self.response = response
+        self.request_ids = request_ids
+
+
+async def send(response: web.StreamResponse, data: bytes, request_ids: list[str]) -> None:
+    try:
+        await response.write(data)
+    except ConnectionError:
+        raise ClientGone(response, request_ids) from None
+
+
+async def finish(response: web.StreamResponse, request_ids: list[str]) -> None:
+    try:
+        await response.write_eof()
+    except ConnectionError:
+        raise ClientGone(response, request_ids) from None
+
+
+async def with_keepalive(events: AsyncIterator[T], every: float) -> AsyncIterator[T | None]:
+    """`events`, with a None whenever `every` seconds pass without one (the caller writes an SSE comment, so that
+    proxies do not cut a stream that waits in the queue). Closes `events` when done."""
+    it = aiter(events)
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield None
+                continue
+            future, pending = pending, None
+            try:
+                event = future.result()
+            except StopAsyncIteration:
+                return
+            yield event
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await pending
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 async def encode_off_loop(request: web.Request, fn, *args) -> bytes:
@@ -49,9 +109,12 @@ async def last_event(events: AsyncIterator[Event]) -> Event:
 
 
 def terminal_error(event: Event) -> ApiError:
+    """Failed events carry a message meant for clients (with the request id); details are in the server log."""
     if isinstance(event, Cancelled):
-        return ApiError(503, f"request cancelled: {event.reason}", type="server_error", code="cancelled")
-    message = event.error if isinstance(event, Failed) else str(event)
+        return ApiError(
+            503, f"request {event.request_id} cancelled: {event.reason}", type="server_error", code="cancelled"
+        )
+    message = event.error if isinstance(event, Failed) else "no result"
     return ApiError(500, f"generation failed: {message}", type="server_error", code="generation_failed")
 
 

@@ -3,7 +3,11 @@ the same path as N ranks."""
 
 from __future__ import annotations
 
-from typing import Protocol
+import logging
+import os
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 
 class Communicator(Protocol):
@@ -12,6 +16,18 @@ class Communicator(Protocol):
 
     def broadcast(self, data: bytes | None) -> bytes:
         """Rank 0 passes the plan's bytes; every rank gets them back."""
+        ...
+
+    def agree(self, flags: list[int]) -> list[int]:
+        """Elementwise maximum of `flags` over all ranks. A collective: every rank calls it with as many flags."""
+        ...
+
+    def report_fault(self, message: str) -> None:
+        """Tell rank 0, outside the collectives, that this rank hit an error fatal to the group."""
+        ...
+
+    def fault(self) -> str | None:
+        """A fault another rank reported, if any (rank 0 polls this while a step may hang in a collective)."""
         ...
 
 
@@ -24,6 +40,66 @@ class LocalComm:
     def broadcast(self, data: bytes | None) -> bytes:
         assert data is not None
         return data
+
+    def agree(self, flags: list[int]) -> list[int]:
+        return flags
+
+    def report_fault(self, message: str) -> None:
+        pass
+
+    def fault(self) -> str | None:
+        return None
+
+
+class FaultBoard:
+    """Faults reported through the group's key-value store (the rendezvous TCPStore), not through a collective.
+
+    A rank that fails inside a collective step leaves the others waiting in that collective: with gloo its exit
+    breaks their sockets at once, but NCCL only notices at its timeout (minutes). Rank 0's engine polls this board
+    between heartbeats and during steps, so it fails its requests within a second whatever the backend. Keys carry the
+    restart attempt, so a fault of an earlier attempt never poisons the next group (the agent's store outlives it)."""
+
+    KEY = "fault"
+
+    def __init__(self, store: Any) -> None:
+        import torch.distributed as dist
+
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.store = dist.PrefixStore(f"diffusiond/attempt{attempt}/", store)
+
+    @classmethod
+    def from_env(cls) -> FaultBoard | None:
+        """A client of the store at MASTER_ADDR:MASTER_PORT (torchrun and our launcher host one there)."""
+        import datetime
+
+        import torch.distributed as dist
+
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not addr or not port:
+            return None
+        try:
+            store = dist.TCPStore(
+                addr, int(port), is_master=False, timeout=datetime.timedelta(seconds=10), wait_for_workers=False
+            )
+        except Exception as exc:
+            log.warning("no fault board (store at %s:%s unreachable: %s)", addr, port, exc)
+            return None
+        return cls(store)
+
+    def report(self, message: str) -> None:
+        try:
+            self.store.set(self.KEY, message)
+        except Exception as exc:
+            log.warning("could not report the fault to rank 0: %s", exc)
+
+    def read(self) -> str | None:
+        try:
+            if self.store.check([self.KEY]):
+                return self.store.get(self.KEY).decode(errors="replace")
+        except Exception:
+            # The store lives with rank 0 or the agent: unreachable means the group is going down anyway.
+            return None
+        return None
 
 
 class CommError(RuntimeError):
@@ -39,7 +115,9 @@ class TorchComm:
 
     HEADER = 8
 
-    def __init__(self, *, device: str = "cpu", buffer_bytes: int = 4096, group=None) -> None:
+    def __init__(
+        self, *, device: str = "cpu", buffer_bytes: int = 4096, group=None, faults: FaultBoard | None = None
+    ) -> None:
         import torch
         import torch.distributed as dist
 
@@ -51,6 +129,7 @@ class TorchComm:
         self.device = torch.device(device)
         self.capacity = buffer_bytes - self.HEADER
         self._buffer = torch.zeros(buffer_bytes, dtype=torch.uint8, device=self.device)
+        self.faults = faults
 
     def broadcast(self, data: bytes | None) -> bytes:
         torch = self._torch
@@ -75,3 +154,19 @@ class TorchComm:
             return first[self.HEADER :] + extra.cpu().numpy().tobytes()
         except Exception as exc:
             raise CommError(f"plan broadcast failed on rank {self.rank}: {exc}") from exc
+
+    def agree(self, flags: list[int]) -> list[int]:
+        torch = self._torch
+        try:
+            tensor = torch.tensor(flags, dtype=torch.int32).to(self.device)
+            self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX, group=self.group)
+            return tensor.tolist()
+        except Exception as exc:
+            raise CommError(f"agreement failed on rank {self.rank}: {exc}") from exc
+
+    def report_fault(self, message: str) -> None:
+        if self.faults is not None:
+            self.faults.report(message)
+
+    def fault(self) -> str | None:
+        return self.faults.read() if self.faults is not None else None

@@ -13,11 +13,11 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from diffusiond.engine.comm import Communicator, LocalComm
-from diffusiond.engine.executor import FATAL, ExecResult, Executor
+from diffusiond.engine.executor import FATAL, ExecResult, Executor, GroupFault
 from diffusiond.engine.mailbox import Mailbox
 from diffusiond.engine.observer import EngineObserver, NullObserver
 from diffusiond.engine.outputs import (
@@ -31,16 +31,21 @@ from diffusiond.engine.outputs import (
     Progress,
     Queued,
 )
-from diffusiond.engine.request import RequestStatus, SamplingParams
+from diffusiond.engine.request import RequestLimits, RequestStatus, SamplingParams
 from diffusiond.engine.scheduler import QueueFullError, SchedRequest, Scheduler, StepResult
-from diffusiond.engine.wire import PlanKind, StepPlan, decode_plan, encode_plan
-from diffusiond.models.base import ModelAdapter
+from diffusiond.engine.wire import NewRequest, PlanKind, StepPlan, WireError, check_request, decode_plan, encode_plan
+from diffusiond.models.base import ModelAdapter, ParamError
 
 log = logging.getLogger(__name__)
 # One line per finished request; structured fields ride in `extra={"fields": ...}` for the JSON formatter.
 request_log = logging.getLogger("diffusiond.requests")
 
 __all__ = ["Engine", "EngineDeadError", "QueueFullError", "RequestHandle"]
+
+# How often rank 0 looks for a fault reported by another rank (it may be stuck in a collective meanwhile).
+FAULT_POLL_S = 0.5
+# How long stop() waits for a step thread that died stuck in a collective before leaving it behind (a daemon thread).
+STUCK_JOIN_S = 2.0
 
 
 class EngineDeadError(RuntimeError):
@@ -106,11 +111,13 @@ class Engine:
         comm: Communicator | None = None,
         observer: EngineObserver | None = None,
         heartbeat: float = 1.0,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.adapter = adapter
         self.scheduler = Scheduler(max_batch=max_batch, max_running=max_running, max_waiting=max_waiting)
-        self.executor = Executor(adapter, driver=True)
         self.comm = comm or LocalComm()
+        self.executor = Executor(adapter, comm=self.comm, driver=True)
+        self.limits = limits
         self._commands: queue.SimpleQueue[_Add | _Cancel | _Stop] = queue.SimpleQueue()
         self._mailboxes: dict[str, Mailbox] = {}
         self._capacity = max_waiting + self.scheduler.max_running
@@ -124,6 +131,11 @@ class Engine:
         self._clock: dict[str, _Clock] = {}
         self.error: BaseException | None = None
         self.steps = 0
+        # Called on the event loop with every event as the engine delivers it, whether or not anyone reads the
+        # request's mailbox (status records stay current for slow readers).
+        self.on_event: Callable[[Event], None] | None = None
+        self._counts = (-1, -1)
+        self._stopping = threading.Event()
 
     # ---- lifecycle ----
 
@@ -131,12 +143,18 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="diffusiond-step", daemon=True)
         self._thread.start()
+        if self.comm.world_size > 1:
+            threading.Thread(target=self._watch_faults, name="diffusiond-faults", daemon=True).start()
 
     async def stop(self) -> None:
+        self._stopping.set()
         if self._thread is None:
             return
         self._commands.put(_Stop())
-        await asyncio.to_thread(self._thread.join)
+        # A step thread of a failed group may be stuck in a collective for good; it is a daemon thread, left behind.
+        await asyncio.to_thread(self._thread.join, STUCK_JOIN_S if self.error is not None else None)
+        if self._thread.is_alive() and self.error is None:
+            await asyncio.to_thread(self._thread.join)
         self._thread = None
 
     @property
@@ -152,12 +170,24 @@ class Engine:
 
     # ---- requests (event-loop thread) ----
 
+    def check(self, params: SamplingParams) -> SamplingParams:
+        """Resolve defaults and validate against the model, the operator's limits and the wire; raises ParamError
+        naming the field. What this returns can be planned, encoded and prepared on every rank."""
+        resolved = self.adapter.resolve(params)
+        if self.limits is not None and (over := self.limits.check(resolved)) is not None:
+            raise ParamError(*over)
+        try:
+            check_request(NewRequest("check", resolved))
+        except WireError as exc:
+            raise ParamError(exc.field or "request", str(exc)) from None
+        return resolved
+
     def add_request(self, params: SamplingParams, request_id: str | None = None) -> RequestHandle:
         """Validate, resolve defaults and queue a request. Raises ParamError (bad input), QueueFullError (retry
         later) or EngineDeadError."""
         if not self.alive:
-            raise EngineDeadError(f"engine is not running: {self.error!r}" if self.error else "engine is not running")
-        resolved = self.adapter.resolve(params)
+            raise EngineDeadError("engine is not running")
+        resolved = self.check(params)
         if len(self._mailboxes) >= self._capacity:
             raise QueueFullError(f"{len(self._mailboxes)} requests in flight (capacity {self._capacity})")
         request_id = request_id or uuid.uuid4().hex
@@ -181,6 +211,8 @@ class Engine:
 
     def _deliver(self, events: list[Event]) -> None:
         for event in events:
+            if self.on_event is not None and event.request_id in self._mailboxes:
+                self.on_event(event)
             mailbox = self._mailboxes.get(event.request_id)
             if mailbox is None:
                 continue
@@ -230,6 +262,7 @@ class Engine:
             while True:
                 events: list[Event] = []
                 running = self._drain_commands(events, block=not self.scheduler.has_work())
+                self._report_counts()
                 if running and self.scheduler.has_work():
                     t0 = time.perf_counter()
                     plan = decode_plan(self.comm.broadcast(encode_plan(self.scheduler.schedule())))
@@ -239,13 +272,8 @@ class Engine:
                     self.steps += 1
                     result.timings["broadcast"] = broadcast
                     events.extend(self._events_for(plan, result))
-                    self.observer.on_step(
-                        result.timings,
-                        result.batch_size,
-                        len(result.advanced),
-                        self.scheduler.num_waiting,
-                        self.scheduler.num_running,
-                    )
+                    self.observer.on_step(result.timings, result.batch_size, len(result.advanced))
+                    self._report_counts()
                 if not running:
                     # Stopped with requests in flight: each still gets its one terminal event.
                     leftovers = [*self.scheduler.waiting, *self.scheduler.running.values()]
@@ -253,19 +281,22 @@ class Engine:
                     for request in leftovers:
                         events.append(Cancelled(request.request_id, "engine stopped"))
                         self._finished(request, RequestStatus.FINISHED_CANCELLED)
+                    self._report_counts()
                 self._emit(events)
                 if not running:
                     return
         except BaseException as exc:
-            log.exception("engine step loop failed; failing every request")
+            reason = self._reason(exc)
+            log.exception("engine step loop failed (%s); failing every request", reason)
             self.error = exc
-            failed = self.scheduler.fail_all(repr(exc))
+            failed = self.scheduler.fail_all(reason)
             for request in failed:
                 self._finished(request, RequestStatus.FINISHED_FAILED)
-            self._emit([Failed(r.request_id, f"engine error: {exc!r}") for r in failed])
+            self._emit([Failed(r.request_id, _engine_failed(r.request_id, reason)) for r in failed])
+            self._report_counts()
             # Requests whose add command never reached the scheduler end too.
             if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._fail_orphans, repr(exc))
+                self._loop.call_soon_threadsafe(self._fail_orphans, reason)
                 self._loop.call_soon_threadsafe(self.fatal.set)
         finally:
             if self.error is None or not isinstance(self.error, FATAL):
@@ -274,8 +305,45 @@ class Engine:
                 except Exception:
                     log.exception("could not send the shutdown plan")
 
-    def _fail_orphans(self, error: str) -> None:
-        self._deliver([Failed(rid, f"engine error: {error}") for rid in list(self._mailboxes)])
+    def _reason(self, exc: BaseException) -> str:
+        """What clients are told about an engine failure: which rank failed, never exception text."""
+        if isinstance(exc, FATAL):
+            reported = self.comm.fault()
+            if reported:
+                return reported
+            return str(exc) if isinstance(exc, GroupFault) else "a rank of the serving group failed"
+        return "internal error in the step loop"
+
+    def _report_counts(self) -> None:
+        """Gauges follow every change of the scheduler's state, not only steps (a cancel while idle is one)."""
+        counts = (self.scheduler.num_waiting, self.scheduler.num_running)
+        if counts != self._counts:
+            self._counts = counts
+            self.observer.on_counts(*counts)
+
+    def _watch_faults(self) -> None:
+        """Rank 0 of a group: a fault another rank reports ends every request now, even while the step thread is
+        stuck in a collective that the failed rank will never join (NCCL waits for its timeout)."""
+        while not self._stopping.wait(FAULT_POLL_S):
+            thread = self._thread
+            if thread is None or not thread.is_alive():
+                return
+            reason = self.comm.fault()
+            if reason is not None:
+                log.error("fault reported by another rank: %s; failing every request", reason)
+                if self._loop is not None and not self._loop.is_closed():
+                    self._loop.call_soon_threadsafe(self._group_failed, reason)
+                return
+
+    def _group_failed(self, reason: str) -> None:
+        """Event loop: the group is gone while the step thread may still be blocked."""
+        if self.error is None:
+            self.error = GroupFault(reason)
+        self._fail_orphans(reason)
+        self.fatal.set()
+
+    def _fail_orphans(self, reason: str) -> None:
+        self._deliver([Failed(rid, _engine_failed(rid, reason)) for rid in list(self._mailboxes)])
 
     def _admitted(self, plan: StepPlan, now: float) -> None:
         for new in plan.new:
@@ -359,3 +427,7 @@ class Engine:
         for request_id in list(self._mailboxes):
             self.cancel(request_id)
         return len(self._mailboxes)
+
+
+def _engine_failed(request_id: str, reason: str) -> str:
+    return f"the engine stopped before this request finished: {reason} (request {request_id})"

@@ -1,12 +1,30 @@
 """Applies a `StepPlan` on one rank: free dropped states, admit and prepare new ones, one batched forward, each
 request's own sampler step, previews, and decoding of the requests that finished.
 
-A failure is pinned on the request that caused it: when a batched call raises, the executor reruns it one request at
-a time, so only the culprits fail and the others go on (every rank does the same, so states stay identical).
+Failures come in two tiers (vLLM's request errors vs engine errors):
+- A stage that runs no collectives (prepare, the sampler step, previews, decode) pins a failure on the request that
+  caused it: a batched call that raises is rerun one request at a time on this rank, so only the culprits fail.
+  In a group the ranks must then agree, or the next forward would run different batches (and different collectives)
+  per rank:
+  - after prepare, every rank all-reduces one flag per new request ("this rank could not prepare it") and all drop
+    the same ones. Every rank issues that collective at the same point of every plan with new requests, whatever
+    happened locally, so no rank can miss it: it cannot deadlock. (One small all-reduce per admission step, not per
+    step: 0.4 ms on gloo here.)
+  - later stages need no collective: rank 0's failures reach the others through the next plan, which drops the
+    request. A follower that failed a request alone keeps going; if the next plan still advances that request, the
+    ranks have diverged and the follower raises `GroupFault` (a deterministic failure, the same on every rank, is
+    dropped by that plan and never gets this far).
+- The forward (`denoise`) may run collectives inside the model (CFG-parallel gathers, Ulysses all-to-alls). An error
+  there leaves the other ranks inside a collective this rank will never join, so in a group it is fatal
+  (`GroupFault`): every request in flight ends, the process exits and the agent restarts the group. In a world of
+  one there are no collectives and the forward is isolated like the other stages.
+
+Clients see a message with their request id; the exception and its traceback go to this rank's log.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,18 +34,26 @@ import numpy as np
 import torch
 import torch.distributed
 
-from diffusiond.engine.comm import CommError
+from diffusiond.engine.comm import CommError, Communicator, LocalComm
 from diffusiond.engine.wire import StepPlan
 from diffusiond.models.base import ModelAdapter, RequestState
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
-# A broken collective is the group's failure, not a request's: it stops the engine instead of being isolated.
-FATAL = (CommError, torch.distributed.DistError)
+
+
+class GroupFault(RuntimeError):
+    """An error inside a stage that may run collectives: the group cannot go on (all ranks must restart)."""
+
+
+# A broken collective or a fault inside one is the group's failure, not a request's: it stops the engine.
+FATAL = (CommError, GroupFault, torch.distributed.DistError)
 
 
 @dataclass
 class ExecResult:
     advanced: list[str] = field(default_factory=list)
+    # request id -> the message its client sees (no exception text: details are in the log).
     failed: dict[str, str] = field(default_factory=dict)
     previews: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)
     images: dict[str, np.ndarray] = field(default_factory=dict)
@@ -37,13 +63,17 @@ class ExecResult:
     batch_size: int = 0
 
 
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+def public_error(request_id: str, stage: str, rank: int | None = None) -> str:
+    where = f" on rank {rank}" if rank is not None else ""
+    return f"internal error while {stage} this request{where} (request {request_id}); details are in the server log"
 
 
 class Executor:
-    def __init__(self, adapter: ModelAdapter, *, driver: bool = True) -> None:
+    def __init__(self, adapter: ModelAdapter, *, comm: Communicator | None = None, driver: bool = True) -> None:
         self.adapter = adapter
+        self.comm = comm or LocalComm()
+        self.rank = self.comm.rank
+        self.group = self.comm.world_size > 1
         # Only the driver (rank 0) needs previews and decoded images.
         self.driver = driver
         self.states: dict[str, RequestState] = {}
@@ -58,20 +88,21 @@ class Executor:
 
         if plan.new:
             t0 = time.perf_counter()
-            _, prepared = self._isolated(self.adapter.prepare, plan.new, lambda n: n.request_id, result.failed)
-            for state in prepared or ():
+            prepared = self._isolated(self.adapter.prepare, plan.new, lambda n: n.request_id, "preparing", result)
+            for state in prepared:
                 self.states[state.request_id] = state
             timings["encode"] = time.perf_counter() - t0
 
-        batch = [self.states[i] for i in plan.advance if i in self.states]
+        dropped = self._agree([n.request_id for n in plan.new], result) if self.group and plan.new else set()
+        batch = self._batch(plan.advance, dropped)
         if not batch:
-            return result
+            return self._done(result)
         t0 = time.perf_counter()
-        batch, model_output = self._isolated(self.adapter.denoise, batch, _state_id, result.failed)
+        batch, model_output = self._denoise(batch, result)
         timings["denoise"] = time.perf_counter() - t0
         result.batch_size = len(batch)
         if not batch:
-            return result
+            return self._done(result)
 
         if self.driver:
             t0 = time.perf_counter()
@@ -79,14 +110,19 @@ class Executor:
                 done = state.step_index + 1
                 every = state.params.preview_every
                 if every and done % every == 0 and done < state.total_steps:
-                    x0 = self.adapter.predicted_x0(state, model_output[i : i + 1])
-                    result.previews[state.request_id] = (done, self.adapter.preview(x0))
+                    try:
+                        x0 = self.adapter.predicted_x0(state, model_output[i : i + 1])
+                        result.previews[state.request_id] = (done, self.adapter.preview(x0))
+                    except Exception as exc:
+                        self._fail(state.request_id, "previewing", exc, result)
             if result.previews:
                 timings["preview"] = time.perf_counter() - t0
+            batch, model_output = self._alive(batch, model_output)
 
         t0 = time.perf_counter()
-        batch, _ = self._isolated(lambda b: self._step(b, batch, model_output), batch, _state_id, result.failed)
+        self._isolated(lambda part: self._step(part, batch, model_output), batch, _state_id, "sampling", result)
         timings["sampler"] = time.perf_counter() - t0
+        batch = [s for s in batch if s.request_id in self.states]
         result.advanced = [s.request_id for s in batch]
         for state in batch:
             if state.request_id in result.previews and state.params.stream_latents:
@@ -96,18 +132,47 @@ class Executor:
         if finished:
             if self.driver:
                 t0 = time.perf_counter()
-                done, images = self._isolated(self.adapter.decode, finished, _state_id, result.failed)
-                for state, image in zip(done, images or (), strict=True):
+                for state, image in self._isolated(self._decode, finished, _state_id, "decoding", result):
                     result.images[state.request_id] = image
                 timings["decode"] = time.perf_counter() - t0
             for state in finished:
-                del self.states[state.request_id]
+                self.states.pop(state.request_id, None)
             self._forget([s.request_id for s in finished])
-        for request_id in result.failed:
-            self.states.pop(request_id, None)
-        if result.failed:
-            self._forget(list(result.failed))
-        return result
+        return self._done(result)
+
+    # ---- stages ----
+
+    def _denoise(self, batch: list[RequestState], result: ExecResult) -> tuple[list[RequestState], torch.Tensor | None]:
+        try:
+            return batch, self.adapter.denoise(batch)
+        except FATAL:
+            raise
+        except Exception as exc:
+            if self.group:
+                ids = ", ".join(s.request_id for s in batch)
+                log.error("rank %d: denoising failed for requests %s", self.rank, ids, exc_info=exc)
+                raise GroupFault(f"rank {self.rank} failed while denoising") from exc
+            if len(batch) == 1:
+                self._fail(batch[0].request_id, "denoising", exc, result)
+                return [], None
+        # A world of one: no collectives ran, so each request may be retried alone.
+        outputs = []
+        for state in batch:
+            try:
+                outputs.append(self.adapter.denoise([state]))
+            except FATAL:
+                raise
+            except Exception as exc:
+                self._fail(state.request_id, "denoising", exc, result)
+        ok = [s for s in batch if s.request_id in self.states]
+        return ok, (torch.cat(outputs) if outputs else None)
+
+    def _alive(self, batch: list[RequestState], model_output: torch.Tensor) -> tuple[list[RequestState], torch.Tensor]:
+        """The batch without the requests that failed since the forward, and their rows of its output."""
+        rows = [i for i, s in enumerate(batch) if s.request_id in self.states]
+        if len(rows) == len(batch):
+            return batch, model_output
+        return [batch[i] for i in rows], model_output[rows]
 
     def _step(self, part: list[RequestState], batch: list[RequestState], model_output: torch.Tensor) -> list[None]:
         if len(part) == len(batch):
@@ -117,40 +182,76 @@ class Executor:
             self.adapter.step(part, model_output[rows])
         return [None] * len(part)
 
+    def _decode(self, states: list[RequestState]) -> list[tuple[RequestState, np.ndarray]]:
+        return list(zip(states, self.adapter.decode(states), strict=True))
+
+    # ---- failures ----
+
+    def _agree(self, new: Sequence[str], result: ExecResult) -> set[str]:
+        """Every rank drops the new requests that any rank could not prepare. Value per request: 0 when every rank
+        prepared it, else 1 + the highest rank that could not. Returns the dropped ids."""
+        mine = [0 if i in self.states else self.rank + 1 for i in new]
+        dropped = set()
+        for request_id, flag in zip(new, self.comm.agree(mine), strict=True):
+            if flag:
+                dropped.add(request_id)
+                self.states.pop(request_id, None)
+                if self.driver:
+                    result.failed.setdefault(request_id, public_error(request_id, "preparing", flag - 1))
+        return dropped
+
+    def _batch(self, advance: Sequence[str], dropped: set[str]) -> list[RequestState]:
+        batch = []
+        for request_id in advance:
+            state = self.states.get(request_id)
+            if state is not None:
+                batch.append(state)
+            elif self.group and request_id not in dropped:
+                # This rank failed the request alone and rank 0 still plans it: the ranks have diverged.
+                raise GroupFault(f"rank {self.rank} failed a request alone (request {request_id})")
+        return batch
+
+    def _fail(self, request_id: str, stage: str, exc: BaseException, result: ExecResult) -> None:
+        """A local failure: the state goes. On the driver the scheduler drops the request from the next plan on every
+        rank; a follower learns from the next plan whether the failure was shared (see the module docstring)."""
+        log.error("rank %d: request %s failed while %s", self.rank, request_id, stage, exc_info=exc)
+        self.states.pop(request_id, None)
+        if self.driver:
+            result.failed[request_id] = public_error(request_id, stage)
+
+    def _done(self, result: ExecResult) -> ExecResult:
+        if result.failed:
+            self._forget(list(result.failed))
+        return result
+
     def _forget(self, request_ids: Sequence[str]) -> None:
         forget = getattr(self.adapter, "forget", None)
         if forget is not None:
             forget(request_ids)
 
     def _isolated(
-        self, fn: Callable[[list[T]], Any], items: Sequence[T], ident: Callable[[T], str], failed: dict[str, str]
-    ) -> tuple[list[T], Any]:
-        """Run `fn` on the whole batch; if it raises, run each item alone so that only the culprits fail.
-        Returns the items that succeeded and `fn`'s output for them (a tensor or a list, concatenated)."""
+        self, fn: Callable[[list[T]], list[Any]], items: Sequence[T], ident: Callable[[T], str], stage: str, result
+    ) -> list[Any]:
+        """Run `fn` (no collectives inside) on the whole batch; if it raises, run each item alone so that only the
+        culprits fail. `fn` returns one output per item; returns the outputs of the items that succeeded."""
         items = list(items)
         try:
-            return items, fn(items)
+            return list(fn(items))
         except FATAL:
             raise
         except Exception as exc:
             if len(items) == 1:
-                failed[ident(items[0])] = _describe(exc)
-                return [], None
-        ok: list[T] = []
+                self._fail(ident(items[0]), stage, exc, result)
+                return []
         outputs: list[Any] = []
         for item in items:
             try:
-                outputs.append(fn([item]))
-                ok.append(item)
+                outputs.extend(fn([item]))
             except FATAL:
                 raise
             except Exception as exc:
-                failed[ident(item)] = _describe(exc)
-        if not ok:
-            return [], None
-        if isinstance(outputs[0], torch.Tensor):
-            return ok, torch.cat(outputs)
-        return ok, [x for out in outputs for x in out]
+                self._fail(ident(item), stage, exc, result)
+        return outputs
 
 
 def _state_id(state: RequestState) -> str:

@@ -9,9 +9,12 @@ from diffusiond.engine.request import RequestStatus
 
 
 class EngineObserver(Protocol):
-    def on_step(self, timings: dict[str, float], batch_size: int, advanced: int, waiting: int, running: int) -> None:
+    def on_step(self, timings: dict[str, float], batch_size: int, advanced: int) -> None:
         """One executed plan: seconds per stage (broadcast, encode, denoise, sampler, preview, decode) and the
         number of requests that shared its forward (0: no forward ran), and how many of them advanced a step."""
+
+    def on_counts(self, waiting: int, running: int) -> None:
+        """The scheduler's queue and running set changed size (after a step, an admission or a cancel)."""
 
     def on_admitted(self, request_id: str, queue_wait: float) -> None:
         """A request left the queue (its parameters went out in a plan)."""
@@ -25,7 +28,10 @@ class EngineObserver(Protocol):
 
 
 class NullObserver:
-    def on_step(self, timings: dict[str, float], batch_size: int, advanced: int, waiting: int, running: int) -> None:
+    def on_step(self, timings: dict[str, float], batch_size: int, advanced: int) -> None:
+        pass
+
+    def on_counts(self, waiting: int, running: int) -> None:
         pass
 
     def on_admitted(self, request_id: str, queue_wait: float) -> None:

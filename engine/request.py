@@ -1,8 +1,10 @@
-"""Request status and sampling parameters: plain data shared by the scheduler, the wire and the executor."""
+"""Request status, sampling parameters and the bounds every request must respect: plain data shared by the HTTP
+edge, the scheduler, the wire and the executor."""
 
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
 import msgspec
 
@@ -22,23 +24,67 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_COMPLETED
 
 
+# Hard bounds of what may cross the wire, whatever the model or the operator allows (msgpack carries integers in
+# [-2**63, 2**64 - 1] only, and a number nobody can run is better refused at the edge than inside a step). The model's
+# capabilities and the operator's limits (`RequestLimits`) are narrower; these only keep absurd values out.
+MAX_SEED = 2**63 - 1
+MAX_SIDE = 1 << 16
+MAX_STEPS = 10_000
+MAX_GUIDANCE = 100.0
+MAX_PROMPT_CHARS = 10_000
+
+Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)]
+Side = Annotated[int, msgspec.Meta(ge=1, le=MAX_SIDE)]
+Steps = Annotated[int, msgspec.Meta(ge=1, le=MAX_STEPS)]
+# Every K steps; 0: never.
+Every = Annotated[int, msgspec.Meta(ge=0, le=MAX_STEPS)]
+Guidance = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_GUIDANCE)]
+Prompt = Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, array_like=True, gc=False):
     """Everything that decides a request's image. Fully resolved before it reaches the wire: every rank must compute
     the same thing from it, so `None` never means "pick something" past `ModelAdapter.resolve`.
 
     `guidance_scale` is the family's main guidance knob (classifier-free guidance for SD3, the distilled guidance
     embedding for FLUX); `true_cfg_scale` is FLUX's optional real CFG, used with a negative prompt.
+
+    The annotated bounds are checked wherever the struct is decoded (HTTP bodies reuse the same types, and
+    `wire.check_request` round-trips every request before it is queued), never by the constructor.
     """
 
-    prompt: str
-    negative_prompt: str | None = None
-    seed: int | None = None
-    width: int | None = None
-    height: int | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    true_cfg_scale: float | None = None
+    prompt: Prompt
+    negative_prompt: Prompt | None = None
+    seed: Seed | None = None
+    width: Side | None = None
+    height: Side | None = None
+    num_inference_steps: Steps | None = None
+    guidance_scale: Guidance | None = None
+    true_cfg_scale: Guidance | None = None
     # Emit a preview every K steps (0: never). Previews never change the final image.
-    preview_every: int = 0
+    preview_every: Every = 0
     # With each preview, also hand out the raw latent.
     stream_latents: bool = False
+
+
+class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """What the operator lets one request ask for (`--max-pixels`, `--max-steps`), resolved at start-up from the
+    configuration and the model's capabilities. `n` (images per HTTP request) is the HTTP layer's own limit."""
+
+    max_pixels: int
+    max_steps: int
+
+    def check(self, params: SamplingParams) -> tuple[str, str] | None:
+        """(field, message) for the first limit that resolved `params` exceed; None when within limits."""
+        pixels = (params.width or 0) * (params.height or 0)
+        if pixels > self.max_pixels:
+            return "width", (
+                f"{params.width}x{params.height} is {pixels} pixels; this server allows at most {self.max_pixels} "
+                f"per image (--max-pixels)"
+            )
+        if (params.num_inference_steps or 0) > self.max_steps:
+            return "num_inference_steps", (
+                f"num_inference_steps {params.num_inference_steps} is above this server's limit of {self.max_steps} "
+                f"(--max-steps)"
+            )
+        return None

@@ -7,6 +7,7 @@ is admitted, then only ids. Latents never travel; every rank derives identical s
 from __future__ import annotations
 
 import enum
+import re
 
 import msgspec
 
@@ -43,6 +44,41 @@ class StepPlan(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(StepPlan)
+_new_decoder = msgspec.msgpack.Decoder(NewRequest)
+_PARAM_FIELDS = SamplingParams.__struct_fields__
+# A validation error inside an array-like NewRequest: `$[1]` is its params, `[k]` the k-th field of SamplingParams.
+_PARAM_PATH = re.compile(r"`\$\[1\]\[(\d+)\]")
+
+
+class WireError(ValueError):
+    """A request that cannot cross the wire; `field` names the offending SamplingParams field when known."""
+
+    def __init__(self, field: str | None, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def check_request(request: NewRequest) -> None:
+    """Encode and decode one request exactly as a plan would carry it, so that a request which cannot be encoded
+    (an integer msgpack cannot hold) or decoded (a value outside SamplingParams' bounds) fails alone, before it is
+    queued, and never inside a step where it would stop the engine. Raises WireError."""
+    try:
+        data = _encoder.encode(request)
+    except (OverflowError, TypeError, ValueError) as exc:
+        # msgspec does not say which field; find it by encoding them one at a time.
+        for name in _PARAM_FIELDS:
+            try:
+                _encoder.encode(getattr(request.params, name))
+            except (OverflowError, TypeError, ValueError):
+                raise WireError(name, f"{name} cannot be encoded: {exc}") from None
+        raise WireError(None, f"request cannot be encoded: {exc}") from None
+    try:
+        _new_decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        match = _PARAM_PATH.search(str(exc))
+        name = _PARAM_FIELDS[int(match.group(1))] if match else None
+        message = str(exc).split(" - at ")[0]
+        raise WireError(name, f"{name or 'request'}: {message}") from None
 
 
 def encode_plan(plan: StepPlan) -> bytes:

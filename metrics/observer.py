@@ -10,15 +10,17 @@ class PrometheusObserver:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
-    def on_step(self, timings: dict[str, float], batch_size: int, advanced: int, waiting: int, running: int) -> None:
+    def on_step(self, timings: dict[str, float], batch_size: int, advanced: int) -> None:
         m = self.metrics
         for stage, seconds in timings.items():
             m.stage_seconds.labels(stage).observe(seconds)
         if batch_size:
             m.batch_size.observe(batch_size)
         m.steps.inc(advanced)
-        m.waiting.set(waiting)
-        m.running.set(running)
+
+    def on_counts(self, waiting: int, running: int) -> None:
+        self.metrics.waiting.set(waiting)
+        self.metrics.running.set(running)
 
     def on_admitted(self, request_id: str, queue_wait: float) -> None:
         self.metrics.queue_wait.observe(queue_wait)

@@ -200,7 +200,9 @@ def serve(tiny_sd3) -> Iterator[Callable[..., LiveServer]]:
     def get(**overrides: Any) -> LiveServer:
         key = tuple(sorted(overrides.items()))
         if key not in servers:
-            thread = ServerThread(ServeConfig(model=tiny_sd3, port=0, **overrides), tiny_sd3)
+            # Tests run long requests (1000 steps) to act on them mid-flight.
+            config = {"max_steps": 1000, **overrides}
+            thread = ServerThread(ServeConfig(model=tiny_sd3, port=0, **config), tiny_sd3)
             threads[key] = thread
             try:
                 servers[key] = thread.start()

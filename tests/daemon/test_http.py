@@ -173,7 +173,7 @@ MALFORMED = {
     "prompt-int": ({**GOOD, "prompt": 1}, 400, "prompt"),
     "n-string": ({**GOOD, "n": "3"}, 400, "n"),
     "size-big": ({**GOOD, "size": "big"}, 400, "size"),
-    "size-65x64": ({**GOOD, "size": "65x64"}, 400, "width"),
+    "size-65x64": ({**GOOD, "size": "65x64"}, 400, "size"),
     "n-0": ({**GOOD, "n": 0}, 400, "n"),
     "n-11": ({**GOOD, "n": 11}, 400, "n"),
     "steps-0": ({**GOOD, "num_inference_steps": 0}, 400, "num_inference_steps"),

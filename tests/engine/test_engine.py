@@ -87,7 +87,7 @@ async def test_cancel_while_waiting(adapter):
 
 
 @pytest.mark.asyncio
-async def test_exception_fails_only_that_request(adapter, monkeypatch):
+async def test_exception_fails_only_that_request(adapter, monkeypatch, caplog):
     real_denoise = adapter.denoise
 
     def denoise(states):
@@ -105,7 +105,11 @@ async def test_exception_fails_only_that_request(adapter, monkeypatch):
     finally:
         await engine.stop()
     assert isinstance(results[0], Completed) and isinstance(results[2], Completed)
-    assert isinstance(results[1], Failed) and "injected failure" in results[1].error
+    # The client gets its request id and no internal text; the exception goes to the log with that id.
+    assert isinstance(results[1], Failed)
+    assert handles[1].request_id in results[1].error and "injected failure" not in results[1].error
+    logged = [r for r in caplog.records if handles[1].request_id in r.getMessage()]
+    assert logged and "injected failure" in str(logged[0].exc_info[1])
     # The survivors are unharmed: the same image as when run alone.
     np.testing.assert_allclose(results[0].image, solo.image, atol=1e-5)
     assert engine.error is None

@@ -126,6 +126,8 @@ def start_daemon(tiny_sd3, tmp_path) -> Iterator[Callable[..., Daemon]]:
         env.update(NOTIFY_SOCKET=notify.path, WATCHDOG_USEC="200000", PYTHONUNBUFFERED="1")
         log_path = tmp_path / f"daemon{len(started)}.log"
         argv = [sys.executable, "-m", "diffusiond", "serve", "--model", tiny_sd3, "--port", str(port), "--threads", "1"]
+        # Tests run long requests (1000 steps) to act on them mid-flight.
+        argv += ["--max-steps", "1000"]
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [*argv, *flags],

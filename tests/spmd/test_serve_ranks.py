@@ -101,11 +101,25 @@ def stream(base: str, body: dict, timeout: float = 60.0):
                 yield name, json.loads(line[6:])
 
 
+FAULTS = Path(__file__).with_name("faults")
+
+
 @pytest.fixture
 def daemon(tiny_sd3, tmp_path):
+    yield from start_daemon(tiny_sd3, tmp_path, {})
+
+
+@pytest.fixture
+def faulty_daemon(tiny_sd3, tmp_path):
+    """Rank 1 raises in prepare or denoise for prompts that ask for it (faults/sitecustomize.py)."""
+    pythonpath = os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")]))
+    yield from start_daemon(tiny_sd3, tmp_path, {"PYTHONPATH": pythonpath, "FAULT_INJECT_RANK": "1"})
+
+
+def start_daemon(tiny_sd3, tmp_path, extra_env: dict[str, str]):
     port = free_port()
     log = open(tmp_path / "daemon.log", "w")  # noqa: SIM115 - closed in the finalizer
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFUSIOND_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFUSIOND_CACHE": str(tmp_path / "cache"), **extra_env}
     env = {k: v for k, v in env.items() if not k.startswith("DIFFUSIOND_") or k == "DIFFUSIOND_CACHE"}
     proc = subprocess.Popen(
         [
@@ -125,6 +139,8 @@ def daemon(tiny_sd3, tmp_path):
             "2",
             "--drain-timeout",
             "5",
+            "--max-steps",
+            "1000",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -280,3 +296,76 @@ def test_ranks_stop_when_the_agent_is_killed(daemon):
     for pid in alive:  # don't leak them into later tests, whatever the verdict
         os.kill(pid, signal.SIGKILL)
     assert not alive, log.read_text()[-3000:]
+
+
+def terminal_events(names: list[str]) -> list[str]:
+    return [n for n in names if n in ("completed", "cancelled", "failed")]
+
+
+class Client(threading.Thread):
+    """One native stream read in the background: event names, the last event's data, when it ended."""
+
+    def __init__(self, base: str, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.base, self.body = base, body
+        self.names: list[str] = []
+        self.last: dict = {}
+        self.progress = threading.Event()
+        self.ended_at: float | None = None
+
+    def run(self) -> None:
+        try:
+            for name, data in stream(self.base, self.body, timeout=120):
+                self.names.append(name)
+                self.last = data
+                if name == "progress" and data["step"] >= 2:
+                    self.progress.set()
+        finally:
+            self.ended_at = time.monotonic()
+
+
+def test_rank_local_faults_fail_alone_or_restart_the_group(faulty_daemon):
+    """A fault on rank 1 only. In prepare (no collectives): the ranks agree to drop that request, which fails alone
+    while the others go on. In denoise (collectives): fatal to the group, every request in flight ends with one
+    terminal event within seconds, and the agent brings the group back."""
+    proc, base, log = faulty_daemon
+    follower = rank_pid(proc.pid, 1)
+    cfg = {"width": 64, "height": 64, "guidance_scale": 5.0}
+
+    # prepare: only the culprit fails
+    survivor = Client(base, {"prompt": "a long one", "num_inference_steps": 60, "seed": 1, **cfg})
+    survivor.start()
+    assert survivor.progress.wait(30), log.read_text()[-3000:]
+    t0 = time.monotonic()
+    culprit = list(stream(base, {"prompt": "fault:prepare", "num_inference_steps": 4, "seed": 2, **cfg}))
+    print(f"prepare fault on rank 1: the culprit's terminal event after {time.monotonic() - t0:.2f} s")
+    assert terminal_events([n for n, _ in culprit]) == ["failed"] and culprit[-1][0] == "failed", culprit
+    assert "rank 1" in culprit[-1][1]["error"] and "injected" not in culprit[-1][1]["error"], culprit[-1]
+    survivor.join(60)
+    assert terminal_events(survivor.names) == ["completed"], (survivor.names[-3:], log.read_text()[-3000:])
+    assert get(f"{base}/ready")[0] == 200 and rank_pid(proc.pid, 1) == follower, "the group must not restart"
+
+    # denoise: the group fails as a whole
+    victims = [Client(base, {"prompt": f"long {i}", "num_inference_steps": 1000, "seed": i, **cfg}) for i in (3, 4)]
+    for victim in victims:
+        victim.start()
+    assert all(v.progress.wait(30) for v in victims), log.read_text()[-3000:]
+    t0 = time.monotonic()
+    culprit = list(stream(base, {"prompt": "fault:denoise", "num_inference_steps": 4, "seed": 5, **cfg}))
+    for victim in victims:
+        victim.join(30)
+    ended = max(v.ended_at or float("inf") for v in victims) - t0
+    print(f"denoise fault on rank 1: every request ended {ended:.2f} s after the culprit was sent")
+    for names in [[n for n, _ in culprit], *(v.names for v in victims)]:
+        assert terminal_events(names) == ["failed"] and names[-1] == "failed", (names[-3:], log.read_text()[-3000:])
+    assert "rank 1 failed while denoising" in victims[0].last["error"], victims[0].last
+    assert ended < 10
+    status = None
+    with contextlib.suppress(OSError):
+        status = get(f"{base}/ready")[0]
+    assert status != 200
+    wait_ready(base, proc)
+    print(f"denoise fault on rank 1: ready again {time.monotonic() - t0:.1f} s after the fault")
+    assert rank_pid(proc.pid, 1) not in (None, follower)
+    events = list(stream(base, {"prompt": "after the restart", "num_inference_steps": 2, "seed": 6, **cfg}))
+    assert events[-1][0] == "completed", events[-1]

@@ -1,6 +1,7 @@
 # diffusiond for NVIDIA GPUs.
 #   docker build -t diffusiond .
-#   docker run --gpus all -p 8000:8000 -v diffusiond-cache:/var/cache/diffusiond diffusiond --model ID_OR_DIR --nproc 1
+#   docker run --gpus all -p 8000:8000 -e DIFFUSIOND_API_KEY=... -v diffusiond-cache:/var/cache/diffusiond \
+#       diffusiond --model ID_OR_DIR --nproc 1
 # Arguments after the image name go to `diffusiond serve`; settings also come from DIFFUSIOND_* variables (-e).
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn
 ARG UBUNTU=ubuntu24.04
@@ -35,7 +36,9 @@ RUN apt-get update \
     && install -d -o diffusiond -g diffusiond /var/cache/diffusiond
 COPY --from=build /opt/diffusiond /opt/diffusiond
 # Settings as variables, not CMD arguments, so that arguments given to `docker run` (which replace CMD) keep them.
-# Inside a container the daemon must listen on every interface (its own default is loopback only).
+# Inside a container the daemon must listen on every interface (its own default is loopback only). Beyond loopback
+# it refuses to start without an API key: pass -e DIFFUSIOND_API_KEY=... (or --env-file), or
+# -e DIFFUSIOND_ALLOW_UNAUTHENTICATED=true when something in front of it authenticates.
 ENV PATH=/opt/diffusiond/bin:$PATH \
     HOME=/var/lib/diffusiond \
     XDG_CACHE_HOME=/var/cache/diffusiond \

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 from pathlib import Path
@@ -157,7 +158,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if loaded is None:
         return EXIT_USAGE
     config, _ = loaded
-    from diffusiond.daemon.config import ConfigError, check_exposure
+    from diffusiond.daemon.config import ConfigError, check_exposure, exposure_warning
 
     try:
         check_exposure(config)
@@ -167,6 +168,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from diffusiond.daemon.logs import configure_logging
 
     configure_logging(config.log_level, config.log_format)
+    if (warning := exposure_warning(config)) is not None:
+        logging.getLogger("diffusiond").warning(warning)
     from diffusiond.daemon.ranks import in_launched_group
 
     if in_launched_group():  # a worker of torchrun or of our own launch below

@@ -90,6 +90,12 @@ def check_exposure(config: ServeConfig) -> None:
         )
 
 
+def exposure_warning(config: ServeConfig) -> str | None:
+    if not is_loopback(config.host) and not config.api_key:
+        return f"listening on {config.host} with no API key (--allow-unauthenticated): whoever reaches it can use it"
+    return None
+
+
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 

@@ -1,7 +1,10 @@
 """Run under torch.distributed.run: rank 0 drives an Engine over a TorchComm, the others follow. Rank 0 writes each
-request's image to OUT/<index>.npy. Arguments: MODEL OUT CFG_PARALLEL ULYSSES REQUESTS_JSON."""
+request's image to OUT/<index>.npy; every rank writes OUT/forwards<rank>.json, what each of its transformer forwards
+saw (requests, rows, tokens in and tokens per block), so a test can tell a real split from one that computes
+everything everywhere. Arguments: MODEL OUT CFG_PARALLEL ULYSSES REQUESTS_JSON."""
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -30,15 +33,44 @@ async def drive(rank, requests, out: Path) -> None:
         await engine.stop()
 
 
+def record_forwards(adapter) -> list[dict]:
+    """One entry per denoise call: its requests, whether they use CFG, and per transformer call the rows and image
+    tokens it got and the tokens its first block saw."""
+    forwards: list[dict] = []
+    real = adapter.denoise
+    patch = adapter.transformer.config.patch_size
+
+    def denoise(states):
+        forwards.append({"requests": len(states), "cfg": adapter._uses_cfg(states[0].params), "calls": []})
+        return real(states)
+
+    def on_transformer(module, args, kwargs):
+        hs = kwargs["hidden_states"]  # SD3: [B, C, H, W] latents; FLUX: [B, S, C] packed tokens
+        tokens = hs.shape[1] if hs.dim() == 3 else (hs.shape[2] // patch) * (hs.shape[3] // patch)
+        forwards[-1]["calls"].append({"rows": hs.shape[0], "tokens": tokens})
+
+    def on_block(module, args, kwargs):
+        hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [B, S_local, D]
+        forwards[-1]["calls"][-1].setdefault("block_tokens", hs.shape[1])
+
+    adapter.denoise = denoise
+    # prepend: before the Ulysses hook that shards FLUX inputs, so that "tokens" counts the whole image.
+    adapter.transformer.register_forward_pre_hook(on_transformer, with_kwargs=True, prepend=True)
+    adapter.transformer.transformer_blocks[0].register_forward_pre_hook(on_block, with_kwargs=True)
+    return forwards
+
+
 def main() -> None:
     torch.set_num_threads(1)
     model, out, cfg, ulysses, requests_json = sys.argv[1:6]
     requests = msgspec.json.decode(requests_json, type=list[SamplingParams])
     rank = join_group(model, cfg_parallel=int(cfg), ulysses=int(ulysses))
+    forwards = record_forwards(rank.adapter)
     if rank.rank == 0:
         asyncio.run(drive(rank, requests, Path(out)))
     else:
         run_follower(rank.adapter, rank.comm)
+    Path(out, f"forwards{rank.rank}.json").write_text(json.dumps(forwards))
     dist.destroy_process_group()
 
 

@@ -1,10 +1,13 @@
-"""SPMD over gloo with 2 ranks: CFG-parallel and Ulysses give the images of a world of one.
+"""SPMD over gloo with 2 ranks: CFG-parallel and Ulysses give the images of a world of one, and really split the work.
 
 Tolerance: max abs diff <= 1e-4 on the float image (the same bound as the diffusers parity test; a split attention
-and a gathered CFG change only the order of float reductions).
+and a gathered CFG change only the order of float reductions). Equal images cannot tell a split from two ranks that
+each compute everything, so each rank also records what its transformer saw: with CFG-parallel, one row per request
+of a CFG batch (not two); with Ulysses, about half of the image tokens in every block, the two halves adding up.
 """
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -89,7 +92,7 @@ def one_rank(model: str, requests) -> list[np.ndarray]:
     return asyncio.run(run())
 
 
-def two_ranks(model: str, out: Path, cfg: int, ulysses: int, requests) -> list[np.ndarray]:
+def two_ranks(model: str, out: Path, cfg: int, ulysses: int, requests) -> tuple[list[np.ndarray], list[list[dict]]]:
     cmd = [
         sys.executable,
         "-m",
@@ -108,7 +111,26 @@ def two_ranks(model: str, out: Path, cfg: int, ulysses: int, requests) -> list[n
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [np.load(out / f"{i}.npy") for i in range(len(requests))]
+    images = [np.load(out / f"{i}.npy") for i in range(len(requests))]
+    return images, [json.loads((out / f"forwards{r}.json").read_text()) for r in range(2)]
+
+
+def check_split(strategy: str, forwards: list[list[dict]]) -> None:
+    assert forwards[0] and len(forwards[0]) == len(forwards[1]), "both ranks run the same forwards"
+    for f0, f1 in zip(*forwards, strict=True):
+        assert (f0["requests"], f0["cfg"]) == (f1["requests"], f1["cfg"])
+        (c0,), (c1,) = f0["calls"], f1["calls"]  # one transformer call per forward on each rank
+        if strategy == "cfg":
+            # A CFG batch: each rank computes one branch, one row per request where one rank alone computes two.
+            # (A batch without CFG has one row per request, computed on both ranks.)
+            assert c0["rows"] == c1["rows"] == f0["requests"], (f0, f1)
+        else:
+            # Each rank's blocks see its own slice of the image tokens (shards may differ by one token).
+            full = c0["tokens"]
+            assert c0["block_tokens"] + c1["block_tokens"] == full and abs(c0["block_tokens"] - c1["block_tokens"]) <= 1
+            assert c0["rows"] == f0["requests"] * (2 if f0["cfg"] else 1)
+    if strategy == "cfg":
+        assert any(f["cfg"] for f in forwards[0]), "the requests include CFG batches"
 
 
 @pytest.mark.parametrize("strategy", ["cfg", "ulysses"])
@@ -118,7 +140,8 @@ def test_two_ranks_match_one(family, strategy, request, tmp_path):
     requests = REQUESTS[family]
     expected = one_rank(model, requests)
     cfg, ulysses = (2, 1) if strategy == "cfg" else (1, 2)
-    got = two_ranks(model, tmp_path, cfg, ulysses, requests)
+    got, forwards = two_ranks(model, tmp_path, cfg, ulysses, requests)
+    check_split(strategy, forwards)
     for params, a, b in zip(requests, expected, got, strict=True):
         assert a.shape == b.shape
         diff = float(np.abs(a - b).max())

@@ -1,0 +1,214 @@
+"""Fuzzing the request decoders: no body a client can send gets past the edge unless it can also cross the wire and
+run, and none makes the daemon answer 5xx.
+
+Two layers:
+- in-process, with hypothesis (derandomized, so CI sees the same inputs every run): the exact parsing and checking
+  path of each route (`parse_*`, then `Engine.check`) on bodies mixing valid values with junk of every JSON type.
+  Whatever passes must encode into a step plan and decode back unchanged; whatever fails must be a 4xx naming a field
+  of the request (or none, for a body that is not an object).
+- over a real socket, with a seeded generator: 1000 malformed requests against a live server, none answered 5xx,
+  after which the server is healthy, idle and serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import aiohttp
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from diffusiond.daemon.api import ApiError, GenerationRequest, ImageGenerationRequest
+from diffusiond.daemon.app import request_limits
+from diffusiond.daemon.config import ServeConfig
+from diffusiond.daemon.native_api import parse_generation
+from diffusiond.daemon.openai_api import expand, parse_image_generation
+from diffusiond.engine.engine import Engine
+from diffusiond.engine.wire import NewRequest, StepPlan, decode_plan, encode_plan
+from diffusiond.models.base import ParamError
+from diffusiond.models.loader import load_adapter
+
+EXAMPLES = 1500
+HTTP_INPUTS = 1000
+NATIVE_FIELDS = set(GenerationRequest.__struct_fields__)
+OPENAI_FIELDS = set(ImageGenerationRequest.__struct_fields__)
+
+junk = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**80), max_value=2**80)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=40),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=6,
+)
+# Per field: values the route accepts, values at or past its bounds, and junk of any JSON type. Valid values
+# dominate, so that most bodies reach the deeper checks (the model, the limits, the wire) with one or two bad fields.
+valid = {
+    "prompt": st.sampled_from(["a red circle", "x", " a "]) | st.text(min_size=1, max_size=30),
+    "negative_prompt": st.none() | st.text(max_size=20),
+    "seed": st.integers(min_value=0, max_value=2**63 - 1),
+    "width": st.sampled_from([16, 32, 48, 64]),
+    "height": st.sampled_from([16, 32, 48, 64]),
+    "num_inference_steps": st.integers(min_value=1, max_value=8),
+    "guidance_scale": st.floats(min_value=0, max_value=100),
+    "true_cfg_scale": st.floats(min_value=0, max_value=100),
+    "preview_every": st.integers(min_value=0, max_value=8),
+    "latents": st.booleans(),
+    "output_format": st.sampled_from(["png", "jpeg", "webp"]),
+    "n": st.integers(min_value=1, max_value=10),
+    "size": st.sampled_from(["64x64", "auto", "32x48"]),
+    "stream": st.booleans(),
+    "partial_images": st.integers(min_value=0, max_value=3),
+    "output_compression": st.integers(min_value=0, max_value=100),
+    "response_format": st.just("b64_json"),
+    "quality": st.sampled_from(["auto", "low", "high"]),
+    "background": st.sampled_from(["auto", "opaque"]),
+    "moderation": st.sampled_from(["auto", "low"]),
+    "style": st.sampled_from(["vivid", "natural"]),
+    "user": st.text(max_size=10),
+    "safety_identifier": st.text(max_size=10),
+    "model": st.none(),
+}
+edge = (
+    st.integers(min_value=-(2**70), max_value=2**70)
+    | st.sampled_from([-1, 0, 2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**30])
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.sampled_from([-0.0, 1e-320, 100.00000000000001, 1e308, -1e308])
+    | st.from_regex(r"\A\d{1,6}x\d{1,6}\Z")
+    | st.integers(min_value=9_990, max_value=10_010).map(lambda n: "a" * n)
+)
+
+
+def weighted(*choices: tuple[int, st.SearchStrategy]) -> st.SearchStrategy:
+    """One of the strategies, each drawn with its weight (st.one_of would treat repeated ones as one)."""
+    return st.sampled_from([s for weight, s in choices for _ in range(weight)]).flatmap(lambda s: s)
+
+
+def bodies(fields: set[str]) -> st.SearchStrategy[bytes]:
+    value = {name: weighted((8, valid[name]), (1, edge), (1, junk)) for name in fields}
+    optional = {k: v for k, v in value.items() if k != "prompt"}
+    objects = st.fixed_dictionaries({"prompt": value["prompt"]}, optional=optional)
+    unknown = st.dictionaries(st.sampled_from(["frobnicate", "PROMPT", ""]), junk, min_size=1, max_size=1)
+    extra = weighted((4, st.just({})), (1, unknown))
+    as_json = st.builds(lambda obj, more: json.dumps({**obj, **more}), objects, extra)
+    # Not JSON objects, or not JSON at all (NaN and Infinity literals, truncations, any text).
+    other = st.builds(json.dumps, junk) | st.text(max_size=30) | st.sampled_from(['{"prompt": "x", "seed": NaN}', "{"])
+    text = weighted((6, as_json), (1, other))
+    return text.map(lambda s: s.encode("utf-8", "replace"))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_sd3):
+    adapter = load_adapter(tiny_sd3)
+    # Not started: `check` needs only the adapter, the limits and the wire.
+    return Engine(adapter, limits=request_limits(ServeConfig(), adapter.capabilities))
+
+
+def assert_client_error(exc: ApiError, fields: set[str], data: bytes) -> None:
+    """A 4xx that names one of the request's fields, or the unknown field it found, or none (not an object)."""
+    assert 400 <= exc.status < 500, (exc.status, data)
+    named = exc.param in fields | {None} or (exc.message.startswith("invalid request: Object contains unknown field"))
+    assert named, (exc.param, exc.message, data)
+
+
+def crosses_the_wire(params) -> None:
+    plan = StepPlan(step=0, new=[NewRequest("fuzz", p) for p in params], advance=["fuzz"])
+    assert decode_plan(encode_plan(plan)) == plan
+
+
+@settings(max_examples=EXAMPLES, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=bodies(NATIVE_FIELDS))
+def test_native_decoder(engine, data):
+    try:
+        _, params = parse_generation(data)
+        resolved = engine.check(params)
+    except ApiError as exc:
+        assert_client_error(exc, NATIVE_FIELDS, data)
+    except ParamError as exc:
+        assert exc.param in NATIVE_FIELDS, (exc.param, data)
+    else:
+        crosses_the_wire([resolved])
+
+
+@settings(max_examples=EXAMPLES, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=bodies(OPENAI_FIELDS))
+def test_openai_decoder(engine, data):
+    try:
+        body, base = parse_image_generation(data, max_n=10)
+        many = expand(engine, body, base)
+    except ApiError as exc:
+        assert_client_error(exc, OPENAI_FIELDS, data)
+    except ParamError as exc:
+        assert exc.param in OPENAI_FIELDS, (exc.param, data)
+    else:
+        assert len(many) == (body.n or 1)
+        crosses_the_wire(many)
+
+
+# ---- over the socket ----
+
+GOOD = {"prompt": "a red circle", "size": "64x64", "num_inference_steps": 1, "seed": 1}
+NATIVE_GOOD = {"prompt": "a red circle", "width": 64, "height": 64, "num_inference_steps": 1, "seed": 1}
+JUNK_VALUES = [
+    None, True, -1, 0, 2**63, 2**64, -(2**64), 10**30, 1e308, -1e-308, "", "x" * 300, "\u0000", "\ud800", [],
+    [1, 2], {}, {"a": {"b": []}}, "64x64", "0x0", "99999x99999", 3.5,
+]  # fmt: skip
+
+
+def malformed(rng: random.Random) -> tuple[str, bytes, dict[str, str]]:
+    """One malformed request: a route, raw body bytes and headers."""
+    route, good = rng.choice([("/v1/images/generations", GOOD), ("/v1/generations", NATIVE_GOOD)])
+    kind = rng.random()
+    headers = {"Content-Type": "application/json"}
+    if kind < 0.6:
+        body = dict(good)
+        fields = sorted((OPENAI_FIELDS if route.endswith("images/generations") else NATIVE_FIELDS) | {"zzz"})
+        for _ in range(rng.randint(1, 3)):
+            body[rng.choice(fields)] = rng.choice(JUNK_VALUES)
+        text = json.dumps(body, ensure_ascii=rng.random() < 0.5)
+        data = text.encode("utf-8", "surrogatepass")
+    elif kind < 0.75:
+        data = json.dumps(good).encode()[: rng.randint(0, 40)]  # truncated
+    elif kind < 0.85:
+        data = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64)))  # binary junk
+    elif kind < 0.95:
+        data = ("[" * rng.randint(1, 5000)).encode()  # deep nesting
+    else:
+        data = json.dumps(good).encode()
+        headers = {"Content-Type": rng.choice(["text/plain", "application/x-www-form-urlencoded", "\u00ff"])}
+    return route, data, headers
+
+
+@pytest.mark.asyncio
+async def test_a_thousand_malformed_requests_over_http(serve):
+    # A server of its own whose limits keep the bodies that happen to be valid cheap to run.
+    server = serve(max_steps=2, max_pixels=128 * 128, max_queue=64)
+    rng = random.Random(20261129)
+    cases = [malformed(rng) for _ in range(HTTP_INPUTS)]
+    statuses: dict[int, int] = {}
+    semaphore = asyncio.Semaphore(16)
+
+    async def one(session, route, data, headers):
+        async with semaphore, session.post(f"{server.base_url}{route}", data=data, headers=headers) as resp:
+            text = await resp.read()
+            statuses[resp.status] = statuses.get(resp.status, 0) + 1
+            assert resp.status < 500, (resp.status, route, data[:200], text[:300])
+            if resp.status >= 400:
+                error = msgspec.json.decode(text)["error"]
+                assert set(error) == {"message", "type", "param", "code"}, error
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        await asyncio.gather(*(one(session, *case) for case in cases))
+        print(f"{HTTP_INPUTS} malformed requests: statuses {dict(sorted(statuses.items()))}")
+        await asyncio.to_thread(server.wait_idle)
+        async with session.get(f"{server.base_url}/health") as resp:
+            assert resp.status == 200
+        async with session.post(f"{server.base_url}/v1/images/generations", json=GOOD) as resp:
+            assert resp.status == 200
+    assert server.state.engine.alive
+    assert sum(statuses.values()) == HTTP_INPUTS and statuses.get(400, 0) > HTTP_INPUTS // 2

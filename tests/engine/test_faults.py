@@ -1,0 +1,74 @@
+"""Rank 0 learns of another rank's fault even while its step thread hangs in a collective (as NCCL does: a peer's exit
+does not break the collective before its timeout). Two processes with gloo cannot show this, since gloo fails the
+collective as soon as the peer's socket closes; here a communicator that hangs stands in for NCCL."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from diffusiond.engine.engine import Engine
+from diffusiond.engine.outputs import Failed
+from diffusiond.engine.request import SamplingParams
+from diffusiond.models.loader import load_adapter
+
+
+class HangingComm:
+    """Rank 0 of a world of two whose peers never answer the collectives inside the model."""
+
+    rank = 0
+    world_size = 2
+
+    def __init__(self) -> None:
+        self.reported: str | None = None
+
+    def broadcast(self, data: bytes | None) -> bytes:
+        assert data is not None
+        return data
+
+    def agree(self, flags: list[int]) -> list[int]:
+        return flags
+
+    def report_fault(self, message: str) -> None:
+        self.reported = message
+
+    def fault(self) -> str | None:
+        return self.reported
+
+
+@pytest.mark.asyncio
+async def test_a_reported_fault_ends_every_request_while_the_step_hangs(tiny_sd3, monkeypatch):
+    adapter = load_adapter(tiny_sd3)
+    in_collective, release = threading.Event(), threading.Event()
+
+    def denoise(states):
+        in_collective.set()
+        release.wait(30)  # the collective that never completes
+        raise RuntimeError("collective timed out")
+
+    monkeypatch.setattr(adapter, "denoise", denoise)
+    comm = HangingComm()
+    engine = Engine(adapter, comm=comm)
+    await engine.start()
+    try:
+        handles = [
+            engine.add_request(SamplingParams(prompt=p, seed=1, width=64, height=64, num_inference_steps=5))
+            for p in ("a", "b")
+        ]
+        assert await asyncio.to_thread(in_collective.wait, 10)
+        t0 = time.monotonic()
+        comm.report_fault("rank 1 failed while denoising")
+        results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), 5)
+        elapsed = time.monotonic() - t0
+        for handle, result in zip(handles, results, strict=True):
+            assert isinstance(result, Failed), result
+            assert "rank 1 failed while denoising" in result.error and handle.request_id in result.error
+        assert elapsed < 2, elapsed
+        assert not engine.alive and engine.fatal.is_set()
+        # stop() does not wait for the stuck step thread.
+        t0 = time.monotonic()
+        await engine.stop()
+        assert time.monotonic() - t0 < 5
+    finally:
+        release.set()

@@ -11,7 +11,7 @@ import contextlib
 import hmac
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from aiohttp import web
@@ -21,10 +21,9 @@ from diffusiond import __version__
 from diffusiond.daemon import native_api, openai_api
 from diffusiond.daemon.api import ApiError
 from diffusiond.daemon.config import ServeConfig
-from diffusiond.daemon.state import JOIN, METRICS, PRELOADED, STATE, ServerState
+from diffusiond.daemon.state import LOAD, METRICS, STATE, ServerState
 from diffusiond.daemon.streaming import ClientGone
-from diffusiond.engine.comm import Communicator
-from diffusiond.engine.engine import Engine, QueueFullError
+from diffusiond.engine.engine import Engine, Loader, QueueFullError
 from diffusiond.engine.outputs import Completed
 from diffusiond.engine.request import RequestLimits, SamplingParams
 from diffusiond.metrics.loop_lag import watch_loop_lag
@@ -35,21 +34,14 @@ from diffusiond.models.base import Capabilities, ModelAdapter, ParamError
 log = logging.getLogger(__name__)
 
 
-def create_app(
-    config: ServeConfig,
-    *,
-    adapter: ModelAdapter | None = None,
-    join: Callable[[], tuple[ModelAdapter, Communicator]] | None = None,
-) -> web.Application:
-    """`adapter`: a model already loaded (tests). `join`: how rank 0 of an SPMD group joins it and loads its model
-    (run in a thread by the loader task, so the loop answers /health and pings the watchdog meanwhile)."""
+def create_app(config: ServeConfig, *, load: Loader | None = None) -> web.Application:
+    """`load`: how the model is loaded (an SPMD rank 0 joins its group there too; tests pass their checkpoint).
+    Default: `config.model`, else the bundled default model. It runs on the engine's step thread, the one thread
+    that owns torch in this process; the event loop answers /health and pings the watchdog meanwhile."""
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware, auth_middleware])
     app[STATE] = ServerState(config)
     app[METRICS] = Metrics()
-    if adapter is not None:
-        app[PRELOADED] = adapter
-    if join is not None:
-        app[JOIN] = join
+    app[LOAD] = load or _default_loader(config)
     app.cleanup_ctx.append(engine_ctx)
     app.router.add_post("/v1/images/generations", openai_api.images_generations)
     app.router.add_post("/v1/generations", native_api.generations)
@@ -79,33 +71,34 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
         await state.engine.stop()
 
 
+def _default_loader(config: ServeConfig) -> Loader:
+    def load() -> ModelAdapter:
+        from diffusiond.models.default import default_model
+        from diffusiond.models.loader import load_adapter
+
+        return load_adapter(config.model or default_model(), device=config.device, dtype=config.dtype)
+
+    return load
+
+
 async def _load(app: web.Application) -> None:
     state = app[STATE]
     config = state.config
+    engine = Engine(
+        app[LOAD],
+        max_batch=config.max_batch,
+        max_waiting=config.max_queue,
+        observer=PrometheusObserver(app[METRICS]),
+        batch_wait=config.batch_wait_ms / 1000,
+    )
+    # Set before it loads, so that cleanup stops it whatever happens; routes wait for `ready`.
+    state.engine = engine
     try:
-        adapter = app.get(PRELOADED)
-        model = config.model
-        comm = None
-        if JOIN in app:
-            adapter, comm = await asyncio.to_thread(app[JOIN])
-        elif adapter is None:
-            from diffusiond.models.loader import load_adapter
-
-            if model is None:
-                from diffusiond.models.default import default_model
-
-                model = await asyncio.to_thread(default_model)
-            adapter = await asyncio.to_thread(load_adapter, model, device=config.device, dtype=config.dtype)
-        state.model_id = _model_id(model or getattr(adapter, "source", "model"))
+        await engine.start()
+        adapter = engine.adapter
         caps = adapter.capabilities
-        engine = Engine(
-            adapter,
-            max_batch=config.max_batch,
-            max_waiting=config.max_queue,
-            observer=PrometheusObserver(app[METRICS]),
-            comm=comm,
-            limits=request_limits(config, caps),
-        )
+        state.model_id = _model_id(config.model or getattr(adapter, "source", "model"))
+        engine.limits = request_limits(config, caps)
         app[METRICS].set_info(
             model=state.model_id,
             family=caps.family,
@@ -114,10 +107,9 @@ async def _load(app: web.Application) -> None:
             world_size=engine.comm.world_size,
             version=__version__,
         )
-        await engine.start()
         state.attach(engine)
         # Warm-up: one smallest, one-step request through the whole path.
-        side = adapter.capabilities.size_multiple * 2
+        side = caps.size_multiple * 2
         warm = engine.add_request(
             SamplingParams(prompt="warm-up", seed=0, width=side, height=side, num_inference_steps=1)
         )
@@ -125,12 +117,13 @@ async def _load(app: web.Application) -> None:
         if not isinstance(result, Completed):
             raise RuntimeError(f"warm-up request ended with {result}")
         state.ready = True
-        log.info("ready: serving %s (%s)", state.model_id, adapter.capabilities.family)
+        log.info("ready: serving %s (%s)", state.model_id, caps.family)
     except asyncio.CancelledError:
         raise
     except Exception as exc:
         state.load_error = f"{type(exc).__name__}: {exc}"
-        log.exception("model failed to load")
+        if engine.error is not exc:  # the step thread logged its own failure with the traceback
+            log.exception("model failed to load")
 
 
 def request_limits(config: ServeConfig, caps: Capabilities) -> RequestLimits:

@@ -74,7 +74,7 @@ async def _generate(args: argparse.Namespace) -> int:
     from diffusiond.engine.request import SamplingParams
     from diffusiond.models.loader import load_adapter
 
-    adapter = await asyncio.to_thread(load_adapter, resolve_model(args.model), device=args.device, dtype=args.dtype)
+    model = resolve_model(args.model)
     width, height = args.size or (None, None)
     params = SamplingParams(
         prompt=args.prompt,
@@ -86,7 +86,8 @@ async def _generate(args: argparse.Namespace) -> int:
         guidance_scale=args.guidance_scale,
         preview_every=args.preview_every if args.previews else 0,
     )
-    engine = Engine(adapter, max_batch=1)
+    # Loaded on the engine's step thread: one thread owns torch.
+    engine = Engine(lambda: load_adapter(model, device=args.device, dtype=args.dtype), max_batch=1)
     await engine.start()
     try:
         handle = engine.add_request(params)
@@ -129,7 +130,7 @@ def run_async(coro) -> int:
 
 def cmd_bench_spmd(args: argparse.Namespace) -> int:
     quiet_libraries()
-    from diffusiond.daemon.bench_spmd import bench_spmd
+    from diffusiond.bench.spmd import bench_spmd
 
     return bench_spmd(args)
 
@@ -137,7 +138,7 @@ def cmd_bench_spmd(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     configure_threads(args.threads)
     quiet_libraries()
-    from diffusiond.daemon.bench import bench_engine
+    from diffusiond.bench.engine import bench_engine
 
     return bench_engine(args)
 
@@ -221,6 +222,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     add("--max-batch", type=int, help=f"requests per batched forward (default: {d.max_batch})")
     add("--max-queue", type=int, help=f"waiting requests before answering 429 (default: {d.max_queue})")
+    add(
+        "--batch-wait-ms",
+        type=float,
+        metavar="MS",
+        help=f"admission window: how long an idle engine lets a burst gather (default: {d.batch_wait_ms:g}; 0: off)",
+    )
     add("--max-pixels", type=int, help="largest width x height of one image (default: 4x the model's default area)")
     add("--max-steps", type=int, help="most denoising steps per request (default: 4x the model's default, >= 50)")
     add("--max-n", type=int, help=f"most images per OpenAI request (default: {d.max_n})")

@@ -129,8 +129,8 @@ def run_rank(config: ServeConfig) -> int:
                 rank = join()
                 return rank.adapter, rank.comm
 
-            # The server (and its watchdog pings) is up while the group forms and the model loads.
-            code = serve(config, join=join_driver)
+            # The server (and its watchdog pings) is up while the engine's step thread joins the group and loads.
+            code = serve(config, load=join_driver)
             return code
         # Followers leave when rank 0 sends the shutdown plan at the end of its drain; a signal must not kill them
         # first, or rank 0's last steps would fail. (A Python handler could not run inside gloo anyway.)

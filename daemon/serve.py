@@ -43,8 +43,8 @@ SIGNALS = (
 
 
 def serve(config: ServeConfig, **app_options: Any) -> int:
-    """Serves until a signal (exit code: see above). `app_options` go to `create_app` (a preloaded adapter, the
-    communicator of an SPMD group)."""
+    """Serves until a signal (exit code: see above). `app_options` go to `create_app` (how to load the model: rank 0
+    of an SPMD group joins its group there)."""
     # Import the model code now: its first import (seconds: diffusers, transformers) would otherwise happen inside
     # the app's loader task and stall the event loop, and with it /health and the watchdog.
     import diffusiond.models.loader  # noqa: F401

@@ -16,7 +16,6 @@ from diffusiond.daemon.config import ServeConfig
 from diffusiond.engine.engine import Engine, RequestHandle
 from diffusiond.engine.outputs import TERMINAL, Cancelled, Completed, Event, Failed, Progress
 from diffusiond.metrics.registry import Metrics
-from diffusiond.models.base import ModelAdapter
 
 log = logging.getLogger(__name__)
 
@@ -101,5 +100,5 @@ class ServerState:
 
 STATE = web.AppKey("state", ServerState)
 METRICS = web.AppKey("metrics", Metrics)
-PRELOADED = web.AppKey("preloaded_adapter", ModelAdapter)
-JOIN = web.AppKey("join_group", Callable)
+# How the engine's step thread gets its model (engine.Loader).
+LOAD = web.AppKey("load_model", Callable)

@@ -100,10 +100,18 @@ class RequestHandle:
         self.engine.cancel(self.request_id)
 
 
+# What the step thread runs first to get its model: a loaded adapter, or an adapter and the communicator of its group.
+Loader = Callable[[], "ModelAdapter | tuple[ModelAdapter, Communicator]"]
+
+
 class Engine:
+    """`model` is a loader, run on the step thread itself, so that one thread owns torch for the whole life of the
+    process (FACTS.md: once a second thread has run torch ops, every forward of a small model runs ~2x slower). An
+    adapter loaded elsewhere is accepted too (tests, tools), at that cost."""
+
     def __init__(
         self,
-        adapter: ModelAdapter,
+        model: ModelAdapter | Loader,
         *,
         max_batch: int = 8,
         max_running: int | None = None,
@@ -112,12 +120,21 @@ class Engine:
         observer: EngineObserver | None = None,
         heartbeat: float = 1.0,
         limits: RequestLimits | None = None,
+        batch_wait: float = 0.0,
     ) -> None:
-        self.adapter = adapter
+        self._loader: Loader | None = None
+        # Set on the step thread once the model is loaded (before `start()` returns).
+        self.adapter: ModelAdapter = None  # type: ignore[assignment]
+        self.executor: Executor | None = None
+        self.comm: Communicator = comm or LocalComm()
+        if isinstance(model, ModelAdapter):
+            self._attach(model, comm)
+        else:
+            self._loader = model
         self.scheduler = Scheduler(max_batch=max_batch, max_running=max_running, max_waiting=max_waiting)
-        self.comm = comm or LocalComm()
-        self.executor = Executor(adapter, comm=self.comm, driver=True)
         self.limits = limits
+        # Seconds an idle engine waits for a burst of requests to gather (`_gather`); 0: start at once.
+        self.batch_wait = batch_wait
         self._commands: queue.SimpleQueue[_Add | _Cancel | _Stop] = queue.SimpleQueue()
         self._mailboxes: dict[str, Mailbox] = {}
         self._capacity = max_waiting + self.scheduler.max_running
@@ -140,11 +157,35 @@ class Engine:
     # ---- lifecycle ----
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="diffusiond-step", daemon=True)
+        """Starts the step thread, which loads the model (if given a loader) and then runs steps. Returns once the
+        model is loaded; raises what loading raised."""
+        self._loop = loop = asyncio.get_running_loop()
+        loaded = loop.create_future()
+        self._thread = threading.Thread(target=self._main, args=(loaded,), name="diffusiond-step", daemon=True)
         self._thread.start()
+        await loaded
         if self.comm.world_size > 1:
             threading.Thread(target=self._watch_faults, name="diffusiond-faults", daemon=True).start()
+
+    def _attach(self, adapter: ModelAdapter, comm: Communicator | None) -> None:
+        self.adapter = adapter
+        self.comm = comm or self.comm
+        self.executor = Executor(adapter, comm=self.comm, driver=True)
+
+    def _main(self, loaded: asyncio.Future) -> None:
+        loop = self._loop
+        assert loop is not None
+        try:
+            if self._loader is not None:
+                model = self._loader()
+                self._attach(*(model if isinstance(model, tuple) else (model, None)))
+        except BaseException as exc:
+            log.exception("the model failed to load")
+            self.error = exc
+            loop.call_soon_threadsafe(_settle, loaded, exc)
+            return
+        loop.call_soon_threadsafe(_settle, loaded, None)
+        self._run()
 
     async def stop(self) -> None:
         self._stopping.set()
@@ -185,7 +226,7 @@ class Engine:
     def add_request(self, params: SamplingParams, request_id: str | None = None) -> RequestHandle:
         """Validate, resolve defaults and queue a request. Raises ParamError (bad input), QueueFullError (retry
         later) or EngineDeadError."""
-        if not self.alive:
+        if not self.alive or self.executor is None:
             raise EngineDeadError("engine is not running")
         resolved = self.check(params)
         if len(self._mailboxes) >= self._capacity:
@@ -237,25 +278,52 @@ class Engine:
                 if block and group:
                     self.comm.broadcast(encode_plan(StepPlan(step=-1, kind=PlanKind.HEARTBEAT)))
                     continue
-                return True
+                break
             block = False
-            if isinstance(command, _Stop):
+            if not self._apply(command, events):
                 return False
-            if isinstance(command, _Add):
-                request = command.request
-                self._clock[request.request_id] = _Clock(command.submitted)
-                try:
-                    self.scheduler.add(request)
-                except QueueFullError as exc:
-                    events.append(Failed(request.request_id, f"queue full: {exc}"))
-                    self._finished(request, RequestStatus.FINISHED_FAILED)
-                    continue
-                events.append(Queued(request.request_id, self.scheduler.num_waiting - 1))
-            elif isinstance(command, _Cancel):
-                request = self.scheduler.cancel(command.request_id)
-                if request is not None and request.status == RequestStatus.FINISHED_CANCELLED:
-                    events.append(Cancelled(request.request_id))
-                    self._finished(request, request.status)
+        return self._gather(events)
+
+    def _gather(self, events: list[Event]) -> bool:
+        """The admission window: nothing runs and requests are arriving. Wait up to `batch_wait` seconds for more, so
+        that a burst starts (and finishes, and decodes) as one batch instead of a request ahead of the rest. The
+        window ends early once `max_batch` requests wait, or when none arrived for a fifth of it (the burst is over;
+        a lone request pays only that fifth)."""
+        if self.batch_wait <= 0 or not self.scheduler.num_waiting or self.scheduler.num_running:
+            return True
+        gap = self.batch_wait / 5
+        deadline = time.perf_counter() + self.batch_wait
+        while self.scheduler.num_waiting < self.scheduler.max_batch:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                break
+            try:
+                command = self._commands.get(timeout=min(gap, remaining))
+            except queue.Empty:
+                break
+            if not self._apply(command, events):
+                return False
+        return True
+
+    def _apply(self, command: _Add | _Cancel | _Stop, events: list[Event]) -> bool:
+        if isinstance(command, _Stop):
+            return False
+        if isinstance(command, _Add):
+            request = command.request
+            self._clock[request.request_id] = _Clock(command.submitted)
+            try:
+                self.scheduler.add(request)
+            except QueueFullError as exc:
+                events.append(Failed(request.request_id, f"queue full: {exc}"))
+                self._finished(request, RequestStatus.FINISHED_FAILED)
+                return True
+            events.append(Queued(request.request_id, self.scheduler.num_waiting - 1))
+        elif isinstance(command, _Cancel):
+            request = self.scheduler.cancel(command.request_id)
+            if request is not None and request.status == RequestStatus.FINISHED_CANCELLED:
+                events.append(Cancelled(request.request_id))
+                self._finished(request, request.status)
+        return True
 
     def _run(self) -> None:
         try:
@@ -431,3 +499,12 @@ class Engine:
 
 def _engine_failed(request_id: str, reason: str) -> str:
     return f"the engine stopped before this request finished: {reason} (request {request_id})"
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # start() was cancelled meanwhile
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

@@ -168,8 +168,8 @@ class ServerThread:
             loop.close()
 
     async def _setup(self) -> None:
-        adapter = load_adapter(self.model)
-        self.app = create_app(self.config, adapter=adapter)
+        model = self.model
+        self.app = create_app(self.config, load=lambda: load_adapter(model))
         self.runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=5.0)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)

@@ -4,7 +4,7 @@ Equality of images cannot show this (one forward per request gives the same imag
 their rows are counted. Replacing the batched `denoise` by one call per request makes this test fail.
 """
 
-import threading
+import asyncio
 
 import numpy as np
 import pytest
@@ -29,38 +29,51 @@ def params(seed: int, prompt: str = "a red circle", steps: int = STEPS, guidance
 
 
 @pytest.mark.asyncio
-async def test_requests_of_one_key_share_each_forward(adapter, monkeypatch):
+async def test_requests_of_one_key_share_each_forward(adapter):
     calls: list[int] = []  # rows of each transformer call
     hook = adapter.transformer.register_forward_pre_hook(
         lambda module, args, kwargs: calls.append(kwargs["hidden_states"].shape[0]), with_kwargs=True
     )
-    # A one-step blocker of another batch key (no CFG: one row) holds the step thread while the four requests queue,
-    # so all four are admitted together.
-    release = threading.Event()
-    real = adapter.denoise
-
-    def denoise(states):
-        if states[0].params.prompt == "blocker":
-            release.wait(10)
-        return real(states)
-
-    monkeypatch.setattr(adapter, "denoise", denoise)
-    engine = Engine(adapter, max_batch=4)
+    # A long admission window (it closes as soon as max_batch requests wait) admits the four together.
+    engine = Engine(adapter, max_batch=4, batch_wait=0.5)
     await engine.start()
     try:
-        blocker = engine.add_request(params(99, prompt="blocker", steps=1, guidance=1.0))
         handles = [engine.add_request(params(seed)) for seed in range(4)]
-        release.set()
-        assert isinstance(await blocker.result(), Completed)
         results = [await h.result() for h in handles]
         alone = [await engine.add_request(params(seed)).result() for seed in range(2)]
     finally:
         await engine.stop()
         hook.remove()
     assert all(isinstance(r, Completed) for r in results)
-    # The blocker's one row; four requests x 3 steps: 3 forwards of 4 requests x 2 CFG rows; then 2 x 3 forwards of
-    # one request alone.
-    assert calls == [1] + [8] * STEPS + [2] * (2 * STEPS), calls
+    # Four requests x 3 steps: 3 forwards of 4 requests x 2 CFG rows; then 2 x 3 forwards of one request alone.
+    assert calls == [8] * STEPS + [2] * (2 * STEPS), calls
     # And batching changed nothing.
     for batched, single in zip(results, alone, strict=False):
         np.testing.assert_allclose(batched.image, single.image, atol=1e-5)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("window", "together"), [(0.05, True), (0.0, False)])
+async def test_the_admission_window_admits_a_burst_as_one_batch(adapter, window, together):
+    """Eight requests arriving 2 ms apart at an idle engine: with a window they start as one batch of 8 (16 CFG rows);
+    without one, the first starts alone."""
+    calls: list[int] = []
+    hook = adapter.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(kwargs["hidden_states"].shape[0]), with_kwargs=True
+    )
+    engine = Engine(adapter, max_batch=8, batch_wait=window)
+    await engine.start()
+    try:
+        handles = []
+        for seed in range(8):
+            handles.append(engine.add_request(params(seed)))
+            await asyncio.sleep(0.002)
+        results = [await h.result() for h in handles]
+    finally:
+        await engine.stop()
+        hook.remove()
+    assert all(isinstance(r, Completed) for r in results)
+    if together:
+        assert calls == [16] * STEPS, calls
+    else:
+        assert calls[0] == 2, calls

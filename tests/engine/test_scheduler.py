@@ -78,8 +78,33 @@ def test_incompatible_head_does_not_block_others():
         sched.add(make(f"s{i}", key="256", steps=2))
     first, _ = run_step(sched)
     second, _ = run_step(sched)
-    assert first.advance == ["big"]
-    assert second.advance == ["s0", "s1", "s2"]
+    # The fuller forward goes first; the head's turn comes right after.
+    assert first.advance == ["s0", "s1", "s2"]
+    assert second.advance == ["big"]
+
+
+def test_turns_are_weighted_by_the_work_of_each_key():
+    """7 requests of one size and 1 of another, 28 steps each: the seven share a forward and get 7 turns for each
+    turn of the lone one, so they finish after ~32 forwards instead of 55 (plain alternation), and the lone one still
+    gets a turn at least every 8 steps."""
+    sched = Scheduler(max_batch=8, max_running=8)
+    for i in range(7):
+        sched.add(make(f"a{i}", key="a", steps=28))
+    sched.add(make("b0", key="b", steps=28))
+    finished_at: dict[str, int] = {}
+    b_turns = []
+    for step in range(1, 100):
+        plan, finished = run_step(sched)
+        if plan.advance == ["b0"]:
+            b_turns.append(step)
+        for req in finished:
+            finished_at[req.request_id] = step
+        if not sched.has_work():
+            break
+    assert max(finished_at[f"a{i}"] for i in range(7)) <= 33, finished_at
+    assert finished_at["b0"] == 56  # every forward is used: 28 + 28
+    gaps = [b - a for a, b in zip([0, *b_turns], b_turns, strict=False)]
+    assert max(gaps[: len(b_turns) - 1]) <= 8, b_turns
 
 
 def test_busy_key_does_not_starve_a_lone_request():

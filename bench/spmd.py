@@ -134,7 +134,7 @@ def worker(args: Args) -> None:
 
 def _single(args: Args, threads: int) -> float:
     code = (
-        "import sys, msgspec, torch; from diffusiond.daemon import bench_spmd as b;"
+        "import sys, msgspec, torch; from diffusiond.bench import spmd as b;"
         f"torch.set_num_threads({threads}); a = msgspec.json.decode(sys.argv[1], type=b.Args);"
         "from diffusiond.engine.engine import Engine; from diffusiond.models.loader import load_adapter;"
         "import asyncio; print(asyncio.run(b._throughput(Engine(load_adapter(a.model), max_batch=8), b._requests(a))))"
@@ -173,7 +173,7 @@ def bench_spmd(ns: argparse.Namespace) -> int:
                 "--master-port",
                 str(port),
                 "-m",
-                "diffusiond.daemon.bench_spmd",
+                "diffusiond.bench.spmd",
                 msgspec.json.encode(args).decode(),
             ],
             check=True,

@@ -319,6 +319,16 @@ def build_parser() -> argparse.ArgumentParser:
     spmd.add_argument("--images", type=int, default=32)
     spmd.add_argument("--plans", type=int, default=2000, help="broadcast rounds per plan kind")
     spmd.set_defaults(func=cmd_bench_spmd)
+    from diffusiond.bench import serve as bench_serve
+
+    load = bench_sub.add_parser(
+        "serve",
+        help="drive a running daemon over HTTP: latency percentiles, images/s, time to first preview, SLO",
+        description=bench_serve.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_serve.add_args(load)
+    load.set_defaults(func=lambda args: bench_serve.bench_serve(args))
     return parser
 
 

@@ -26,6 +26,11 @@ class Communicator(Protocol):
         """Tell rank 0, outside the collectives, that this rank hit an error fatal to the group."""
         ...
 
+    def gather_rows(self, local: Any, counts: list[int]) -> Any:
+        """A collective: rank r passes `counts[r]` rows (>= 1; the same row shape on every rank); rank 0 gets all
+        rows in rank order, the others None."""
+        ...
+
     def fault(self) -> str | None:
         """A fault another rank reported, if any (rank 0 polls this while a step may hang in a collective)."""
         ...
@@ -49,6 +54,9 @@ class LocalComm:
 
     def fault(self) -> str | None:
         return None
+
+    def gather_rows(self, local: Any, counts: list[int]) -> Any:
+        return local
 
 
 class FaultBoard:
@@ -170,3 +178,18 @@ class TorchComm:
 
     def fault(self) -> str | None:
         return self.faults.read() if self.faults is not None else None
+
+    def gather_rows(self, local, counts: list[int]):
+        torch = self._torch
+        most = max(counts)
+        try:
+            if local.shape[0] < most:  # equal sizes for the collective
+                local = torch.cat([local, local.new_zeros((most - local.shape[0], *local.shape[1:]))])
+            local = local.contiguous()
+            parts = [torch.empty_like(local) for _ in range(self.world_size)] if self.rank == 0 else None
+            self._dist.gather(local, parts, dst=0, group=self.group)
+        except Exception as exc:
+            raise CommError(f"gather failed on rank {self.rank}: {exc}") from exc
+        if parts is None:
+            return None
+        return torch.cat([part[:count] for part, count in zip(parts, counts, strict=True)])

@@ -25,7 +25,6 @@ Clients see a message with their request id; the exception and its traceback go 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -35,6 +34,7 @@ import torch
 import torch.distributed
 
 from diffusiond.engine.comm import CommError, Communicator, LocalComm
+from diffusiond.engine.timing import stage_timer
 from diffusiond.engine.wire import StepPlan
 from diffusiond.models.base import ModelAdapter, RequestState
 
@@ -58,7 +58,7 @@ class ExecResult:
     previews: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)
     images: dict[str, np.ndarray] = field(default_factory=dict)
     latents: dict[str, np.ndarray] = field(default_factory=dict)
-    # stage -> seconds spent in this step: encode, denoise, sampler, preview, decode.
+    # stage -> seconds: encode, denoise, sampler, preview, decode (on CUDA, of stages the GPU has finished by now).
     timings: dict[str, float] = field(default_factory=dict)
     batch_size: int = 0
 
@@ -77,51 +77,46 @@ class Executor:
         # Only the driver (rank 0) needs previews and decoded images.
         self.driver = driver
         self.states: dict[str, RequestState] = {}
+        self.timer = stage_timer(adapter.capabilities.device)
 
     def execute(self, plan: StepPlan) -> ExecResult:
         result = ExecResult()
-        timings = result.timings
+        stage = self.timer.stage
         if plan.drop:
             for request_id in plan.drop:
                 self.states.pop(request_id, None)
             self._forget(plan.drop)
 
         if plan.new:
-            t0 = time.perf_counter()
-            prepared = self._isolated(self.adapter.prepare, plan.new, lambda n: n.request_id, "preparing", result)
+            with stage("encode"):
+                prepared = self._isolated(self.adapter.prepare, plan.new, lambda n: n.request_id, "preparing", result)
             for state in prepared:
                 self.states[state.request_id] = state
-            timings["encode"] = time.perf_counter() - t0
 
         dropped = self._agree([n.request_id for n in plan.new], result) if self.group and plan.new else set()
         batch = self._batch(plan.advance, dropped)
         if not batch:
             return self._done(result)
-        t0 = time.perf_counter()
-        batch, model_output = self._denoise(batch, result)
-        timings["denoise"] = time.perf_counter() - t0
+        with stage("denoise"):
+            batch, model_output = self._denoise(batch, result)
         result.batch_size = len(batch)
         if not batch:
             return self._done(result)
 
         if self.driver:
-            t0 = time.perf_counter()
-            for i, state in enumerate(batch):
-                done = state.step_index + 1
-                every = state.params.preview_every
-                if every and done % every == 0 and done < state.total_steps:
-                    try:
-                        x0 = self.adapter.predicted_x0(state, model_output[i : i + 1])
-                        result.previews[state.request_id] = (done, self.adapter.preview(x0))
-                    except Exception as exc:
-                        self._fail(state.request_id, "previewing", exc, result)
-            if result.previews:
-                timings["preview"] = time.perf_counter() - t0
-            batch, model_output = self._alive(batch, model_output)
+            due = [(i, s) for i, s in enumerate(batch) if _preview_due(s)]
+            if due:
+                with stage("preview"):
+                    for i, state in due:
+                        try:
+                            x0 = self.adapter.predicted_x0(state, model_output[i : i + 1])
+                            result.previews[state.request_id] = (state.step_index + 1, self.adapter.preview(x0))
+                        except Exception as exc:
+                            self._fail(state.request_id, "previewing", exc, result)
+                batch, model_output = self._alive(batch, model_output)
 
-        t0 = time.perf_counter()
-        self._isolated(lambda part: self._step(part, batch, model_output), batch, _state_id, "sampling", result)
-        timings["sampler"] = time.perf_counter() - t0
+        with stage("sampler"):
+            self._isolated(lambda part: self._step(part, batch, model_output), batch, _state_id, "sampling", result)
         batch = [s for s in batch if s.request_id in self.states]
         result.advanced = [s.request_id for s in batch]
         for state in batch:
@@ -130,11 +125,15 @@ class Executor:
 
         finished = [s for s in batch if s.finished]
         if finished:
-            if self.driver:
-                t0 = time.perf_counter()
-                for state, image in self._isolated(self._decode, finished, _state_id, "decoding", result):
+            shared = self.group and len(finished) >= self.comm.world_size
+            if shared or self.driver:
+                with stage("decode"):
+                    if shared:
+                        images = self._decode_shared(finished, result)
+                    else:
+                        images = self._isolated(self._decode, finished, _state_id, "decoding", result)
+                for state, image in images:
                     result.images[state.request_id] = image
-                timings["decode"] = time.perf_counter() - t0
             for state in finished:
                 self.states.pop(state.request_id, None)
             self._forget([s.request_id for s in finished])
@@ -185,6 +184,31 @@ class Executor:
     def _decode(self, states: list[RequestState]) -> list[tuple[RequestState, np.ndarray]]:
         return list(zip(states, self.adapter.decode(states), strict=True))
 
+    def _decode_shared(self, finished: list[RequestState], result: ExecResult) -> list[tuple[RequestState, Any]]:
+        """Several requests finished (every rank knows which): rank r decodes finished[r::W] and rank 0 gathers the
+        VAE outputs. The gather makes a decode failure on any rank fatal to the group."""
+        world = self.comm.world_size
+        mine = finished[self.rank :: world]
+        try:
+            local = self.adapter.decode_latents(mine)  # [len(mine), 3, H, W]
+        except FATAL:
+            raise
+        except Exception as exc:
+            log.error("rank %d: decoding failed for %s", self.rank, ", ".join(s.request_id for s in mine), exc_info=exc)
+            raise GroupFault(f"rank {self.rank} failed while decoding") from exc
+        gathered = self.comm.gather_rows(local, [len(finished[r::world]) for r in range(world)])
+        if not self.driver:
+            return []
+        # Rows come in rank order: rank r's j-th row is finished[r + j * world].
+        order = [state for r in range(world) for state in finished[r::world]]
+        rows = [(state, gathered[i : i + 1]) for i, state in enumerate(order)]
+
+        def postprocess(items: list[tuple[RequestState, torch.Tensor]]) -> list[tuple[RequestState, np.ndarray]]:
+            images = self.adapter.postprocess(torch.cat([row for _, row in items]))
+            return [(state, image) for (state, _), image in zip(items, images, strict=True)]
+
+        return self._isolated(postprocess, rows, lambda item: item[0].request_id, "decoding", result)
+
     # ---- failures ----
 
     def _agree(self, new: Sequence[str], result: ExecResult) -> set[str]:
@@ -220,6 +244,7 @@ class Executor:
             result.failed[request_id] = public_error(request_id, stage)
 
     def _done(self, result: ExecResult) -> ExecResult:
+        result.timings = self.timer.collect()
         if result.failed:
             self._forget(list(result.failed))
         return result
@@ -252,6 +277,11 @@ class Executor:
             except Exception as exc:
                 self._fail(ident(item), stage, exc, result)
         return outputs
+
+
+def _preview_due(state: RequestState) -> bool:
+    done, every = state.step_index + 1, state.params.preview_every
+    return bool(every) and done % every == 0 and done < state.total_steps
 
 
 def _state_id(state: RequestState) -> str:

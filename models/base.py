@@ -101,8 +101,17 @@ class ModelAdapter(abc.ABC):
         """The clean latent predicted from the state's current latents and its model output ([C, h, w])."""
 
     @abc.abstractmethod
+    def decode_latents(self, states: Sequence[RequestState]) -> torch.Tensor:
+        """The VAE's output for finished states of one batch key, [B, 3, H, W] on the model's device. Ranks may
+        decode shares of the finished requests and gather these tensors (`postprocess` runs on rank 0 only)."""
+
+    @abc.abstractmethod
+    def postprocess(self, images: torch.Tensor) -> list[np.ndarray]:
+        """`decode_latents` output -> float32 [H, W, 3] in [0, 1], as diffusers' `output_type="np"` gives them."""
+
     def decode(self, states: Sequence[RequestState]) -> list[np.ndarray]:
-        """Final images, float32 [H, W, 3] in [0, 1], as diffusers' `output_type="np"` gives them."""
+        """Final images of `states` (one batch key)."""
+        return self.postprocess(self.decode_latents(states))
 
     @abc.abstractmethod
     def preview(self, x0: torch.Tensor) -> np.ndarray:

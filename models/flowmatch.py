@@ -215,8 +215,25 @@ class FlowMatchAdapter(ModelAdapter):
             with collective("cfg-parallel all_gather"):
                 dist.all_gather(halves, out, group=self.cfg_group.group)
             return torch.stack(halves, dim=1)
+        if self.cfg_group is not None and n > 1:
+            # No CFG in this batch: the two ranks split the requests instead of both computing all of them.
+            return self._split_requests(n, batched, shared).unflatten(0, (n, 1))
         out = self.transformer(**batched, **shared, return_dict=False)[0]
         return out.unflatten(0, (n, rows))
+
+    def _split_requests(self, n: int, batched: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]):
+        """Rows [0, k) on CFG rank 0 and [k, n) on rank 1 (k = ceil(n / 2)), all-gathered; returns [n, ...]."""
+        assert self.cfg_group is not None
+        k = (n + 1) // 2
+        lo, hi = (0, k) if self.cfg_group.rank == 0 else (k, n)
+        local = {name: t[lo:hi] for name, t in batched.items()}
+        out = self.transformer(**local, **shared, return_dict=False)[0].contiguous()  # [hi - lo, ...]
+        if out.shape[0] < k:  # odd n: rank 1 pads its half to k rows for the gather
+            out = torch.cat([out, out.new_zeros((k - out.shape[0], *out.shape[1:]))])
+        halves = [torch.empty_like(out) for _ in range(2)]
+        with collective("cfg-parallel all_gather"):
+            dist.all_gather(halves, out, group=self.cfg_group.group)
+        return torch.cat([halves[0], halves[1][: n - k]])
 
     def forget(self, request_ids: Sequence[str]) -> None:
         """States were freed: drop cached batch tensors that hold them."""
@@ -231,17 +248,18 @@ class FlowMatchAdapter(ModelAdapter):
             state.step_index += 1
 
     def predicted_x0(self, state: RequestState, model_output: torch.Tensor) -> torch.Tensor:
-        sigma = state.sampler.sigma.to(device=model_output.device, dtype=torch.float32)
+        sigma = state.sampler.device_sigmas[state.sampler.index].to(torch.float32)
         x0 = state.latents.to(torch.float32) - sigma * model_output.to(torch.float32)
         return self._unpack(x0.view_as(state.latents), state.params)[0]
 
     @torch.inference_mode()
-    def decode(self, states: Sequence[RequestState]) -> list[np.ndarray]:
+    def decode_latents(self, states: Sequence[RequestState]) -> torch.Tensor:
         latents = self._unpack(torch.cat([s.latents for s in states]), states[0].params)
         latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
-        image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
-        images = self.pipe.image_processor.postprocess(image, output_type="np")  # [B, H, W, 3] float32 in [0, 1]
-        return list(images)
+        return self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]  # [B, 3, H, W] in [-1, 1]
+
+    def postprocess(self, images: torch.Tensor) -> list[np.ndarray]:
+        return list(self.pipe.image_processor.postprocess(images, output_type="np"))  # [H, W, 3] float32 in [0, 1]
 
     def preview(self, x0: torch.Tensor) -> np.ndarray:
         return self.latent_rgb.to_uint8(x0)

@@ -79,6 +79,7 @@ class FluxAdapter(FlowMatchAdapter):
                     "embeds": torch.cat([embeds[i : i + 1], neg_embeds[neg_row : neg_row + 1]]),
                     "pooled": torch.cat([pooled[i : i + 1], neg_pooled[neg_row : neg_row + 1]]),
                     "guidance": guidance.expand(2),
+                    "true_cfg": torch.full([1], p.true_cfg_scale, device=self.device, dtype=torch.float32),
                 }
                 neg_row += 1
             else:
@@ -108,7 +109,7 @@ class FluxAdapter(FlowMatchAdapter):
         if rows == 1:
             return out[:, 0]
         pos, neg = out[:, 0], out[:, 1]
-        scale = torch.tensor([s.params.true_cfg_scale for s in states], dtype=out.dtype, device=out.device)
+        scale = cond["true_cfg"].to(out.dtype)  # [B], built once per batch membership
         return neg + scale.view(-1, 1, 1) * (pos - neg)
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:

@@ -17,12 +17,16 @@ from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
 
 class FlowMatchSampler:
-    __slots__ = ("euler", "index", "scheduler", "sigmas", "timesteps")
+    __slots__ = ("device_sigmas", "dts", "euler", "index", "scheduler", "sigmas", "timesteps")
 
     def __init__(self, template: Any, num_inference_steps: int, device: torch.device | str, **kwargs: Any) -> None:
         self.scheduler = copy.deepcopy(template)
         self.timesteps, _ = retrieve_timesteps(self.scheduler, num_inference_steps, device, **kwargs)
-        self.sigmas = self.scheduler.sigmas
+        self.sigmas = self.scheduler.sigmas  # on the CPU, as diffusers keeps them
+        # Per-step Euler dt and sigmas on the model's device once, so that a step copies nothing from the host (a
+        # synchronous copy on CUDA). float32 on the CPU first, exactly as `scheduler.step` computes them.
+        self.dts = (self.sigmas[1:] - self.sigmas[:-1]).to(device)
+        self.device_sigmas = self.sigmas.to(device)
         self.scheduler.set_begin_index(0)
         # Plain Euler: the update is `x + (sigma_next - sigma) * v`, which we can apply to the whole batch at once.
         self.euler = type(self.scheduler) is FlowMatchEulerDiscreteScheduler and not getattr(
@@ -47,7 +51,7 @@ def step_batch(samplers: Sequence[FlowMatchSampler], sample: torch.Tensor, model
     """
     if all(s.euler for s in samplers):
         shape = (len(samplers),) + (1,) * (sample.dim() - 1)
-        dt = torch.stack([s.sigmas[s.index + 1] - s.sigmas[s.index] for s in samplers]).view(shape)
+        dt = torch.stack([s.dts[s.index] for s in samplers]).view(shape)
         # diffusers multiplies by a 0-dim float32 dt, which computes in model_output's dtype: round dt the same way.
         dt = dt.to(device=model_output.device, dtype=model_output.dtype)
         out = (sample.to(torch.float32) + dt * model_output).to(model_output.dtype)

@@ -86,6 +86,7 @@ class SD3Adapter(FlowMatchAdapter):
                 cond = {
                     "embeds": torch.cat([neg_embeds[i : i + 1], embeds[i : i + 1]]),
                     "pooled": torch.cat([neg_pooled[i : i + 1], pooled[i : i + 1]]),
+                    "scale": torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32),
                 }
             else:
                 cond = {"embeds": embeds[i : i + 1], "pooled": pooled[i : i + 1]}
@@ -111,7 +112,7 @@ class SD3Adapter(FlowMatchAdapter):
         if rows == 1:
             return out[:, 0]
         uncond, text = out[:, 0], out[:, 1]
-        scale = torch.tensor([s.params.guidance_scale for s in states], dtype=out.dtype, device=out.device)
+        scale = cond["scale"].to(out.dtype)  # [B], built once per batch membership, not from a list each step
         return uncond + scale.view(-1, 1, 1, 1) * (text - uncond)
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:

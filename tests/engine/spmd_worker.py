@@ -1,7 +1,7 @@
 """Run under torch.distributed.run: rank 0 drives an Engine over a TorchComm, the others follow. Rank 0 writes each
 request's image to OUT/<index>.npy; every rank writes OUT/forwards<rank>.json, what each of its transformer forwards
-saw (requests, rows, tokens in and tokens per block), so a test can tell a real split from one that computes
-everything everywhere. Arguments: MODEL OUT CFG_PARALLEL ULYSSES REQUESTS_JSON."""
+saw (requests, rows, tokens in and tokens per block) and how many images it decoded, so that a test can tell a real
+split from one that computes everything everywhere. Arguments: MODEL OUT CFG_PARALLEL ULYSSES REQUESTS_JSON."""
 
 import asyncio
 import json
@@ -53,7 +53,14 @@ def record_forwards(adapter) -> list[dict]:
         hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [B, S_local, D]
         forwards[-1]["calls"][-1].setdefault("block_tokens", hs.shape[1])
 
+    real_decode = adapter.decode_latents
+
+    def decode_latents(states):
+        forwards[-1].setdefault("decoded", []).append(len(states))
+        return real_decode(states)
+
     adapter.denoise = denoise
+    adapter.decode_latents = decode_latents
     # prepend: before the Ulysses hook that shards FLUX inputs, so that "tokens" counts the whole image.
     adapter.transformer.register_forward_pre_hook(on_transformer, with_kwargs=True, prepend=True)
     adapter.transformer.transformer_blocks[0].register_forward_pre_hook(on_block, with_kwargs=True)

@@ -40,7 +40,14 @@ REQUESTS = {
         ),
         # 48x48: 9 image tokens, not divisible by 2, so Ulysses shards unevenly.
         SamplingParams(prompt="a cat", seed=3, width=48, height=48, num_inference_steps=3, guidance_scale=4.0),
-        SamplingParams(prompt="no guidance", seed=4, width=64, height=64, num_inference_steps=2, guidance_scale=1.0),
+        # Three without CFG finishing together: CFG-parallel splits them 2 + 1 between the ranks, and the ranks
+        # share their decoding.
+        *(
+            SamplingParams(
+                prompt=f"no guidance {i}", seed=4 + i, width=64, height=64, num_inference_steps=2, guidance_scale=1.0
+            )
+            for i in range(3)
+        ),
         # A plan larger than the 4 KiB broadcast buffer: its tail follows in a second broadcast.
         SamplingParams(
             prompt="a red circle " * 500, seed=5, width=64, height=64, num_inference_steps=2, guidance_scale=5.0
@@ -67,6 +74,13 @@ REQUESTS = {
             num_inference_steps=3,
             guidance_scale=2.0,
             true_cfg_scale=2.0,
+        ),
+        # Without true CFG, finishing together: split between the ranks and decoded by both.
+        *(
+            SamplingParams(
+                prompt=f"plain {i}", seed=10 + i, width=64, height=64, num_inference_steps=2, guidance_scale=3.5
+            )
+            for i in range(2)
         ),
     ],
 }
@@ -115,15 +129,20 @@ def two_ranks(model: str, out: Path, cfg: int, ulysses: int, requests) -> tuple[
     return images, [json.loads((out / f"forwards{r}.json").read_text()) for r in range(2)]
 
 
-def check_split(strategy: str, forwards: list[list[dict]]) -> None:
+def check_split(strategy: str, forwards: list[list[dict]]) -> int:
+    """Asserts the split; returns how many images the ranks decoded in all."""
     assert forwards[0] and len(forwards[0]) == len(forwards[1]), "both ranks run the same forwards"
     for f0, f1 in zip(*forwards, strict=True):
         assert (f0["requests"], f0["cfg"]) == (f1["requests"], f1["cfg"])
         (c0,), (c1,) = f0["calls"], f1["calls"]  # one transformer call per forward on each rank
         if strategy == "cfg":
-            # A CFG batch: each rank computes one branch, one row per request where one rank alone computes two.
-            # (A batch without CFG has one row per request, computed on both ranks.)
-            assert c0["rows"] == c1["rows"] == f0["requests"], (f0, f1)
+            n = f0["requests"]
+            if f0["cfg"]:
+                # Each rank computes one branch: one row per request where one rank alone computes two.
+                assert c0["rows"] == c1["rows"] == n, (f0, f1)
+            elif n > 1:
+                # No CFG: the ranks split the requests (the first takes the odd one).
+                assert (c0["rows"], c1["rows"]) == ((n + 1) // 2, n // 2), (f0, f1)
         else:
             # Each rank's blocks see its own slice of the image tokens (shards may differ by one token).
             full = c0["tokens"]
@@ -131,6 +150,19 @@ def check_split(strategy: str, forwards: list[list[dict]]) -> None:
             assert c0["rows"] == f0["requests"] * (2 if f0["cfg"] else 1)
     if strategy == "cfg":
         assert any(f["cfg"] for f in forwards[0]), "the requests include CFG batches"
+        assert any(not f["cfg"] and f["requests"] > 1 for f in forwards[0]), "and batches without CFG"
+    # Requests that finish together are decoded by both ranks, each its share; one finishing alone by rank 0 only.
+    shared = 0
+    for f0, f1 in zip(*forwards, strict=True):
+        d0, d1 = f0.get("decoded", []), f1.get("decoded", [])
+        if d1:
+            n = d0[0] + d1[0]
+            assert (d0, d1) == ([(n + 1) // 2], [n // 2]), (f0, f1)
+            shared += 1
+        else:
+            assert d0 in ([], [1]), f0
+    assert shared, "some requests finished together"
+    return sum(n for rank in forwards for f in rank for n in f.get("decoded", []))
 
 
 @pytest.mark.parametrize("strategy", ["cfg", "ulysses"])
@@ -141,7 +173,7 @@ def test_two_ranks_match_one(family, strategy, request, tmp_path):
     expected = one_rank(model, requests)
     cfg, ulysses = (2, 1) if strategy == "cfg" else (1, 2)
     got, forwards = two_ranks(model, tmp_path, cfg, ulysses, requests)
-    check_split(strategy, forwards)
+    assert check_split(strategy, forwards) == len(requests)
     for params, a, b in zip(requests, expected, got, strict=True):
         assert a.shape == b.shape
         diff = float(np.abs(a - b).max())

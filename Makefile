@@ -28,4 +28,4 @@ test: setup
 	$(PY) -m pytest
 
 bench: setup
-	$(VENV)/bin/diffusiond bench engine
+	$(VENV)/bin/diffusiond bench compare

@@ -1,11 +1,13 @@
 """The diffusers baseline, in a clean process of its own (FACTS.md: a baseline inside our process is slowed the same
 way our engine is, so comparing there flatters us).
 
-    python -m diffusiond.bench.baseline '{"model": ..., "width": 256, ...}'   -> one JSON line on stdout
+The child loads the pipeline with `from_pretrained`, warms up, and then waits for commands on stdin, one JSON result
+per line on stdout, so that a benchmark can alternate it with the daemon request by request (drift on a noisy
+machine then hits both sides alike; the side that waits is idle). It runs what a user of plain diffusers would run:
+`pipeline(...)` per image or per batch of images, each image saved as PNG bytes (as a user saving it, and as our HTTP
+answer); `single_np` is the call alone. `forward` times the bare batched transformer forward: the bound.
 
-It does nothing but load the pipeline with `from_pretrained`, warm up, and time what a user of plain diffusers would
-run: one `pipeline(...)` call per image, and one call with a batch of images. The image is turned into PNG bytes, as
-a user saving it (and our HTTP answer) would. Also the bare batched transformer forward, the bound no server can beat.
+    single | single_np | sequential N | batched N | forward | quit
 """
 
 from __future__ import annotations
@@ -40,22 +42,49 @@ class Job(msgspec.Struct, frozen=True):
     guidance_scale: float
     threads: int
     batch: int = 8
-    repeats: int = 5
-    # Images for the sequential and batched throughput measurements (a multiple of `batch`).
-    images: int = 16
 
 
-class Result(msgspec.Struct):
-    single_s: list[float]
-    single_no_png_s: list[float]
-    sequential_images_per_s: float
-    batched_images_per_s: float
-    # steps x one transformer forward over `batch` images (CFG rows included): images/s no server can beat.
-    forward_bound_images_per_s: float
-    torch_threads: int
+class Baseline:
+    """The parent's handle on the child process."""
+
+    def __init__(self, job: Job) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": str(job.threads)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "diffusiond.bench.baseline", msgspec.json.encode(job).decode()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self._read()  # "ready" after loading and warming up
+
+    def _read(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the diffusers baseline failed:\n{self.proc.stderr.read()[-3000:]}")
+        return json.loads(line)
+
+    def run(self, command: str) -> float:
+        """Seconds the command took in the child."""
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return float(self._read())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(60)
+
+    def __enter__(self) -> Baseline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-def _run(job: Job) -> Result:
+def _child(job: Job) -> None:
     import diffusers
     import torch
 
@@ -65,8 +94,10 @@ def _run(job: Job) -> Result:
     index = read_model_index(job.model)
     pipe = getattr(diffusers, index["_class_name"]).from_pretrained(job.model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
+    seeds = iter(range(10**9))
 
-    def call(indices: list[int], png: bool = True) -> None:
+    def call(n: int, png: bool = True) -> None:
+        indices = [next(seeds) for _ in range(n)]
         out = pipe(
             prompt=[PROMPTS[i % len(PROMPTS)] for i in indices],
             width=job.width,
@@ -80,55 +111,42 @@ def _run(job: Job) -> Result:
             for image in out.images:
                 image.save(io.BytesIO(), format="PNG")
 
-    def timed(fn) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
-    call([0])
-    call(list(range(job.batch)))
-    single = [timed(lambda: call([0])) for _ in range(job.repeats)]
-    single_np = [timed(lambda: call([0], png=False)) for _ in range(job.repeats)]
-    sequential = timed(lambda: [call([i]) for i in range(job.images)])
-    batched = timed(lambda: [call(list(range(i, i + job.batch))) for i in range(0, job.images, job.batch)])
-
-    # The bare forward: the transformer alone, at the batch's rows, as the pipeline calls it.
+    # The bare forward: the transformer alone, with the inputs the pipeline gives it for a batch.
     captured = {}
 
-    def grab(module, args, kwargs):
-        captured.setdefault("kwargs", {k: v for k, v in kwargs.items()})
+    def grab(module, args, kwargs) -> None:
+        captured.setdefault("kwargs", dict(kwargs))
 
     hook = pipe.transformer.register_forward_pre_hook(grab, with_kwargs=True)
-    call(list(range(job.batch)), png=False)
+    call(job.batch, png=False)
     hook.remove()
-    kwargs = captured["kwargs"]
-    with torch.inference_mode():
-        pipe.transformer(**kwargs)
-        forward = statistics.median(timed(lambda: pipe.transformer(**kwargs)) for _ in range(job.repeats))
-    return Result(
-        single_s=single,
-        single_no_png_s=single_np,
-        sequential_images_per_s=job.images / sequential,
-        batched_images_per_s=job.images / batched,
-        forward_bound_images_per_s=job.batch / (forward * job.steps),
-        torch_threads=torch.get_num_threads(),
-    )
+    call(1)
+
+    def forward() -> None:
+        with torch.inference_mode():
+            pipe.transformer(**captured["kwargs"])
+
+    commands = {
+        "single": lambda: call(1),
+        "single_np": lambda: call(1, png=False),
+        "batched": lambda n: [call(job.batch) for _ in range(n // job.batch)],
+        "sequential": lambda n: [call(1) for _ in range(n)],
+        "forward": forward,
+    }
+    print('"ready"', flush=True)
+    for line in sys.stdin:
+        name, *arg = line.split()
+        if name == "quit":
+            return
+        t0 = time.perf_counter()
+        commands[name](*map(int, arg))
+        print(json.dumps(time.perf_counter() - t0), flush=True)
 
 
-def run_baseline(job: Job) -> Result:
-    """Runs the baseline in a fresh interpreter with the job's thread count, and returns what it measured."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(job.threads)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "diffusiond.bench.baseline", msgspec.json.encode(job).decode()],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"the diffusers baseline failed:\n{proc.stderr[-3000:]}")
-    return msgspec.json.decode(proc.stdout.strip().splitlines()[-1], type=Result)
+def median_forward(baseline: Baseline, repeats: int = 5) -> float:
+    baseline.run("forward")
+    return statistics.median(baseline.run("forward") for _ in range(repeats))
 
 
 if __name__ == "__main__":
-    result = _run(msgspec.json.decode(sys.argv[1], type=Job))
-    print(json.dumps(msgspec.to_builtins(result)))
+    _child(msgspec.json.decode(sys.argv[1], type=Job))

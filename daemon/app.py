@@ -21,7 +21,8 @@ from diffusiond import __version__
 from diffusiond.daemon import native_api, openai_api
 from diffusiond.daemon.api import ApiError
 from diffusiond.daemon.config import ServeConfig
-from diffusiond.daemon.state import LOAD, METRICS, STATE, ServerState
+from diffusiond.daemon.images import encoder_pool
+from diffusiond.daemon.state import ENCODERS, LOAD, METRICS, STATE, ServerState
 from diffusiond.daemon.streaming import ClientGone
 from diffusiond.engine.engine import Engine, Loader, QueueFullError
 from diffusiond.engine.outputs import Completed
@@ -57,6 +58,7 @@ def create_app(config: ServeConfig, *, load: Loader | None = None) -> web.Applic
 
 async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
+    app[ENCODERS] = encoders = encoder_pool()
     loader = asyncio.create_task(_load(app))
     loader.add_done_callback(lambda _: state.loaded.set())
     lag = asyncio.create_task(watch_loop_lag(app[METRICS].loop_lag))
@@ -69,6 +71,7 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
             await task
     if state.engine is not None:
         await state.engine.stop()
+    encoders.shutdown(wait=False, cancel_futures=True)
 
 
 def _default_loader(config: ServeConfig) -> Loader:

@@ -135,14 +135,6 @@ def cmd_bench_spmd(args: argparse.Namespace) -> int:
     return bench_spmd(args)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    configure_threads(args.threads)
-    quiet_libraries()
-    from diffusiond.bench.engine import bench_engine
-
-    return bench_engine(args)
-
-
 def _load_config(args: argparse.Namespace):
     """The effective ServeConfig (CLI > environment > file > defaults), or None after printing the error."""
     from diffusiond.daemon.config import ConfigError, load_config
@@ -304,14 +296,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print ratios measured side by side in one run")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    engine = bench_sub.add_parser("engine", help="diffusers pipeline calls vs the engine at 1, 4 and 8 requests")
-    add_model_args(engine)
-    engine.add_argument("--size", type=parse_size, default=(256, 256))
-    engine.add_argument("--steps", type=int, default=8)
-    engine.add_argument("--images", type=int, default=16, help="images per throughput measurement")
-    engine.add_argument("--repeats", type=int, default=5, help="single-request latency samples per side")
-    engine.add_argument("--guidance-scale", type=float, default=None)
-    engine.set_defaults(func=cmd_bench)
     spmd = bench_sub.add_parser("spmd", help="plan broadcast cost with 2 ranks; 1 rank vs 2 ranks CFG-parallel")
     spmd.add_argument("--model", help="checkpoint (default: the bundled default model)")
     spmd.add_argument("--size", type=parse_size, default=(64, 64))
@@ -329,6 +313,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_serve.add_args(load)
     load.set_defaults(func=lambda args: bench_serve.bench_serve(args))
+    from diffusiond.bench import compare as bench_compare
+
+    compare = bench_sub.add_parser(
+        "compare",
+        help="a daemon over HTTP vs a clean diffusers process on the same checkpoint: ratios, and a plot",
+        description=bench_compare.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_compare.add_args(compare)
+    compare.set_defaults(func=lambda args: bench_compare.bench_compare(args))
     return parser
 
 

@@ -1,8 +1,10 @@
-"""Engine images -> bytes, the way diffusers turns its float arrays into PIL images."""
+"""Engine images -> bytes, the way diffusers turns its float arrays into PIL images, in a pool of its own."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
+import os
 
 import numpy as np
 from PIL import Image
@@ -27,3 +29,14 @@ def encode_preview(image: np.ndarray, size: tuple[int, int], fmt: str = "png", q
     """A latent-resolution preview, scaled up to the requested image size (OpenAI partial images have it)."""
     pil = Image.fromarray(to_uint8(image)).resize(size, Image.Resampling.BILINEAR)
     return encode_image(np.asarray(pil), fmt, quality)
+
+
+def encoder_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for image encoding (numpy and PIL only, never torch), off the event loop. Few of them: on a CPU that the
+    step thread's torch threads keep busy, every extra busy thread slows every forward. Measured on 2 cores, 8
+    concurrent 256x256 requests: with the default pool (6 threads) the 8 PNGs took 39 ms each instead of 7.5 ms and
+    each forward 7% longer (6.1 images/s); with one thread, 6.3-6.5 images/s. (At the lowest CPU priority the encoder
+    starved, answers trickled out and the clients' next requests no longer arrived together: 5.8 images/s.)"""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = max(1, min(4, cores // 4))
+    return concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="diffusiond-encode")

@@ -117,7 +117,15 @@ def _get_record(request: web.Request) -> Record:
 
 
 async def generation_status(request: web.Request) -> web.Response:
-    return web.json_response(msgspec.to_builtins(_get_record(request)))
+    rec = _get_record(request)
+    engine = request.app[STATE].engine
+    if rec.status in ("queued", "running") and engine is not None:
+        # Requests without progress events (the OpenAI routes) and streams behind their readers: the step count
+        # comes from the engine itself.
+        step = engine.steps_done.get(rec.id)
+        if step is not None and step >= rec.step:
+            rec.status, rec.step = "running", step
+    return web.json_response(msgspec.to_builtins(rec))
 
 
 async def generation_cancel(request: web.Request) -> web.Response:

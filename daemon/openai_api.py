@@ -86,7 +86,7 @@ async def images_generations(request: web.Request) -> web.StreamResponse:
     many = expand(engine, body, base)  # before anything is queued
     resolved = many[0]
     partial = body.partial_images or 0
-    handles = queue_requests(engine, state, many)
+    handles = queue_requests(engine, state, many, progress=False)  # OpenAI clients get no progress events
     fmt = body.output_format or "png"
     meta = {
         "size": f"{resolved.width}x{resolved.height}",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections import OrderedDict
@@ -100,5 +101,7 @@ class ServerState:
 
 STATE = web.AppKey("state", ServerState)
 METRICS = web.AppKey("metrics", Metrics)
+# Image encoding threads (images.encoder_pool).
+ENCODERS = web.AppKey("encoders", concurrent.futures.ThreadPoolExecutor)
 # How the engine's step thread gets its model (engine.Loader).
 LOAD = web.AppKey("load_model", Callable)

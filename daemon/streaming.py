@@ -14,7 +14,7 @@ import msgspec
 from aiohttp import web
 
 from diffusiond.daemon.api import ApiError
-from diffusiond.daemon.state import METRICS, ServerState
+from diffusiond.daemon.state import ENCODERS, METRICS, ServerState
 from diffusiond.engine.engine import Engine, QueueFullError, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Event, Failed
 from diffusiond.engine.request import SamplingParams
@@ -78,20 +78,24 @@ async def with_keepalive(events: AsyncIterator[T], every: float) -> AsyncIterato
 
 
 async def encode_off_loop(request: web.Request, fn, *args) -> bytes:
-    """Image encoding off the event loop, timed as the encode_response stage."""
+    """Image encoding in the encoder pool (`images.encoder_pool`), timed as the encode_response stage."""
     t0 = time.perf_counter()
-    data = await asyncio.to_thread(fn, *args)
+    data = await asyncio.get_running_loop().run_in_executor(request.app[ENCODERS], fn, *args)
     request.app[METRICS].stage_seconds.labels("encode_response").observe(time.perf_counter() - t0)
     return data
 
 
-def queue_requests(engine: Engine, state: ServerState, params: list[SamplingParams]) -> list[RequestHandle]:
+def queue_requests(
+    engine: Engine, state: ServerState, params: list[SamplingParams], *, progress: bool = True
+) -> list[RequestHandle]:
+    """`progress`: whether the client is sent a progress event every step (the native stream); without, the
+    engine emits none and status comes from `Engine.steps_done`."""
     if not engine.has_capacity(len(params)):
         raise QueueFullError(f"{engine.num_in_flight} requests in flight")
     handles = []
     try:
         for p in params:
-            handles.append(engine.add_request(p))
+            handles.append(engine.add_request(p, progress=progress))
             state.record(handles[-1])
     except Exception:
         for h in handles:

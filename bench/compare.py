@@ -132,7 +132,8 @@ class Report(msgspec.Struct):
     steps: int
     guidance_scale: float
     threads: int
-    # Alternating pairs, one request at a time: diffusers call + PNG, diffusers call alone, diffusiond over HTTP.
+    # Alternating blocks, one request at a time, medians per block: diffusers call + PNG, diffusers call alone,
+    # diffusiond over HTTP.
     single_s: list[tuple[float, float, float]]
     # Alternating rounds of `images` images: diffusers sequential, diffusers batched (8 per call), diffusiond at
     # concurrency 8, in images/s.
@@ -170,19 +171,25 @@ def measure(args: argparse.Namespace, log_dir: Path) -> Report:
         _serve(url, args, num_requests=3)  # warm-up: allocator, kernels at batch 1
         _serve(url, args, num_requests=16, concurrency=8)  # ... and at batch 8
         with Baseline(Job(args.model, width, height, args.steps, guidance, args.threads)) as baseline:
+            # Blocks, alternating sides; each block starts with one unmeasured request, because a process that sat
+            # idle while the other side ran is cold (measured here: a diffusers call takes 274 ms right after 0.5 s
+            # idle and 231 ms back to back, and the daemon behaves alike). A plain diffusers loop is warm.
             single = []
-            for i in range(args.repeats):  # alternate which side goes first, so drift cancels
-                if i % 2:
-                    http = _serve(url, args, num_requests=1).latency_s["p50"]
-                    png, alone = baseline.run("single"), baseline.run("single_np")
-                else:
-                    png, alone = baseline.run("single"), baseline.run("single_np")
-                    http = _serve(url, args, num_requests=1).latency_s["p50"]
-                single.append((png, alone, http))
+            for _ in range(args.repeats):
+                baseline.run("single")
+                png = [baseline.run("single") for _ in range(args.block)]
+                baseline.run("single_np")
+                alone = [baseline.run("single_np") for _ in range(args.block)]
+                _serve(url, args, num_requests=1)
+                http = [_serve(url, args, num_requests=1).latency_s["p50"] for _ in range(args.block)]
+                single.append((statistics.median(png), statistics.median(alone), statistics.median(http)))
             throughput = []
             for _ in range(args.rounds):
+                baseline.run("sequential 1")
                 sequential = 8 / baseline.run("sequential 8")
+                baseline.run("batched 8")
                 batched = images / baseline.run(f"batched {images}")
+                _serve(url, args, num_requests=8, concurrency=8)
                 eight = _serve(url, args, num_requests=images, concurrency=8).images_per_s
                 throughput.append((sequential, batched, eight))
             bound = 8 / (median_forward(baseline) * args.steps)
@@ -233,8 +240,8 @@ def print_report(r: Report) -> None:
     seq, batched, eight = (med(x[i] for x in r.throughput) for i in range(3))
     print(f"model {r.model}: {r.size}, {r.steps} steps, guidance {r.guidance_scale:g}, {r.threads} torch threads")
     print(
-        f"diffusers in a clean child process, alternated with the daemon: {len(r.single_s)} single-request pairs, "
-        f"{len(r.throughput)} throughput rounds; ratios are medians of the pairs\n"
+        f"diffusers in a clean child process, alternated with the daemon: {len(r.single_s)} blocks of single "
+        f"requests, {len(r.throughput)} throughput rounds, each after a warm-up; ratios are medians over pairs\n"
     )
     print(f"{'':44s} {'measured':>14s} {'ratio':>8s}")
     rows = [
@@ -296,8 +303,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--guidance-scale", type=float, help="(default: the model's)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides (default: 2)")
     parser.add_argument("--images", type=int, default=32, help="images per throughput measurement (default: 32)")
-    parser.add_argument("--rounds", type=int, default=3, help="throughput rounds per side (default: 3)")
-    parser.add_argument("--repeats", type=int, default=8, help="single-request pairs (default: 8)")
+    parser.add_argument("--rounds", type=int, default=5, help="throughput rounds per side (default: 5)")
+    parser.add_argument("--repeats", type=int, default=6, help="single-request blocks per side (default: 6)")
+    parser.add_argument("--block", type=int, default=4, help="measured requests per block (default: 4)")
     parser.add_argument("--serve-arg", action="append", metavar="ARG", help="extra flag for `diffusiond serve`")
     parser.add_argument("--plot", metavar="OUT.png")
     parser.add_argument("--json", metavar="OUT")

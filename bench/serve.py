@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import re
@@ -26,6 +27,9 @@ from pathlib import Path
 import aiohttp
 import msgspec
 import numpy as np
+
+# Makes prompts unique across all runs of this process.
+_UNIQUE = itertools.count()
 
 
 class Summary(msgspec.Struct):
@@ -122,7 +126,9 @@ def _bodies(args: argparse.Namespace) -> list[dict]:
     width, height = args.size
     bodies = []
     for _ in range(args.num_requests):
-        body = {"prompt": args.prompt, "seed": rng.randrange(2**31), "num_inference_steps": args.steps}
+        # Unique prompts (a counter appended) unless asked: a daemon caches encoded prompts, a plain loop does not.
+        prompt = args.prompt if getattr(args, "same_prompt", False) else f"{args.prompt}, {next(_UNIQUE)}"
+        body = {"prompt": prompt, "seed": rng.randrange(2**31), "num_inference_steps": args.steps}
         if args.guidance_scale is not None:
             body["guidance_scale"] = args.guidance_scale
         if args.api == "native":
@@ -290,6 +296,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--guidance-scale", type=float)
     parser.add_argument("--prompt", default="a red circle at the top left on a blue background")
+    parser.add_argument(
+        "--same-prompt", action="store_true", help="send --prompt as is (default: a counter makes each prompt unique)"
+    )
     parser.add_argument("--stream", action="store_true", help="stream, and measure time to first preview")
     parser.add_argument("--workload", metavar="FILE", help="JSON lines of request bodies, used in turn")
     parser.add_argument("--slo", type=float, metavar="SECONDS", help="report the share of requests within it")

@@ -38,5 +38,5 @@ def encoder_pool() -> concurrent.futures.ThreadPoolExecutor:
     each forward 7% longer (6.1 images/s); with one thread, 6.3-6.5 images/s. (At the lowest CPU priority the encoder
     starved, answers trickled out and the clients' next requests no longer arrived together: 5.8 images/s.)"""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    workers = max(1, min(4, cores // 4))
+    workers = max(2, min(4, cores // 4))
     return concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="diffusiond-encode")

@@ -41,23 +41,14 @@ class FluxAdapter(FlowMatchAdapter):
     @torch.inference_mode()
     def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
         params = [n.params for n in new]
-        embeds, pooled, text_ids = self.pipe.encode_prompt(
-            prompt=[p.prompt for p in params],
-            prompt_2=None,
-            device=self.device,
-            max_sequence_length=self.max_sequence_length,
-        )
         cfg = [self._uses_cfg(p) for p in params]
-        negatives = [p.negative_prompt for p, c in zip(params, cfg, strict=True) if c]
-        if negatives:
-            neg_embeds, neg_pooled, _ = self.pipe.encode_prompt(
-                prompt=negatives, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length
-            )
+        negatives = [p.negative_prompt or "" for p, c in zip(params, cfg, strict=True) if c]
+        text = self.prompts.lookup([p.prompt for p in params] + negatives, self._encode)  # text -> (embeds, pooled)
         config = self.pipe.scheduler.config
         channels = self.transformer.config.in_channels // 4
         states = []
-        neg_row = 0
         for i, (req, p) in enumerate(zip(new, params, strict=True)):
+            embeds, pooled = text[p.prompt]  # [1, L, D], [1, D]
             latents, image_ids = self.pipe.prepare_latents(
                 1, channels, p.height, p.width, embeds.dtype, self.device, self._generator(p)
             )  # latents [1, seq, C * 4], image_ids [seq, 3]
@@ -75,18 +66,27 @@ class FluxAdapter(FlowMatchAdapter):
             guidance = torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)
             if cfg[i]:
                 # Rows (positive, negative) per request; a batch interleaves them.
+                neg_embeds, neg_pooled = text[p.negative_prompt or ""]
                 cond = {
-                    "embeds": torch.cat([embeds[i : i + 1], neg_embeds[neg_row : neg_row + 1]]),
-                    "pooled": torch.cat([pooled[i : i + 1], neg_pooled[neg_row : neg_row + 1]]),
+                    "embeds": torch.cat([embeds, neg_embeds]),
+                    "pooled": torch.cat([pooled, neg_pooled]),
                     "guidance": guidance.expand(2),
                     "true_cfg": torch.full([1], p.true_cfg_scale, device=self.device, dtype=torch.float32),
                 }
-                neg_row += 1
             else:
-                cond = {"embeds": embeds[i : i + 1], "pooled": pooled[i : i + 1], "guidance": guidance}
+                cond = {"embeds": embeds, "pooled": pooled, "guidance": guidance}
+            # Text position ids are zeros [L, 3] whatever the text (the pipeline's own `encode_prompt` builds them).
+            text_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=embeds.dtype)
             shared = {"text_ids": text_ids, "image_ids": image_ids}
             states.append(RequestState(req.request_id, p, latents, sampler, cond=cond, shared=shared))
         return states
+
+    def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        embeds, pooled, _ = self.pipe.encode_prompt(
+            prompt=texts, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length
+        )
+        # Rows cloned: a view would keep the whole batch tensor alive in the cache.
+        return [(embeds[i : i + 1].clone(), pooled[i : i + 1].clone()) for i in range(len(texts))]
 
     @torch.inference_mode()
     def denoise(self, states: Sequence[RequestState]) -> torch.Tensor:

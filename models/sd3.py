@@ -51,15 +51,8 @@ class SD3Adapter(FlowMatchAdapter):
     def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
         params = [n.params for n in new]
         cfg = [self._uses_cfg(p) for p in params]
-        embeds, neg_embeds, pooled, neg_pooled = self.pipe.encode_prompt(
-            prompt=[p.prompt for p in params],
-            prompt_2=None,
-            prompt_3=None,
-            negative_prompt=[p.negative_prompt or "" for p in params],
-            do_classifier_free_guidance=any(cfg),
-            device=self.device,
-            max_sequence_length=self.max_sequence_length,
-        )
+        negatives = [p.negative_prompt or "" for p, c in zip(params, cfg, strict=True) if c]
+        text = self.prompts.lookup([p.prompt for p in params] + negatives, self._encode)  # text -> (embeds, pooled)
         config = self.pipe.scheduler.config
         states = []
         for i, (req, p) in enumerate(zip(new, params, strict=True)):
@@ -69,6 +62,7 @@ class SD3Adapter(FlowMatchAdapter):
                 p.height // self.vae_scale_factor,
                 p.width // self.vae_scale_factor,
             )  # [1, C, h, w]
+            embeds, pooled = text[p.prompt]  # [1, L, D], [1, D]
             latents = randn_tensor(shape, generator=self._generator(p), device=self.device, dtype=embeds.dtype)
             kwargs = {}
             if config.get("use_dynamic_shifting", None):
@@ -83,15 +77,29 @@ class SD3Adapter(FlowMatchAdapter):
             sampler = FlowMatchSampler(self.pipe.scheduler, p.num_inference_steps, self.device, **kwargs)
             if cfg[i]:
                 # Rows (negative, positive) per request: a batch of them interleaves, one concatenation per batch.
+                neg_embeds, neg_pooled = text[p.negative_prompt or ""]
                 cond = {
-                    "embeds": torch.cat([neg_embeds[i : i + 1], embeds[i : i + 1]]),
-                    "pooled": torch.cat([neg_pooled[i : i + 1], pooled[i : i + 1]]),
+                    "embeds": torch.cat([neg_embeds, embeds]),
+                    "pooled": torch.cat([neg_pooled, pooled]),
                     "scale": torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32),
                 }
             else:
-                cond = {"embeds": embeds[i : i + 1], "pooled": pooled[i : i + 1]}
+                cond = {"embeds": embeds, "pooled": pooled}
             states.append(RequestState(req.request_id, p, latents, sampler, cond=cond))
         return states
+
+    def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The pipeline's own encoder, one batched call; negative prompts take the same path in diffusers."""
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=texts,
+            prompt_2=None,
+            prompt_3=None,
+            do_classifier_free_guidance=False,
+            device=self.device,
+            max_sequence_length=self.max_sequence_length,
+        )
+        # Rows cloned: a view would keep the whole batch tensor alive in the cache.
+        return [(embeds[i : i + 1].clone(), pooled[i : i + 1].clone()) for i in range(len(texts))]
 
     @torch.inference_mode()
     def denoise(self, states: Sequence[RequestState]) -> torch.Tensor:

@@ -89,10 +89,14 @@ def _child(job: Job) -> None:
     import torch
 
     torch.set_num_threads(job.threads)
+    from diffusiond.models.flowmatch import null_components
     from diffusiond.models.loader import read_model_index
 
     index = read_model_index(job.model)
-    pipe = getattr(diffusers, index["_class_name"]).from_pretrained(job.model, dtype=torch.float32)
+    # Components saved as None (SD3 without T5) are passed as None, as a user of such a checkpoint must.
+    pipe = getattr(diffusers, index["_class_name"]).from_pretrained(
+        job.model, dtype=torch.float32, **null_components(job.model)
+    )
     pipe.set_progress_bar_config(disable=True)
     seeds = iter(range(10**9))
 

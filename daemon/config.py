@@ -35,9 +35,10 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # Binding anything but loopback without an API key must be asked for (check_exposure).
     allow_unauthenticated: bool = False
     max_batch: Positive = 8
-    # Admission window: an idle engine waits up to this long for a burst of requests to start together (it stops
-    # waiting once max_batch wait, or after a fifth of it without a new one, which is all a lone request pays).
-    batch_wait_ms: Annotated[float, msgspec.Meta(ge=0, le=1000)] = 5.0
+    # Admission window: an idle engine waits up to this long for a burst of requests to start together. It stops at
+    # max_batch, or after 1/40 of it without a new request (all a lone request pays: 0.5 ms), 1/4 while clients of
+    # requests that finished together are coming back (engine.Engine._gather).
+    batch_wait_ms: Annotated[float, msgspec.Meta(ge=0, le=1000)] = 20.0
     max_queue: NonNegative = 64
     # What one request may ask for. None: from the model (4x its default image area, up to its largest sides; 4x
     # its default step count, at least 50). max_n: images per OpenAI request.

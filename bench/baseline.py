@@ -74,8 +74,10 @@ class Baseline:
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.stdin.write("quit\n")
-            self.proc.stdin.close()
+            self.proc.stdin.flush()
             self.proc.wait(60)
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            stream.close()
 
     def __enter__(self) -> Baseline:
         return self

@@ -157,16 +157,18 @@ def _stage_mean(before: str, after: str, *stages: str) -> float:
 
 
 def measure(args: argparse.Namespace, log_dir: Path) -> Report:
-    width, height = args.size
-    guidance = args.guidance_scale
     images = max(8, args.images - args.images % 8)  # whole batches of 8 on the diffusers side
     daemon = Daemon(args.model, args.threads, log_dir / "daemon.log", args.serve_arg or [])
     try:
         daemon.wait_ready()
-        if guidance is None:
-            with urllib.request.urlopen(daemon.base_url + "/v1/models", timeout=10) as resp:
-                guidance = msgspec.json.decode(resp.read())["data"][0]["diffusiond"]["default_guidance"]
-            args.guidance_scale = guidance
+        # What is not given comes from the model's own defaults, as the daemon serves them.
+        with urllib.request.urlopen(daemon.base_url + "/v1/models", timeout=10) as resp:
+            defaults = msgspec.json.decode(resp.read())["data"][0]["diffusiond"]
+        args.size = args.size or (defaults["default_width"], defaults["default_height"])
+        args.steps = args.steps or defaults["default_steps"]
+        if args.guidance_scale is None:
+            args.guidance_scale = defaults["default_guidance"]
+        (width, height), guidance = args.size, args.guidance_scale
         url = daemon.base_url
         _serve(url, args, num_requests=3)  # warm-up: allocator, kernels at batch 1
         _serve(url, args, num_requests=16, concurrency=8)  # ... and at batch 8
@@ -298,8 +300,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     from diffusiond.daemon.cli import parse_size
 
     parser.add_argument("--model", help="checkpoint folder (default: the bundled default model)")
-    parser.add_argument("--size", type=parse_size, default=(256, 256))
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--size", type=parse_size, help="WIDTHxHEIGHT (default: the model's)")
+    parser.add_argument("--steps", type=int, help="(default: the model's)")
     parser.add_argument("--guidance-scale", type=float, help="(default: the model's)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides (default: 2)")
     parser.add_argument("--images", type=int, default=32, help="images per throughput measurement (default: 32)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -28,6 +29,19 @@ from diffusiond.models.tiny import build_tiny
 
 # 2 cores on CI; more threads than cores slows torch down by an order of magnitude.
 torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """The CLI's `main` installs its own root handler on the current (captured) stderr; a later log record from a
+    server thread would then write to a closed capture stream."""
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    for handler in root.handlers[:]:
+        if type(handler) is logging.StreamHandler and handler not in before:
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")

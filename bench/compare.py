@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,14 +28,9 @@ import msgspec
 
 from diffusiond.bench.baseline import Baseline, Job, median_forward
 from diffusiond.bench.serve import Summary, run_load
+from diffusiond.daemon.launch import free_port
 
 SWEEP = (1, 2, 4, 8, 16)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _metrics(base_url: str) -> str:
@@ -69,7 +63,7 @@ def _quantile(before, after, q: float) -> float:
 
 class Daemon:
     def __init__(self, model: str, threads: int, log: Path, extra: list[str]) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "diffusiond", "serve", "--model", model, "--port", str(self.port)]
         cmd += ["--threads", str(threads), "--max-queue", "256", *extra]

@@ -87,7 +87,7 @@ class Load:
                     data = await resp.json()
                     return Outcome(True, 200, time.perf_counter() - t0, images=len(data["data"]))
                 images, failed = 0, ""
-                async for name, data in _sse(resp):
+                async for name, data in sse_events(resp):
                     if name in ("preview", "image_generation.partial_image") and first is None:
                         first = time.perf_counter() - t0
                     elif name in ("completed", "image_generation.completed"):
@@ -108,7 +108,8 @@ def _error_code(text: str) -> str:
         return "unknown"
 
 
-async def _sse(resp: aiohttp.ClientResponse):
+async def sse_events(resp: aiohttp.ClientResponse):
+    """(event name, data) of a text/event-stream response."""
     name = None
     async for raw in resp.content:
         line = raw.decode().rstrip("\r\n")

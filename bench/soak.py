@@ -21,7 +21,6 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -30,30 +29,17 @@ from pathlib import Path
 
 import aiohttp
 
+from diffusiond.bench.serve import sse_events
+from diffusiond.daemon.launch import free_port
+
 KEY = "soak-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TERMINAL = {"completed", "cancelled", "failed", "image_generation.completed", "error"}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def rss_kib(pid: int) -> int:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
-
-
-async def sse(resp: aiohttp.ClientResponse):
-    name = None
-    async for raw in resp.content:
-        line = raw.decode().rstrip("\r\n")
-        if line.startswith("event:"):
-            name = line[6:].strip()
-        elif line.startswith("data:"):
-            yield name, json.loads(line[5:])
 
 
 class Soak:
@@ -95,7 +81,7 @@ class Soak:
                 self.terminals.update(ids)  # one JSON answer for all n images: their terminal states
                 return
             seen: Counter[str] = Counter()
-            async for name, data in sse(resp):
+            async for name, data in sse_events(resp):
                 if name in TERMINAL:
                     seen[data.get("id", ids[0])] += 1
                 if action != "read" and name in ("progress", "image_generation.partial_image", "queued"):

@@ -137,7 +137,8 @@ def _single(args: Args, threads: int) -> float:
         "import sys, msgspec, torch; from diffusiond.bench import spmd as b;"
         f"torch.set_num_threads({threads}); a = msgspec.json.decode(sys.argv[1], type=b.Args);"
         "from diffusiond.engine.engine import Engine; from diffusiond.models.loader import load_adapter;"
-        "import asyncio; print(asyncio.run(b._throughput(Engine(load_adapter(a.model), max_batch=8), b._requests(a))))"
+        "import asyncio; engine = Engine(lambda: load_adapter(a.model), max_batch=8);"
+        "print(asyncio.run(b._throughput(engine, b._requests(a))))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code, msgspec.json.encode(args).decode()],

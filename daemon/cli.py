@@ -253,7 +253,7 @@ def add_log_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, with_load_tools: bool = True) -> argparse.ArgumentParser:
     from diffusiond.models.tiny import FAMILIES
 
     parser = argparse.ArgumentParser(prog="diffusiond", description=__doc__)
@@ -303,6 +303,14 @@ def build_parser() -> argparse.ArgumentParser:
     spmd.add_argument("--images", type=int, default=32)
     spmd.add_argument("--plans", type=int, default=2000, help="broadcast rounds per plan kind")
     spmd.set_defaults(func=cmd_bench_spmd)
+    if with_load_tools:
+        add_load_tools(bench_sub)
+    return parser
+
+
+def add_load_tools(bench_sub) -> None:
+    """`bench serve` and `bench compare`: their modules import the HTTP client side (aiohttp client, numpy), so
+    they are registered only when a bench command runs; `serve` never imports diffusiond.bench."""
     from diffusiond.bench import serve as bench_serve
 
     load = bench_sub.add_parser(
@@ -323,11 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_compare.add_args(compare)
     compare.set_defaults(func=lambda args: bench_compare.bench_compare(args))
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(with_load_tools="bench" in argv).parse_args(argv)
     if args.command not in ("serve", "config"):  # those two take logging from their configuration
         from diffusiond.daemon.logs import configure_logging
 

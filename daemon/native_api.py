@@ -54,7 +54,7 @@ async def generations(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body, params = parse_generation(await request.read())
     engine = state.require_engine()
-    (handle,) = queue_requests(engine, state, [engine.check(params)])
+    (handle,) = queue_requests(engine, state, [params])  # add_request checks it (Engine.check)
     response = await start_sse(request, {"X-Request-Id": handle.request_id})
     rid = handle.request_id
     async with contextlib.aclosing(with_keepalive(state.track(handle), state.config.sse_keepalive)) as events:

@@ -53,3 +53,15 @@ def test_poisson_arrivals_and_a_workload_file(server, tmp_path):
     s = bench(server, tmp_path, "--num-requests", "4", "--request-rate", "50", "--workload", str(workload))
     assert s["completed"] == 4 and s["request_rate"] == 50 and s["concurrency"] is None
     assert abs(s["images_per_s"] * s["duration_s"] - 6) < 1e-6  # 2 x 1 image + 2 x 2 images
+
+
+def test_serving_never_imports_the_bench_package():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from diffusiond.daemon.cli import build_parser;"
+        "build_parser(with_load_tools=False).parse_args(['serve']);"
+        "sys.exit(any(m.startswith('diffusiond.bench') for m in sys.modules))"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -8,27 +8,20 @@ import time
 
 import pytest
 
+from diffusiond.engine.comm import LocalComm
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Failed
 from diffusiond.engine.request import SamplingParams
 from diffusiond.models.loader import load_adapter
 
 
-class HangingComm:
+class HangingComm(LocalComm):
     """Rank 0 of a world of two whose peers never answer the collectives inside the model."""
 
-    rank = 0
     world_size = 2
 
     def __init__(self) -> None:
         self.reported: str | None = None
-
-    def broadcast(self, data: bytes | None) -> bytes:
-        assert data is not None
-        return data
-
-    def agree(self, flags: list[int]) -> list[int]:
-        return flags
 
     def report_fault(self, message: str) -> None:
         self.reported = message

@@ -112,6 +112,7 @@ def _load_args(base_url: str, args, **overrides) -> argparse.Namespace:
         "slo": None,
         "seed": 0,
         "timeout": 600.0,
+        "metrics_url": None,
     }
     return argparse.Namespace(**{**values, **overrides})
 

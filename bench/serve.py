@@ -142,20 +142,23 @@ def _bodies(args: argparse.Namespace) -> list[dict]:
     return bodies
 
 
-async def _queue_wait(session: aiohttp.ClientSession, base_url: str) -> tuple[float, float] | None:
-    """(sum, count) of the daemon's queue wait histogram, or None if /metrics is unreachable."""
-    try:
-        async with session.get(base_url + "/metrics") as resp:
-            text = await resp.text()
-    except aiohttp.ClientError:
-        return None
-    values = {}
-    for suffix in ("sum", "count"):
-        match = re.search(rf"^diffusiond_queue_wait_seconds_{suffix} (\S+)$", text, re.M)
-        if match is None:
+async def _queue_wait(session: aiohttp.ClientSession, urls: list[str]) -> tuple[float, float] | None:
+    """(sum, count) of the queue wait histograms of every daemon in `urls`, or None if one is unreachable."""
+    total, count = 0.0, 0.0
+    for url in urls:
+        try:
+            async with session.get(url.rstrip("/") + "/metrics") as resp:
+                text = await resp.text()
+        except aiohttp.ClientError:
             return None
-        values[suffix] = float(match.group(1))
-    return values["sum"], values["count"]
+        values = {}
+        for suffix in ("sum", "count"):
+            match = re.search(rf"^diffusiond_queue_wait_seconds_{suffix} (\S+)$", text, re.M)
+            if match is None:
+                return None
+            values[suffix] = float(match.group(1))
+        total, count = total + values["sum"], count + values["count"]
+    return total, count
 
 
 async def run_load(args: argparse.Namespace, progress=None) -> Summary:
@@ -163,7 +166,8 @@ async def run_load(args: argparse.Namespace, progress=None) -> Summary:
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        before = await _queue_wait(session, load.base_url)
+        metrics_urls = args.metrics_url or [load.base_url]
+        before = await _queue_wait(session, metrics_urls)
         t0 = time.perf_counter()
 
         async def record(body: dict) -> None:
@@ -189,7 +193,7 @@ async def run_load(args: argparse.Namespace, progress=None) -> Summary:
 
             await asyncio.gather(*(worker() for _ in range(max(1, args.concurrency))))
         duration = time.perf_counter() - t0
-        after = await _queue_wait(session, load.base_url)
+        after = await _queue_wait(session, metrics_urls)
     return summarize(load.outcomes, duration, args, before, after)
 
 
@@ -218,7 +222,8 @@ def summarize(outcomes: list[Outcome], duration: float, args, before, after) -> 
             key = f"{o.status}:{o.error}" if o.status else o.error
             errors[key] = errors.get(key, 0) + 1
     queue_wait = None
-    if before is not None and after is not None and after[1] > before[1]:
+    # A daemon that restarted during the run resets its histogram: then there is no mean to report.
+    if before is not None and after is not None and after[1] > before[1] and after[0] >= before[0]:
         queue_wait = (after[0] - before[0]) / (after[1] - before[1])
     previews = [o.first_preview for o in ok if o.first_preview is not None]
     slo = args.slo
@@ -303,6 +308,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream", action="store_true", help="stream, and measure time to first preview")
     parser.add_argument("--workload", metavar="FILE", help="JSON lines of request bodies, used in turn")
     parser.add_argument("--slo", type=float, metavar="SECONDS", help="report the share of requests within it")
+    parser.add_argument(
+        "--metrics-url",
+        action="append",
+        metavar="URL",
+        help="daemon whose /metrics gives the queue wait; repeat it for each replica behind a balancer "
+        "(default: --base-url)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     parser.add_argument("--json", metavar="OUT", help="write the summary as JSON")

@@ -220,9 +220,9 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    if state.ready and not state.draining and state.engine is not None and state.engine.alive:
+    if state.ready and not state.leaving and not state.draining and state.engine is not None and state.engine.alive:
         return web.json_response({"status": "ready", "model": state.model_id})
-    status = "draining" if state.draining else ("failed" if state.load_error else "loading")
+    status = "draining" if state.leaving or state.draining else ("failed" if state.load_error else "loading")
     return web.json_response({"status": status}, status=503)
 
 

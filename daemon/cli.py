@@ -172,7 +172,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         configure_threads(config.threads)
         quiet_libraries()
         return run_rank(config)
-    if config.nproc > 1:
+    if config.nproc > 1 or config.nnodes > 1:
         from diffusiond.daemon.launch import launch
 
         return launch(config)
@@ -239,10 +239,27 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help=f"seconds to finish requests on SIGTERM (default: {d.drain_timeout:g})",
     )
+    add(
+        "--unready-delay",
+        type=float,
+        metavar="S",
+        help="on SIGTERM, /ready fails S seconds before new requests are refused, so balancers stop sending first "
+        f"(default: {d.unready_delay:g})",
+    )
     add("--nproc", type=int, help=f"ranks, one per device (default: {d.nproc})")
     add("--cfg-parallel", type=int, help=f"CFG-parallel degree (default: {d.cfg_parallel})")
     add("--ulysses", type=int, help=f"Ulysses sequence-parallel degree (default: {d.ulysses})")
     add("--max-restarts", type=int, help=f"restarts of the rank group after a failure (default: {d.max_restarts})")
+    add("--nnodes", type=int, help=f"nodes in the group, --nproc ranks on each (default: {d.nnodes})")
+    add("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous every node joins (required with --nnodes > 1)")
+    add("--rdzv-id", metavar="ID", help=f"names the group at the rendezvous (default: {d.rdzv_id})")
+    add(
+        "--rdzv-timeout",
+        type=float,
+        metavar="S",
+        help=f"seconds a group waits for all its nodes, at start and after losing one (default: {d.rdzv_timeout:g})",
+    )
+    add("--node-addr", metavar="ADDR", help="address the other nodes reach this one at (default: its FQDN)")
     add_log_args(parser)
 
 

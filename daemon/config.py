@@ -55,11 +55,25 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     log_format: Literal["text", "json"] = "text"
     # Seconds that running requests get to finish after SIGTERM/SIGINT before they are cancelled.
     drain_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    # Seconds between SIGTERM turning /ready to 503 and the drain refusing new requests: a balancer that polls
+    # /ready takes the replica out of its pool first, so nothing it routes in that window is refused. Set it above
+    # the balancer's check interval x failures to mark a server down (HAProxy `inter` x `fall`).
+    unready_delay: Annotated[float, msgspec.Meta(ge=0, le=300)] = 0.0
     # SPMD: ranks, parallel degrees (their product must equal nproc), restarts of the whole group by the agent.
     nproc: Positive = 1
     cfg_parallel: Positive = 1
     ulysses: Positive = 1
     max_restarts: NonNegative = 3
+    # Several nodes, one group: nproc ranks on each of nnodes nodes, which meet at the c10d rendezvous at
+    # rdzv_endpoint (HOST:PORT; the agent on HOST serves it, and it must be up for the group to heal). rdzv_timeout:
+    # how long a group waits for all its nodes, at start and after losing one, before it gives up. node_addr: the
+    # address the others reach this node at (default: its FQDN); the node whose address sorts first runs global
+    # rank 0, the one that serves HTTP.
+    nnodes: Positive = 1
+    rdzv_endpoint: Annotated[str, msgspec.Meta(pattern=r"^\S+:\d{1,5}$")] | None = None
+    rdzv_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = "diffusiond"
+    rdzv_timeout: Annotated[float, msgspec.Meta(gt=0)] = 900.0
+    node_addr: str | None = None
 
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in msgspec.structs.fields(ServeConfig))

@@ -6,8 +6,12 @@ a launched group (`ranks.in_launched_group`) and runs `run_rank`. `torchrun --np
 stops the group and starts it again (up to `max_restarts` times).
 
 Several nodes: run on each node
-    torchrun --nnodes M --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m diffusiond serve ...
-(global rank 0, on the node that wins the rendezvous, serves HTTP).
+    diffusiond serve --nnodes M --nproc N --rdzv-endpoint HOST:PORT ...
+(or torchrun with the same rendezvous and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see `_check_agent_store`). Global
+rank 0 serves HTTP: it runs on the node whose address sorts first (torch's c10d rendezvous orders nodes by address,
+then agent pid). Every rank exits when its own agent dies (`_stop_with_the_agent`); the survivors' collectives then
+fail, their agents restart them, and the group waits at the rendezvous (up to `rdzv_timeout`) until the lost node
+is back.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ log = logging.getLogger(__name__)
 
 # The effective configuration, handed from the launcher to its workers (not a DIFFUSIOND_* setting).
 RANK_CONFIG_ENV = "_DIFFUSIOND_RANK_CONFIG"
+EXIT_USAGE = 2
 # torch.distributed.elastic's agent: SIGTERM to the workers, SIGKILL this many seconds later.
 AGENT_KILL_AFTER = 30.0
 
@@ -46,7 +51,14 @@ def launch(config: ServeConfig) -> int:
 
     from diffusiond.kernels.parallel import ParallelLayout
 
-    ParallelLayout(config.nproc, config.cfg_parallel, config.ulysses).validate()
+    if config.nnodes > 1 and not config.rdzv_endpoint:
+        log.error("--nnodes %d needs --rdzv-endpoint HOST:PORT, the same on every node", config.nnodes)
+        return EXIT_USAGE
+    try:
+        ParallelLayout(config.nnodes * config.nproc, config.cfg_parallel, config.ulysses).validate()
+    except ValueError as exc:
+        log.error("%s", exc)
+        return EXIT_USAGE
     if config.model is None:
         from diffusiond.models.default import default_model
 
@@ -55,30 +67,38 @@ def launch(config: ServeConfig) -> int:
     # Restarted workers otherwise dial the dead attempt's store or hang in gloo's connectFullMesh on CPU
     # (pytorch issue 135712); a fresh store per attempt made every restart come back in our runs.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if config.drain_timeout > AGENT_KILL_AFTER - 5:
+    if config.unready_delay + config.drain_timeout > AGENT_KILL_AFTER - 5:
         # The agent SIGKILLs workers 30 s after it forwards SIGTERM; the drain must end before that.
-        log.warning("drain timeout %gs capped at %gs under --nproc > 1", config.drain_timeout, AGENT_KILL_AFTER - 5)
-        config = msgspec.structs.replace(config, drain_timeout=AGENT_KILL_AFTER - 5)
+        cap = max(0.0, AGENT_KILL_AFTER - 5 - config.unready_delay)
+        log.warning("drain timeout %gs capped at %gs under several ranks (the agent's 30 s)", config.drain_timeout, cap)
+        config = msgspec.structs.replace(config, drain_timeout=cap)
     os.environ[RANK_CONFIG_ENV] = msgspec.json.encode(config).decode()
     if config.threads is None and "OMP_NUM_THREADS" not in os.environ:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         os.environ["OMP_NUM_THREADS"] = str(max(1, cores // config.nproc))
+    several = config.nnodes > 1
     launch_config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        # A fixed node count: the parallel layout is built for exactly nnodes x nproc ranks.
+        min_nodes=config.nnodes,
+        max_nodes=config.nnodes,
         nproc_per_node=config.nproc,
-        run_id=f"diffusiond-{uuid.uuid4().hex[:8]}",
+        # One node: a private rendezvous on a free loopback port. Several: the shared one, by name.
+        run_id=config.rdzv_id if several else f"diffusiond-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_endpoint=config.rdzv_endpoint if several else f"127.0.0.1:{free_port()}",
+        rdzv_configs={"join_timeout": config.rdzv_timeout},
         max_restarts=config.max_restarts,
         monitor_interval=0.5,
+        local_addr=config.node_addr,
     )
     log.info(
-        "launching %d ranks (cfg-parallel %d, ulysses %d, max restarts %d)",
+        "launching %d ranks on this node, %d in all (cfg-parallel %d, ulysses %d, max restarts %d)%s",
         config.nproc,
+        config.nnodes * config.nproc,
         config.cfg_parallel,
         config.ulysses,
         config.max_restarts,
+        f", rendezvous {config.rdzv_endpoint} ({config.rdzv_id})" if several else "",
     )
     try:
         elastic_launch(launch_config, sys.executable)("-m", "diffusiond", "serve")
@@ -119,7 +139,8 @@ def run_rank(config: ServeConfig) -> int:
         log.info("rank %d/%d joined (pid %d)", rank.rank, rank.world_size, os.getpid())
         return rank
 
-    _stop_with_the_agent(rank_id)
+    _stop_with_the_agent(rank_id, config.drain_timeout)
+    _check_agent_store()
     code = 1
     try:
         if rank_id == 0:
@@ -151,17 +172,42 @@ def run_rank(config: ServeConfig) -> int:
             dist.destroy_process_group()
 
 
-def _stop_with_the_agent(rank_id: int) -> None:
+def _stop_with_the_agent(rank_id: int, drain_timeout: float) -> None:
     """The agent starts workers in sessions of their own, so nothing reaps them if it dies without a chance to stop
-    them (SIGKILL, OOM). Rank 0 then drains as on SIGTERM, and its shutdown plan releases the followers."""
-    if rank_id != 0:
-        return
+    them (SIGKILL, OOM, a lost node): every rank watches its parent.
+
+    Rank 0 then drains as on SIGTERM, and its shutdown plan releases the followers. A follower on rank 0's node
+    (GROUP_RANK 0: that agent is gone too) waits for that plan, up to the drain timeout and a margin. A follower on
+    another node leaves at once: nobody would restart it, and its exit fails rank 0's next collective, so rank 0's
+    agent restarts the group, which waits at the rendezvous until this node is back."""
     parent = os.getppid()
+    same_node_as_rank0 = os.environ.get("GROUP_RANK", "0") == "0"
 
     def watch() -> None:
         while os.getppid() == parent:
-            time.sleep(1.0)
-        log.error("the elastic agent (pid %d) is gone; stopping", parent)
-        os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)
+        if rank_id == 0:
+            log.error("the elastic agent (pid %d) is gone; draining and stopping", parent)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if same_node_as_rank0:
+            log.error("rank %d: the elastic agent (pid %d) is gone; waiting for rank 0's drain", rank_id, parent)
+            time.sleep(drain_timeout + 10.0)
+        log.error("rank %d: the elastic agent (pid %d) is gone; exiting", rank_id, parent)
+        logging.shutdown()
+        # The main thread may sit in a collective that nothing will end: only a hard exit leaves it.
+        os._exit(1)
 
     threading.Thread(target=watch, name="diffusiond-agent-watch", daemon=True).start()
+
+
+def _check_agent_store() -> None:
+    """torchrun shares its rendezvous store with the workers unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1. With
+    several nodes that breaks healing: an agent that stays up publishes the group's master address only for the
+    first rendezvous, so a replaced node waits for it forever (seen with torch 2.13). Our launcher sets the variable."""
+    several = int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
+    if several and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        log.warning(
+            "several nodes under torchrun's shared store: a node that leaves cannot rejoin. Start torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, or use diffusiond serve --nnodes"
+        )

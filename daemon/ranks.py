@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -49,10 +50,19 @@ def join_group(
     else:
         backend = "gloo"
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+    attempt = agree_on_attempt(device)
     adapter = load_adapter(model, device=device, dtype=dtype)
     cfg_group, ulysses_group = build_groups(layout, rank)
     if cfg_group is not None:
         adapter.enable_cfg_parallel(cfg_group)
     if ulysses_group is not None:
         adapter.enable_ulysses(ulysses_group)
-    return Rank(rank, world_size, adapter, TorchComm(device=device, faults=FaultBoard.from_env()))
+    return Rank(rank, world_size, adapter, TorchComm(device=device, faults=FaultBoard.from_env(attempt)))
+
+
+def agree_on_attempt(device: str) -> str:
+    """A name for this incarnation of the group, from rank 0. The agents' restart counts cannot serve: on several
+    nodes they differ (a replaced node's agent starts again from 0), so keys of one attempt could meet another's."""
+    nonce = torch.tensor([secrets.randbits(62) if dist.get_rank() == 0 else 0], dtype=torch.int64, device=device)
+    dist.broadcast(nonce, 0)
+    return f"{int(nonce.item()):x}"

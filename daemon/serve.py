@@ -131,6 +131,11 @@ class Service:
         return EXIT_OK
 
     async def _drain(self, state: ServerState) -> None:
+        if (delay := self.config.unready_delay) > 0 and state.ready:
+            state.leaving = True
+            log.info("leaving the pool: /ready answers 503, new requests are still taken for %gs", delay)
+            self.notifier.stopping(f"leaving the pool: still taking requests for {delay:g}s")
+            await asyncio.sleep(delay)
         state.draining = True
         engine = state.engine
         in_flight = engine.num_in_flight if engine is not None else 0

@@ -51,6 +51,8 @@ class ServerState:
     model_id: str = ""
     engine: Engine | None = None
     ready: bool = False
+    # SIGTERM with --unready-delay: /ready answers 503 (balancers drop us) while requests are still admitted.
+    leaving: bool = False
     draining: bool = False
     load_error: str | None = None
     # Set once loading ended, ready or failed (`serve.py` then notifies the service manager).

@@ -65,18 +65,18 @@ class FaultBoard:
     A rank that fails inside a collective step leaves the others waiting in that collective: with gloo its exit
     breaks their sockets at once, but NCCL only notices at its timeout (minutes). Rank 0's engine polls this board
     between heartbeats and during steps, so it fails its requests within a second whatever the backend. Keys carry the
-    restart attempt, so a fault of an earlier attempt never poisons the next group (the agent's store outlives it)."""
+    group's attempt (a name rank 0 gives each incarnation of the group), so a fault of an earlier attempt never
+    poisons the next group (torchrun's shared store outlives it)."""
 
     KEY = "fault"
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, attempt: str = "0") -> None:
         import torch.distributed as dist
 
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self.store = dist.PrefixStore(f"diffusiond/attempt{attempt}/", store)
+        self.store = dist.PrefixStore(f"diffusiond/attempt-{attempt}/", store)
 
     @classmethod
-    def from_env(cls) -> FaultBoard | None:
+    def from_env(cls, attempt: str = "0") -> FaultBoard | None:
         """A client of the store at MASTER_ADDR:MASTER_PORT (torchrun and our launcher host one there)."""
         import datetime
 
@@ -92,7 +92,7 @@ class FaultBoard:
         except Exception as exc:
             log.warning("no fault board (store at %s:%s unreachable: %s)", addr, port, exc)
             return None
-        return cls(store)
+        return cls(store, attempt)
 
     def report(self, message: str) -> None:
         try:

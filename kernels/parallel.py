@@ -27,8 +27,8 @@ class ParallelLayout:
             raise ValueError(f"--ulysses must be >= 1, got {self.ulysses_degree}")
         if self.cfg_degree * self.ulysses_degree != self.world_size:
             raise ValueError(
-                f"--cfg-parallel ({self.cfg_degree}) x --ulysses ({self.ulysses_degree}) must equal --nproc "
-                f"({self.world_size})"
+                f"--cfg-parallel ({self.cfg_degree}) x --ulysses ({self.ulysses_degree}) must equal the number of "
+                f"ranks ({self.world_size}: --nproc x --nnodes)"
             )
 
 

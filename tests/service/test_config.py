@@ -71,13 +71,16 @@ def test_every_serve_flag_maps_to_its_field():
         "--cfg-parallel", "2", "--ulysses", "2", "--max-restarts", "0", "--max-body-bytes", "100",
         "--log-level", "debug", "--log-format", "json", "--allow-unauthenticated", "--max-pixels", "4096",
         "--max-steps", "20", "--max-n", "2", "--sse-keepalive", "0.5", "--batch-wait-ms", "0",
+        "--unready-delay", "2", "--nnodes", "2", "--rdzv-endpoint", "head:29400", "--rdzv-id", "g1",
+        "--rdzv-timeout", "60", "--node-addr", "10.0.0.2",
     ]  # fmt: skip
     config, sources = load_config(cli(*argv), {})
     assert config == ServeConfig(
         model="m", host="0.0.0.0", port=9, api_key="k", max_batch=2, max_queue=3, device="cuda:1", dtype="bfloat16",
         threads=2, drain_timeout=1.5, nproc=4, cfg_parallel=2, ulysses=2, max_restarts=0, max_body_bytes=100,
         log_level="DEBUG", log_format="json", allow_unauthenticated=True, max_pixels=4096, max_steps=20, max_n=2,
-        sse_keepalive=0.5, batch_wait_ms=0.0,
+        sse_keepalive=0.5, batch_wait_ms=0.0, unready_delay=2.0, nnodes=2, rdzv_endpoint="head:29400", rdzv_id="g1",
+        rdzv_timeout=60.0, node_addr="10.0.0.2",
     )  # fmt: skip
     assert all(source.startswith("--") for source in sources.values()), sources
     # The global logging flags, before the subcommand, still work.

@@ -7,99 +7,16 @@ the group and the daemon is ready again; SIGTERM ends every process within the d
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-
-READY_WITHIN = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def children(pid: int) -> list[int]:
-    """All descendants of `pid` (from /proc)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rpartition(")")[2].split()[1])
-    out, frontier = [], [pid]
-    while frontier:
-        p = frontier.pop()
-        kids = [c for c, parent in parents.items() if parent == p]
-        out += kids
-        frontier += kids
-    return out
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """The agent starts workers in sessions of their own: killing the launcher's group would leave them running."""
-    for pid in [proc.pid, *children(proc.pid)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait(30)
-
-
-def rank_pid(launcher: int, rank: int) -> int | None:
-    for pid in children(launcher):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env and any(e.startswith(b"_DIFFUSIOND_RANK_CONFIG=") for e in env):
-            return pid
-    return None
-
-
-def get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
-def wait_ready(base: str, proc: subprocess.Popen, within: float = READY_WITHIN) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"daemon exited with {proc.returncode}"
-        try:
-            if get(f"{base}/ready")[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.25)
-    raise AssertionError(f"not ready within {within}s")
-
-
-def stream(base: str, body: dict, timeout: float = 60.0):
-    """Native SSE events as (name, data) pairs."""
-    req = urllib.request.Request(f"{base}/v1/generations", data=json.dumps(body).encode(), method="POST")
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        name = None
-        for raw in resp:
-            line = raw.decode().rstrip("\n")
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                yield name, json.loads(line[6:])
-
+from procs import Client, free_port, get, kill_tree, rank_pid, stream, terminal_events, wait_ready
 
 FAULTS = Path(__file__).with_name("faults")
 
@@ -296,32 +213,6 @@ def test_ranks_stop_when_the_agent_is_killed(daemon):
     for pid in alive:  # don't leak them into later tests, whatever the verdict
         os.kill(pid, signal.SIGKILL)
     assert not alive, log.read_text()[-3000:]
-
-
-def terminal_events(names: list[str]) -> list[str]:
-    return [n for n in names if n in ("completed", "cancelled", "failed")]
-
-
-class Client(threading.Thread):
-    """One native stream read in the background: event names, the last event's data, when it ended."""
-
-    def __init__(self, base: str, body: dict) -> None:
-        super().__init__(daemon=True)
-        self.base, self.body = base, body
-        self.names: list[str] = []
-        self.last: dict = {}
-        self.progress = threading.Event()
-        self.ended_at: float | None = None
-
-    def run(self) -> None:
-        try:
-            for name, data in stream(self.base, self.body, timeout=120):
-                self.names.append(name)
-                self.last = data
-                if name == "progress" and data["step"] >= 2:
-                    self.progress.set()
-        finally:
-            self.ended_at = time.monotonic()
 
 
 def test_rank_local_faults_fail_alone_or_restart_the_group(faulty_daemon):

@@ -100,7 +100,7 @@ async def _load(app: web.Application) -> None:
         await engine.start()
         adapter = engine.adapter
         caps = adapter.capabilities
-        state.model_id = _model_id(config.model or getattr(adapter, "source", "model"))
+        state.model_id = config.served_model_name or caps.name or _model_id(config.model or adapter.source)
         engine.limits = request_limits(config, caps)
         app[METRICS].set_info(
             model=state.model_id,
@@ -111,10 +111,13 @@ async def _load(app: web.Application) -> None:
             version=__version__,
         )
         state.attach(engine)
-        # Warm-up: one smallest, one-step request through the whole path.
-        side = caps.size_multiple * 2
+        # Warm-up: one smallest, shortest request the model serves, through the whole path; not a user request
+        # (no metrics, no request log line).
+        width, height = min(caps.sizes, key=lambda s: s[0] * s[1]) if caps.sizes else (caps.size_multiple * 2,) * 2
+        steps = caps.steps[0] if caps.steps else 1
         warm = engine.add_request(
-            SamplingParams(prompt="warm-up", seed=0, width=side, height=side, num_inference_steps=1)
+            SamplingParams(prompt="warm-up", seed=0, width=width, height=height, num_inference_steps=steps),
+            internal=True,
         )
         result = await warm.result()
         if not isinstance(result, Completed):
@@ -250,15 +253,15 @@ async def models(request: web.Request) -> web.Response:
         entry = {"id": state.model_id, "object": "model", "created": 0, "owned_by": "diffusiond"}
         if state.engine is not None:
             # Our extension (OpenAI clients ignore unknown fields): what a UI needs to offer sensible controls.
+            # Requests outside these are refused with a 400 naming the field, before any work starts.
             caps = state.engine.adapter.capabilities
             entry["diffusiond"] = {
-                "family": caps.family,
+                **caps.public(),
                 "default_width": caps.default_width,
                 "default_height": caps.default_height,
-                "default_steps": caps.default_steps,
                 "default_guidance": caps.default_guidance,
-                "size_multiple": caps.size_multiple,
-                "max_side": caps.max_side,
+                "max_steps": state.engine.limits.max_steps if state.engine.limits else None,
+                "max_pixels": state.engine.limits.max_pixels if state.engine.limits else None,
             }
         data.append(entry)
     return web.json_response({"object": "list", "data": data})

@@ -44,8 +44,10 @@ def parse_size(text: str) -> tuple[int, int]:
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="diffusers checkpoint folder or hub id (default: the bundled default model)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1 ... (default: cpu)")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="(default: float32)"
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: OMP_NUM_THREADS, else all cores)")
 
 
@@ -72,9 +74,12 @@ async def _generate(args: argparse.Namespace) -> int:
     from diffusiond.engine.engine import Engine
     from diffusiond.engine.outputs import Cancelled, Completed, Failed, Preview, Progress
     from diffusiond.engine.request import SamplingParams
+    from diffusiond.models.base import ParamError
+    from diffusiond.models.declared import check_declared, read_declared, unknown_words
     from diffusiond.models.loader import load_adapter
 
     model = resolve_model(args.model)
+    fmt = {".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}.get(Path(args.out).suffix.lower(), "png")
     width, height = args.size or (None, None)
     params = SamplingParams(
         prompt=args.prompt,
@@ -86,11 +91,22 @@ async def _generate(args: argparse.Namespace) -> int:
         guidance_scale=args.guidance_scale,
         preview_every=args.preview_every if args.previews else 0,
     )
+    declared = read_declared(model) if Path(model).is_dir() else None  # noqa: ASYNC240 - before any work
+    try:
+        if declared is not None:  # what the checkpoint says it serves, before seconds of loading
+            check_declared(declared, params)
+    except ParamError as exc:
+        return _refused(exc)
     # Loaded on the engine's step thread: one thread owns torch.
     engine = Engine(lambda: load_adapter(model, device=args.device, dtype=args.dtype), max_batch=1)
     await engine.start()
     try:
-        handle = engine.add_request(params)
+        try:
+            handle = engine.add_request(params)
+        except ParamError as exc:
+            return _refused(exc)
+        if unknown := unknown_words(engine.adapter.capabilities.vocabulary, args.prompt):
+            print(f"diffusiond generate: words the model does not know: {', '.join(unknown)}", file=sys.stderr)
         async for event in handle.events():
             if isinstance(event, Progress):
                 print(f"step {event.step}/{event.total}", file=sys.stderr)
@@ -98,7 +114,7 @@ async def _generate(args: argparse.Namespace) -> int:
                 path = Path(args.previews, f"step{event.step:03d}.png")
                 await asyncio.to_thread(_write, path, encode_image(event.image))
             elif isinstance(event, Completed):
-                await asyncio.to_thread(_write, Path(args.out), encode_image(event.image))
+                await asyncio.to_thread(_write, Path(args.out), encode_image(event.image, fmt))
                 print(f"{args.out} (seed {event.seed})")
                 return 0
             elif isinstance(event, Cancelled | Failed):
@@ -107,6 +123,19 @@ async def _generate(args: argparse.Namespace) -> int:
     finally:
         await engine.stop()
     return 1
+
+
+def _refused(exc) -> int:
+    flag = {
+        "width": "--size",
+        "height": "--size",
+        "num_inference_steps": "--steps",
+        "guidance_scale": "--guidance-scale",
+    }
+    print(
+        f"diffusiond generate: error: {flag.get(exc.param, '--' + exc.param.replace('_', '-'))}: {exc}", file=sys.stderr
+    )
+    return EXIT_USAGE
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -163,6 +192,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(config.log_level, config.log_format)
     if (warning := exposure_warning(config)) is not None:
         logging.getLogger("diffusiond").warning(warning)
+    code = _serve(config)
+    # The last line of every run says how it ended (a service manager's journal shows it beside the exit status).
+    logging.getLogger("diffusiond").info("exiting with code %d", code)
+    return code
+
+
+def _serve(config) -> int:
     from diffusiond.daemon.ranks import in_launched_group
 
     if in_launched_group():  # a worker of torchrun or of our own launch below
@@ -196,15 +232,28 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """`serve` and `config` flags. Their parsers have `argument_default=SUPPRESS`: a flag that is not given must not
-    override the environment or the config file (CLI > environment > file > defaults, see daemon/config.py)."""
+    override the environment or the config file (CLI > environment > file > defaults, see daemon/config.py).
+    Every flag is also a config file key and a DIFFUSIOND_* variable (`--max-batch`: max_batch,
+    DIFFUSIOND_MAX_BATCH)."""
     from diffusiond.daemon.config import ServeConfig
 
     d = ServeConfig()
-    add = parser.add_argument
-    add("--config", metavar="FILE", help="TOML file of the settings below (or set DIFFUSIOND_CONFIG)")
+    parser.add_argument("--config", metavar="FILE", help="TOML file of the settings below (or set DIFFUSIOND_CONFIG)")
+
+    add = parser.add_argument_group("model").add_argument
     add("--model", help="diffusers checkpoint folder or hub id (default: the bundled default model)")
+    add(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model's name in the API (default: the name the checkpoint declares, else its folder name)",
+    )
+    add("--device", help=f"torch device: cpu, cuda, cuda:1 ... (default: {d.device})")
+    add("--dtype", choices=["float32", "float16", "bfloat16"], help=f"weights and activations (default: {d.dtype})")
+    add("--threads", type=int, help="torch threads (default: OMP_NUM_THREADS, else all cores; cores/N per rank)")
+
+    add = parser.add_argument_group("HTTP").add_argument
     add("--host", help=f"bind address (default: {d.host}, loopback only)")
-    add("--port", type=int, help=f"(default: {d.port}; 0 picks a free port)")
+    add("--port", type=int, help=f"port to listen on (default: {d.port}; 0 picks a free port)")
     add("--api-key", help="require 'Authorization: Bearer KEY' (or set DIFFUSIOND_API_KEY)")
     add(
         "--allow-unauthenticated",
@@ -212,6 +261,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         const=True,
         help="allow a non-loopback --host without --api-key (something in front authenticates)",
     )
+    add("--max-body-bytes", type=int, help=f"largest request body; larger ones get 413 (default: {d.max_body_bytes})")
+    add(
+        "--sse-keepalive",
+        type=float,
+        metavar="S",
+        help=f"SSE comment after S seconds without an event, for proxies (default: {d.sse_keepalive:g})",
+    )
+
+    add = parser.add_argument_group("batching and limits").add_argument
     add("--max-batch", type=int, help=f"requests per batched forward (default: {d.max_batch})")
     add("--max-queue", type=int, help=f"waiting requests before answering 429 (default: {d.max_queue})")
     add(
@@ -223,33 +281,34 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--max-pixels", type=int, help="largest width x height of one image (default: 4x the model's default area)")
     add("--max-steps", type=int, help="most denoising steps per request (default: 4x the model's default, >= 50)")
     add("--max-n", type=int, help=f"most images per OpenAI request (default: {d.max_n})")
-    add(
-        "--sse-keepalive",
-        type=float,
-        metavar="S",
-        help=f"SSE comment after S seconds without an event, for proxies (default: {d.sse_keepalive:g})",
-    )
-    add("--max-body-bytes", type=int, help=f"largest request body (default: {d.max_body_bytes})")
-    add("--device", help=f"(default: {d.device})")
-    add("--dtype", choices=["float32", "float16", "bfloat16"], help=f"(default: {d.dtype})")
-    add("--threads", type=int, help="torch threads (default: OMP_NUM_THREADS, else all cores)")
-    add(
-        "--drain-timeout",
-        type=float,
-        metavar="S",
-        help=f"seconds to finish requests on SIGTERM (default: {d.drain_timeout:g})",
-    )
+
+    add = parser.add_argument_group("stopping (SIGTERM, SIGINT)").add_argument
     add(
         "--unready-delay",
         type=float,
         metavar="S",
-        help="on SIGTERM, /ready fails S seconds before new requests are refused, so balancers stop sending first "
+        help="/ready fails S seconds before new requests are refused, so balancers stop sending first "
         f"(default: {d.unready_delay:g})",
     )
-    add("--nproc", type=int, help=f"ranks, one per device (default: {d.nproc})")
-    add("--cfg-parallel", type=int, help=f"CFG-parallel degree (default: {d.cfg_parallel})")
+    add(
+        "--drain-timeout",
+        type=float,
+        metavar="S",
+        help=f"seconds requests in flight get to finish before they are cancelled (default: {d.drain_timeout:g})",
+    )
+
+    add = parser.add_argument_group(
+        "several ranks (SPMD, under torch.distributed's elastic agent)",
+        "cfg-parallel x ulysses = nproc x nnodes; global rank 0 serves HTTP",
+    ).add_argument
+    add("--nproc", type=int, help=f"ranks on this node, one per device (default: {d.nproc})")
+    add("--cfg-parallel", type=int, help=f"CFG-parallel degree, 1 or 2 (default: {d.cfg_parallel})")
     add("--ulysses", type=int, help=f"Ulysses sequence-parallel degree (default: {d.ulysses})")
-    add("--max-restarts", type=int, help=f"restarts of the rank group after a failure (default: {d.max_restarts})")
+    add(
+        "--max-restarts",
+        type=int,
+        help=f"restarts of the rank group after a failure, per agent (default: {d.max_restarts})",
+    )
     add("--nnodes", type=int, help=f"nodes in the group, --nproc ranks on each (default: {d.nnodes})")
     add("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous every node joins (required with --nnodes > 1)")
     add("--rdzv-id", metavar="ID", help=f"names the group at the rendezvous (default: {d.rdzv_id})")
@@ -264,8 +323,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_log_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-level", type=str.upper, default=argparse.SUPPRESS, help="(default: INFO)")
-    parser.add_argument(
+    group = parser.add_argument_group("logging")
+    group.add_argument(
+        "--log-level", type=str.upper, default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR (default: INFO)"
+    )
+    group.add_argument(
         "--log-format", choices=["text", "json"], default=argparse.SUPPRESS, help="json: one object per line"
     )
 
@@ -292,17 +354,22 @@ def build_parser(*, with_load_tools: bool = True) -> argparse.ArgumentParser:
     config.add_argument("--format", choices=["toml", "json"], default="toml")
     config.set_defaults(func=cmd_config)
 
-    gen = sub.add_parser("generate", help="generate one image through the engine and write it to a file")
+    gen = sub.add_parser(
+        "generate",
+        help="generate one image through the engine and write it to a file",
+        description="Generate one image through the same engine the server runs, without a server. What the model "
+        "does not serve (its sizes, steps, guidance) is refused before it loads.",
+    )
     add_model_args(gen)
-    gen.add_argument("prompt")
-    gen.add_argument("--negative-prompt")
-    gen.add_argument("--out", default="out.png")
+    gen.add_argument("prompt", help="what to draw")
+    gen.add_argument("--negative-prompt", help="what to steer away from (models that take one)")
+    gen.add_argument("--out", default="out.png", help="image file to write; .png, .jpg or .webp (default: out.png)")
     gen.add_argument("--size", type=parse_size, help="WIDTHxHEIGHT (default: the model's)")
-    gen.add_argument("--steps", type=int)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--guidance-scale", type=float)
+    gen.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
+    gen.add_argument("--seed", type=int, help="the same seed and parameters give the same image (default: random)")
+    gen.add_argument("--guidance-scale", type=float, help="classifier-free guidance (default: the model's)")
     gen.add_argument("--previews", metavar="DIR", help="write intermediate previews into DIR")
-    gen.add_argument("--preview-every", type=int, default=1)
+    gen.add_argument("--preview-every", type=int, default=1, help="a preview every N steps (default: 1)")
     gen.set_defaults(func=cmd_generate)
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random-weight checkpoint (offline) for tests and development")
@@ -352,6 +419,9 @@ def add_load_tools(bench_sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from diffusiond.daemon.logs import quiet_library_noise
+
+    quiet_library_noise()
     args = build_parser(with_load_tools="bench" in argv).parse_args(argv)
     if args.command not in ("serve", "config"):  # those two take logging from their configuration
         from diffusiond.daemon.logs import configure_logging

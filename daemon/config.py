@@ -29,6 +29,9 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
+    # The name clients see (`/v1/models`, `model` in requests). Default: the name the checkpoint declares
+    # (diffusiond.json; the bundled model is "diffusiond-shapes"), else its folder name or hub id.
+    served_model_name: str | None = None
     host: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     api_key: str | None = None

@@ -37,3 +37,28 @@ def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+# Library messages that tell an operator of diffusiond nothing, dropped where they are logged; every other warning
+# still shows. (logger, text it contains)
+NOISE: tuple[tuple[str, str], ...] = (
+    # The PIL image processors serve our pipelines; torchvision is not a dependency (its wheels are CUDA builds).
+    ("transformers.utils.import_utils", "requires torchvision (not installed)"),
+)
+
+
+class _DropNoise(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def quiet_library_noise() -> None:
+    """Installed before the libraries are imported (their loggers are the same objects, looked up by name)."""
+    for name, text in NOISE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNoise) and f.text == text for f in logger.filters):
+            logger.addFilter(_DropNoise(text))

@@ -14,12 +14,14 @@ from diffusiond.daemon.images import encode_image
 from diffusiond.daemon.state import STATE, Record
 from diffusiond.daemon.streaming import (
     KEEPALIVE,
+    UNKNOWN_WORDS_HEADER,
     encode_off_loop,
     finish,
     queue_requests,
     send,
     sse_event,
     start_sse,
+    unknown_words,
     with_keepalive,
 )
 from diffusiond.engine.outputs import Cancelled, Completed, Failed, Latent, Preview, Progress, Queued
@@ -46,6 +48,7 @@ def parse_generation(data: bytes) -> tuple[GenerationRequest, SamplingParams]:
         true_cfg_scale=body.true_cfg_scale,
         preview_every=body.preview_every,
         stream_latents=body.latents,
+        preview=body.preview,
     )
     return body, params
 
@@ -55,7 +58,12 @@ async def generations(request: web.Request) -> web.StreamResponse:
     body, params = parse_generation(await request.read())
     engine = state.require_engine()
     (handle,) = queue_requests(engine, state, [params])  # add_request checks it (Engine.check)
-    response = await start_sse(request, {"X-Request-Id": handle.request_id})
+    unknown = unknown_words(engine, params.prompt)
+    headers = {"X-Request-Id": handle.request_id}
+    if unknown:
+        headers[UNKNOWN_WORDS_HEADER] = ", ".join(unknown)
+    told = {"unknown_words": unknown} if unknown else {}
+    response = await start_sse(request, headers)
     rid = handle.request_id
     async with contextlib.aclosing(with_keepalive(state.track(handle), state.config.sse_keepalive)) as events:
         async for event in events:
@@ -63,7 +71,7 @@ async def generations(request: web.Request) -> web.StreamResponse:
                 await send(response, KEEPALIVE, [rid])
                 continue
             if isinstance(event, Queued):
-                out = ("queued", {"position": event.position})
+                out = ("queued", {"position": event.position, **told})
             elif isinstance(event, Progress):
                 out = ("progress", {"step": event.step, "total": event.total})
             elif isinstance(event, Preview):
@@ -97,6 +105,7 @@ async def generations(request: web.Request) -> web.StreamResponse:
                     {
                         "seed": event.seed,
                         "images": [{"format": body.output_format, "b64": base64.b64encode(data).decode()}],
+                        **told,
                     },
                 )
             elif isinstance(event, Cancelled):
@@ -134,4 +143,9 @@ async def generation_cancel(request: web.Request) -> web.Response:
     if rec.status in ("queued", "running") and state.engine is not None:
         state.engine.cancel(rec.id)
         return web.json_response({**msgspec.to_builtins(rec), "cancel_requested": True}, status=202)
-    return web.json_response({**msgspec.to_builtins(rec), "cancel_requested": False}, status=409)
+    raise ApiError(
+        409,
+        f"generation {rec.id} is already {rec.status}; there is nothing to cancel",
+        param="id",
+        code="already_finished",
+    )

@@ -16,6 +16,7 @@ from diffusiond.daemon.images import encode_image, encode_preview
 from diffusiond.daemon.state import STATE, ServerState
 from diffusiond.daemon.streaming import (
     KEEPALIVE,
+    UNKNOWN_WORDS_HEADER,
     encode_off_loop,
     finish,
     last_event,
@@ -24,6 +25,7 @@ from diffusiond.daemon.streaming import (
     sse_event,
     start_sse,
     terminal_error,
+    unknown_words,
     with_keepalive,
 )
 from diffusiond.engine.engine import Engine, RequestHandle
@@ -50,6 +52,7 @@ def parse_image_generation(data: bytes, max_n: int) -> tuple[ImageGenerationRequ
         height=height,
         num_inference_steps=body.num_inference_steps,
         guidance_scale=body.guidance_scale,
+        preview=body.preview,
     )
     return body, base
 
@@ -95,6 +98,8 @@ async def images_generations(request: web.Request) -> web.StreamResponse:
         "output_format": fmt,
     }
     headers = {"X-Request-Id": ",".join(h.request_id for h in handles)}
+    if unknown := unknown_words(engine, resolved.prompt):
+        headers[UNKNOWN_WORDS_HEADER] = ", ".join(unknown)
     if body.stream:
         return await _openai_stream(request, state, handles, fmt, body.output_compression, partial, meta, headers)
     # Non-streaming: nothing to write until the end, so a client that hangs up is noticed through handler

@@ -85,6 +85,18 @@ async def encode_off_loop(request: web.Request, fn, *args) -> bytes:
     return data
 
 
+# Words of the prompt the model does not know (a checkpoint that declares its vocabulary): they are drawn as if
+# absent, so the client is told, never refused. Comma-separated in this header on both APIs, and a list in the native
+# stream's `queued` and `completed` events.
+UNKNOWN_WORDS_HEADER = "X-Unknown-Words"
+
+
+def unknown_words(engine: Engine, prompt: str) -> list[str]:
+    from diffusiond.models.declared import unknown_words as unknown
+
+    return unknown(engine.adapter.capabilities.vocabulary, prompt)
+
+
 def queue_requests(
     engine: Engine, state: ServerState, params: list[SamplingParams], *, progress: bool = True
 ) -> list[RequestHandle]:

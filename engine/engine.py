@@ -59,6 +59,7 @@ class _Add:
     request: SchedRequest
     submitted: float
     progress: bool
+    internal: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,8 @@ class _Clock:
     progress: bool = True
     admitted: float | None = None
     first_preview: float | None = None
+    # The engine's own (the warm-up): no metrics, no request log line.
+    internal: bool = False
 
 
 class RequestHandle:
@@ -236,10 +239,10 @@ class Engine:
         return resolved
 
     def add_request(
-        self, params: SamplingParams, request_id: str | None = None, *, progress: bool = True
+        self, params: SamplingParams, request_id: str | None = None, *, progress: bool = True, internal: bool = False
     ) -> RequestHandle:
         """Validate, resolve defaults and queue a request. Raises ParamError (bad input), QueueFullError (retry
-        later) or EngineDeadError."""
+        later) or EngineDeadError. `internal`: the engine's own (warm-up), kept out of metrics and request logs."""
         if not self.alive or self.executor is None:
             raise EngineDeadError("engine is not running")
         resolved = self.check(params)
@@ -256,7 +259,7 @@ class Engine:
             key=self.adapter.batch_key(resolved),
             total_steps=resolved.num_inference_steps or 0,
         )
-        self._commands.put(_Add(request, time.perf_counter(), progress))
+        self._commands.put(_Add(request, time.perf_counter(), progress, internal))
         return RequestHandle(self, request_id, resolved, mailbox)
 
     def cancel(self, request_id: str) -> None:
@@ -335,7 +338,7 @@ class Engine:
             return False
         if isinstance(command, _Add):
             request = command.request
-            self._clock[request.request_id] = _Clock(command.submitted, command.progress)
+            self._clock[request.request_id] = _Clock(command.submitted, command.progress, internal=command.internal)
             try:
                 self.scheduler.add(request)
             except QueueFullError as exc:
@@ -357,6 +360,7 @@ class Engine:
                 running = self._drain_commands(events, block=not self.scheduler.has_work())
                 self._report_counts()
                 if running and self.scheduler.has_work():
+                    quiet = self._only_internal()  # before the step ends the warm-up's clock
                     t0 = time.perf_counter()
                     plan = decode_plan(self.comm.broadcast(encode_plan(self.scheduler.schedule())))
                     broadcast = time.perf_counter() - t0
@@ -365,7 +369,8 @@ class Engine:
                     self.steps += 1
                     result.timings["broadcast"] = broadcast
                     events.extend(self._events_for(plan, result))
-                    self.observer.on_step(result.timings, result.batch_size, len(result.advanced))
+                    if not quiet:
+                        self.observer.on_step(result.timings, result.batch_size, len(result.advanced))
                     self._report_counts()
                 if not running:
                     # Stopped with requests in flight: each still gets its one terminal event.
@@ -407,10 +412,14 @@ class Engine:
             return str(exc) if isinstance(exc, GroupFault) else "a rank of the serving group failed"
         return "internal error in the step loop"
 
+    def _only_internal(self) -> bool:
+        """Only the engine's own requests in flight (the warm-up, which runs before any user request)."""
+        return bool(self._clock) and all(clock.internal for clock in self._clock.values())
+
     def _report_counts(self) -> None:
         """Gauges follow every change of the scheduler's state, not only steps (a cancel while idle is one)."""
         counts = (self.scheduler.num_waiting, self.scheduler.num_running)
-        if counts != self._counts:
+        if counts != self._counts and not self._only_internal():
             self._counts = counts
             self.observer.on_counts(*counts)
 
@@ -443,12 +452,13 @@ class Engine:
             clock = self._clock.get(new.request_id)
             if clock is not None:
                 clock.admitted = now
-                self.observer.on_admitted(new.request_id, now - clock.submitted)
+                if not clock.internal:
+                    self.observer.on_admitted(new.request_id, now - clock.submitted)
 
     def _finished(self, request: SchedRequest, status: RequestStatus) -> None:
         """Metrics and the one log line of a request that reached a terminal status."""
         clock = self._clock.pop(request.request_id, None)
-        if clock is None:
+        if clock is None or clock.internal:
             return
         now = time.perf_counter()
         duration = now - clock.submitted
@@ -503,7 +513,8 @@ class Engine:
                 clock = self._clock.get(request_id)
                 if clock is not None and clock.first_preview is None:
                     clock.first_preview = now
-                    self.observer.on_first_preview(request_id, now - clock.submitted)
+                    if not clock.internal:
+                        self.observer.on_first_preview(request_id, now - clock.submitted)
         for request_id, latent in result.latents.items():
             request = self.scheduler.get(request_id)
             if request is not None:

@@ -107,12 +107,20 @@ class Executor:
             due = [(i, s) for i, s in enumerate(batch) if _preview_due(s)]
             if due:
                 with stage("preview"):
+                    decoded = []  # "vae" previews: one batched decode for all of them (one size per batch)
                     for i, state in due:
                         try:
                             x0 = self.adapter.predicted_x0(state, model_output[i : i + 1])
-                            result.previews[state.request_id] = (state.step_index + 1, self.adapter.preview(x0))
+                            if state.params.preview == "vae":
+                                decoded.append((state, x0))
+                            else:
+                                result.previews[state.request_id] = (state.step_index + 1, self.adapter.preview(x0))
                         except Exception as exc:
                             self._fail(state.request_id, "previewing", exc, result)
+                    if decoded:
+                        self._isolated(
+                            lambda part: self._preview_vae(part, result), decoded, _first_id, "previewing", result
+                        )
                 batch, model_output = self._alive(batch, model_output)
 
         with stage("sampler"):
@@ -254,6 +262,12 @@ class Executor:
         if forget is not None:
             forget(request_ids)
 
+    def _preview_vae(self, part: list[tuple[RequestState, torch.Tensor]], result: ExecResult) -> list[None]:
+        images = self.adapter.preview_vae(torch.cat([x0[None] for _, x0 in part]))
+        for (state, _), image in zip(part, images, strict=True):
+            result.previews[state.request_id] = (state.step_index + 1, image)
+        return [None] * len(part)
+
     def _isolated(
         self, fn: Callable[[list[T]], list[Any]], items: Sequence[T], ident: Callable[[T], str], stage: str, result
     ) -> list[Any]:
@@ -286,3 +300,7 @@ def _preview_due(state: RequestState) -> bool:
 
 def _state_id(state: RequestState) -> str:
     return state.request_id
+
+
+def _first_id(item: tuple[RequestState, Any]) -> str:
+    return item[0].request_id

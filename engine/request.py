@@ -4,7 +4,7 @@ edge, the scheduler, the wire and the executor."""
 from __future__ import annotations
 
 import enum
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -42,6 +42,9 @@ Guidance = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_GUIDANCE)]
 Prompt = Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
 
 
+PreviewMode = Literal["fast", "vae"]
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, array_like=True, gc=False):
     """Everything that decides a request's image. Fully resolved before it reaches the wire: every rank must compute
     the same thing from it, so `None` never means "pick something" past `ModelAdapter.resolve`.
@@ -65,6 +68,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     preview_every: Every = 0
     # With each preview, also hand out the raw latent.
     stream_latents: bool = False
+    # How previews are made: "fast", the latent -> RGB map (latent resolution, about free); "vae", the predicted
+    # clean latent decoded by the model's VAE (exact colours, full resolution, one VAE decode per preview).
+    preview: PreviewMode = "fast"
 
 
 class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):

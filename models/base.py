@@ -40,6 +40,32 @@ class Capabilities:
     supports_negative_prompt: bool
     dtype: str
     device: str
+    # What the checkpoint declares it serves well (models/declared.py); None: the limits above.
+    sizes: tuple[tuple[int, int], ...] | None = None
+    steps: tuple[int, int] | None = None
+    guidance: tuple[float, float] | None = None
+    # Words it knows (unknown ones are reported to the client); None: open vocabulary.
+    vocabulary: frozenset[str] | None = None
+    draws: str | None = None
+    name: str | None = None
+
+    def public(self) -> dict:
+        """What `/v1/models` and the playground show (not the vocabulary's every word: its size)."""
+        return {
+            "family": self.family,
+            "pipeline": self.pipeline_class,
+            "default_size": f"{self.default_width}x{self.default_height}",
+            "default_steps": self.default_steps,
+            "default_guidance_scale": self.default_guidance,
+            "sizes": [f"{w}x{h}" for w, h in self.sizes] if self.sizes else None,
+            "size_multiple": self.size_multiple,
+            "max_side": self.max_side,
+            "steps": list(self.steps) if self.steps else None,
+            "guidance_scale": list(self.guidance) if self.guidance else None,
+            "negative_prompt": self.supports_negative_prompt,
+            "vocabulary": sorted(self.vocabulary) if self.vocabulary is not None else None,
+            "draws": self.draws,
+        }
 
 
 @dataclass(eq=False)
@@ -104,6 +130,11 @@ class ModelAdapter(abc.ABC):
     def decode_latents(self, states: Sequence[RequestState]) -> torch.Tensor:
         """The VAE's output for finished states of one batch key, [B, 3, H, W] on the model's device. Ranks may
         decode shares of the finished requests and gather these tensors (`postprocess` runs on rank 0 only)."""
+
+    def preview_vae(self, x0: torch.Tensor) -> list[np.ndarray]:
+        """Predicted clean latents [B, C, h, w] decoded by the model's own decoder: full-size uint8 [H, W, 3]
+        previews ("vae" previews). Families without one keep the fast previews."""
+        return [self.preview(x) for x in x0]
 
     @abc.abstractmethod
     def postprocess(self, images: torch.Tensor) -> list[np.ndarray]:

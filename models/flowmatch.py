@@ -14,7 +14,6 @@ from collections.abc import Hashable, Sequence
 from typing import Any, ClassVar
 
 import diffusers
-import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -24,32 +23,12 @@ from diffusiond.kernels.collectives import collective
 from diffusiond.kernels.parallel import CFGGroup
 from diffusiond.models import preview as preview_maps
 from diffusiond.models.base import Capabilities, ModelAdapter, ParamError, RequestState
+from diffusiond.models.declared import check_declared, read_declared
 from diffusiond.models.sampler import step_batch
 
 MAX_PROMPT_CHARS = 10_000
 MAX_STEPS = 1000
 MAX_SEED = 2**63 - 1
-
-
-DEFAULTS_FILE = "diffusiond.json"
-
-
-class CheckpointDefaults(msgspec.Struct, forbid_unknown_fields=True):
-    """Serving defaults a checkpoint may ship beside `model_index.json` (diffusers has no place for them): a model
-    trained for 64x64 images and 16 steps should not be served at the family's 1024x1024 and 28 steps."""
-
-    width: int | None = None
-    height: int | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-
-
-def checkpoint_defaults(source: str) -> CheckpointDefaults:
-    path = os.path.join(source, DEFAULTS_FILE)
-    if not os.path.isfile(path):
-        return CheckpointDefaults()
-    with open(path, "rb") as f:
-        return msgspec.json.decode(f.read(), type=CheckpointDefaults)
 
 
 def null_components(source: str) -> dict[str, None]:
@@ -159,7 +138,7 @@ class FlowMatchAdapter(ModelAdapter):
 
     def _capabilities(self) -> Capabilities:
         width, height = self._default_size()
-        overrides = checkpoint_defaults(self.source)
+        overrides = self.declared = read_declared(self.source)
         return Capabilities(
             family=self.family,
             pipeline_class=self.pipeline_class,
@@ -171,9 +150,15 @@ class FlowMatchAdapter(ModelAdapter):
             ),
             size_multiple=self._size_multiple(),
             max_side=self._max_side(),
-            supports_negative_prompt=True,
+            supports_negative_prompt=overrides.negative_prompt,
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
+            sizes=tuple(tuple(size) for size in overrides.sizes) if overrides.sizes else None,
+            steps=overrides.steps,
+            guidance=overrides.guidance,
+            vocabulary=overrides.vocabulary,
+            draws=overrides.draws,
+            name=overrides.name,
         )
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
@@ -184,6 +169,7 @@ class FlowMatchAdapter(ModelAdapter):
             text = getattr(params, name)
             if text is not None and len(text) > MAX_PROMPT_CHARS:
                 raise ParamError(name, f"{name} is {len(text)} characters long; the limit is {MAX_PROMPT_CHARS}")
+        check_declared(self.declared, params)
         width = params.width if params.width is not None else caps.default_width
         height = params.height if params.height is not None else caps.default_height
         for name, side in (("width", width), ("height", height)):
@@ -223,6 +209,7 @@ class FlowMatchAdapter(ModelAdapter):
             true_cfg_scale=float(true_cfg),
             preview_every=params.preview_every,
             stream_latents=params.stream_latents,
+            preview=params.preview,
         )
 
     def batch_key(self, params: SamplingParams) -> Hashable:
@@ -305,9 +292,18 @@ class FlowMatchAdapter(ModelAdapter):
 
     @torch.inference_mode()
     def decode_latents(self, states: Sequence[RequestState]) -> torch.Tensor:
-        latents = self._unpack(torch.cat([s.latents for s in states]), states[0].params)
+        return self._decode(self._unpack(torch.cat([s.latents for s in states]), states[0].params))
+
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Model-space VAE-shaped latents [B, C, h, w] -> the VAE's output [B, 3, H, W] in [-1, 1]."""
         latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
-        return self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]  # [B, 3, H, W] in [-1, 1]
+        return self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+
+    @torch.inference_mode()
+    def preview_vae(self, x0: torch.Tensor) -> list[np.ndarray]:
+        """Predicted clean latents [B, C, h, w] (`predicted_x0`, one size) decoded by the VAE: uint8 [H, W, 3] each."""
+        images = self._decode(x0)
+        return [(image * 255).round().astype(np.uint8) for image in self.postprocess(images)]
 
     def postprocess(self, images: torch.Tensor) -> list[np.ndarray]:
         return list(self.pipe.image_processor.postprocess(images, output_type="np"))  # [H, W, 3] float32 in [0, 1]

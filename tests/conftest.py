@@ -207,7 +207,8 @@ class ServerThread:
 
 @pytest.fixture(scope="session")
 def serve(tiny_sd3) -> Iterator[Callable[..., LiveServer]]:
-    """serve(**ServeConfig fields) -> a live server for that config, started once per session."""
+    """serve(**ServeConfig fields) -> a live server for that config (the tiny SD3 checkpoint unless `model` says
+    otherwise), started once per session."""
     threads: dict[tuple, ServerThread] = {}
     servers: dict[tuple, LiveServer] = {}
 
@@ -215,8 +216,8 @@ def serve(tiny_sd3) -> Iterator[Callable[..., LiveServer]]:
         key = tuple(sorted(overrides.items()))
         if key not in servers:
             # Tests run long requests (1000 steps) to act on them mid-flight.
-            config = {"max_steps": 1000, **overrides}
-            thread = ServerThread(ServeConfig(model=tiny_sd3, port=0, **config), tiny_sd3)
+            config = {"model": tiny_sd3, "max_steps": 1000, **overrides}
+            thread = ServerThread(ServeConfig(port=0, **config), config["model"])
             threads[key] = thread
             try:
                 servers[key] = thread.start()

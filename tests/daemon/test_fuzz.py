@@ -59,6 +59,7 @@ valid = {
     "true_cfg_scale": st.floats(min_value=0, max_value=100),
     "preview_every": st.integers(min_value=0, max_value=8),
     "latents": st.booleans(),
+    "preview": st.sampled_from(["fast", "vae"]),
     "output_format": st.sampled_from(["png", "jpeg", "webp"]),
     "n": st.integers(min_value=1, max_value=10),
     "size": st.sampled_from(["64x64", "auto", "32x48"]),

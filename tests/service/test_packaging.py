@@ -107,3 +107,30 @@ def test_dockerfile_runs_diffusiond_serve_as_a_user_with_valid_settings():
     env = dict(re.findall(r"\b(DIFFUSIOND_\w+)=(\S+)", text))
     config, sources = load_config({}, env)
     assert config.host == "0.0.0.0" and sources["host"] == "DIFFUSIOND_HOST"
+
+
+def test_the_wheel_ships_the_model_and_the_playground_without_warnings(tmp_path):
+    """What `pip install` builds: the bundled weights, the playground and the dashboard are in it, and setuptools
+    says nothing about data folders it "would ignore"."""
+    import zipfile
+
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    output = result.stdout + result.stderr
+    assert "would be ignored" not in output and "Warning" not in output, output
+    (wheel,) = tmp_path.glob("diffusiond-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = [ROOT / "models" / "demo" / "weights", ROOT / "daemon" / "static"]
+    expected = {
+        "diffusiond/" + str(path.relative_to(ROOT))
+        for folder in shipped
+        for path in folder.rglob("*")
+        if path.is_file()
+    }
+    assert expected and expected <= names, sorted(expected - names)
+    assert any(name.startswith("diffusiond/metrics/") and name.endswith(".json") for name in names)

@@ -133,6 +133,8 @@ async def test_sigterm_drains_then_cancels_and_exits_0(start_daemon):
 
     assert await asyncio.to_thread(daemon.wait_exit) == 0, daemon.log()
     assert "drain deadline passed: cancelling 2 requests" in daemon.log()
+    # The last line says how the process ended.
+    assert daemon.log().strip().splitlines()[-1].endswith("exiting with code 0"), daemon.log()[-500:]
 
 
 @pytest.mark.asyncio

@@ -1,0 +1,189 @@
+"""README's code blocks are what users paste first: every command in them runs here (against the bundled model), or
+names the test that runs it, or says what it needs (`# needs: ...` on the line, or on the first line of its block).
+Synopsis lines (`[--flag ...]`, `...`) are formats, not commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from diffusiond.models.default import default_model
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+VENV_BIN = Path(sys.executable).parent
+
+# Commands that run elsewhere: a pattern, and the file whose tests (or CI) run them.
+ELSEWHERE: list[tuple[str, str]] = [
+    (r"make test\b", ".ci/run"),
+    (r"pip install -c constraints/cpu\.txt -e '\.\[test\]'", "Makefile"),
+    (r"diffusiond serve --nproc 2 --cfg-parallel 2", "tests/spmd/test_serve_ranks.py"),
+    (r"diffusiond serve --nproc 2 --ulysses 2", "tests/engine/test_spmd.py"),
+    (r"torchrun --nproc-per-node 2 -m diffusiond serve", "tests/spmd/test_serve_ranks.py"),
+    (r"diffusiond bench compare", "tests/bench/test_compare.py"),
+    (r"diffusiond bench serve", "tests/bench/test_serve.py"),
+    (r"diffusiond bench spmd", "tests/test_readme.py"),
+    (r"diffusiond serve --port 800[12] --unready-delay 2", "tests/deploy/test_haproxy.py"),
+    (r"haproxy -f deploy/haproxy/haproxy\.cfg", "tests/deploy/test_haproxy.py"),
+]
+# Commands this file runs: a pattern, and the test below that runs it.
+HERE: list[tuple[str, str]] = [
+    (r"curl ", "test_curl_examples_work_against_the_bundled_model"),
+    (r"make run\b", "test_make_run_serves_on_the_given_port"),
+    (r"diffusiond generate \"a small red circle", "test_generate_example"),
+    (r"diffusiond make-tiny --family sd3 --out /tmp/tiny-sd3", "test_make_tiny_example"),
+]
+
+
+def blocks() -> list[list[str]]:
+    """Each ```bash block as its commands (continuation lines joined)."""
+    out, current, inside = [], None, False
+    for line in README.read_text().splitlines():
+        if line.startswith("```"):
+            inside = not inside
+            if inside:
+                current = []
+            else:
+                out.append(current)
+            continue
+        if inside:
+            if current and current[-1].endswith("\\"):
+                current[-1] = current[-1][:-1].rstrip() + " " + line.strip()
+            else:
+                current.append(line)
+    return out
+
+
+def commands() -> list[tuple[str, bool]]:
+    """(command, marked as needing something) for every command line of README's code blocks."""
+    out = []
+    for block in blocks():
+        block_needs = bool(block) and block[0].startswith("# needs:")
+        for line in block:
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            comment = line.split(" #", 1)[1] if " #" in line else ""
+            out.append((line.strip(), block_needs or "needs:" in comment))
+    return out
+
+
+def synopsis(command: str) -> bool:
+    return " [--" in command or command.endswith("...") or " ... " in command or command.startswith("[--")
+
+
+def test_every_readme_command_is_run_or_says_what_it_needs():
+    unaccounted = []
+    for command, needs in commands():
+        if needs or synopsis(command):
+            continue
+        if any(re.match(pattern, command) for pattern, _ in HERE):
+            continue
+        where = [path for pattern, path in ELSEWHERE if re.match(pattern, command)]
+        if not where:
+            unaccounted.append(command)
+            continue
+        assert (ROOT / where[0]).exists(), (command, where[0])
+    assert not unaccounted, "README commands that no test runs and that say nothing of what they need:\n" + "\n".join(
+        unaccounted
+    )
+
+
+def readme_commands(prefix: str) -> list[str]:
+    found = [c for c, needs in commands() if c.startswith(prefix) and not needs and not synopsis(c)]
+    assert found, f"README has no {prefix!r} command any more: update this test"
+    return found
+
+
+@pytest.fixture(scope="module")
+def demo(serve):
+    return serve(model=default_model(), max_steps=None)
+
+
+def run(command: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, timeout=timeout, check=False)
+
+
+def test_curl_examples_work_against_the_bundled_model(demo, tmp_path):
+    for command in readme_commands("curl "):
+        result = run(command.replace("localhost:8000", f"127.0.0.1:{demo.port}"), tmp_path)
+        out = result.stdout.decode(errors="replace")
+        assert result.returncode == 0, (command, result.stderr)
+        if "> " in command:  # writes an image
+            name = command.rsplit("> ", 1)[1].strip()
+            assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", command
+        elif "/v1/generations" in command:  # an SSE stream
+            assert "event: completed" in out and "X-Unknown-Words" not in out, (command, out[-500:])
+            assert '"unknown_words"' not in out, command  # README's prompts are ones the model knows
+        else:
+            body = json.loads(out)
+            assert "error" not in body, (command, body)
+
+
+def test_generate_example(tmp_path):
+    (command,) = [c for c in readme_commands("diffusiond generate ") if "--model" not in c]
+    result = run(command, tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr.decode()
+    assert (tmp_path / "out.png").exists() and any((tmp_path / "previews").iterdir())
+    assert b"does not know" not in result.stderr
+
+
+def test_make_tiny_example(tmp_path):
+    (command,) = {c.split("#")[0].strip() for c in readme_commands("diffusiond make-tiny ")}
+    result = run(command.replace("/tmp/tiny-sd3", str(tmp_path / "tiny-sd3")), tmp_path)
+    assert result.returncode == 0, result.stderr.decode()
+    assert (tmp_path / "tiny-sd3" / "model_index.json").exists()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_make_run_serves_on_the_given_port(tmp_path):
+    """`make run PORT=...` as README gives it (the venv is already set up: make must not reinstall it)."""
+    (command,) = readme_commands("make run PORT=")
+    port = free_port()
+    argv = shlex.split(command.split("#")[0].replace("8080", str(port)))
+    venv = Path(sys.prefix)
+    argv += [f"VENV={venv}", "-o", f"{venv}/.installed"]
+    log = tmp_path / "make.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            try:
+                import urllib.request
+
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.3)
+        else:
+            raise AssertionError("make run never got ready")
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(60)
+
+
+@pytest.mark.slow
+def test_bench_spmd_example(tmp_path):
+    """README's `diffusiond bench spmd`, at its smallest settings (the numbers are not checked)."""
+    readme_commands("diffusiond bench spmd")
+    cmd = "diffusiond bench spmd --images 4 --steps 4 --plans 50"
+    result = run(cmd, tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]

@@ -9,7 +9,7 @@ import msgspec
 from aiohttp import web
 
 from diffusiond.daemon.config import MAX_N
-from diffusiond.engine.request import Every, Guidance, PreviewMode, Prompt, Seed, Side, Steps
+from diffusiond.engine.request import CacheThreshold, Every, Guidance, PreviewMode, Prompt, Seed, Side, Steps
 
 MAX_PARTIAL_IMAGES = 3
 # Every number a client sends is bounded here, at the edge, with the field named in the error: nothing unbounded may
@@ -79,6 +79,8 @@ class ImageGenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only
     guidance_scale: Guidance | None = None
     # How partial images are made: "fast" (latent -> RGB, scaled up) or "vae" (a real decode, full resolution).
     preview: PreviewMode = "fast"
+    # Step caching threshold for this request (servers started with --cache); 0: exact.
+    cache_threshold: CacheThreshold | None = None
 
 
 class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -95,6 +97,8 @@ class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     preview_every: Every = 0
     # "fast": the latent -> RGB map, at latent resolution; "vae": a real decode of the predicted image, full size.
     preview: PreviewMode = "fast"
+    # Step caching threshold for this request (servers started with --cache); 0: exact.
+    cache_threshold: CacheThreshold | None = None
     # Also stream the raw latent (base64, with dtype and shape) with each preview.
     latents: bool = False
     output_format: Short = "png"

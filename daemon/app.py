@@ -102,6 +102,7 @@ async def _load(app: web.Application) -> None:
         caps = adapter.capabilities
         state.model_id = config.served_model_name or caps.name or _model_id(config.model or adapter.source)
         engine.limits = request_limits(config, caps)
+        adapter.enable_step_cache(config.cache, config.cache_threshold)  # before any request resolves
         app[METRICS].set_info(
             model=state.model_id,
             family=caps.family,

@@ -201,6 +201,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _serve(config) -> int:
     from diffusiond.daemon.ranks import in_launched_group
 
+    several = config.nproc > 1 or config.nnodes > 1 or in_launched_group()
+    if config.cache != "none" and several and int(os.environ.get("WORLD_SIZE", "2")) > 1:
+        logging.getLogger("diffusiond").error(
+            "--cache %s runs on one rank only for now (the ranks would have to agree on every decision)", config.cache
+        )
+        return EXIT_USAGE
+
     if in_launched_group():  # a worker of torchrun or of our own launch below
         from diffusiond.daemon.launch import run_rank, worker_config
 
@@ -281,6 +288,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--max-pixels", type=int, help="largest width x height of one image (default: 4x the model's default area)")
     add("--max-steps", type=int, help="most denoising steps per request (default: 4x the model's default, >= 50)")
     add("--max-n", type=int, help=f"most images per OpenAI request (default: {d.max_n})")
+
+    add = parser.add_argument_group("acceleration").add_argument
+    add(
+        "--cache",
+        choices=["none", "fbcache"],
+        help=f"step caching, decided per request: fbcache = first-block cache (default: {d.cache})",
+    )
+    add(
+        "--cache-threshold",
+        type=float,
+        metavar="X",
+        help="relative change of a request's first-block residual below which it reuses its other blocks; requests "
+        f"may send cache_threshold (default: {d.cache_threshold:g}; 0: exact)",
+    )
 
     add = parser.add_argument_group("stopping (SIGTERM, SIGINT)").add_argument
     add(

@@ -49,6 +49,7 @@ def parse_generation(data: bytes) -> tuple[GenerationRequest, SamplingParams]:
         preview_every=body.preview_every,
         stream_latents=body.latents,
         preview=body.preview,
+        cache_threshold=body.cache_threshold,
     )
     return body, params
 

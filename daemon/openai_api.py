@@ -53,6 +53,7 @@ def parse_image_generation(data: bytes, max_n: int) -> tuple[ImageGenerationRequ
         num_inference_steps=body.num_inference_steps,
         guidance_scale=body.guidance_scale,
         preview=body.preview,
+        cache_threshold=body.cache_threshold,
     )
     return body, base
 

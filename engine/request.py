@@ -43,6 +43,7 @@ Prompt = Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
 
 
 PreviewMode = Literal["fast", "vae"]
+CacheThreshold = Annotated[float, msgspec.Meta(ge=0, le=10)]
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, array_like=True, gc=False):
@@ -71,6 +72,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     # How previews are made: "fast", the latent -> RGB map (latent resolution, about free); "vae", the predicted
     # clean latent decoded by the model's VAE (exact colours, full resolution, one VAE decode per preview).
     preview: PreviewMode = "fast"
+    # Step caching (models/stepcache.py): this request reuses its remaining blocks' residual while its first block's
+    # residual changes by less than this (relative L1). 0: every step computes (exact). Resolved from the server's
+    # --cache-threshold when the client sends none.
+    cache_threshold: CacheThreshold | None = None
 
 
 class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):

@@ -83,6 +83,8 @@ class RequestState:
     cond: dict[str, torch.Tensor] = field(default_factory=dict)
     # Conditioning that is identical across a batch (same batch key) and passed once, not concatenated.
     shared: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Step cache state of this request (models/stepcache.py), freed with it.
+    cache: Any = None
 
     @property
     def total_steps(self) -> int:

@@ -22,6 +22,7 @@ from diffusiond.engine.request import SamplingParams
 from diffusiond.kernels.collectives import collective
 from diffusiond.kernels.parallel import CFGGroup
 from diffusiond.models import preview as preview_maps
+from diffusiond.models import stepcache
 from diffusiond.models.base import Capabilities, ModelAdapter, ParamError, RequestState
 from diffusiond.models.declared import check_declared, read_declared
 from diffusiond.models.sampler import step_batch
@@ -210,7 +211,34 @@ class FlowMatchAdapter(ModelAdapter):
             preview_every=params.preview_every,
             stream_latents=params.stream_latents,
             preview=params.preview,
+            cache_threshold=self._cache_threshold(params),
         )
+
+    # ---- step caching (models/stepcache.py) ----
+
+    step_cache: str = "none"
+    default_cache_threshold: float = 0.0
+
+    def enable_step_cache(self, method: str, threshold: float) -> None:
+        """Server-wide: the method, and the threshold of requests that send none. Families implement the forward."""
+        if method not in stepcache.METHODS:
+            raise ValueError(f"unknown cache method {method!r}; choose from {', '.join(stepcache.METHODS)}")
+        if method != "none" and not self._supports_step_cache():
+            raise ValueError(f"--cache {method} is not implemented for the {self.family} family yet")
+        if method != "none" and (self.cfg_group is not None or getattr(self, "ulysses_group", None) is not None):
+            raise ValueError(f"--cache {method} runs on one rank only for now")
+        self.step_cache = method
+        self.default_cache_threshold = threshold if method != "none" else 0.0
+
+    def _supports_step_cache(self) -> bool:
+        return False
+
+    def _cache_threshold(self, params: SamplingParams) -> float:
+        if params.cache_threshold is None:
+            return self.default_cache_threshold
+        if params.cache_threshold > 0 and self.step_cache == "none":
+            raise ParamError("cache_threshold", "this server runs without step caching (start it with --cache)")
+        return params.cache_threshold
 
     def batch_key(self, params: SamplingParams) -> Hashable:
         return (params.width, params.height, self._uses_cfg(params))

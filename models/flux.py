@@ -113,6 +113,7 @@ class FluxAdapter(FlowMatchAdapter):
         return neg + scale.view(-1, 1, 1) * (pos - neg)
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:
+        self.ulysses_group = group
         check_heads(self.transformer.config.num_attention_heads, group.size)
         self.transformer.set_attn_processor(UlyssesFluxAttnProcessor(group))
 

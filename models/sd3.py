@@ -18,6 +18,7 @@ from diffusiond.kernels.ulysses import (
     gather_output,
     shard_output,
 )
+from diffusiond.models import stepcache
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.sampler import FlowMatchSampler
@@ -33,6 +34,9 @@ class SD3Adapter(FlowMatchAdapter):
     def _default_size(self) -> tuple[int, int]:
         side = self.transformer.config.sample_size * self.vae_scale_factor
         return side, side
+
+    def _supports_step_cache(self) -> bool:
+        return True
 
     def _size_multiple(self) -> int:
         return self.vae_scale_factor * self.transformer.config.patch_size
@@ -107,16 +111,16 @@ class SD3Adapter(FlowMatchAdapter):
         latents = torch.cat([s.latents for s in states])  # [B, C, h, w]
         timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device)  # [B]
         rows = cond["embeds"].shape[0] // len(states)  # 2 with CFG: (negative, positive) per request
-        out = self._transformer_rows(
-            rows,
-            {
-                "hidden_states": latents.repeat_interleave(rows, dim=0),  # [B * rows, C, h, w]
-                "timestep": timestep.repeat_interleave(rows),
-                "encoder_hidden_states": cond["embeds"],
-                "pooled_projections": cond["pooled"],
-            },
-            {},
-        )  # [B, rows, C, h, w]
+        batched = {
+            "hidden_states": latents.repeat_interleave(rows, dim=0),  # [B * rows, C, h, w]
+            "timestep": timestep.repeat_interleave(rows),
+            "encoder_hidden_states": cond["embeds"],
+            "pooled_projections": cond["pooled"],
+        }
+        if self.step_cache == "fbcache":
+            out = stepcache.sd3_forward(self.transformer, batched, rows, states).unflatten(0, (len(states), rows))
+        else:
+            out = self._transformer_rows(rows, batched, {})  # [B, rows, C, h, w]
         if rows == 1:
             return out[:, 0]
         uncond, text = out[:, 0], out[:, 1]
@@ -124,6 +128,7 @@ class SD3Adapter(FlowMatchAdapter):
         return uncond + scale.view(-1, 1, 1, 1) * (text - uncond)
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:
+        self.ulysses_group = group
         check_heads(self.transformer.config.num_attention_heads, group.size)
         self.transformer.set_attn_processor(UlyssesJointAttnProcessor(group))
         shard_output(self.transformer.pos_embed, group)  # patch tokens [B, S, D] -> this rank's slice

@@ -34,6 +34,8 @@ ELSEWHERE: list[tuple[str, str]] = [
     (r"diffusiond bench spmd", "tests/test_readme.py"),
     (r"diffusiond serve --port 800[12] --unready-delay 2", "tests/deploy/test_haproxy.py"),
     (r"haproxy -f deploy/haproxy/haproxy\.cfg", "tests/deploy/test_haproxy.py"),
+    (r"diffusiond serve --cache fbcache", "tests/models/test_stepcache.py"),
+    (r"python -m diffusiond\.bench\.cache", "tests/test_readme.py"),
 ]
 # Commands this file runs: a pattern, and the test below that runs it.
 HERE: list[tuple[str, str]] = [
@@ -187,3 +189,13 @@ def test_bench_spmd_example(tmp_path):
     cmd = "diffusiond bench spmd --images 4 --steps 4 --plans 50"
     result = run(cmd, tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr.decode()[-2000:]
+
+
+@pytest.mark.slow
+def test_bench_cache_example(tmp_path):
+    """README's step-cache benchmark, at its smallest settings (the numbers are not checked)."""
+    readme_commands("python -m diffusiond.bench.cache")
+    cmd = f"{sys.executable} -m diffusiond.bench.cache --requests 2 --repeats 1 --steps 4 --thresholds 0.4"
+    result = run(cmd, tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    assert b'"threshold":0.4' in result.stdout

@@ -60,6 +60,7 @@ valid = {
     "preview_every": st.integers(min_value=0, max_value=8),
     "latents": st.booleans(),
     "preview": st.sampled_from(["fast", "vae"]),
+    "cache_threshold": st.just(0.0) | st.none(),
     "output_format": st.sampled_from(["png", "jpeg", "webp"]),
     "n": st.integers(min_value=1, max_value=10),
     "size": st.sampled_from(["64x64", "auto", "32x48"]),

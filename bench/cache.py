@@ -1,0 +1,117 @@
+"""Step caching, side by side in one process and one run: for each threshold, the same requests (same checkpoint,
+prompts and seeds) through the engine, 8 at a time (continuous batching), against threshold 0 (exact). Reports the
+speed-up, the agreement with the exact images (PSNR, and the judge's accuracy for the bundled model) and the share
+of request-steps that reused their cache.
+
+    python -m diffusiond.bench.cache [--model DIR] [--steps N] [--requests 32] [--thresholds 0.05,0.1,0.2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import numpy as np
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
+
+
+async def run(engine, requests) -> tuple[list[np.ndarray], float]:
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(engine.add_request(p).result() for p in requests))
+    return [r.image for r in results], time.perf_counter() - t0
+
+
+async def main(args: argparse.Namespace) -> None:
+    import msgspec
+    import torch
+
+    from diffusiond.engine.engine import Engine
+    from diffusiond.engine.request import SamplingParams
+    from diffusiond.models import stepcache
+    from diffusiond.models.default import default_model
+    from diffusiond.models.loader import load_adapter
+
+    torch.set_num_threads(args.threads)
+    model = args.model or default_model()
+    bundled = args.model is None
+    counts = {"reused": 0, "decided": 0}
+    original = stepcache.reuse
+
+    def counting(state, first):
+        decision = original(state, first)
+        counts["reused"] += decision
+        counts["decided"] += 1
+        return decision
+
+    stepcache.reuse = counting
+
+    def load():
+        adapter = load_adapter(model)
+        adapter.enable_step_cache("fbcache", 0.0)
+        return adapter
+
+    engine = Engine(load, max_batch=8, batch_wait=0.05)
+    await engine.start()
+    if bundled:
+        from diffusiond.models.demo import scenes as sc
+        from diffusiond.models.demo.judge import judge
+
+        scenes = sc.split()[1][: args.requests]
+        prompts = [s.caption for s in scenes]
+    else:
+        prompts = [f"a photo number {i}" for i in range(args.requests)]
+    base = {} if bundled else {"width": args.size, "height": args.size, "guidance_scale": 4.5}
+
+    def requests(threshold: float) -> list:
+        return [
+            SamplingParams(prompt=p, seed=1000 + i, num_inference_steps=args.steps, cache_threshold=threshold, **base)
+            for i, p in enumerate(prompts)
+        ]
+
+    await run(engine, requests(0.0)[:8])  # warm
+    rows = []
+    exact, exact_time = None, None
+    for threshold in [0.0, *args.thresholds]:
+        times = []
+        for _ in range(args.repeats):
+            counts.update(reused=0, decided=0)
+            images, seconds = await run(engine, requests(threshold))
+            times.append(seconds)
+        seconds = min(times)
+        if exact is None:
+            exact, exact_time = images, seconds
+        row = {
+            "threshold": threshold,
+            "seconds": round(seconds, 3),
+            "speedup": round(exact_time / seconds, 3),
+            "psnr_db": round(float(np.mean([min(psnr(a, b), 99.0) for a, b in zip(images, exact, strict=True)])), 2),
+            "reused": round(counts["reused"] / max(1, counts["decided"]), 3),
+        }
+        if bundled:
+            row["judge_all"] = round(
+                float(np.mean([judge(s, img).all for s, img in zip(scenes, images, strict=True)])), 3
+            )
+        rows.append(row)
+        print(msgspec.json.encode(row).decode(), flush=True)
+    await engine.stop()
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="checkpoint (default: the bundled model)")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--size", type=int, default=256, help="side, for checkpoints other than the bundled one")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--thresholds", type=lambda s: [float(v) for v in s.split(",")], default=[0.05, 0.1, 0.2, 0.4])
+    asyncio.run(main(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    cli()

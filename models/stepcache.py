@@ -1,0 +1,104 @@
+"""Step caching with a decision per request, inside a batched forward (first-block cache).
+
+Cache methods elsewhere (diffusers' `first_block_cache` hook, Cache-DiT, TeaCache) decide once for the whole batch
+tensor: in a batch that mixes requests at different steps, with different thresholds or none, that decision is
+wrong for most of them. Here every request decides alone:
+
+1. the first transformer block runs for every row of the batch;
+2. each request compares its first block's residual (output - input) with the one it had at its last fully computed
+   step: relative L1 change `mean|r - r_prev| / mean|r_prev|` over its rows (both CFG rows: the decision is per
+   request, the residuals are per row);
+3. below the request's threshold, the request reuses the residual its remaining blocks added at that step; at or
+   above it (and always at its first and last step, and with threshold 0), its rows go through the remaining blocks
+   in a sub-batch of the requests that compute, and its cache is renewed.
+
+State lives on the request's `RequestState.cache` and goes with it. Exactness: with threshold 0 every row computes,
+through the same blocks in the same order as the pipeline's forward (tests compare with diffusers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+METHODS = ("none", "fbcache")
+
+
+@dataclass
+class FirstBlockCache:
+    """One request's cache: its rows' first-block residual and remaining-blocks residual at its last computed step."""
+
+    first: torch.Tensor
+    rest: torch.Tensor
+    computed: int = 0
+    reused: int = 0
+
+
+def relative_change(new: torch.Tensor, old: torch.Tensor) -> float:
+    return float((new - old).abs().mean() / old.abs().mean().clamp_min(1e-12))
+
+
+def reuse(state: Any, first: torch.Tensor) -> bool:
+    """Whether this request may skip its remaining blocks at this step (`first`: its rows' first-block residual)."""
+    threshold = state.params.cache_threshold or 0.0
+    cache = state.cache
+    last = state.step_index + 1 >= state.total_steps
+    if threshold <= 0 or cache is None or state.step_index == 0 or last:
+        return False
+    return relative_change(first, cache.first) < threshold
+
+
+@torch.inference_mode()
+def sd3_forward(transformer: Any, batched: dict[str, torch.Tensor], rows: int, states: Sequence[Any]) -> torch.Tensor:
+    """`SD3Transformer2DModel.forward` over B requests x `rows` rows, with a first-block cache decision per request.
+    Returns the model output [B * rows, C, H, W]."""
+    t = transformer
+    x = batched["hidden_states"]
+    height, width = x.shape[-2:]
+    h = t.pos_embed(x).contiguous()
+    temb = t.time_text_embed(batched["timestep"], batched["pooled_projections"])
+    enc = t.context_embedder(batched["encoder_hidden_states"])
+    blocks = t.transformer_blocks
+    enc1, h1 = blocks[0](hidden_states=h, encoder_hidden_states=enc, temb=temb, joint_attention_kwargs=None)
+    first = h1 - h
+
+    computing: list[int] = []  # requests whose rows run the remaining blocks
+    reusing: list[int] = []
+    for i, state in enumerate(states):
+        (reusing if reuse(state, first[i * rows : (i + 1) * rows]) else computing).append(i)
+
+    out = h1.clone() if reusing else h1
+    if computing:
+        if reusing:
+            index = torch.tensor([i * rows + r for i in computing for r in range(rows)], device=h1.device)
+            hc, ec, tc = h1[index], enc1[index], temb[index]
+        else:  # everyone computes: the full batch, exactly as the pipeline's forward
+            hc, ec, tc = h1, enc1, temb
+        for block in blocks[1:]:
+            ec, hc = block(hidden_states=hc, encoder_hidden_states=ec, temb=tc, joint_attention_kwargs=None)
+        if reusing:
+            out[index] = hc
+        else:
+            out = hc
+        for k, i in enumerate(computing):
+            mine = slice(i * rows, (i + 1) * rows)
+            rest = hc[k * rows : (k + 1) * rows] - h1[mine]
+            cache = states[i].cache
+            if cache is None:
+                states[i].cache = FirstBlockCache(first[mine].clone(), rest.clone(), computed=1)
+            else:
+                cache.first, cache.rest = first[mine].clone(), rest.clone()
+                cache.computed += 1
+    for i in reusing:
+        mine = slice(i * rows, (i + 1) * rows)
+        out[mine] = h1[mine] + states[i].cache.rest
+        states[i].cache.reused += 1
+
+    hidden = t.proj_out(t.norm_out(out, temb))
+    p = t.config.patch_size
+    hidden = hidden.reshape(hidden.shape[0], height // p, width // p, p, p, t.out_channels)
+    hidden = torch.einsum("nhwpqc->nchpwq", hidden)
+    return hidden.reshape(hidden.shape[0], t.out_channels, height, width)

@@ -13,6 +13,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusiond.engine.request import SamplingParams
 from diffusiond.engine.wire import NewRequest
 from diffusiond.kernels.ulysses import UlyssesFluxAttnProcessor, UlyssesGroup, check_heads, gather_output
+from diffusiond.models import stepcache
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.sampler import FlowMatchSampler
@@ -103,14 +104,19 @@ class FluxAdapter(FlowMatchAdapter):
         }
         if self.transformer.config.guidance_embeds:
             batched["guidance"] = cond["guidance"]
-        out = self._transformer_rows(
-            rows, batched, {"txt_ids": shared["text_ids"], "img_ids": shared["image_ids"]}
-        )  # [B, rows, seq, C * 4]
+        ids = {"txt_ids": shared["text_ids"], "img_ids": shared["image_ids"]}
+        if self.step_cache == "fbcache":
+            out = stepcache.flux_forward(self.transformer, batched, ids, rows, states).unflatten(0, (len(states), rows))
+        else:
+            out = self._transformer_rows(rows, batched, ids)  # [B, rows, seq, C * 4]
         if rows == 1:
             return out[:, 0]
         pos, neg = out[:, 0], out[:, 1]
         scale = cond["true_cfg"].to(out.dtype)  # [B], built once per batch membership
         return neg + scale.view(-1, 1, 1) * (pos - neg)
+
+    def _supports_step_cache(self) -> bool:
+        return True
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:
         self.ulysses_group = group

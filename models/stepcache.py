@@ -51,18 +51,20 @@ def reuse(state: Any, first: torch.Tensor) -> bool:
     return relative_change(first, cache.first) < threshold
 
 
-@torch.inference_mode()
-def sd3_forward(transformer: Any, batched: dict[str, torch.Tensor], rows: int, states: Sequence[Any]) -> torch.Tensor:
-    """`SD3Transformer2DModel.forward` over B requests x `rows` rows, with a first-block cache decision per request.
-    Returns the model output [B * rows, C, H, W]."""
-    t = transformer
-    x = batched["hidden_states"]
-    height, width = x.shape[-2:]
-    h = t.pos_embed(x).contiguous()
-    temb = t.time_text_embed(batched["timestep"], batched["pooled_projections"])
-    enc = t.context_embedder(batched["encoder_hidden_states"])
-    blocks = t.transformer_blocks
-    enc1, h1 = blocks[0](hidden_states=h, encoder_hidden_states=enc, temb=temb, joint_attention_kwargs=None)
+def cached_blocks(
+    first_block: Any,
+    rest: Sequence[Any],
+    h: torch.Tensor,
+    enc: torch.Tensor,
+    temb: torch.Tensor,
+    rows: int,
+    states: Sequence[Any],
+    **block_kwargs: Any,
+) -> torch.Tensor:
+    """The transformer's blocks over B requests x `rows` rows with a decision per request: image tokens after the last
+    block [B * rows, S, D]. Every block takes (hidden_states, encoder_hidden_states, temb, **block_kwargs) and returns
+    (encoder_hidden_states, hidden_states), as diffusers' SD3 and FLUX blocks do."""
+    enc1, h1 = first_block(hidden_states=h, encoder_hidden_states=enc, temb=temb, **block_kwargs)
     first = h1 - h
 
     computing: list[int] = []  # requests whose rows run the remaining blocks
@@ -77,28 +79,70 @@ def sd3_forward(transformer: Any, batched: dict[str, torch.Tensor], rows: int, s
             hc, ec, tc = h1[index], enc1[index], temb[index]
         else:  # everyone computes: the full batch, exactly as the pipeline's forward
             hc, ec, tc = h1, enc1, temb
-        for block in blocks[1:]:
-            ec, hc = block(hidden_states=hc, encoder_hidden_states=ec, temb=tc, joint_attention_kwargs=None)
+        for block in rest:
+            ec, hc = block(hidden_states=hc, encoder_hidden_states=ec, temb=tc, **block_kwargs)
         if reusing:
             out[index] = hc
         else:
             out = hc
         for k, i in enumerate(computing):
             mine = slice(i * rows, (i + 1) * rows)
-            rest = hc[k * rows : (k + 1) * rows] - h1[mine]
+            rest_residual = hc[k * rows : (k + 1) * rows] - h1[mine]
             cache = states[i].cache
             if cache is None:
-                states[i].cache = FirstBlockCache(first[mine].clone(), rest.clone(), computed=1)
+                states[i].cache = FirstBlockCache(first[mine].clone(), rest_residual.clone(), computed=1)
             else:
-                cache.first, cache.rest = first[mine].clone(), rest.clone()
+                cache.first, cache.rest = first[mine].clone(), rest_residual.clone()
                 cache.computed += 1
     for i in reusing:
         mine = slice(i * rows, (i + 1) * rows)
         out[mine] = h1[mine] + states[i].cache.rest
         states[i].cache.reused += 1
+    return out
 
+
+@torch.inference_mode()
+def sd3_forward(transformer: Any, batched: dict[str, torch.Tensor], rows: int, states: Sequence[Any]) -> torch.Tensor:
+    """`SD3Transformer2DModel.forward` over B requests x `rows` rows, with a first-block cache decision per request.
+    Returns the model output [B * rows, C, H, W]."""
+    t = transformer
+    x = batched["hidden_states"]
+    height, width = x.shape[-2:]
+    h = t.pos_embed(x).contiguous()
+    temb = t.time_text_embed(batched["timestep"], batched["pooled_projections"])
+    enc = t.context_embedder(batched["encoder_hidden_states"])
+    blocks = t.transformer_blocks
+    out = cached_blocks(blocks[0], blocks[1:], h, enc, temb, rows, states, joint_attention_kwargs=None)
     hidden = t.proj_out(t.norm_out(out, temb))
     p = t.config.patch_size
     hidden = hidden.reshape(hidden.shape[0], height // p, width // p, p, p, t.out_channels)
     hidden = torch.einsum("nhwpqc->nchpwq", hidden)
     return hidden.reshape(hidden.shape[0], t.out_channels, height, width)
+
+
+@torch.inference_mode()
+def flux_forward(
+    transformer: Any,
+    batched: dict[str, torch.Tensor],
+    shared: dict[str, torch.Tensor],
+    rows: int,
+    states: Sequence[Any],
+) -> torch.Tensor:
+    """`FluxTransformer2DModel.forward` over B requests x `rows` rows (packed latents), with a first-block cache
+    decision per request: the first double-stream block decides; the rest and every single-stream block are skipped
+    together. Returns the model output [B * rows, seq, C * 4]."""
+    t = transformer
+    h = t.x_embedder(batched["hidden_states"])
+    timestep = batched["timestep"].to(h.dtype) * 1000
+    guidance = batched.get("guidance")
+    if guidance is None:
+        temb = t.time_text_embed(timestep, batched["pooled_projections"])
+    else:
+        temb = t.time_text_embed(timestep, guidance.to(h.dtype) * 1000, batched["pooled_projections"])
+    enc = t.context_embedder(batched["encoder_hidden_states"])
+    rotary = t.pos_embed(torch.cat((shared["txt_ids"], shared["img_ids"]), dim=0))
+    blocks = [*t.transformer_blocks, *t.single_transformer_blocks]
+    out = cached_blocks(
+        blocks[0], blocks[1:], h, enc, temb, rows, states, image_rotary_emb=rotary, joint_attention_kwargs=None
+    )
+    return t.proj_out(t.norm_out(out, temb))

@@ -1,4 +1,4 @@
-"""Step caching decided per request inside a batch (models/stepcache.py), on the tiny SD3 checkpoint.
+"""Step caching decided per request inside a batch (models/stepcache.py), on the tiny SD3 and FLUX checkpoints.
 
 - Threshold 0 is exact: the cached forward (first block, then the rest) gives the uncached engine's image, which
   tests/models/test_parity.py holds to diffusers' own pipeline.
@@ -25,14 +25,19 @@ from diffusiond.models.loader import load_adapter
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def plain(tiny_sd3):
-    return load_adapter(tiny_sd3)
+@pytest.fixture(scope="module", params=["sd3", "flux"])
+def family(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def cached(tiny_sd3):
-    adapter = load_adapter(tiny_sd3)
+def plain(family, request):
+    return load_adapter(request.getfixturevalue(f"tiny_{family}"))
+
+
+@pytest.fixture(scope="module")
+def cached(family, request):
+    adapter = load_adapter(request.getfixturevalue(f"tiny_{family}"))
     adapter.enable_step_cache("fbcache", 0.0)
     return adapter
 
@@ -113,18 +118,12 @@ def test_a_batch_wide_decision_would_fail(cached, monkeypatch):
     assert np.abs(together[1] - alone[1]).max() > 1e-3, "a batch-wide decision went unnoticed"
 
 
-def test_refusals(plain, tiny_sd3, tmp_path):
+def test_refusals(plain):
     with pytest.raises(ParamError, match="without step caching"):
         plain.resolve(params(1, threshold=0.2))
     assert plain.resolve(params(1, threshold=0.0)).cache_threshold == 0.0
     with pytest.raises(ValueError, match="unknown cache method"):
         plain.enable_step_cache("teacache", 0.1)
-
-
-def test_flux_refuses_until_it_has_a_cached_forward(tiny_flux):
-    adapter = load_adapter(tiny_flux)
-    with pytest.raises(ValueError, match="not implemented for the flux family"):
-        adapter.enable_step_cache("fbcache", 0.1)
 
 
 @pytest.mark.asyncio

@@ -201,13 +201,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _serve(config) -> int:
     from diffusiond.daemon.ranks import in_launched_group
 
-    several = config.nproc > 1 or config.nnodes > 1 or in_launched_group()
-    if config.cache != "none" and several and int(os.environ.get("WORLD_SIZE", "2")) > 1:
-        logging.getLogger("diffusiond").error(
-            "--cache %s runs on one rank only for now (the ranks would have to agree on every decision)", config.cache
-        )
-        return EXIT_USAGE
-
     if in_launched_group():  # a worker of torchrun or of our own launch below
         from diffusiond.daemon.launch import run_rank, worker_config
 

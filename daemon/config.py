@@ -69,7 +69,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     max_restarts: NonNegative = 3
     # Step caching with a decision per request (models/stepcache.py): "fbcache" reuses a request's remaining
     # blocks while its first block's residual changes by less than cache_threshold (requests may send their own;
-    # 0 is exact). SD3 and FLUX, one rank, for now.
+    # 0 is exact). SD3 and FLUX; under several ranks the ranks agree on every decision.
     cache: Literal["none", "fbcache"] = "none"
     cache_threshold: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.1
     # Several nodes, one group: nproc ranks on each of nnodes nodes, which meet at the c10d rendezvous at

@@ -158,6 +158,8 @@ def run_rank(config: ServeConfig) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         rank = join()
+        # Rank 0's app sets the same from the same configuration; requests carry their own thresholds.
+        rank.adapter.enable_step_cache(config.cache, config.cache_threshold)
         try:
             run_follower(rank.adapter, rank.comm)
         except Exception as exc:

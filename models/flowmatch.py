@@ -225,8 +225,6 @@ class FlowMatchAdapter(ModelAdapter):
             raise ValueError(f"unknown cache method {method!r}; choose from {', '.join(stepcache.METHODS)}")
         if method != "none" and not self._supports_step_cache():
             raise ValueError(f"--cache {method} is not implemented for the {self.family} family yet")
-        if method != "none" and (self.cfg_group is not None or getattr(self, "ulysses_group", None) is not None):
-            raise ValueError(f"--cache {method} runs on one rank only for now")
         self.step_cache = method
         self.default_cache_threshold = threshold if method != "none" else 0.0
 
@@ -266,8 +264,24 @@ class FlowMatchAdapter(ModelAdapter):
         """The two CFG branches of every request run on the two ranks of `group`; outputs are all-gathered."""
         self.cfg_group = group
 
+    def _forward(
+        self, batched: dict[str, torch.Tensor], shared: dict[str, torch.Tensor], rows: int, states: Sequence[Any]
+    ) -> torch.Tensor:
+        """One transformer call over this rank's rows (`rows` per request of `states`): the family's cached forward
+        when step caching is on, else the pipeline's own."""
+        if self.step_cache != "none":
+            return self._cached_forward(batched, shared, rows, states)
+        return self.transformer(**batched, **shared, return_dict=False)[0]
+
+    def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
+        raise NotImplementedError
+
     def _transformer_rows(
-        self, rows: int, batched: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]
+        self,
+        rows: int,
+        batched: dict[str, torch.Tensor],
+        shared: dict[str, torch.Tensor],
+        states: Sequence[RequestState],
     ) -> torch.Tensor:
         """One transformer call over B requests x `rows` rows (interleaved per request); returns [B, rows, ...].
 
@@ -276,16 +290,16 @@ class FlowMatchAdapter(ModelAdapter):
         n = batched["hidden_states"].shape[0] // rows
         if rows == 2 and self.cfg_group is not None:
             local = {name: t[self.cfg_group.rank :: 2] for name, t in batched.items()}
-            out = self.transformer(**local, **shared, return_dict=False)[0].contiguous()  # [B, ...]
+            out = self._forward(local, shared, 1, states).contiguous()  # [B, ...]
             halves = [torch.empty_like(out) for _ in range(2)]
             with collective("cfg-parallel all_gather"):
                 dist.all_gather(halves, out, group=self.cfg_group.group)
             return torch.stack(halves, dim=1)
-        if self.cfg_group is not None and n > 1:
-            # No CFG in this batch: the two ranks split the requests instead of both computing all of them.
+        if self.cfg_group is not None and n > 1 and self.step_cache == "none":
+            # No CFG in this batch: the two ranks split the requests instead of both computing all of them. (Not with
+            # step caching: a request's cache lives on the rank that computed it, and the split moves requests.)
             return self._split_requests(n, batched, shared).unflatten(0, (n, 1))
-        out = self.transformer(**batched, **shared, return_dict=False)[0]
-        return out.unflatten(0, (n, rows))
+        return self._forward(batched, shared, rows, states).unflatten(0, (n, rows))
 
     def _split_requests(self, n: int, batched: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]):
         """Rows [0, k) on CFG rank 0 and [k, n) on rank 1 (k = ceil(n / 2)), all-gathered; returns [n, ...]."""

@@ -105,10 +105,7 @@ class FluxAdapter(FlowMatchAdapter):
         if self.transformer.config.guidance_embeds:
             batched["guidance"] = cond["guidance"]
         ids = {"txt_ids": shared["text_ids"], "img_ids": shared["image_ids"]}
-        if self.step_cache == "fbcache":
-            out = stepcache.flux_forward(self.transformer, batched, ids, rows, states).unflatten(0, (len(states), rows))
-        else:
-            out = self._transformer_rows(rows, batched, ids)  # [B, rows, seq, C * 4]
+        out = self._transformer_rows(rows, batched, ids, states)  # [B, rows, seq, C * 4]
         if rows == 1:
             return out[:, 0]
         pos, neg = out[:, 0], out[:, 1]
@@ -117,6 +114,11 @@ class FluxAdapter(FlowMatchAdapter):
 
     def _supports_step_cache(self) -> bool:
         return True
+
+    def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
+        return stepcache.flux_forward(
+            self.transformer, batched, shared, rows, states, ulysses=getattr(self, "ulysses_group", None)
+        )
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:
         self.ulysses_group = group

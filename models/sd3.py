@@ -38,6 +38,10 @@ class SD3Adapter(FlowMatchAdapter):
     def _supports_step_cache(self) -> bool:
         return True
 
+    def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
+        # Ulysses shards tokens through hooks on pos_embed and proj_out, which this forward calls as well.
+        return stepcache.sd3_forward(self.transformer, batched, rows, states)
+
     def _size_multiple(self) -> int:
         return self.vae_scale_factor * self.transformer.config.patch_size
 
@@ -117,10 +121,7 @@ class SD3Adapter(FlowMatchAdapter):
             "encoder_hidden_states": cond["embeds"],
             "pooled_projections": cond["pooled"],
         }
-        if self.step_cache == "fbcache":
-            out = stepcache.sd3_forward(self.transformer, batched, rows, states).unflatten(0, (len(states), rows))
-        else:
-            out = self._transformer_rows(rows, batched, {})  # [B, rows, C, h, w]
+        out = self._transformer_rows(rows, batched, {}, states)  # [B, rows, C, h, w]
         if rows == 1:
             return out[:, 0]
         uncond, text = out[:, 0], out[:, 1]

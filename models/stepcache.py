@@ -37,18 +37,33 @@ class FirstBlockCache:
     reused: int = 0
 
 
-def relative_change(new: torch.Tensor, old: torch.Tensor) -> float:
-    return float((new - old).abs().mean() / old.abs().mean().clamp_min(1e-12))
-
-
-def reuse(state: Any, first: torch.Tensor) -> bool:
-    """Whether this request may skip its remaining blocks at this step (`first`: its rows' first-block residual)."""
+def reuse(state: Any, change: float | None) -> bool:
+    """Whether this request may skip its remaining blocks at this step. `change`: the relative L1 change of its
+    first-block residual since its last computed step, over all its rows and tokens on every rank (None: no cache)."""
     threshold = state.params.cache_threshold or 0.0
-    cache = state.cache
     last = state.step_index + 1 >= state.total_steps
-    if threshold <= 0 or cache is None or state.step_index == 0 or last:
+    if threshold <= 0 or change is None or state.step_index == 0 or last:
         return False
-    return relative_change(first, cache.first) < threshold
+    return change < threshold
+
+
+def changes(first: torch.Tensor, rows: int, states: Sequence[Any]) -> list[float | None]:
+    """Each request's relative change, agreed by every rank of a group: the sums |r - r_prev| and |r_prev| over the
+    rows and tokens each rank holds are all-reduced, so a request split across ranks (CFG-parallel: a row each;
+    Ulysses: a token shard each) decides once, the same everywhere. (Ranks that hold the same rows add copies of
+    the same sums; the ratio is unchanged.)"""
+    import torch.distributed as dist
+
+    sums = torch.zeros(len(states), 2, dtype=torch.float64, device=first.device)
+    for i, state in enumerate(states):
+        if state.cache is not None:
+            mine = first[i * rows : (i + 1) * rows].double()
+            sums[i, 0] = (mine - state.cache.first.double()).abs().sum()
+            sums[i, 1] = state.cache.first.double().abs().sum()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums)  # every rank runs every step's forward (SPMD): the world is the right group
+    values = (sums[:, 0] / sums[:, 1].clamp_min(1e-12)).tolist()
+    return [None if state.cache is None else value for state, value in zip(states, values, strict=True)]
 
 
 def cached_blocks(
@@ -69,8 +84,8 @@ def cached_blocks(
 
     computing: list[int] = []  # requests whose rows run the remaining blocks
     reusing: list[int] = []
-    for i, state in enumerate(states):
-        (reusing if reuse(state, first[i * rows : (i + 1) * rows]) else computing).append(i)
+    for state, change, i in zip(states, changes(first, rows, states), range(len(states)), strict=True):
+        (reusing if reuse(state, change) else computing).append(i)
 
     out = h1.clone() if reusing else h1
     if computing:
@@ -127,12 +142,18 @@ def flux_forward(
     shared: dict[str, torch.Tensor],
     rows: int,
     states: Sequence[Any],
+    ulysses: Any = None,
 ) -> torch.Tensor:
     """`FluxTransformer2DModel.forward` over B requests x `rows` rows (packed latents), with a first-block cache
     decision per request: the first double-stream block decides; the rest and every single-stream block are skipped
     together. Returns the model output [B * rows, seq, C * 4]."""
     t = transformer
-    h = t.x_embedder(batched["hidden_states"])
+    hidden, img_ids = batched["hidden_states"], shared["img_ids"]
+    if ulysses is not None:  # as the Ulysses pre-hook on the transformer's forward, which this bypasses
+        start, stop = ulysses.split(hidden.shape[1])
+        ulysses.text_len = batched["encoder_hidden_states"].shape[1]
+        hidden, img_ids = hidden[:, start:stop], img_ids[start:stop]
+    h = t.x_embedder(hidden)
     timestep = batched["timestep"].to(h.dtype) * 1000
     guidance = batched.get("guidance")
     if guidance is None:
@@ -140,7 +161,7 @@ def flux_forward(
     else:
         temb = t.time_text_embed(timestep, guidance.to(h.dtype) * 1000, batched["pooled_projections"])
     enc = t.context_embedder(batched["encoder_hidden_states"])
-    rotary = t.pos_embed(torch.cat((shared["txt_ids"], shared["img_ids"]), dim=0))
+    rotary = t.pos_embed(torch.cat((shared["txt_ids"], img_ids), dim=0))
     blocks = [*t.transformer_blocks, *t.single_transformer_blocks]
     out = cached_blocks(
         blocks[0], blocks[1:], h, enc, temb, rows, states, image_rotary_emb=rotary, joint_attention_kwargs=None

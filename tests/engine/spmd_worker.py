@@ -1,7 +1,8 @@
 """Run under torch.distributed.run: rank 0 drives an Engine over a TorchComm, the others follow. Rank 0 writes each
 request's image to OUT/<index>.npy; every rank writes OUT/forwards<rank>.json, what each of its transformer forwards
 saw (requests, rows, tokens in and tokens per block) and how many images it decoded, so that a test can tell a real
-split from one that computes everything everywhere. Arguments: MODEL OUT CFG_PARALLEL ULYSSES REQUESTS_JSON."""
+split from one that computes everything everywhere. Arguments: MODEL OUT CFG_PARALLEL ULYSSES REQUESTS_JSON [CACHE];
+with CACHE (fbcache), step caching is on and each rank writes OUT/reuse<rank>.json, its decisions."""
 
 import asyncio
 import json
@@ -51,6 +52,8 @@ def record_forwards(adapter) -> list[dict]:
 
     def on_block(module, args, kwargs):
         hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [B, S_local, D]
+        if not forwards[-1]["calls"]:  # the step cache's forward calls the blocks, not the transformer's forward
+            forwards[-1]["calls"].append({"rows": hs.shape[0], "tokens": None})
         forwards[-1]["calls"][-1].setdefault("block_tokens", hs.shape[1])
 
     real_decode = adapter.decode_latents
@@ -73,11 +76,26 @@ def main() -> None:
     requests = msgspec.json.decode(requests_json, type=list[SamplingParams])
     rank = join_group(model, cfg_parallel=int(cfg), ulysses=int(ulysses))
     forwards = record_forwards(rank.adapter)
+    decisions: list[list] = []
+    if len(sys.argv) > 6:
+        from diffusiond.models import stepcache
+
+        rank.adapter.enable_step_cache(sys.argv[6], 0.0)
+        original = stepcache.reuse
+
+        def recording(state, change):
+            decision = original(state, change)
+            decisions.append([state.request_id, state.step_index, change, decision])
+            return decision
+
+        stepcache.reuse = recording
     if rank.rank == 0:
         asyncio.run(drive(rank, requests, Path(out)))
     else:
         run_follower(rank.adapter, rank.comm)
     Path(out, f"forwards{rank.rank}.json").write_text(json.dumps(forwards))
+    if decisions:
+        Path(out, f"reuse{rank.rank}.json").write_text(json.dumps(decisions))
     dist.destroy_process_group()
 
 

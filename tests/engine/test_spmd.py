@@ -92,9 +92,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def one_rank(model: str, requests) -> list[np.ndarray]:
+def one_rank(model: str, requests, cache: str | None = None) -> list[np.ndarray]:
     async def run():
-        engine = Engine(load_adapter(model), max_batch=8)
+        adapter = load_adapter(model)
+        if cache:
+            adapter.enable_step_cache(cache, 0.0)
+        engine = Engine(adapter, max_batch=8)
         await engine.start()
         try:
             results = [await h.result() for h in [engine.add_request(p) for p in requests]]
@@ -106,7 +109,9 @@ def one_rank(model: str, requests) -> list[np.ndarray]:
     return asyncio.run(run())
 
 
-def two_ranks(model: str, out: Path, cfg: int, ulysses: int, requests) -> tuple[list[np.ndarray], list[list[dict]]]:
+def two_ranks(
+    model: str, out: Path, cfg: int, ulysses: int, requests, cache: str | None = None
+) -> tuple[list[np.ndarray], list[list[dict]]]:
     cmd = [
         sys.executable,
         "-m",
@@ -121,6 +126,7 @@ def two_ranks(model: str, out: Path, cfg: int, ulysses: int, requests) -> tuple[
         str(cfg),
         str(ulysses),
         msgspec.json.encode(requests).decode(),
+        *([cache] if cache else []),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
@@ -179,3 +185,29 @@ def test_two_ranks_match_one(family, strategy, request, tmp_path):
         diff = float(np.abs(a - b).max())
         print(f"{family}/{strategy} {params.prompt!r}: max abs diff {diff:.2e}")
         assert diff <= TOLERANCE, f"{family}/{strategy} {params.prompt!r}: max abs diff {diff}"
+
+
+@pytest.mark.parametrize("strategy", ["cfg", "ulysses"])
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_step_cache_decisions_agree_across_ranks(family, strategy, request, tmp_path):
+    """Step caching on 2 ranks: a request split across ranks (a CFG row, or a token shard, each) decides once from
+    sums all-reduced over the ranks. Every rank makes the same decisions, some requests do reuse, and the images are
+    the ones one rank gives with the same thresholds."""
+    import msgspec.structs
+
+    model = request.getfixturevalue(f"tiny_{family}")
+    thresholds = [0.0, 10.0, 0.5, 10.0, 0.0, 10.0, 10.0]
+    requests = [
+        msgspec.structs.replace(p, cache_threshold=t) for p, t in zip(REQUESTS[family], thresholds, strict=False)
+    ]
+    expected = one_rank(model, requests, cache="fbcache")
+    cfg, ulysses = (2, 1) if strategy == "cfg" else (1, 2)
+    got, _ = two_ranks(model, tmp_path, cfg, ulysses, requests, cache="fbcache")
+    decisions = [json.loads((tmp_path / f"reuse{r}.json").read_text()) for r in range(2)]
+    # The same change, to the last bit, on both ranks (each holds only its row or its token shard of a request):
+    # without the all-reduce, each rank would measure its own part.
+    assert decisions[0] == decisions[1], "the ranks measured or decided differently"
+    assert any(reused for *_, reused in decisions[0]), "nothing was reused: the test would show nothing"
+    for params, a, b in zip(requests, expected, got, strict=True):
+        diff = float(np.abs(a - b).max())
+        assert diff <= TOLERANCE, f"{family}/{strategy} {params.prompt[:20]!r}: max abs diff {diff}"

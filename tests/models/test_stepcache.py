@@ -80,8 +80,8 @@ def test_each_request_decides_alone(cached, plain, monkeypatch):
     reused: list[int] = []
     original = stepcache.reuse
 
-    def counting(state, first):
-        decision = original(state, first)
+    def counting(state, change):
+        decision = original(state, change)
         reused.append(int(decision))
         return decision
 
@@ -105,11 +105,11 @@ def test_a_batch_wide_decision_would_fail(cached, monkeypatch):
     original = stepcache.reuse
     decided: dict[int, bool] = {}
 
-    def batch_wide(state, first):
+    def batch_wide(state, change):
         step = state.step_index
         if step not in decided:
-            decided[step] = original(state, first)
-        return decided[step] and state.cache is not None
+            decided[step] = original(state, change)
+        return decided[step] and change is not None
 
     mix = [params(2, threshold=10.0), params(1, threshold=0.0)]
     alone = asyncio.run(run(cached, mix, together=False))
@@ -145,10 +145,3 @@ async def test_over_http_per_request_thresholds(serve):
         body["cache_threshold"] = -1
         async with session.post(f"{cached_server.base_url}/v1/generations", json=body) as resp:
             assert resp.status == 400 and (await resp.json())["error"]["param"] == "cache_threshold"
-
-
-def test_several_ranks_are_refused_at_start(capsys):
-    from diffusiond.daemon import cli
-
-    assert cli.main(["serve", "--cache", "fbcache", "--nproc", "2", "--cfg-parallel", "2"]) == 2
-    assert "one rank only" in capsys.readouterr().err

@@ -203,3 +203,16 @@ def test_serves_prompts_it_was_never_trained_on(adapter) -> None:
     verdicts = [judge(s, img) for s, img in zip(scenes, images, strict=True)]
     right = {name: sum(getattr(v, name) for v in verdicts) for name in MIN_RIGHT}
     assert all(right[name] >= least for name, least in MIN_RIGHT.items()), (right, [v.seen for v in verdicts])
+
+
+def test_partial_captions_use_known_words_and_name_what_they_say() -> None:
+    from diffusiond.models.declared import unknown_words
+    from diffusiond.models.demo.evaluate import partial_captions
+
+    vocabulary = frozenset(sc.VOCABULARY)
+    for scene in sc.split()[1][:20]:
+        for caption, named in partial_captions(scene):
+            assert unknown_words(vocabulary, caption) == [], caption
+            assert scene.shape in caption and "shape" in named
+            for attribute in ("colour", "size", "background"):
+                assert (getattr(scene, attribute) in caption.split()) == (attribute in named), (caption, named)

@@ -27,13 +27,13 @@ import uuid
 
 import msgspec
 
+from diffusiond.daemon.cli import EXIT_USAGE
 from diffusiond.daemon.config import ServeConfig
 
 log = logging.getLogger(__name__)
 
 # The effective configuration, handed from the launcher to its workers (not a DIFFUSIOND_* setting).
 RANK_CONFIG_ENV = "_DIFFUSIOND_RANK_CONFIG"
-EXIT_USAGE = 2
 # torch.distributed.elastic's agent: SIGTERM to the workers, SIGKILL this many seconds later.
 AGENT_KILL_AFTER = 30.0
 

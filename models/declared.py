@@ -62,19 +62,11 @@ def check_declared(declared: Declared, params: SamplingParams) -> None:
         sizes = ", ".join(f"{w}x{h}" for w, h in declared.sizes)
         param = "width" if params.width is not None else "height"
         raise ParamError(param, f"this model draws {sizes} only, not {width}x{height}")
-    if declared.steps and params.num_inference_steps is not None:
-        lo, hi = declared.steps
-        if not lo <= params.num_inference_steps <= hi:
+    for name, bounds in (("num_inference_steps", declared.steps), ("guidance_scale", declared.guidance)):
+        value = getattr(params, name)
+        if bounds and value is not None and not bounds[0] <= value <= bounds[1]:
             raise ParamError(
-                "num_inference_steps",
-                f"num_inference_steps must be between {lo} and {hi} for this model, got {params.num_inference_steps}",
-            )
-    if declared.guidance and params.guidance_scale is not None:
-        lo, hi = declared.guidance
-        if not lo <= params.guidance_scale <= hi:
-            raise ParamError(
-                "guidance_scale",
-                f"guidance_scale must be between {lo:g} and {hi:g} for this model, got {params.guidance_scale:g}",
+                name, f"{name} must be between {bounds[0]:g} and {bounds[1]:g} for this model, got {value:g}"
             )
     if not declared.negative_prompt and params.negative_prompt and params.negative_prompt.strip():
         raise ParamError("negative_prompt", "this model takes no negative prompt")

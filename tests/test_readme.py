@@ -8,13 +8,12 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from procs import free_port, wait_ready
 
 from diffusiond.models.default import default_model
 
@@ -146,12 +145,6 @@ def test_make_tiny_example(tmp_path):
     assert (tmp_path / "tiny-sd3" / "model_index.json").exists()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_make_run_serves_on_the_given_port(tmp_path):
     """`make run PORT=...` as README gives it (the venv is already set up: make must not reinstall it)."""
@@ -164,19 +157,10 @@ def test_make_run_serves_on_the_given_port(tmp_path):
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()
-            try:
-                import urllib.request
-
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.3)
-        else:
-            raise AssertionError("make run never got ready")
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", proc, within=120)
+        except AssertionError as exc:
+            raise AssertionError(f"make run never got ready\n{log.read_text()}") from exc
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(60)

@@ -98,16 +98,11 @@ class Replicas:
                 out[row["svname"]] = {k: int(row[k] or 0) for k in ("stot", "srv_abrt", "eresp")}
         return out
 
-    def balancer_log(self, expect: int) -> list[tuple[str, int, str]]:
-        """(server, status, termination state) of every generation request HAProxy logged, once there are `expect`
-        (HAProxy writes a line when the connection closes, a moment after the client has its last byte)."""
-        deadline = time.monotonic() + 10
-        while True:
-            text = (self.tmp / "haproxy.log").read_text()
-            entries = [(m[1], int(m[2]), m[3]) for m in LOG_LINE.finditer(text)]
-            if len(entries) >= expect or time.monotonic() > deadline:
-                return entries
-            time.sleep(0.1)
+    def balancer_log(self) -> list[tuple[str, int, str]]:
+        """(server, status, termination state) of the generation requests HAProxy logged: for the report only (it
+        can drop a line under load; the counts come from `stats`)."""
+        text = (self.tmp / "haproxy.log").read_text()
+        return [(m[1], int(m[2]), m[3]) for m in LOG_LINE.finditer(text)]
 
     def stop(self) -> None:
         for proc in [*self.procs.values(), self.lb]:
@@ -197,7 +192,7 @@ def test_drain_loses_nothing_and_a_kill_fails_only_what_it_held(replicas, tmp_pa
     # Requests HAProxy had handed to replica 2 and lost on the server side: its response errors (a stream cut by the
     # replica counts there and also as an aborted transfer, srv_abrt).
     lost = after["replica2"]["eresp"] - before["replica2"]["eresp"]
-    log = replicas.balancer_log(0)
+    log = replicas.balancer_log()
     print(
         f"kill: replica 2 held {held_at_kill} at the kill; {summary['completed']} completed, {summary['failed']} "
         f"failed of {summary['requests']} ({summary['errors']}); HAProxy: {lost} lost on replica 2 (counters), "

@@ -149,7 +149,7 @@ def test_preview_map_is_the_fitted_one(adapter) -> None:
 
 
 def test_previews_show_the_colours_the_image_will_have(adapter) -> None:
-    from diffusiond.models.demo.train import colour_error
+    from diffusiond.models.demo.previewfit import colour_error
 
     errors = colour_error(adapter.vae, load_preview_factors(SHIPPED), sc.split()[1])
     assert set(errors) == set(sc.COLOURS)

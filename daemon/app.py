@@ -11,9 +11,11 @@ import contextlib
 import hmac
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
@@ -103,6 +105,9 @@ async def _load(app: web.Application) -> None:
         state.model_id = config.served_model_name or caps.name or _model_id(config.model or adapter.source)
         engine.limits = request_limits(config, caps)
         adapter.enable_step_cache(config.cache, config.cache_threshold)  # before any request resolves
+        backend = adapter.set_attention(config.attention)
+        if backend != "sdpa":
+            log.info("attention: %s", backend)
         app[METRICS].set_info(
             model=state.model_id,
             family=caps.family,
@@ -112,17 +117,20 @@ async def _load(app: web.Application) -> None:
             version=__version__,
         )
         state.attach(engine)
-        # Warm-up: one smallest, shortest request the model serves, through the whole path; not a user request
-        # (no metrics, no request log line).
-        width, height = min(caps.sizes, key=lambda s: s[0] * s[1]) if caps.sizes else (caps.size_multiple * 2,) * 2
-        steps = caps.steps[0] if caps.steps else 1
-        warm = engine.add_request(
-            SamplingParams(prompt="warm-up", seed=0, width=width, height=height, num_inference_steps=steps),
-            internal=True,
-        )
-        result = await warm.result()
-        if not isinstance(result, Completed):
-            raise RuntimeError(f"warm-up request ended with {result}")
+        if config.compile:
+            from diffusiond.kernels.compile import use_cache_dir
+
+            cache = use_cache_dir(config.compile_cache)
+            log.info("compiling %d transformer blocks during the warm-up (cache %s)", adapter.enable_compile(), cache)
+        # Warm-up through the whole path, not a user request (no metrics, no request log line).
+        t0 = time.monotonic()
+        for group in warm_up_requests(caps, compiled=config.compile, limits=engine.limits):
+            handles = [engine.add_request(params, internal=True) for params in group]
+            for handle in handles:
+                result = await handle.result()
+                if not isinstance(result, Completed):
+                    raise RuntimeError(f"warm-up request ended with {result}")
+        log.info("warm-up took %.1f s", time.monotonic() - t0)
         state.ready = True
         log.info("ready: serving %s (%s)", state.model_id, caps.family)
     except asyncio.CancelledError:
@@ -131,6 +139,39 @@ async def _load(app: web.Application) -> None:
         state.load_error = f"{type(exc).__name__}: {exc}"
         if engine.error is not exc:  # the step thread logged its own failure with the traceback
             log.exception("model failed to load")
+
+
+def warm_up_params(caps: Capabilities, limits: RequestLimits | None = None) -> SamplingParams:
+    """The request that warms the model up: the shape most requests will have (the default size, with the default
+    guidance, so with CFG where it is on by default), for the fewest steps the model serves (at least 2, so that the
+    sampler's step runs too). First calls at a new shape pay for kernel selection and allocation; better here than
+    in a user's first request."""
+    steps = max(2, caps.steps[0]) if caps.steps else 2
+    width, height = caps.default_width, caps.default_height
+    if limits is not None and width * height > limits.max_pixels:  # the operator allows less: the smallest size
+        width, height = min(caps.sizes, key=lambda s: s[0] * s[1]) if caps.sizes else (caps.size_multiple * 2,) * 2
+    return SamplingParams(
+        prompt="warm-up",
+        seed=0,
+        width=width,
+        height=height,
+        num_inference_steps=steps,
+        guidance_scale=caps.default_guidance,
+    )
+
+
+def warm_up_requests(
+    caps: Capabilities, *, compiled: bool, limits: RequestLimits | None = None
+) -> list[list[SamplingParams]]:
+    """Groups of warm-up requests, each group admitted together. One default request; compiled, also one without
+    CFG (one row per request: torch specialises size 1) and two CFG requests together (several rows), so that no
+    later batch recompiles."""
+    first = warm_up_params(caps, limits)
+    if not compiled:
+        return [[first]]
+    low, high = caps.guidance or (0.0, 1.0)
+    no_cfg = msgspec.structs.replace(first, guidance_scale=max(low, min(1.0, high)))  # CFG is off at <= 1
+    return [[first], [no_cfg], [first, msgspec.structs.replace(first, seed=1)]]
 
 
 def request_limits(config: ServeConfig, caps: Capabilities) -> RequestLimits:

@@ -49,6 +49,14 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="(default: float32)"
     )
     parser.add_argument("--threads", type=int, help="torch threads (default: OMP_NUM_THREADS, else all cores)")
+    from diffusiond.daemon.config import ATTENTION_CHOICES
+
+    parser.add_argument(
+        "--attention",
+        default="auto",
+        choices=ATTENTION_CHOICES,
+        help="attention kernel: auto = flash-attn on a CUDA device where it is installed, else sdpa (default: auto)",
+    )
 
 
 def resolve_model(model: str | None) -> str:
@@ -97,8 +105,20 @@ async def _generate(args: argparse.Namespace) -> int:
             check_declared(declared, params)
     except ParamError as exc:
         return _refused(exc)
-    # Loaded on the engine's step thread: one thread owns torch.
-    engine = Engine(lambda: load_adapter(model, device=args.device, dtype=args.dtype), max_batch=1)
+    from diffusiond.kernels.attention import AttentionUnavailable, resolve
+
+    try:
+        resolve(args.attention, args.device)
+    except AttentionUnavailable as exc:
+        print(f"diffusiond generate: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+    def load():  # on the engine's step thread: one thread owns torch
+        adapter = load_adapter(model, device=args.device, dtype=args.dtype)
+        adapter.set_attention(args.attention)
+        return adapter
+
+    engine = Engine(load, max_batch=1)
     await engine.start()
     try:
         try:
@@ -181,10 +201,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     config, _ = loaded
     from diffusiond.daemon.config import ConfigError, check_exposure, exposure_warning
+    from diffusiond.kernels.attention import AttentionUnavailable, resolve
 
     try:
         check_exposure(config)
-    except ConfigError as exc:
+        resolve(config.attention, config.device)  # before any rank starts or loads
+        ranks = max(config.nproc * config.nnodes, int(os.environ.get("WORLD_SIZE", "1")))
+        if config.compile and ranks > 1:
+            # Ulysses runs collectives inside the blocks --compile would trace; no split is tested compiled yet.
+            raise ConfigError("--compile runs on one rank for now; drop it or the extra ranks")
+    except (ConfigError, AttentionUnavailable) as exc:
         print(f"diffusiond serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     from diffusiond.daemon.logs import configure_logging
@@ -235,7 +261,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     override the environment or the config file (CLI > environment > file > defaults, see daemon/config.py).
     Every flag is also a config file key and a DIFFUSIOND_* variable (`--max-batch`: max_batch,
     DIFFUSIOND_MAX_BATCH)."""
-    from diffusiond.daemon.config import ServeConfig
+    from diffusiond.daemon.config import ATTENTION_CHOICES, ServeConfig
 
     d = ServeConfig()
     parser.add_argument("--config", metavar="FILE", help="TOML file of the settings below (or set DIFFUSIOND_CONFIG)")
@@ -294,6 +320,25 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         metavar="X",
         help="relative change of a request's first-block residual below which it reuses its other blocks; requests "
         f"may send cache_threshold (default: {d.cache_threshold:g}; 0: exact)",
+    )
+
+    add(
+        "--attention",
+        choices=ATTENTION_CHOICES,
+        help="attention kernel, through diffusers' attention dispatch: auto = flash-attn on a CUDA device where it is "
+        f"installed, else sdpa (default: {d.attention})",
+    )
+
+    add(
+        "--compile",
+        action="store_true",
+        help="torch.compile the transformer's repeated blocks with dynamic shapes; the warm-up compiles them "
+        "(default: off)",
+    )
+    add(
+        "--compile-cache",
+        metavar="DIR",
+        help="inductor's cache folder, kept between restarts (default: <cache>/inductor)",
     )
 
     add = parser.add_argument_group("stopping (SIGTERM, SIGINT)").add_argument

@@ -15,7 +15,7 @@ import math
 import re
 import tomllib
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
@@ -25,6 +25,11 @@ from diffusiond.engine.request import MAX_STEPS
 MAX_N = 10
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+# kernels/attention.py CHOICES (a test keeps them equal; that module imports torch, this one must not).
+AttentionChoice = Literal["auto", "sdpa", "math", "efficient", "cudnn", "flash", "flash3", "sage", "xformers", "flex"]
+ATTENTION_CHOICES: tuple[str, ...] = get_args(AttentionChoice)
 
 
 class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -71,6 +76,13 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # blocks while its first block's residual changes by less than cache_threshold (requests may send their own;
     # 0 is exact). SD3 and FLUX; under several ranks the ranks agree on every decision.
     cache: Literal["none", "fbcache"] = "none"
+    # Attention kernel (kernels/attention.py), through diffusers' attention dispatch: auto = flash-attn on a CUDA
+    # device where it is installed, SDPA otherwise. One that cannot run here stops the start with a clear error.
+    attention: AttentionChoice = "auto"
+    # torch.compile the transformer's repeated blocks (kernels/compile.py), with dynamic shapes; the warm-up compiles
+    # them for one and several rows. compile_cache: inductor's cache folder (default: <model cache>/inductor).
+    compile: bool = False
+    compile_cache: str | None = None
     cache_threshold: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.1
     # Several nodes, one group: nproc ranks on each of nnodes nodes, which meet at the c10d rendezvous at
     # rdzv_endpoint (HOST:PORT; the agent on HOST serves it, and it must be up for the group to heal). rdzv_timeout:

@@ -160,6 +160,7 @@ def run_rank(config: ServeConfig) -> int:
         rank = join()
         # Rank 0's app sets the same from the same configuration; requests carry their own thresholds.
         rank.adapter.enable_step_cache(config.cache, config.cache_threshold)
+        rank.adapter.set_attention(config.attention)
         try:
             run_follower(rank.adapter, rank.comm)
         except Exception as exc:

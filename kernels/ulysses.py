@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from diffusers.models.embeddings import apply_rotary_emb
 
+from diffusiond.kernels.attention import attention
 from diffusiond.kernels.collectives import collective
 
 
@@ -83,10 +83,18 @@ def _heads_to_seq(x: torch.Tensor, g: UlyssesGroup) -> torch.Tensor:
 
 
 def ulysses_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: UlyssesGroup, *, replicated: int, replicated_first: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: UlyssesGroup,
+    *,
+    replicated: int,
+    replicated_first: bool,
+    backend: object = None,
 ) -> torch.Tensor:
     """Attention over the whole sequence from per-rank shards. q, k, v: [B, H, L_local, d] where `replicated` tokens
-    (text, identical on every rank) sit before (`replicated_first`) or after this rank's image shard."""
+    (text, identical on every rank) sit before (`replicated_first`) or after this rank's image shard. `backend`: the
+    attention kernel (kernels/attention.py; None: SDPA)."""
     h = q.shape[1]
     heads = slice(g.rank * h // g.size, (g.rank + 1) * h // g.size)
 
@@ -100,7 +108,7 @@ def ulysses_sdpa(
         rep, img = rep[:, heads], _seq_to_heads(img, g)
         return torch.cat([rep, img] if replicated_first else [img, rep], dim=2)  # [B, H/N, T + S, d]
 
-    out = F.scaled_dot_product_attention(full(q), full(k), full(v), dropout_p=0.0, is_causal=False)
+    out = attention(full(q), full(k), full(v), backend)
     total_img = out.shape[2] - replicated
     if replicated_first:
         rep, img = out[:, :, :replicated], out[:, :, replicated:]
@@ -117,6 +125,8 @@ def ulysses_sdpa(
 
 class UlyssesJointAttnProcessor:
     """SD3's joint attention (diffusers `JointAttnProcessor2_0`) with image tokens sharded across `g`."""
+
+    _attention_backend = None  # set by kernels/attention.py `apply`
 
     def __init__(self, g: UlyssesGroup) -> None:
         self.g = g
@@ -143,7 +153,9 @@ class UlyssesJointAttnProcessor:
             if attn.norm_added_k is not None:
                 ek = attn.norm_added_k(ek)
             query, key, value = (torch.cat([a, b], dim=2) for a, b in ((query, eq), (key, ek), (value, ev)))
-        hidden_states = ulysses_sdpa(query, key, value, self.g, replicated=text_len, replicated_first=False)
+        hidden_states = ulysses_sdpa(
+            query, key, value, self.g, replicated=text_len, replicated_first=False, backend=self._attention_backend
+        )
         hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
         hidden_states = hidden_states.to(query.dtype)
         if encoder_hidden_states is not None:
@@ -194,6 +206,7 @@ class UlyssesFluxAttnProcessor:
             self.g,
             replicated=self.g.text_len,
             replicated_first=True,
+            backend=self._attention_backend,
         ).transpose(1, 2)  # [B, L_local, H, d]
         hidden_states = out.flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is not None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from diffusiond.engine.request import SamplingParams
+from diffusiond.kernels import attention
 from diffusiond.kernels.collectives import collective
 from diffusiond.kernels.parallel import CFGGroup
 from diffusiond.models import preview as preview_maps
@@ -230,6 +231,26 @@ class FlowMatchAdapter(ModelAdapter):
 
     def _supports_step_cache(self) -> bool:
         return False
+
+    attention_backend: str = "sdpa"
+    compiled: bool = False
+
+    def enable_compile(self) -> int:
+        """torch.compile the transformer's repeated blocks (kernels/compile.py); they compile at their first call,
+        which the warm-up makes. How many blocks."""
+        from diffusiond.kernels.compile import compile_blocks
+
+        count = compile_blocks(self.transformer)
+        self.compiled = True
+        return count
+
+    def set_attention(self, choice: str) -> str:
+        """Route every attention layer (Ulysses ones included, so call it after the group is set up) to the backend
+        `choice` means on this device (kernels/attention.py); the resolved name. Python objects only, no torch work."""
+        backend = attention.resolve(choice, self.device)
+        attention.apply(self.transformer, backend)
+        self.attention_backend = backend
+        return backend
 
     def _cache_threshold(self, params: SamplingParams) -> float:
         if params.cache_threshold is None:

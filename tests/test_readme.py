@@ -35,6 +35,8 @@ ELSEWHERE: list[tuple[str, str]] = [
     (r"haproxy -f deploy/haproxy/haproxy\.cfg", "tests/deploy/test_haproxy.py"),
     (r"diffusiond serve --cache fbcache", "tests/models/test_stepcache.py"),
     (r"python -m diffusiond\.bench\.cache", "tests/test_readme.py"),
+    (r"diffusiond serve --attention math", "tests/kernels/test_attention.py"),
+    (r"diffusiond serve --compile", "tests/kernels/test_compile.py"),
 ]
 # Commands this file runs: a pattern, and the test below that runs it.
 HERE: list[tuple[str, str]] = [

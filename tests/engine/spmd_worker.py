@@ -2,10 +2,13 @@
 request's image to OUT/<index>.npy; every rank writes OUT/forwards<rank>.json, what each of its transformer forwards
 saw (requests, rows, tokens in and tokens per block) and how many images it decoded, so that a test can tell a real
 split from one that computes everything everywhere. Arguments: MODEL OUT CFG_PARALLEL ULYSSES REQUESTS_JSON [CACHE];
-with CACHE (fbcache), step caching is on and each rank writes OUT/reuse<rank>.json, its decisions."""
+with CACHE (fbcache), step caching is on and each rank writes OUT/reuse<rank>.json, its decisions. With
+SPMD_ATTENTION=NAME in the environment, every rank selects that attention backend (kernels/attention.py) and writes
+OUT/attention<rank>.json, how many attention calls went through it."""
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -77,6 +80,22 @@ def main() -> None:
     rank = join_group(model, cfg_parallel=int(cfg), ulysses=int(ulysses))
     forwards = record_forwards(rank.adapter)
     decisions: list[list] = []
+    attention_calls = None
+    if backend := os.environ.get("SPMD_ATTENTION"):
+        from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+        from diffusiond.kernels.attention import BACKENDS
+
+        rank.adapter.set_attention(backend)
+        name = AttentionBackendName(BACKENDS[backend])
+        kernel = _AttentionBackendRegistry._backends[name]
+        attention_calls = [0]
+
+        def counted(*args, **kwargs):
+            attention_calls[0] += 1
+            return kernel(*args, **kwargs)
+
+        _AttentionBackendRegistry._backends[name] = counted
     if len(sys.argv) > 6:
         from diffusiond.models import stepcache
 
@@ -96,6 +115,8 @@ def main() -> None:
     Path(out, f"forwards{rank.rank}.json").write_text(json.dumps(forwards))
     if decisions:
         Path(out, f"reuse{rank.rank}.json").write_text(json.dumps(decisions))
+    if attention_calls is not None:
+        Path(out, f"attention{rank.rank}.json").write_text(json.dumps(attention_calls[0]))
     dist.destroy_process_group()
 
 

@@ -110,7 +110,7 @@ def one_rank(model: str, requests, cache: str | None = None) -> list[np.ndarray]
 
 
 def two_ranks(
-    model: str, out: Path, cfg: int, ulysses: int, requests, cache: str | None = None
+    model: str, out: Path, cfg: int, ulysses: int, requests, cache: str | None = None, attention: str | None = None
 ) -> tuple[list[np.ndarray], list[list[dict]]]:
     cmd = [
         sys.executable,
@@ -128,7 +128,7 @@ def two_ranks(
         msgspec.json.encode(requests).decode(),
         *([cache] if cache else []),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"SPMD_ATTENTION": attention} if attention else {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     images = [np.load(out / f"{i}.npy") for i in range(len(requests))]
@@ -211,3 +211,20 @@ def test_step_cache_decisions_agree_across_ranks(family, strategy, request, tmp_
     for params, a, b in zip(requests, expected, got, strict=True):
         diff = float(np.abs(a - b).max())
         assert diff <= TOLERANCE, f"{family}/{strategy} {params.prompt[:20]!r}: max abs diff {diff}"
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_ulysses_attends_with_the_chosen_backend(family, request, tmp_path):
+    """`--attention` reaches the Ulysses processors: with `math` (standing in for a GPU kernel here) every rank's
+    attention goes through diffusers' dispatch to it, once per layer and forward, and the images match one rank's."""
+    model = request.getfixturevalue(f"tiny_{family}")
+    requests = REQUESTS[family][:3]
+    expected = one_rank(model, requests)
+    got, forwards = two_ranks(model, tmp_path, 1, 2, requests, attention="math")
+    calls = [json.loads((tmp_path / f"attention{r}.json").read_text()) for r in range(2)]
+    transformer_calls = sum(len(f["calls"]) for f in forwards[0])
+    layers = sum(1 for m in load_adapter(model).transformer.modules() if hasattr(m, "processor"))
+    assert calls[0] == calls[1] == transformer_calls * layers > 0, (calls, transformer_calls, layers)
+    for params, a, b in zip(requests, expected, got, strict=True):
+        diff = float(np.abs(a - b).max())
+        assert diff <= TOLERANCE, f"{family} {params.prompt!r}: max abs diff {diff}"

@@ -73,7 +73,8 @@ def test_every_serve_flag_maps_to_its_field():
         "--max-steps", "20", "--max-n", "2", "--sse-keepalive", "0.5", "--batch-wait-ms", "0",
         "--unready-delay", "2", "--nnodes", "2", "--rdzv-endpoint", "head:29400", "--rdzv-id", "g1",
         "--rdzv-timeout", "60", "--node-addr", "10.0.0.2", "--served-model-name", "shapes",
-        "--cache", "fbcache", "--cache-threshold", "0.3",
+        "--cache", "fbcache", "--cache-threshold", "0.3", "--attention", "math", "--compile",
+        "--compile-cache", "/var/cache/inductor",
     ]  # fmt: skip
     config, sources = load_config(cli(*argv), {})
     assert config == ServeConfig(
@@ -82,7 +83,7 @@ def test_every_serve_flag_maps_to_its_field():
         log_level="DEBUG", log_format="json", allow_unauthenticated=True, max_pixels=4096, max_steps=20, max_n=2,
         sse_keepalive=0.5, batch_wait_ms=0.0, unready_delay=2.0, nnodes=2, rdzv_endpoint="head:29400", rdzv_id="g1",
         rdzv_timeout=60.0, node_addr="10.0.0.2", served_model_name="shapes",
-        cache="fbcache", cache_threshold=0.3,
+        cache="fbcache", cache_threshold=0.3, attention="math", compile=True, compile_cache="/var/cache/inductor",
     )  # fmt: skip
     assert all(source.startswith("--") for source in sources.values()), sources
     # The global logging flags, before the subcommand, still work.

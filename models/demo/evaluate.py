@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -123,10 +124,10 @@ def cmd_configure(args: argparse.Namespace) -> None:
     config = json.loads(path.read_text())
     config["shift"] = args.shift
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    write_defaults(
-        model,
-        {"width": 64, "height": 64, "num_inference_steps": args.steps, "guidance_scale": args.guidance},
-    )
+    from diffusiond.models.declared import DEFAULTS_FILE
+
+    declared = json.loads((model / DEFAULTS_FILE).read_text())  # keep what else it declares
+    write_defaults(model, {**declared, "num_inference_steps": args.steps, "guidance_scale": args.guidance})
     print(f"{model}: shift {args.shift}, {args.steps} steps, guidance {args.guidance}")
 
 
@@ -180,6 +181,35 @@ def gallery_scenes(k: int = 10) -> list[sc.Scene]:
     return chosen
 
 
+# What a new user types first: short prompts that leave things out, reordered ones and synonyms, with what each one
+# names (the judge checks those; the model picks the rest, differently per seed).
+PLAIN_PROMPTS: tuple[tuple[str, dict[str, str]], ...] = (
+    ("a red circle", {"colour": "red", "shape": "circle"}),
+    ("a blue square on a yellow background", {"colour": "blue", "shape": "square", "background": "yellow"}),
+    ("on a yellow background, a blue square", {"colour": "blue", "shape": "square", "background": "yellow"}),
+    ("a green triangle", {"colour": "green", "shape": "triangle"}),
+    ("a big white ball in the middle", {"size": "large", "colour": "white", "shape": "circle", "position": "center"}),
+    (
+        "a tiny black box in the upper left corner",
+        {"size": "small", "colour": "black", "shape": "square", "position": "top left"},
+    ),
+    ("a yellow shape at the bottom", {"colour": "yellow", "position": "bottom"}),
+    (
+        "a triangle on the right against a blue background",
+        {"shape": "triangle", "position": "right", "background": "blue"},
+    ),
+)
+PLAIN_SEEDS = 4
+
+
+def judge_partial(named: dict[str, str], image: np.ndarray) -> list[str]:
+    """The named attributes the image gets wrong."""
+    from diffusiond.models.demo.judge import analyse
+
+    seen = analyse(image)
+    return [a for a, value in named.items() if getattr(seen, a) != value]
+
+
 GALLERY_README = """\
 # Gallery: the shipped demo model
 
@@ -204,6 +234,17 @@ latent resolution 16x16), then the final decoded image on the right. Prompt: "{p
 {preview_seed}.
 
 ![previews](previews.png)
+
+## Plain prompts
+
+Prompts as a new user types them: attributes left out, parts reordered, synonyms. The model draws what a prompt
+names and picks the rest, differently per seed (seeds {plain_seeds}, one column each):
+
+![plain prompts](plain.png)
+
+| prompt | judge: wrong attributes, per seed |
+|---|---|
+{plain_rows}
 
 Regenerate this folder with `python -m diffusiond.models.demo.evaluate gallery --out docs/gallery`.
 """
@@ -255,6 +296,23 @@ def cmd_gallery(args: argparse.Namespace) -> None:
         "images": [{"file": f, "prompt": p, "seed": s, "judge_wrong": w} for f, p, s, w in lines],
         "previews": {"prompt": scene.caption, "seed": params.seed, "steps": [s for s, _ in previews]},
     }
+    # Plain prompts: one row per prompt, one column per seed.
+    plain_seeds = [SEED_BASE + i for i in range(PLAIN_SEEDS)]
+    requests = [SamplingParams(prompt=p, seed=seed) for p, _ in PLAIN_PROMPTS for seed in plain_seeds]
+    images = [image for image, _ in generate(adapter, requests)]
+    sheet = Image.new(
+        "RGB", (PLAIN_SEEDS * side + (PLAIN_SEEDS - 1) * gap, len(PLAIN_PROMPTS) * (side + gap) - gap), (255, 255, 255)
+    )
+    plain_rows = []
+    for i, (prompt, named) in enumerate(PLAIN_PROMPTS):
+        wrong = []
+        for j in range(PLAIN_SEEDS):
+            image = images[i * PLAIN_SEEDS + j]
+            sheet.paste(_upscale(image, 4), (j * (side + gap), i * (side + gap)))
+            wrong.append(", ".join(judge_partial(named, image)) or "-")
+        plain_rows.append((prompt, wrong))
+    sheet.save(out / "plain.png")
+    meta["plain"] = [{"prompt": p, "seeds": plain_seeds, "judge_wrong": w} for p, w in plain_rows]
     (out / "gallery.json").write_text(json.dumps(meta, indent=2) + "\n")
     rows = "\n".join(f"| ![]({f}) | {p} | {s} | {w} |" for f, p, s, w in lines)
     readme = GALLERY_README.format(
@@ -264,6 +322,8 @@ def cmd_gallery(args: argparse.Namespace) -> None:
         preview_steps=", ".join(str(step) for step, _ in previews),
         preview_prompt=scene.caption,
         preview_seed=params.seed,
+        plain_seeds=", ".join(str(x) for x in plain_seeds),
+        plain_rows="\n".join(f"| {p} | {' / '.join(w)} |" for p, w in plain_rows),
     )
     (out / "README.md").write_text(readme)
     print(readme)
@@ -289,58 +349,82 @@ def cmd_timing(args: argparse.Namespace) -> None:
         )
 
 
-# Partial and reordered captions in the grammar's own words (what a new user types first): which attributes each
-# names. The model must draw those; it may pick the rest.
-PARTIAL_TEMPLATES: dict[str, tuple[str, ...]] = {
-    "a {colour} {shape}": ("colour", "shape"),
-    "a {size} {colour} {shape}": ("size", "colour", "shape"),
-    "a {colour} {shape} {position}": ("colour", "shape", "position"),
-    "a {shape} on a {background} background": ("shape", "background"),
-    "a {colour} {shape} on a {background} background": ("colour", "shape", "background"),
-    "on a {background} background, a {size} {colour} {shape} {position}": (
-        "background",
-        "size",
-        "colour",
-        "shape",
-        "position",
-    ),
-}
+def partial_named(rng: np.random.Generator) -> tuple[str, ...]:
+    """A random proper, non-empty subset of the attributes (each named with probability 1/2)."""
+    while True:
+        named = tuple(a for a in sc.ATTRIBUTE_ORDER if rng.random() < 0.5)
+        if 0 < len(named) < len(sc.ATTRIBUTE_ORDER):
+            return named
 
 
-def partial_captions(scene: sc.Scene) -> list[tuple[str, tuple[str, ...]]]:
-    words = {
-        "colour": scene.colour,
-        "shape": scene.shape,
-        "size": scene.size,
-        "background": scene.background,
-        "position": sc.POSITION_PHRASES[scene.position],
+def caption_cases(kind: str, n: int, per_scene: int = 1) -> list[tuple[sc.Scene, sc.Caption]]:
+    """(held-out scene, caption) pairs, fixed by `kind`: "grammar" (full captions in the grammar's words, as v1 was
+    trained on), "full" (every attribute named, in a held-out phrasing) or "partial" (a random proper subset named,
+    in a held-out phrasing); `per_scene` captions for each of the first `n` evaluation scenes."""
+    cases: list[tuple[sc.Scene, sc.Caption]] = []
+    for i, scene in enumerate(eval_scenes(n)):
+        texts: set[str] = set()
+        for j in range(per_scene):
+            rng = np.random.default_rng([SEED_BASE, i, j, len(kind)])
+            if kind == "grammar":
+                caption = sc.Caption(scene.caption, sc.ATTRIBUTE_ORDER, (), held_out=False)
+            elif kind == "full":
+                caption = sc.describe(scene, rng, named=sc.ATTRIBUTE_ORDER, held_out=True)
+            else:
+                caption = None
+                while caption is None or caption.text in texts:  # some small subsets have no held-out phrasing
+                    with contextlib.suppress(RuntimeError):
+                        caption = sc.describe(scene, rng, named=partial_named(rng), held_out=True, tries=500)
+            texts.add(caption.text)
+            cases.append((scene, caption))
+    return cases
+
+
+def judge_named(cases: list[tuple[sc.Scene, sc.Caption]], images: list[np.ndarray]) -> dict[str, Any]:
+    """Accuracy per attribute where the caption names it, and for attributes left out, how varied the model's own
+    choices are: the share of the most common value and the number of distinct values seen."""
+    from diffusiond.models.demo.judge import ATTRIBUTES, analyse
+
+    right: dict[str, list[bool]] = {a: [] for a in ATTRIBUTES}
+    picked: dict[str, list[str | None]] = {a: [] for a in ATTRIBUTES}
+    for (scene, caption), image in zip(cases, images, strict=True):
+        seen = analyse(image)
+        for attribute in ATTRIBUTES:
+            if attribute in caption.named:
+                right[attribute].append(getattr(seen, attribute) == getattr(scene, attribute))
+            else:
+                picked[attribute].append(getattr(seen, attribute))
+    result: dict[str, Any] = {a: round(float(np.mean(v)), 3) for a, v in right.items() if v}
+    result["n"] = len(cases)
+    result["left out"] = {
+        a: {
+            "n": len(v),
+            "distinct": len(set(v)),
+            "most common": round(max(v.count(x) for x in set(v)) / len(v), 3),
+        }
+        for a, v in picked.items()
+        if v
     }
-    return [(template.format(**words), named) for template, named in PARTIAL_TEMPLATES.items()]
+    return result
 
 
 def cmd_partial(args: argparse.Namespace) -> None:
-    """Accuracy on partial and reordered captions of held-out scenes: each attribute counted where a caption names
-    it (the model picks the others)."""
+    """Accuracy on held-out scenes in held-out phrasings, full and partial: each attribute counted where a caption
+    names it (the model picks the others: how varied its picks are is reported too)."""
     from diffusiond.engine.request import SamplingParams
-    from diffusiond.models.demo.judge import analyse
 
     adapter = load(args.model)
-    scenes = eval_scenes(args.n)
-    cases = [(scene, caption, named) for scene in scenes for caption, named in partial_captions(scene)]
-    table = {}
-    for steps in args.steps:
-        requests = [
-            SamplingParams(prompt=caption, seed=SEED_BASE + i, num_inference_steps=steps)
-            for i, (_, caption, _) in enumerate(cases)
-        ]
-        results = generate(adapter, requests)
-        right: dict[str, list[bool]] = {a: [] for a in ("background", "colour", "shape", "position", "size")}
-        for (scene, _, named), (image, _) in zip(cases, results, strict=True):
-            seen = analyse(image)
-            for attribute in named:
-                right[attribute].append(getattr(seen, attribute) == getattr(scene, attribute))
-        table[f"{steps} steps"] = {a: round(float(np.mean(v)), 3) for a, v in right.items() if v}
-        print(f"{steps} steps: {json.dumps(table[f'{steps} steps'])} ({len(cases)} captions)", flush=True)
+    table: dict[str, Any] = {}
+    for kind in args.kinds:
+        cases = caption_cases(kind, args.n, args.per_scene if kind == "partial" else 1)
+        for steps in args.steps:
+            requests = [
+                SamplingParams(prompt=c.text, seed=SEED_BASE + i, num_inference_steps=steps)
+                for i, (_, c) in enumerate(cases)
+            ]
+            images = [image for image, _ in generate(adapter, requests)]
+            table[f"{kind}, {steps} steps"] = row = judge_named(cases, images)
+            print(f"{kind}, {steps} steps: {json.dumps(row)}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
 
@@ -366,8 +450,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, nargs="+", default=[8, 16, 30])
     p.add_argument("--json", default=None)
     p.set_defaults(fn=cmd_eval)
-    p = sub.add_parser("partial", help="accuracy on partial and reordered captions")
-    p.add_argument("--n", type=int, default=60, help="held-out scenes (6 captions each)")
+    p = sub.add_parser("partial", help="accuracy on held-out phrasings, full and partial")
+    p.add_argument("--n", type=int, default=60, help="held-out scenes")
+    p.add_argument("--per-scene", type=int, default=4, help="partial captions per scene")
+    p.add_argument("--kinds", nargs="+", default=["grammar", "full", "partial"], choices=["grammar", "full", "partial"])
     p.add_argument("--steps", type=int, nargs="+", default=[8, 16])
     p.add_argument("--json", default=None)
     p.set_defaults(fn=cmd_partial)

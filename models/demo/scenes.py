@@ -14,6 +14,8 @@ combinations is held out of training (`split()`), for evaluating prompt adherenc
 from __future__ import annotations
 
 import itertools
+import re
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,8 +93,10 @@ class Scene:
         )
 
 
-# Every word a caption can use: each becomes a single token of the demo model's CLIP tokenizers.
-VOCABULARY: tuple[str, ...] = tuple(
+# The words of the canonical grammar (v1 of the model knew these only), then the words of the caption variants
+# (`describe`): synonyms, other position and background phrases, "shape" for a shape left unnamed. Every word becomes
+# a single token of the demo model's CLIP tokenizers (punctuation, "," and "-", is one token anyway).
+GRAMMAR_WORDS: tuple[str, ...] = tuple(
     dict.fromkeys(
         [
             *("a", "the", "at", "on", "in", "background"),
@@ -100,6 +104,27 @@ VOCABULARY: tuple[str, ...] = tuple(
             *COLOURS,
             *SHAPES,
             *" ".join(POSITION_PHRASES.values()).split(),
+        ]
+    )
+)
+SYNONYMS: dict[str, tuple[str, ...]] = {
+    "small": ("small", "little", "tiny"),
+    "large": ("large", "big"),
+    "circle": ("circle", "ball", "dot", "disc"),
+    "square": ("square", "box"),
+    "triangle": ("triangle",),
+}
+CENTRE_WORDS: tuple[str, ...] = ("center", "centre", "middle")
+ROW_WORDS: dict[int, tuple[str, ...]] = {0: ("top", "upper"), 2: ("bottom", "lower")}
+COLUMN_WORDS: dict[int, str] = {0: "left", 2: "right"}
+VOCABULARY: tuple[str, ...] = tuple(
+    dict.fromkeys(
+        [
+            *GRAMMAR_WORDS,
+            *(w for words in SYNONYMS.values() for w in words),
+            *CENTRE_WORDS,
+            *(w for words in ROW_WORDS.values() for w in words),
+            *("corner", "side", "with", "against", "shape"),
         ]
     )
 )
@@ -211,3 +236,166 @@ def render_batch(
 def to_tensor_range(images: np.ndarray) -> np.ndarray:
     """uint8 [N, H, W, 3] -> float32 [N, 3, H, W] in [-1, 1], the VAE's input range."""
     return (images.astype(np.float32) / 127.5 - 1.0).transpose(0, 3, 1, 2)
+
+
+# --------------------------------------------------------------------------------------------------- caption variants
+#
+# Demo model v2 is trained on many phrasings of each scene, not on the grammar alone: any attribute may be left out
+# (the image then shows whatever the scene has there, so the model learns to pick one), the parts of a caption come
+# in any order, and words have common synonyms. A caption's phrasing is every choice `describe` makes apart from
+# the scene: which attributes it names, their order, the article, the adjective order, each synonym and the
+# template of each phrase. A fixed tenth of all phrasings (by a hash of those choices) is held out of training, as
+# a tenth of the scene combinations is, so evaluation can use captions whose wording was never seen; phrasings in
+# the grammar's own words and order (any attributes left out) are always trained.
+
+ATTRIBUTE_ORDER: tuple[str, ...] = ("size", "colour", "shape", "position", "background")
+# Phrase templates. Corners: v is top/upper or bottom/lower, h left/right; top and bottom edges: v is top or bottom,
+# c a centre word; left and right edges: h; the centre: c. The first template of each kind is the grammar's.
+CORNER_PHRASES: tuple[str, ...] = (
+    "at the {v} {h}",
+    "in the {v} {h}",
+    "in the {v} {h} corner",
+    "at the {v} {h} corner",
+    "{v} {h}",
+    "at the {v}-{h}",
+)
+EDGE_ROW_PHRASES: tuple[str, ...] = ("at the {v}", "at the {v} {c}", "in the {v} {c}", "{v} {c}")
+EDGE_COLUMN_PHRASES: tuple[str, ...] = ("on the {h}", "at the {h}", "on the {h} side", "{h}")
+CENTRE_PHRASES: tuple[str, ...] = ("in the {c}", "at the {c}", "{c}")
+BACKGROUND_PHRASES: tuple[str, ...] = (
+    "on a {b} background",
+    "with a {b} background",
+    "against a {b} background",
+    "{b} background",
+    "on {b}",
+)
+ARTICLES: tuple[str, ...] = ("a", "the", "")
+# Most tokens a caption may have between the CLIP tokenizer's start and end tokens (16 in all).
+MAX_CAPTION_TOKENS = 14
+HELD_OUT_PHRASINGS = 10  # one phrasing in this many is held out
+# Training captions name every attribute this often; otherwise each attribute is named with NAME_PROBABILITY.
+FULL_CAPTION_PROBABILITY = 0.3
+NAME_PROBABILITY = 0.55
+# Captions in the grammar's own words and order (with attributes left out as above), as v1 was trained on.
+GRAMMAR_PROBABILITY = 0.2
+_TOKEN = re.compile(r"[a-z]+|[^\sa-z]")
+
+
+@dataclass(frozen=True)
+class Caption:
+    text: str
+    named: tuple[str, ...]  # the attributes it names, in ATTRIBUTE_ORDER
+    phrasing: tuple  # every choice but the scene
+    held_out: bool  # its phrasing is never trained on
+
+
+def tokens(text: str) -> list[str]:
+    """How the demo tokenizer splits a caption: words and single punctuation marks."""
+    return _TOKEN.findall(text.lower())
+
+
+def phrasing_held_out(phrasing: tuple) -> bool:
+    if all(choice == 0 for choice in _flat_choices(phrasing)):
+        return False  # the grammar's own words and order
+    return zlib.crc32(repr(phrasing).encode()) % HELD_OUT_PHRASINGS == 0
+
+
+def _flat_choices(phrasing: tuple) -> list[int]:
+    """The index-valued choices of a phrasing; all 0 is the grammar's wording (the order is checked separately)."""
+    _named, order, choices = phrasing
+    canonical_order = [part for part in ("object", "position", "background") if part in order]
+    return [*choices.values(), 0 if list(order) == canonical_order else 1]
+
+
+class _Picker:
+    """Random choices, or the grammar's (always the first option) for a caption in the grammar's own words."""
+
+    def __init__(self, rng: np.random.Generator, grammar: bool) -> None:
+        self.rng = rng
+        self.grammar = grammar
+
+    def __call__(self, n: int) -> int:
+        return 0 if self.grammar else int(self.rng.integers(n))
+
+    def chance(self, p: float) -> bool:
+        return False if self.grammar else bool(self.rng.random() < p)
+
+
+def _position_phrase(position: str, pick: _Picker) -> tuple[str, tuple[int, ...]]:
+    row, col = POSITIONS[position]
+    if row != 1 and col != 1:
+        template, v = pick(len(CORNER_PHRASES)), pick(2)
+        return CORNER_PHRASES[template].format(v=ROW_WORDS[row][v], h=COLUMN_WORDS[col]), (template, v)
+    if row != 1:
+        template, c = pick(len(EDGE_ROW_PHRASES)), pick(len(CENTRE_WORDS))
+        return EDGE_ROW_PHRASES[template].format(v=ROW_WORDS[row][0], c=CENTRE_WORDS[c]), (template, c)
+    if col != 1:
+        template = pick(len(EDGE_COLUMN_PHRASES))
+        return EDGE_COLUMN_PHRASES[template].format(h=COLUMN_WORDS[col]), (template, 0)
+    template, c = pick(len(CENTRE_PHRASES)), pick(len(CENTRE_WORDS))
+    return CENTRE_PHRASES[template].format(c=CENTRE_WORDS[c]), (template, c)
+
+
+def _propose(scene: Scene, named: tuple[str, ...], rng: np.random.Generator) -> Caption:
+    pick = _Picker(rng, grammar=bool(rng.random() < GRAMMAR_PROBABILITY))
+    choices: dict[str, int] = {}
+    parts: dict[str, str] = {}
+    adjectives = []
+    if "size" in named:
+        choices["size"] = pick(len(SYNONYMS[scene.size]))
+        adjectives.append(SYNONYMS[scene.size][choices["size"]])
+    if "colour" in named:
+        adjectives.append(scene.colour)
+    if len(adjectives) == 2:
+        choices["adjective order"] = int(pick.chance(0.2))
+        if choices["adjective order"]:
+            adjectives.reverse()
+    if "shape" in named:
+        choices["shape"] = pick(len(SYNONYMS[scene.shape]))
+        noun = SYNONYMS[scene.shape][choices["shape"]]
+    else:
+        noun = "shape"
+    if adjectives or "shape" in named or not named or rng.random() < 0.5:
+        choices["article"] = pick(len(ARTICLES))
+        parts["object"] = " ".join(w for w in (ARTICLES[choices["article"]], *adjectives, noun) if w)
+    if "position" in named:
+        parts["position"], (choices["position"], choices["position word"]) = _position_phrase(scene.position, pick)
+    if "background" in named:
+        choices["background"] = pick(len(BACKGROUND_PHRASES))
+        parts["background"] = BACKGROUND_PHRASES[choices["background"]].format(b=scene.background)
+    order = list(parts)
+    if pick.chance(0.5):  # half in the grammar's order, half in any order
+        order = [order[i] for i in rng.permutation(len(order))]
+    choices["separator"] = int(len(order) > 1 and pick.chance(0.3))
+    text = (", " if choices["separator"] else " ").join(parts[p] for p in order)
+    phrasing = (named, tuple(order), choices)
+    return Caption(text=text, named=named, phrasing=phrasing, held_out=phrasing_held_out(phrasing))
+
+
+def training_attributes(rng: np.random.Generator) -> tuple[str, ...]:
+    """Which attributes a training caption names: all of them at times, otherwise each one at random."""
+    if rng.random() < FULL_CAPTION_PROBABILITY:
+        return ATTRIBUTE_ORDER
+    return tuple(a for a in ATTRIBUTE_ORDER if rng.random() < NAME_PROBABILITY)
+
+
+def describe(
+    scene: Scene,
+    rng: np.random.Generator,
+    *,
+    named: tuple[str, ...] | None = None,
+    held_out: bool | None = False,
+    tries: int = 10_000,
+) -> Caption:
+    """A caption of `scene` in a random phrasing: naming `named` (default: `training_attributes`), with a phrasing
+    of the training split (held_out=False), of the held-out split (True) or of either (None)."""
+    if named is None:
+        named = training_attributes(rng)
+    named = tuple(a for a in ATTRIBUTE_ORDER if a in named)
+    for _ in range(tries):
+        caption = _propose(scene, named, rng)
+        if len(tokens(caption.text)) > MAX_CAPTION_TOKENS:
+            continue
+        if held_out is None or caption.held_out == held_out:
+            return caption
+    raise RuntimeError(f"no {'held-out' if held_out else 'training'} phrasing naming {named} for {scene}")

@@ -28,9 +28,9 @@ torch.set_num_threads(2)
 
 # Held-out captions (never trained on) served at the checkpoint's defaults, with evaluate.py's order and seeds.
 SERVE_PROMPTS = 8
-# Least right answers out of SERVE_PROMPTS. Measured on the shipped weights for these prompts: colour, background
-# and position 8/8, shape 7/8 (over all 162 held-out prompts: 100%, 100%, 100% and 89.5%; README.md). A model that
-# ignores the prompt gets about 1/6 of the colours, 1/9 of the positions and 1/3 of the shapes right.
+# Least right answers out of SERVE_PROMPTS. Measured on the shipped weights (v2) for these prompts: 8/8 on every
+# attribute (over all 162 held-out prompts: colour 98.1%, background 90.7%, position 98.8%, shape 92.0%; README.md).
+# A model that ignores the prompt gets about 1/6 of the colours, 1/9 of the positions and 1/3 of the shapes right.
 MIN_RIGHT = {"colour": 7, "background": 7, "position": 7, "shape": 5}
 # Preview map RMSE / RMSE of the flat mean colour, on real scene latents against their pooled decodes: measured 0.14
 # (0.28 with a per-pixel map alone, before the image's mean latent was an input).
@@ -205,14 +205,68 @@ def test_serves_prompts_it_was_never_trained_on(adapter) -> None:
     assert all(right[name] >= least for name, least in MIN_RIGHT.items()), (right, [v.seen for v in verdicts])
 
 
-def test_partial_captions_use_known_words_and_name_what_they_say() -> None:
+def test_caption_variants_name_exactly_what_they_say() -> None:
+    """Every caption `describe` writes uses known words only, fits the tokenizer, and names an attribute exactly
+    when it says it does (with any of its synonyms)."""
     from diffusiond.models.declared import unknown_words
-    from diffusiond.models.demo.evaluate import partial_captions
 
+    tok = make_tokenizer()
     vocabulary = frozenset(sc.VOCABULARY)
-    for scene in sc.split()[1][:20]:
-        for caption, named in partial_captions(scene):
-            assert unknown_words(vocabulary, caption) == [], caption
-            assert scene.shape in caption and "shape" in named
-            for attribute in ("colour", "size", "background"):
-                assert (getattr(scene, attribute) in caption.split()) == (attribute in named), (caption, named)
+    rng = np.random.default_rng(3)
+    train = sc.split()[0]
+    seen_words: set[str] = set()
+    for i in range(3000):
+        scene = train[(i * 7) % len(train)]
+        caption = sc.describe(scene, rng, held_out=None)
+        words = sc.tokens(caption.text)
+        seen_words |= set(words)
+        assert unknown_words(vocabulary, caption.text) == [], caption
+        assert tok(caption.text)["input_ids"][1:-1] == tok.convert_tokens_to_ids([w + "</w>" for w in words])
+        assert len(words) <= sc.MAX_CAPTION_TOKENS
+        assert (scene.colour in words) == ("colour" in caption.named), caption
+        assert (scene.background in words) == ("background" in caption.named), caption
+        for attribute in ("shape", "size"):
+            synonyms = set(sc.SYNONYMS[getattr(scene, attribute)])
+            assert bool(synonyms & set(words)) == (attribute in caption.named), caption
+    assert seen_words >= set(sc.VOCABULARY)  # training uses every word it declares
+
+
+def test_held_out_phrasings_are_never_trained_on() -> None:
+    """A tenth of the phrasings is held out; training draws never produce one, the evaluation only those; captions
+    in the grammar's own words are always trained."""
+    from diffusiond.models.demo.evaluate import caption_cases
+
+    rng = np.random.default_rng(4)
+    train = sc.split()[0]
+    drawn = [sc.describe(train[i % len(train)], rng, held_out=None) for i in range(4000)]
+    share = np.mean([c.held_out for c in drawn])
+    assert 0.07 < share < 0.13, share
+    trained = {repr(c.phrasing) for c in (sc.describe(train[i % len(train)], rng) for i in range(4000))}
+    evaluated = [c for kind in ("full", "partial") for _, c in caption_cases(kind, 40, 2)]
+    assert all(c.held_out for c in evaluated)
+    assert not trained & {repr(c.phrasing) for c in evaluated}
+    assert all(0 < len(c.named) < 5 for _, c in caption_cases("partial", 40, 2))
+    grammar = sc.describe(train[0], rng, named=sc.ATTRIBUTE_ORDER)
+    while grammar.text != train[0].caption:
+        grammar = sc.describe(train[0], rng, named=sc.ATTRIBUTE_ORDER)
+    assert not grammar.held_out and not sc.phrasing_held_out(grammar.phrasing)
+
+
+# Partial captions in held-out phrasings of held-out scenes (evaluate.caption_cases), served at the defaults: the
+# attributes a caption names must be drawn. Bounds are the least fraction right of the captions that name each
+# attribute (13-18 of these 32). Measured on the shipped weights (v2) for these captions: colour 10/14, background
+# 10/13, shape 13/16, position 17/17, size 14/18 (over 240 such captions: 89%, 70%, 80%, 97%, 87%; README.md).
+# v1 got 4%, 33%, 14%, 18% and 29% there. A model that ignores the prompt gets about 1/6 of colours and
+# backgrounds, 1/3 of shapes and sizes at 1/2, 1/9 of positions right. (Issue 12's targets, colour >= 95% and
+# shape >= 90% on partial captions, are not met yet: these bounds hold what v2 does.)
+PARTIAL_SCENES, PARTIAL_PER_SCENE = 16, 2
+MIN_PARTIAL = {"colour": 0.55, "background": 0.6, "shape": 0.65, "position": 0.85, "size": 0.65}
+
+
+def test_follows_partial_captions_it_was_never_trained_on(adapter) -> None:
+    from diffusiond.models.demo.evaluate import caption_cases, judge_named
+
+    cases = caption_cases("partial", PARTIAL_SCENES, PARTIAL_PER_SCENE)
+    images = asyncio.run(_serve(adapter, [c.text for _, c in cases]))
+    got = judge_named(cases, images)
+    assert all(got[name] >= least for name, least in MIN_PARTIAL.items()), (got, MIN_PARTIAL)

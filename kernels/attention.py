@@ -93,24 +93,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Any = 
 
 
 class DispatchJointAttnProcessor:
-    """diffusers' `JointAttnProcessor2_0` (SD3's joint attention) with its attention call dispatched to
-    `_attention_backend`."""
+    """diffusers' `JointAttnProcessor2_0` (SD3's joint attention; its blocks pass [B, S, D] only) with its attention
+    call dispatched to `_attention_backend`. Subclasses replace `_attend` (kernels/ulysses.py shards it)."""
 
     _attention_backend = None
     _parallel_config = None
 
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, text_len: int) -> torch.Tensor:
+        """[B, H, S + T, d] -> [B, H, S + T, d]; the last `text_len` tokens are the context's."""
+        return attention(query, key, value, self._attention_backend)
+
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
         residual = hidden_states
-        input_ndim = hidden_states.ndim
-        if input_ndim == 4:
-            batch_size, channel, height, width = hidden_states.shape
-            hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
-        context_input_ndim = encoder_hidden_states.ndim if encoder_hidden_states is not None else None
-        if context_input_ndim == 4:
-            batch_size, channel, height, width = encoder_hidden_states.shape
-            encoder_hidden_states = encoder_hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
-        batch_size = encoder_hidden_states.shape[0] if encoder_hidden_states is not None else hidden_states.shape[0]
-
+        batch_size = hidden_states.shape[0]
         query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
         head_dim = key.shape[-1] // attn.heads
         query, key, value = (x.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2) for x in (query, key, value))
@@ -118,7 +113,9 @@ class DispatchJointAttnProcessor:
             query = attn.norm_q(query)
         if attn.norm_k is not None:
             key = attn.norm_k(key)
+        text_len = 0
         if encoder_hidden_states is not None:
+            text_len = encoder_hidden_states.shape[1]
             eq, ek, ev = (
                 proj(encoder_hidden_states).view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
                 for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
@@ -128,11 +125,9 @@ class DispatchJointAttnProcessor:
             if attn.norm_added_k is not None:
                 ek = attn.norm_added_k(ek)
             query, key, value = (torch.cat([a, b], dim=2) for a, b in ((query, eq), (key, ek), (value, ev)))
-
-        hidden_states = attention(query, key, value, self._attention_backend)
+        hidden_states = self._attend(query, key, value, text_len)
         hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
         hidden_states = hidden_states.to(query.dtype)
-
         if encoder_hidden_states is not None:
             hidden_states, encoder_hidden_states = (
                 hidden_states[:, : residual.shape[1]],
@@ -141,10 +136,6 @@ class DispatchJointAttnProcessor:
             if not attn.context_pre_only:
                 encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
         hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
-        if input_ndim == 4:
-            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
-        if encoder_hidden_states is not None and context_input_ndim == 4:
-            encoder_hidden_states = encoder_hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
         if encoder_hidden_states is not None:
             return hidden_states, encoder_hidden_states
         return hidden_states

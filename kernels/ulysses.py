@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from diffusers.models.embeddings import apply_rotary_emb
 
-from diffusiond.kernels.attention import attention
+from diffusiond.kernels.attention import DispatchJointAttnProcessor, attention
 from diffusiond.kernels.collectives import collective
 
 
@@ -123,52 +123,17 @@ def ulysses_sdpa(
     return torch.cat([rep, img] if replicated_first else [img, rep], dim=2)
 
 
-class UlyssesJointAttnProcessor:
-    """SD3's joint attention (diffusers `JointAttnProcessor2_0`) with image tokens sharded across `g`."""
-
-    _attention_backend = None  # set by kernels/attention.py `apply`
+class UlyssesJointAttnProcessor(DispatchJointAttnProcessor):
+    """SD3's joint attention (diffusers `JointAttnProcessor2_0`) with image tokens sharded across `g`: the same
+    projections as `DispatchJointAttnProcessor`, the attention itself over the whole sequence by all-to-all."""
 
     def __init__(self, g: UlyssesGroup) -> None:
         self.g = g
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
-        residual = hidden_states
-        batch_size = hidden_states.shape[0]
-        query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        head_dim = key.shape[-1] // attn.heads
-        query, key, value = (x.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2) for x in (query, key, value))
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
-        text_len = 0
-        if encoder_hidden_states is not None:
-            text_len = encoder_hidden_states.shape[1]
-            eq, ek, ev = (
-                proj(encoder_hidden_states).view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
-                for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
-            )
-            if attn.norm_added_q is not None:
-                eq = attn.norm_added_q(eq)
-            if attn.norm_added_k is not None:
-                ek = attn.norm_added_k(ek)
-            query, key, value = (torch.cat([a, b], dim=2) for a, b in ((query, eq), (key, ek), (value, ev)))
-        hidden_states = ulysses_sdpa(
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, text_len: int) -> torch.Tensor:
+        return ulysses_sdpa(
             query, key, value, self.g, replicated=text_len, replicated_first=False, backend=self._attention_backend
         )
-        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
-        hidden_states = hidden_states.to(query.dtype)
-        if encoder_hidden_states is not None:
-            hidden_states, encoder_hidden_states = (
-                hidden_states[:, : residual.shape[1]],
-                hidden_states[:, residual.shape[1] :],
-            )
-            if not attn.context_pre_only:
-                encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
-        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
-        if encoder_hidden_states is not None:
-            return hidden_states, encoder_hidden_states
-        return hidden_states
 
 
 class UlyssesFluxAttnProcessor:

@@ -20,7 +20,8 @@ from diffusiond.models.default import SHIPPED, default_model
 from diffusiond.models.demo import scenes as sc
 from diffusiond.models.demo.evaluate import SEED_BASE, eval_scenes
 from diffusiond.models.demo.judge import ATTRIBUTES, accuracy, analyse, judge
-from diffusiond.models.demo.train import CLIP_MAX_LENGTH, check_zero_token_trick, image_batch, make_tokenizer
+from diffusiond.models.demo.text import CLIP_MAX_LENGTH, make_tokenizer
+from diffusiond.models.demo.train import check_zero_token_trick, image_batch
 from diffusiond.models.loader import load_adapter
 from diffusiond.models.preview import decode_pooled, load_preview_factors
 

@@ -1,9 +1,10 @@
-"""Step caching, side by side in one process and one run: for each threshold, the same requests (same checkpoint,
-prompts and seeds) through the engine, 8 at a time (continuous batching), against threshold 0 (exact). Reports the
-speed-up, the agreement with the exact images (PSNR, and the judge's accuracy for the bundled model) and the share
-of request-steps that reused their cache.
+"""Step caching, side by side in one process and one run: for each method and threshold, the same requests (same
+checkpoint, prompts and seeds) through the engine, 8 at a time (continuous batching), against threshold 0 (exact).
+Reports the speed-up, the agreement with the exact images (PSNR, SSIM, and the judge's accuracy for the bundled
+model) and the share of request-steps that reused their cache.
 
-    python -m diffusiond.bench.cache [--model DIR] [--steps N] [--requests 32] [--thresholds 0.05,0.1,0.2]
+    python -m diffusiond.bench.cache [--model DIR] [--steps N] [--requests 32] [--methods fbcache,teacache]
+        [--thresholds 0.05,0.1,0.2] [--teacache-thresholds 0.1,0.2,0.4]
 """
 
 from __future__ import annotations
@@ -18,6 +19,23 @@ import numpy as np
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
     mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
     return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
+
+
+def ssim(a: np.ndarray, b: np.ndarray, window: int = 7) -> float:
+    """Mean SSIM of two float images in [0, 1] ([H, W, C]), uniform 7x7 windows, channels averaged."""
+    c1, c2 = 0.01**2, 0.03**2
+
+    def local_mean(x: np.ndarray) -> np.ndarray:
+        windows = np.lib.stride_tricks.sliding_window_view(x, (window, window), axis=(0, 1))
+        return windows.mean(axis=(-2, -1))
+
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    mu_a, mu_b = local_mean(a), local_mean(b)
+    var_a = local_mean(a * a) - mu_a**2
+    var_b = local_mean(b * b) - mu_b**2
+    cov = local_mean(a * b) - mu_a * mu_b
+    s = ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / ((mu_a**2 + mu_b**2 + c1) * (var_a + var_b + c2))
+    return float(s.mean())
 
 
 async def run(engine, requests) -> tuple[list[np.ndarray], float]:
@@ -50,9 +68,12 @@ async def main(args: argparse.Namespace) -> None:
 
     stepcache.reuse = counting
 
+    adapters = []
+
     def load():
         adapter = load_adapter(model)
-        adapter.enable_step_cache("fbcache", 0.0)
+        adapter.enable_step_cache(args.methods[0], 0.0)
+        adapters.append(adapter)
         return adapter
 
     engine = Engine(load, max_batch=8, batch_wait=0.05)
@@ -76,7 +97,13 @@ async def main(args: argparse.Namespace) -> None:
     await run(engine, requests(0.0)[:8])  # warm
     rows = []
     exact, exact_time = None, None
-    for threshold in [0.0, *args.thresholds]:
+    runs = [(args.methods[0], 0.0)]
+    for method in args.methods:
+        thresholds = args.teacache_thresholds if method == "teacache" else args.thresholds
+        runs += [(method, t) for t in thresholds]
+    for method, threshold in runs:
+        # Between runs, with no request in flight: Python attributes only, no torch work off the step thread.
+        adapters[0].enable_step_cache(method, 0.0)
         times = []
         for _ in range(args.repeats):
             counts.update(reused=0, decided=0)
@@ -86,10 +113,12 @@ async def main(args: argparse.Namespace) -> None:
         if exact is None:
             exact, exact_time = images, seconds
         row = {
+            "method": method if threshold > 0 else "exact",
             "threshold": threshold,
             "seconds": round(seconds, 3),
             "speedup": round(exact_time / seconds, 3),
             "psnr_db": round(float(np.mean([min(psnr(a, b), 99.0) for a, b in zip(images, exact, strict=True)])), 2),
+            "ssim": round(float(np.mean([ssim(a, b) for a, b in zip(images, exact, strict=True)])), 4),
             "reused": round(counts["reused"] / max(1, counts["decided"]), 3),
         }
         if bundled:
@@ -109,7 +138,10 @@ def cli() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--thresholds", type=lambda s: [float(v) for v in s.split(",")], default=[0.05, 0.1, 0.2, 0.4])
+    floats = lambda s: [float(v) for v in s.split(",")]  # noqa: E731
+    parser.add_argument("--methods", type=lambda s: s.split(","), default=["fbcache", "teacache"])
+    parser.add_argument("--thresholds", type=floats, default=[0.05, 0.1, 0.2, 0.4], help="fbcache's")
+    parser.add_argument("--teacache-thresholds", type=floats, default=[0.1, 0.2, 0.4, 0.8], help="teacache's")
     asyncio.run(main(parser.parse_args()))
 
 

@@ -177,6 +177,14 @@ def run_async(coro) -> int:
     return uvloop.run(coro)
 
 
+def cmd_calibrate_cache(args: argparse.Namespace) -> int:
+    configure_threads(args.threads)
+    quiet_libraries()
+    from diffusiond.models.calibrate import calibrate
+
+    return calibrate(args)
+
+
 def cmd_bench_spmd(args: argparse.Namespace) -> int:
     quiet_libraries()
     from diffusiond.bench.spmd import bench_spmd
@@ -311,15 +319,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument_group("acceleration").add_argument
     add(
         "--cache",
-        choices=["none", "fbcache"],
-        help=f"step caching, decided per request: fbcache = first-block cache (default: {d.cache})",
+        choices=["none", "fbcache", "teacache"],
+        help="step caching, decided per request: fbcache = first-block cache, teacache = TeaCache (its polynomial: "
+        f"`diffusiond calibrate-cache`, or FLUX's published one) (default: {d.cache})",
     )
     add(
         "--cache-threshold",
         type=float,
         metavar="X",
-        help="relative change of a request's first-block residual below which it reuses its other blocks; requests "
-        f"may send cache_threshold (default: {d.cache_threshold:g}; 0: exact)",
+        help="change below which a request reuses its cached blocks (fbcache: relative change of its first-block "
+        "residual; teacache: accumulated rescaled change of its modulated input); requests may send cache_threshold "
+        f"(default: {d.cache_threshold:g}; 0: exact)",
     )
 
     add(
@@ -430,6 +440,22 @@ def build_parser(*, with_load_tools: bool = True) -> argparse.ArgumentParser:
     gen.add_argument("--previews", metavar="DIR", help="write intermediate previews into DIR")
     gen.add_argument("--preview-every", type=int, default=1, help="a preview every N steps (default: 1)")
     gen.set_defaults(func=cmd_generate)
+
+    calibrate = sub.add_parser(
+        "calibrate-cache",
+        help="fit TeaCache's rescaling polynomial for a checkpoint and write it beside the weights",
+        description="Run prompts with every step computed, record each request-step's (modulated input change, "
+        "blocks' residual change) and fit a polynomial; `serve --cache teacache` reads it from "
+        "<model>/diffusiond_cache.json.",
+    )
+    add_model_args(calibrate)
+    calibrate.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: 16 built-in prompts)")
+    calibrate.add_argument("--size", type=parse_size, help="WIDTHxHEIGHT (default: the model's)")
+    calibrate.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
+    calibrate.add_argument("--guidance-scale", type=float, help="classifier-free guidance (default: the model's)")
+    calibrate.add_argument("--degree", type=int, default=4, help="polynomial degree (default: 4, as TeaCache's)")
+    calibrate.add_argument("--out", metavar="DIR", help="folder to write diffusiond_cache.json into (default: --model)")
+    calibrate.set_defaults(func=cmd_calibrate_cache)
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random-weight checkpoint (offline) for tests and development")
     tiny.add_argument("--family", required=True, choices=FAMILIES)

@@ -24,6 +24,7 @@ class FluxAdapter(FlowMatchAdapter):
     family = "flux"
     default_guidance = 3.5
     max_sequence_length = 512
+    teacache_coefficients = stepcache.FLUX_TEACACHE  # published for FLUX.1; a calibration beside the weights wins
 
     def _default_size(self) -> tuple[int, int]:
         side = self.pipe.default_sample_size * self.vae_scale_factor
@@ -117,7 +118,13 @@ class FluxAdapter(FlowMatchAdapter):
 
     def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
         return stepcache.flux_forward(
-            self.transformer, batched, shared, rows, states, ulysses=getattr(self, "ulysses_group", None)
+            self.cache_method,
+            self.transformer,
+            batched,
+            shared,
+            rows,
+            states,
+            ulysses=getattr(self, "ulysses_group", None),
         )
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:

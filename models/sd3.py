@@ -40,7 +40,7 @@ class SD3Adapter(FlowMatchAdapter):
 
     def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
         # Ulysses shards tokens through hooks on pos_embed and proj_out, which this forward calls as well.
-        return stepcache.sd3_forward(self.transformer, batched, rows, states)
+        return stepcache.sd3_forward(self.cache_method, self.transformer, batched, rows, states)
 
     def _size_multiple(self) -> int:
         return self.vae_scale_factor * self.transformer.config.patch_size

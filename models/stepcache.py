@@ -1,45 +1,76 @@
-"""Step caching with a decision per request, inside a batched forward (first-block cache).
+"""Step caching with a decision per request, inside a batched forward: first-block cache and TeaCache.
 
 Cache methods elsewhere (diffusers' `first_block_cache` hook, Cache-DiT, TeaCache) decide once for the whole batch
 tensor: in a batch that mixes requests at different steps, with different thresholds or none, that decision is
-wrong for most of them. Here every request decides alone:
+wrong for most of them. Here every request decides alone, from a change signal of its own rows against its own
+previous step:
 
-1. the first transformer block runs for every row of the batch;
-2. each request compares its first block's residual (output - input) with the one it had at its last fully computed
-   step: relative L1 change `mean|r - r_prev| / mean|r_prev|` over its rows (both CFG rows: the decision is per
-   request, the residuals are per row);
-3. below the request's threshold, the request reuses the residual its remaining blocks added at that step; at or
-   above it (and always at its first and last step, and with threshold 0), its rows go through the remaining blocks
-   in a sub-batch of the requests that compute, and its cache is renewed.
+- **fbcache** (first-block cache): the first transformer block runs for every row; the signal is the relative L1
+  change `mean|r - r_prev| / mean|r_prev|` of the first block's residual (output - input) since the request's last
+  fully computed step. Reusing skips the remaining blocks: the request adds the residual they added then.
+- **teacache**: only the first block's timestep-modulated input (`norm1(h, temb)`) is computed for every row; the
+  signal is its relative L1 change since the previous step, rescaled by the family's polynomial (`Method.rescale`:
+  FLUX's published coefficients, or a fit by `diffusiond calibrate-cache`, see `models/calibrate.py`) and
+  accumulated over the steps the request reused. Reusing skips every block: the request adds the residual all blocks
+  added at its last computed step; computing resets the accumulator.
 
-State lives on the request's `RequestState.cache` and goes with it. Exactness: with threshold 0 every row computes,
-through the same blocks in the same order as the pipeline's forward (tests compare with diffusers).
+In both, a request's change is measured over its rows (both CFG rows: one decision per request, residuals per row).
+Below the request's threshold it reuses; at or above it (and always at its first and last step, and with threshold
+0) its rows go through the blocks in a sub-batch of the requests that compute, and its cache is renewed. State lives
+on the request's `RequestState.cache` and goes with it. Exactness: with threshold 0 every row computes, through the
+same blocks in the same order as the pipeline's forward (tests compare with diffusers).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-METHODS = ("none", "fbcache")
+METHODS = ("none", "fbcache", "teacache")
+
+# TeaCache's published rescaling polynomial for FLUX.1 (highest degree first): a fact of those weights.
+FLUX_TEACACHE = (498.651651, -283.781631, 55.8554382, -3.82021401, 0.264230861)
+IDENTITY = (1.0, 0.0)
 
 
 @dataclass
-class FirstBlockCache:
-    """One request's cache: its rows' first-block residual and remaining-blocks residual at its last computed step."""
+class Method:
+    """The server's cache method; for TeaCache, the polynomial (highest degree first) that maps the modulated
+    input's relative change to an estimate of the output's. `record`, when a list, receives (input change, change of
+    the residual the blocks add) for every request-step computed after a computed step: the pairs
+    `calibrate-cache` fits."""
 
-    first: torch.Tensor
+    name: str
+    coefficients: tuple[float, ...] = IDENTITY
+    record: list[tuple[float, float]] | None = field(default=None, repr=False)
+
+    def rescale(self, x: float) -> float:
+        value = 0.0
+        for c in self.coefficients:  # Horner
+            value = value * x + c
+        return value
+
+
+@dataclass
+class RequestCache:
+    """One request's cache, per row: the signal at its previous step (fbcache: the first block's residual at its
+    last computed step; teacache: the modulated input at its previous step, computed or not), the residual to reuse,
+    and TeaCache's accumulated estimate since the last computed step."""
+
+    signal: torch.Tensor
     rest: torch.Tensor
     computed: int = 0
     reused: int = 0
+    accumulated: float = 0.0
 
 
 def reuse(state: Any, change: float | None) -> bool:
-    """Whether this request may skip its remaining blocks at this step. `change`: the relative L1 change of its
-    first-block residual since its last computed step, over all its rows and tokens on every rank (None: no cache)."""
+    """Whether this request may skip blocks at this step. `change`: its change signal since its last computed step
+    (fbcache: relative L1 change of the first-block residual; teacache: the accumulated rescaled change), measured
+    over all its rows and tokens on every rank (None: no cache yet)."""
     threshold = state.params.cache_threshold or 0.0
     last = state.step_index + 1 >= state.total_steps
     if threshold <= 0 or change is None or state.step_index == 0 or last:
@@ -47,28 +78,60 @@ def reuse(state: Any, change: float | None) -> bool:
     return change < threshold
 
 
-def changes(first: torch.Tensor, rows: int, states: Sequence[Any]) -> list[float | None]:
-    """Each request's relative change, agreed by every rank of a group: the sums |r - r_prev| and |r_prev| over the
-    rows and tokens each rank holds are all-reduced, so a request split across ranks (CFG-parallel: a row each;
-    Ulysses: a token shard each) decides once, the same everywhere. (Ranks that hold the same rows add copies of
-    the same sums; the ratio is unchanged.)"""
+def changes(current: torch.Tensor, rows: int, previous: Sequence[torch.Tensor | None]) -> list[float | None]:
+    """Each request's relative L1 change of `current` (its `rows` rows) against `previous`, agreed by every rank of a
+    group: the sums |x - x_prev| and |x_prev| over the rows and tokens each rank holds are all-reduced, so a request
+    split across ranks (CFG-parallel: a row each; Ulysses: a token shard each) decides once, the same everywhere.
+    (Ranks that hold the same rows add copies of the same sums; the ratio is unchanged.)"""
     import torch.distributed as dist
 
-    sums = torch.zeros(len(states), 2, dtype=torch.float64, device=first.device)
-    for i, state in enumerate(states):
-        if state.cache is not None:
-            mine = first[i * rows : (i + 1) * rows].double()
-            sums[i, 0] = (mine - state.cache.first.double()).abs().sum()
-            sums[i, 1] = state.cache.first.double().abs().sum()
+    sums = torch.zeros(len(previous), 2, dtype=torch.float64, device=current.device)
+    for i, prev in enumerate(previous):
+        if prev is not None:
+            mine = current[i * rows : (i + 1) * rows].double()
+            sums[i, 0] = (mine - prev.double()).abs().sum()
+            sums[i, 1] = prev.double().abs().sum()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sums)  # every rank runs every step's forward (SPMD): the world is the right group
     values = (sums[:, 0] / sums[:, 1].clamp_min(1e-12)).tolist()
-    return [None if state.cache is None else value for state, value in zip(states, values, strict=True)]
+    return [None if prev is None else value for prev, value in zip(previous, values, strict=True)]
+
+
+def relative_l1(current: torch.Tensor, previous: torch.Tensor) -> float:
+    """mean|x - x_prev| / mean|x_prev|, on this rank's elements."""
+    previous = previous.double()
+    return float((current.double() - previous).abs().sum() / previous.abs().sum().clamp_min(1e-12))
+
+
+def _signals(states: Sequence[Any]) -> list[torch.Tensor | None]:
+    return [None if s.cache is None else s.cache.signal for s in states]
+
+
+def _run_blocks(
+    blocks: Sequence[Any],
+    h: torch.Tensor,
+    enc: torch.Tensor,
+    temb: torch.Tensor,
+    computing: list[int],
+    rows: int,
+    everyone: bool,
+    **block_kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`blocks` over the rows of the `computing` requests: (their image tokens after the blocks, the row index
+    they came from, None when everyone computes and the full batch ran, exactly as the pipeline's forward)."""
+    if everyone:
+        hc, ec, tc, index = h, enc, temb, None
+    else:
+        index = torch.tensor([i * rows + r for i in computing for r in range(rows)], device=h.device)
+        hc, ec, tc = h[index], enc[index], temb[index]
+    for block in blocks:
+        ec, hc = block(hidden_states=hc, encoder_hidden_states=ec, temb=tc, **block_kwargs)
+    return hc, index
 
 
 def cached_blocks(
-    first_block: Any,
-    rest: Sequence[Any],
+    method: Method,
+    blocks: Sequence[Any],
     h: torch.Tensor,
     enc: torch.Tensor,
     temb: torch.Tensor,
@@ -79,36 +142,29 @@ def cached_blocks(
     """The transformer's blocks over B requests x `rows` rows with a decision per request: image tokens after the last
     block [B * rows, S, D]. Every block takes (hidden_states, encoder_hidden_states, temb, **block_kwargs) and returns
     (encoder_hidden_states, hidden_states), as diffusers' SD3 and FLUX blocks do."""
-    enc1, h1 = first_block(hidden_states=h, encoder_hidden_states=enc, temb=temb, **block_kwargs)
-    first = h1 - h
+    if method.name == "teacache":
+        return _teacache(method, blocks, h, enc, temb, rows, states, **block_kwargs)
+    return _fbcache(blocks, h, enc, temb, rows, states, **block_kwargs)
 
+
+def _fbcache(blocks, h, enc, temb, rows, states, **block_kwargs) -> torch.Tensor:
+    enc1, h1 = blocks[0](hidden_states=h, encoder_hidden_states=enc, temb=temb, **block_kwargs)
+    first = h1 - h
     computing: list[int] = []  # requests whose rows run the remaining blocks
     reusing: list[int] = []
-    for state, change, i in zip(states, changes(first, rows, states), range(len(states)), strict=True):
+    for i, (state, change) in enumerate(zip(states, changes(first, rows, _signals(states)), strict=True)):
         (reusing if reuse(state, change) else computing).append(i)
 
     out = h1.clone() if reusing else h1
     if computing:
-        if reusing:
-            index = torch.tensor([i * rows + r for i in computing for r in range(rows)], device=h1.device)
-            hc, ec, tc = h1[index], enc1[index], temb[index]
-        else:  # everyone computes: the full batch, exactly as the pipeline's forward
-            hc, ec, tc = h1, enc1, temb
-        for block in rest:
-            ec, hc = block(hidden_states=hc, encoder_hidden_states=ec, temb=tc, **block_kwargs)
-        if reusing:
-            out[index] = hc
-        else:
+        hc, index = _run_blocks(blocks[1:], h1, enc1, temb, computing, rows, not reusing, **block_kwargs)
+        if index is None:
             out = hc
+        else:
+            out[index] = hc
         for k, i in enumerate(computing):
             mine = slice(i * rows, (i + 1) * rows)
-            rest_residual = hc[k * rows : (k + 1) * rows] - h1[mine]
-            cache = states[i].cache
-            if cache is None:
-                states[i].cache = FirstBlockCache(first[mine].clone(), rest_residual.clone(), computed=1)
-            else:
-                cache.first, cache.rest = first[mine].clone(), rest_residual.clone()
-                cache.computed += 1
+            _renew(states[i], first[mine], hc[k * rows : (k + 1) * rows] - h1[mine])
     for i in reusing:
         mine = slice(i * rows, (i + 1) * rows)
         out[mine] = h1[mine] + states[i].cache.rest
@@ -116,9 +172,59 @@ def cached_blocks(
     return out
 
 
+def _teacache(method: Method, blocks, h, enc, temb, rows, states, **block_kwargs) -> torch.Tensor:
+    # The first block's adaptive norm: its normalised, shifted and scaled input (SD3, SD3.5 and FLUX blocks alike
+    # return it first).
+    modulated = blocks[0].norm1(h, emb=temb)[0]
+    raw = changes(modulated, rows, _signals(states))
+    computing: list[int] = []
+    reusing: list[int] = []
+    estimates: list[float | None] = []
+    for i, (state, change) in enumerate(zip(states, raw, strict=True)):
+        estimate = None if change is None else state.cache.accumulated + method.rescale(change)
+        estimates.append(estimate)
+        (reusing if reuse(state, estimate) else computing).append(i)
+
+    out = h.clone() if reusing else h
+    if computing:
+        hc, index = _run_blocks(blocks, h, enc, temb, computing, rows, not reusing, **block_kwargs)
+        if index is None:
+            out = hc
+        else:
+            out[index] = hc
+        for k, i in enumerate(computing):
+            mine = slice(i * rows, (i + 1) * rows)
+            residual = hc[k * rows : (k + 1) * rows] - h[mine]
+            state = states[i]
+            if method.record is not None and state.cache is not None and raw[i] is not None:
+                method.record.append((raw[i], relative_l1(residual, state.cache.rest)))
+            _renew(state, modulated[mine], residual)
+            state.cache.accumulated = 0.0
+    for i in reusing:
+        mine = slice(i * rows, (i + 1) * rows)
+        cache = states[i].cache
+        out[mine] = h[mine] + cache.rest
+        cache.signal = modulated[mine].clone()  # TeaCache compares consecutive steps, computed or not
+        cache.accumulated = estimates[i]
+        cache.reused += 1
+    return out
+
+
+def _renew(state: Any, signal: torch.Tensor, rest: torch.Tensor) -> None:
+    """A computed step: the request's cache takes its new signal and residual (cloned: views would keep the batch
+    tensors alive)."""
+    if state.cache is None:
+        state.cache = RequestCache(signal.clone(), rest.clone(), computed=1)
+    else:
+        state.cache.signal, state.cache.rest = signal.clone(), rest.clone()
+        state.cache.computed += 1
+
+
 @torch.inference_mode()
-def sd3_forward(transformer: Any, batched: dict[str, torch.Tensor], rows: int, states: Sequence[Any]) -> torch.Tensor:
-    """`SD3Transformer2DModel.forward` over B requests x `rows` rows, with a first-block cache decision per request.
+def sd3_forward(
+    method: Method, transformer: Any, batched: dict[str, torch.Tensor], rows: int, states: Sequence[Any]
+) -> torch.Tensor:
+    """`SD3Transformer2DModel.forward` over B requests x `rows` rows, with a cache decision per request.
     Returns the model output [B * rows, C, H, W]."""
     t = transformer
     x = batched["hidden_states"]
@@ -126,8 +232,7 @@ def sd3_forward(transformer: Any, batched: dict[str, torch.Tensor], rows: int, s
     h = t.pos_embed(x).contiguous()
     temb = t.time_text_embed(batched["timestep"], batched["pooled_projections"])
     enc = t.context_embedder(batched["encoder_hidden_states"])
-    blocks = t.transformer_blocks
-    out = cached_blocks(blocks[0], blocks[1:], h, enc, temb, rows, states, joint_attention_kwargs=None)
+    out = cached_blocks(method, t.transformer_blocks, h, enc, temb, rows, states, joint_attention_kwargs=None)
     hidden = t.proj_out(t.norm_out(out, temb))
     p = t.config.patch_size
     hidden = hidden.reshape(hidden.shape[0], height // p, width // p, p, p, t.out_channels)
@@ -137,6 +242,7 @@ def sd3_forward(transformer: Any, batched: dict[str, torch.Tensor], rows: int, s
 
 @torch.inference_mode()
 def flux_forward(
+    method: Method,
     transformer: Any,
     batched: dict[str, torch.Tensor],
     shared: dict[str, torch.Tensor],
@@ -144,9 +250,10 @@ def flux_forward(
     states: Sequence[Any],
     ulysses: Any = None,
 ) -> torch.Tensor:
-    """`FluxTransformer2DModel.forward` over B requests x `rows` rows (packed latents), with a first-block cache
-    decision per request: the first double-stream block decides; the rest and every single-stream block are skipped
-    together. Returns the model output [B * rows, seq, C * 4]."""
+    """`FluxTransformer2DModel.forward` over B requests x `rows` rows (packed latents), with a cache decision per
+    request: the first double-stream block decides (fbcache: its residual; teacache: its modulated input); the
+    double- and single-stream blocks after it (teacache: all of them) are skipped together. Returns the model output
+    [B * rows, seq, C * 4]."""
     t = transformer
     hidden, img_ids = batched["hidden_states"], shared["img_ids"]
     if ulysses is not None:  # as the Ulysses pre-hook on the transformer's forward, which this bypasses
@@ -164,6 +271,6 @@ def flux_forward(
     rotary = t.pos_embed(torch.cat((shared["txt_ids"], img_ids), dim=0))
     blocks = [*t.transformer_blocks, *t.single_transformer_blocks]
     out = cached_blocks(
-        blocks[0], blocks[1:], h, enc, temb, rows, states, image_rotary_emb=rotary, joint_attention_kwargs=None
+        method, blocks, h, enc, temb, rows, states, image_rotary_emb=rotary, joint_attention_kwargs=None
     )
     return t.proj_out(t.norm_out(out, temb))

@@ -33,7 +33,8 @@ ELSEWHERE: list[tuple[str, str]] = [
     (r"diffusiond bench spmd", "tests/test_readme.py"),
     (r"diffusiond serve --port 800[12] --unready-delay 2", "tests/deploy/test_haproxy.py"),
     (r"haproxy -f deploy/haproxy/haproxy\.cfg", "tests/deploy/test_haproxy.py"),
-    (r"diffusiond serve --cache fbcache", "tests/models/test_stepcache.py"),
+    (r"diffusiond serve --cache (fb|tea)cache", "tests/models/test_stepcache.py"),
+    (r"diffusiond calibrate-cache", "tests/models/test_stepcache.py"),
     (r"python -m diffusiond\.bench\.cache", "tests/test_readme.py"),
     (r"diffusiond serve --attention math", "tests/kernels/test_attention.py"),
     (r"diffusiond serve --compile", "tests/kernels/test_compile.py"),
@@ -181,7 +182,11 @@ def test_bench_spmd_example(tmp_path):
 def test_bench_cache_example(tmp_path):
     """README's step-cache benchmark, at its smallest settings (the numbers are not checked)."""
     readme_commands("python -m diffusiond.bench.cache")
-    cmd = f"{sys.executable} -m diffusiond.bench.cache --requests 2 --repeats 1 --steps 4 --thresholds 0.4"
+    cmd = (
+        f"{sys.executable} -m diffusiond.bench.cache --requests 2 --repeats 1 --steps 4 --thresholds 0.4 "
+        "--teacache-thresholds 0.3"
+    )
     result = run(cmd, tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr.decode()[-2000:]
-    assert b'"threshold":0.4' in result.stdout
+    assert b'"method":"fbcache","threshold":0.4' in result.stdout
+    assert b'"method":"teacache","threshold":0.3' in result.stdout

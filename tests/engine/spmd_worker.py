@@ -2,7 +2,7 @@
 request's image to OUT/<index>.npy; every rank writes OUT/forwards<rank>.json, what each of its transformer forwards
 saw (requests, rows, tokens in and tokens per block) and how many images it decoded, so that a test can tell a real
 split from one that computes everything everywhere. Arguments: MODEL OUT CFG_PARALLEL ULYSSES REQUESTS_JSON [CACHE];
-with CACHE (fbcache), step caching is on and each rank writes OUT/reuse<rank>.json, its decisions. With
+with CACHE (fbcache or teacache), step caching is on and each rank writes OUT/reuse<rank>.json, its decisions. With
 SPMD_ATTENTION=NAME in the environment, every rank selects that attention backend (kernels/attention.py) and writes
 OUT/attention<rank>.json, how many attention calls went through it."""
 

@@ -187,9 +187,10 @@ def test_two_ranks_match_one(family, strategy, request, tmp_path):
         assert diff <= TOLERANCE, f"{family}/{strategy} {params.prompt!r}: max abs diff {diff}"
 
 
+@pytest.mark.parametrize("method", ["fbcache", "teacache"])
 @pytest.mark.parametrize("strategy", ["cfg", "ulysses"])
 @pytest.mark.parametrize("family", ["sd3", "flux"])
-def test_step_cache_decisions_agree_across_ranks(family, strategy, request, tmp_path):
+def test_step_cache_decisions_agree_across_ranks(family, strategy, method, request, tmp_path):
     """Step caching on 2 ranks: a request split across ranks (a CFG row, or a token shard, each) decides once from
     sums all-reduced over the ranks. Every rank makes the same decisions, some requests do reuse, and the images are
     the ones one rank gives with the same thresholds."""
@@ -200,9 +201,9 @@ def test_step_cache_decisions_agree_across_ranks(family, strategy, request, tmp_
     requests = [
         msgspec.structs.replace(p, cache_threshold=t) for p, t in zip(REQUESTS[family], thresholds, strict=False)
     ]
-    expected = one_rank(model, requests, cache="fbcache")
+    expected = one_rank(model, requests, cache=method)
     cfg, ulysses = (2, 1) if strategy == "cfg" else (1, 2)
-    got, _ = two_ranks(model, tmp_path, cfg, ulysses, requests, cache="fbcache")
+    got, _ = two_ranks(model, tmp_path, cfg, ulysses, requests, cache=method)
     decisions = [json.loads((tmp_path / f"reuse{r}.json").read_text()) for r in range(2)]
     # The same change, to the last bit, on both ranks (each holds only its row or its token shard of a request):
     # without the all-reduce, each rank would measure its own part.

@@ -1,4 +1,5 @@
-"""Step caching decided per request inside a batch (models/stepcache.py), on the tiny SD3 and FLUX checkpoints.
+"""Step caching decided per request inside a batch (models/stepcache.py), on the tiny SD3 and FLUX checkpoints, for
+both methods (first-block cache and TeaCache).
 
 - Threshold 0 is exact: the cached forward (first block, then the rest) gives the uncached engine's image, which
   tests/models/test_parity.py holds to diffusers' own pipeline.
@@ -35,10 +36,15 @@ def plain(family, request):
     return load_adapter(request.getfixturevalue(f"tiny_{family}"))
 
 
+@pytest.fixture(scope="module", params=["fbcache", "teacache"])
+def method(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def cached(family, request):
+def cached(family, method, request):
     adapter = load_adapter(request.getfixturevalue(f"tiny_{family}"))
-    adapter.enable_step_cache("fbcache", 0.0)
+    adapter.enable_step_cache(method, 0.0)
     return adapter
 
 
@@ -123,7 +129,77 @@ def test_refusals(plain):
         plain.resolve(params(1, threshold=0.2))
     assert plain.resolve(params(1, threshold=0.0)).cache_threshold == 0.0
     with pytest.raises(ValueError, match="unknown cache method"):
-        plain.enable_step_cache("teacache", 0.1)
+        plain.enable_step_cache("magcache", 0.1)
+
+
+def test_teacache_skips_every_block_and_accumulates(family, request, monkeypatch):
+    """TeaCache decides before any block runs: a request that reuses runs no block at all at that step (fbcache
+    always runs the first), so a TeaCache that ran the first block (or every block) for it would fail here. Its
+    estimate is the rescaled input change summed over the steps since its last computed one, reset when it computes."""
+    adapter = load_adapter(request.getfixturevalue(f"tiny_{family}"))
+    adapter.enable_step_cache("teacache", 0.0)
+    first_block = adapter.transformer.transformer_blocks[0]
+    rows_through: list[int] = []  # rows through the first block, per forward
+    first_block.register_forward_hook(lambda m, a, k, out: rows_through.append(out[1].shape[0]), with_kwargs=True)
+    raw: list[float | None] = []  # each request's measured input change, in the order `reuse` sees them
+    seen: list[tuple[str, float | None, bool]] = []
+    original_changes, original_reuse = stepcache.changes, stepcache.reuse
+
+    def recording_changes(*args):
+        values = original_changes(*args)
+        raw.extend(values)
+        return values
+
+    def recording_reuse(state, change):
+        seen.append((state.request_id, change, original_reuse(state, change)))
+        return seen[-1][2]
+
+    monkeypatch.setattr(stepcache, "changes", recording_changes)
+    monkeypatch.setattr(stepcache, "reuse", recording_reuse)
+    asyncio.run(run(adapter, [params(1, steps=8, threshold=10.0), params(2, steps=8, threshold=0.0)], together=True))
+    reused = sum(decision for *_, decision in seen)
+    assert reused > 0
+    # 8 forwards of 2 requests (SD3 runs CFG: 2 rows each; FLUX is guidance-distilled: 1). Each reused
+    # request-step takes its rows out of the first block too.
+    rows = 2 if family == "sd3" else 1
+    assert len(rows_through) == 8 and sum(rows_through) == rows * (2 * 8 - reused), (rows_through, reused)
+    accumulated: dict[str, float] = {}
+    for change, (request_id, estimate, decision) in zip(raw, seen, strict=True):
+        if change is None:
+            assert estimate is None
+            continue
+        expected = accumulated.get(request_id, 0.0) + adapter.cache_method.rescale(change)
+        assert estimate == pytest.approx(expected, rel=1e-12)
+        accumulated[request_id] = expected if decision else 0.0
+
+
+def test_calibration_fits_the_checkpoint(tmp_path, request):
+    """`calibrate-cache`: every request-step after the first gives a pair; the fit goes beside the weights and a
+    server with --cache teacache uses it instead of the family's default. The fit recovers a known polynomial."""
+    import json
+    import shutil
+
+    from diffusiond.models import calibrate
+
+    x = np.linspace(0.01, 0.5, 40)
+    known = (3.0, -2.0, 0.5, 0.1)
+    coefficients, r2 = calibrate.fit(list(zip(x, np.polyval(known, x), strict=True)), 3)
+    np.testing.assert_allclose(coefficients, known, atol=1e-6)
+    assert r2 == pytest.approx(1.0)
+
+    model = shutil.copytree(request.getfixturevalue("tiny_sd3"), tmp_path / "model")
+    pairs = calibrate.record_pairs(str(model), ["a red circle", "a blue square", "a cat"], steps=5, size=(64, 64))
+    assert len(pairs) == 3 * 4, "one pair per request-step after the first"
+    assert all(a > 0 and b > 0 for a, b in pairs)
+    from diffusiond.daemon.cli import main
+
+    assert main(["calibrate-cache", "--model", str(model), "--steps", "5", "--size", "64x64", "--degree", "2"]) == 0
+    fitted = json.loads((model / calibrate.CACHE_FILE).read_text())["teacache"]
+    assert fitted["pairs"] == 16 * 4 and len(fitted["coefficients"]) == 3
+    adapter = load_adapter(str(model))
+    adapter.enable_step_cache("teacache", 0.1)
+    assert adapter.cache_method.coefficients == tuple(fitted["coefficients"])
+    assert load_adapter(request.getfixturevalue("tiny_flux")).teacache_coefficients == stepcache.FLUX_TEACACHE
 
 
 @pytest.mark.asyncio
@@ -132,13 +208,15 @@ async def test_over_http_per_request_thresholds(serve):
 
     from diffusiond.bench.serve import sse_events
 
-    cached_server = serve(cache="fbcache", cache_threshold=0.0)
+    cached_servers = [serve(cache=method, cache_threshold=0.0) for method in ("fbcache", "teacache")]
+    cached_server = cached_servers[0]
     plain_server = serve()
     body = {"prompt": "a red circle", "width": 64, "height": 64, "num_inference_steps": 6, "cache_threshold": 10.0}
     async with aiohttp.ClientSession() as session:
-        async with session.post(f"{cached_server.base_url}/v1/generations", json=body) as resp:
-            names = [name async for name, _ in sse_events(resp)]
-        assert names[-1] == "completed", names
+        for server in cached_servers:
+            async with session.post(f"{server.base_url}/v1/generations", json=body) as resp:
+                names = [name async for name, _ in sse_events(resp)]
+            assert names[-1] == "completed", names
         async with session.post(f"{plain_server.base_url}/v1/generations", json=body) as resp:
             assert resp.status == 400
             assert (await resp.json())["error"]["param"] == "cache_threshold"

@@ -1,0 +1,160 @@
+"""TeaCache's rescaling polynomial fitted for one checkpoint: `diffusiond calibrate-cache --model DIR`.
+
+TeaCache (models/stepcache.py) estimates how much the residual all transformer blocks add changes from one step to
+the next from how much the first block's timestep-modulated input changes, which costs one norm instead of every
+block. The two are related by a polynomial that depends on the weights (TeaCache publishes FLUX.1's). Here the
+checkpoint's own relation is measured: prompts run through the engine with every step computed (threshold 0), and
+for every request-step after its first the pair (relative L1 change of the modulated input, relative L1 change of
+the blocks' residual) is recorded; a least-squares polynomial through the pairs is written beside the weights as
+`diffusiond_cache.json`, which the adapter reads when it starts with `--cache teacache`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+CACHE_FILE = "diffusiond_cache.json"
+
+# Prompts any text-to-image model draws, the bundled one included (its words).
+PROMPTS = (
+    "a red circle",
+    "a blue square on a yellow background",
+    "a large green triangle at the top left",
+    "a small white ball in the middle on a black background",
+    "on a red background, a big yellow box",
+    "a tiny black dot at the bottom right on a white background",
+    "a blue triangle on the left",
+    "a large red square in the center on a green background",
+    "a small yellow circle at the top",
+    "a green box at the bottom left, blue background",
+    "a white triangle on a red background",
+    "a black square at the right on a yellow background",
+    "a big blue disc",
+    "a little green square at the top right",
+    "a red triangle at the bottom on a white background",
+    "a yellow ball on a blue background",
+)
+
+
+def load_coefficients(source: str) -> tuple[float, ...] | None:
+    """The polynomial fitted for the checkpoint in `source` (highest degree first), or None without a calibration."""
+    path = os.path.join(source, CACHE_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        coefficients = json.load(f)["teacache"]["coefficients"]
+    if not coefficients or not all(isinstance(c, int | float) and np.isfinite(c) for c in coefficients):
+        raise ValueError(f"{path}: teacache coefficients must be a non-empty list of finite numbers")
+    return tuple(float(c) for c in coefficients)
+
+
+def fit(pairs: list[tuple[float, float]], degree: int) -> tuple[tuple[float, ...], float]:
+    """Least-squares polynomial y ~ p(x) through the (input change, output change) pairs: its coefficients (highest
+    degree first) and R^2."""
+    if len(pairs) <= degree:
+        raise ValueError(f"{len(pairs)} pairs cannot fit a polynomial of degree {degree}: run more requests or steps")
+    x, y = np.array(pairs, dtype=np.float64).T
+    coefficients = np.polyfit(x, y, degree)
+    residual = y - np.polyval(coefficients, x)
+    total = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - float((residual**2).sum()) / total if total > 0 else 1.0
+    return tuple(float(c) for c in coefficients), r2
+
+
+def record_pairs(
+    model: str,
+    prompts: list[str],
+    *,
+    steps: int | None = None,
+    size: tuple[int, int] | None = None,
+    guidance: float | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> list[tuple[float, float]]:
+    """(input change, output change) for every request-step after the first, every step computed, batched as served."""
+    from diffusiond.engine.engine import Engine
+    from diffusiond.engine.outputs import Completed
+    from diffusiond.engine.request import SamplingParams
+    from diffusiond.models.loader import load_adapter
+
+    pairs: list[tuple[float, float]] = []
+
+    def load() -> Any:  # on the engine's step thread, which owns torch
+        adapter = load_adapter(model, device=device, dtype=dtype)
+        adapter.enable_step_cache("teacache", 0.0)
+        adapter.cache_method.record = pairs
+        return adapter
+
+    width, height = size or (None, None)
+    requests = [
+        SamplingParams(
+            prompt=prompt,
+            seed=1000 + i,
+            width=width,
+            height=height,
+            num_inference_steps=steps,
+            guidance_scale=guidance,
+            cache_threshold=0.0,
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+
+    async def run() -> None:
+        engine = Engine(load, max_batch=8, max_waiting=len(requests) + 8)
+        await engine.start()
+        try:
+            results = await asyncio.gather(*(engine.add_request(p).result() for p in requests))
+        finally:
+            await engine.stop()
+        failed = [r for r in results if not isinstance(r, Completed)]
+        if failed:
+            raise RuntimeError(f"{len(failed)} calibration requests did not complete: {failed[0]}")
+
+    asyncio.run(run())
+    return pairs
+
+
+def calibrate(args: argparse.Namespace) -> int:
+    from diffusiond.daemon.cli import resolve_model
+
+    model = resolve_model(args.model)
+    prompts = list(PROMPTS)
+    if args.prompts:
+        prompts = [line.strip() for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    t0 = time.monotonic()
+    pairs = record_pairs(
+        model,
+        prompts,
+        steps=args.steps,
+        size=args.size,
+        guidance=args.guidance_scale,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    coefficients, r2 = fit(pairs, args.degree)
+    out = Path(args.out or model) / CACHE_FILE
+    result = {
+        "teacache": {
+            "coefficients": list(coefficients),
+            "degree": args.degree,
+            "r2": round(r2, 4),
+            "pairs": len(pairs),
+            "prompts": len(prompts),
+            "steps": args.steps,
+            "input_change_range": [round(min(p[0] for p in pairs), 6), round(max(p[0] for p in pairs), 6)],
+        }
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{len(pairs)} pairs from {len(prompts)} prompts in {time.monotonic() - t0:.1f} s; R^2 {r2:.3f}")
+    print(f"coefficients (highest degree first): {', '.join(f'{c:.6g}' for c in coefficients)}")
+    print(f"wrote {out}; serve it with --cache teacache")
+    return 0

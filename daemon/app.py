@@ -81,7 +81,13 @@ def _default_loader(config: ServeConfig) -> Loader:
         from diffusiond.models.default import default_model
         from diffusiond.models.loader import load_adapter
 
-        return load_adapter(config.model or default_model(), device=config.device, dtype=config.dtype)
+        return load_adapter(
+            config.model or default_model(),
+            device=config.device,
+            dtype=config.dtype,
+            quantize=config.quantize,
+            quantize_skip=config.quantize_skip,
+        )
 
     return load
 
@@ -108,6 +114,8 @@ async def _load(app: web.Application) -> None:
         backend = adapter.set_attention(config.attention)
         if backend != "sdpa":
             log.info("attention: %s", backend)
+        if adapter.quantized is not None:
+            log.info("quantized %d linear layers of the transformer (%s)", adapter.quantized[1], adapter.quantized[0])
         app[METRICS].set_info(
             model=state.model_id,
             family=caps.family,

@@ -49,13 +49,20 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="(default: float32)"
     )
     parser.add_argument("--threads", type=int, help="torch threads (default: OMP_NUM_THREADS, else all cores)")
-    from diffusiond.daemon.config import ATTENTION_CHOICES
+    from diffusiond.daemon.config import ATTENTION_CHOICES, QUANTIZE_CHOICES
 
     parser.add_argument(
         "--attention",
         default="auto",
         choices=ATTENTION_CHOICES,
         help="attention kernel: auto = flash-attn on a CUDA device where it is installed, else sdpa (default: auto)",
+    )
+    parser.add_argument(
+        "--quantize",
+        default="none",
+        choices=QUANTIZE_CHOICES,
+        help="quantize the transformer's linear layers with torchao: int8 weights, int8 weights and activations, "
+        "or fp8 (CUDA, compute capability >= 8.9) (default: none)",
     )
 
 
@@ -105,16 +112,18 @@ async def _generate(args: argparse.Namespace) -> int:
             check_declared(declared, params)
     except ParamError as exc:
         return _refused(exc)
+    from diffusiond.kernels import quantize
     from diffusiond.kernels.attention import AttentionUnavailable, resolve
 
     try:
         resolve(args.attention, args.device)
-    except AttentionUnavailable as exc:
+        quantize.check(args.quantize, args.device)
+    except (AttentionUnavailable, quantize.QuantizationUnavailable) as exc:
         print(f"diffusiond generate: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
     def load():  # on the engine's step thread: one thread owns torch
-        adapter = load_adapter(model, device=args.device, dtype=args.dtype)
+        adapter = load_adapter(model, device=args.device, dtype=args.dtype, quantize=args.quantize)
         adapter.set_attention(args.attention)
         return adapter
 
@@ -209,16 +218,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     config, _ = loaded
     from diffusiond.daemon.config import ConfigError, check_exposure, exposure_warning
+    from diffusiond.kernels import quantize
     from diffusiond.kernels.attention import AttentionUnavailable, resolve
 
     try:
         check_exposure(config)
         resolve(config.attention, config.device)  # before any rank starts or loads
+        quantize.check(config.quantize, config.device)
         ranks = max(config.nproc * config.nnodes, int(os.environ.get("WORLD_SIZE", "1")))
         if config.compile and ranks > 1:
             # Ulysses runs collectives inside the blocks --compile would trace; no split is tested compiled yet.
             raise ConfigError("--compile runs on one rank for now; drop it or the extra ranks")
-    except (ConfigError, AttentionUnavailable) as exc:
+    except (ConfigError, AttentionUnavailable, quantize.QuantizationUnavailable) as exc:
         print(f"diffusiond serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     from diffusiond.daemon.logs import configure_logging
@@ -269,7 +280,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     override the environment or the config file (CLI > environment > file > defaults, see daemon/config.py).
     Every flag is also a config file key and a DIFFUSIOND_* variable (`--max-batch`: max_batch,
     DIFFUSIOND_MAX_BATCH)."""
-    from diffusiond.daemon.config import ATTENTION_CHOICES, ServeConfig
+    from diffusiond.daemon.config import ATTENTION_CHOICES, QUANTIZE_CHOICES, ServeConfig
 
     d = ServeConfig()
     parser.add_argument("--config", metavar="FILE", help="TOML file of the settings below (or set DIFFUSIOND_CONFIG)")
@@ -349,6 +360,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--compile-cache",
         metavar="DIR",
         help="inductor's cache folder, kept between restarts (default: <cache>/inductor)",
+    )
+    add(
+        "--quantize",
+        choices=QUANTIZE_CHOICES,
+        help="quantize the transformer's linear layers with torchao after loading: int8 = int8 weights, "
+        "int8-dynamic = int8 weights and activations, fp8 = fp8 weights and activations (CUDA, compute capability "
+        f">= 8.9); needs the quant extra (default: {d.quantize})",
+    )
+    add(
+        "--quantize-skip",
+        metavar="PATTERNS",
+        help=f"comma-separated fnmatch patterns of layer names left unquantized (default: {d.quantize_skip})",
     )
 
     add = parser.add_argument_group("stopping (SIGTERM, SIGINT)").add_argument

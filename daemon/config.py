@@ -30,6 +30,8 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 # kernels/attention.py CHOICES (a test keeps them equal; that module imports torch, this one must not).
 AttentionChoice = Literal["auto", "sdpa", "math", "efficient", "cudnn", "flash", "flash3", "sage", "xformers", "flex"]
 ATTENTION_CHOICES: tuple[str, ...] = get_args(AttentionChoice)
+QuantizeChoice = Literal["none", "int8", "int8-dynamic", "fp8"]
+QUANTIZE_CHOICES: tuple[str, ...] = get_args(QuantizeChoice)
 
 
 class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -84,6 +86,11 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # them for one and several rows. compile_cache: inductor's cache folder (default: <model cache>/inductor).
     compile: bool = False
     compile_cache: str | None = None
+    # Quantize the transformer's linear layers with torchao (kernels/quantize.py) after loading: int8 weights,
+    # int8 weights and activations, or fp8 (CUDA, compute capability >= 8.9). quantize_skip: comma-separated fnmatch
+    # patterns of layer names left as loaded (default: the embedders, the final norm and the output projection).
+    quantize: QuantizeChoice = "none"
+    quantize_skip: str = "*embed*,norm_out.*,proj_out"
     cache_threshold: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.1
     # Several nodes, one group: nproc ranks on each of nnodes nodes, which meet at the c10d rendezvous at
     # rdzv_endpoint (HOST:PORT; the agent on HOST serves it, and it must be up for the group to heal). rdzv_timeout:

@@ -134,7 +134,13 @@ def run_rank(config: ServeConfig) -> int:
 
     def join():
         rank = join_group(
-            model, device=config.device, dtype=config.dtype, cfg_parallel=config.cfg_parallel, ulysses=config.ulysses
+            model,
+            device=config.device,
+            dtype=config.dtype,
+            cfg_parallel=config.cfg_parallel,
+            ulysses=config.ulysses,
+            quantize=config.quantize,
+            quantize_skip=config.quantize_skip,
         )
         log.info("rank %d/%d joined (pid %d)", rank.rank, rank.world_size, os.getpid())
         return rank

@@ -40,25 +40,39 @@ def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
 
 
 # Library messages that tell an operator of diffusiond nothing, dropped where they are logged; every other warning
-# still shows. (logger, text it contains)
-NOISE: tuple[tuple[str, str], ...] = (
+# still shows. (logger, text it contains, dropped only on hosts without CUDA)
+NOISE: tuple[tuple[str, str, bool], ...] = (
     # The PIL image processors serve our pipelines; torchvision is not a dependency (its wheels are CUDA builds).
-    ("transformers.utils.import_utils", "requires torchvision (not installed)"),
+    ("transformers.utils.import_utils", "requires torchvision (not installed)", False),
+    # torchao (the quant extra), at import: its CUDA kernel libraries and triton cannot load on a host without CUDA
+    # (on a GPU host these still show); a deprecation addressed to torchao's own code; and diffusers' note on
+    # loading torchao-serialized checkpoints, which diffusiond never loads (it quantizes after loading).
+    ("torchao", "Failed to load", True),
+    ("torchao.kernel.intmm", "Detected no triton", True),
+    ("torch.utils._pytree", "is an Enum subclass and is now natively supported", False),
+    ("diffusers.quantizers.torchao.torchao_quantizer", "Unable to import `torchao` Tensor objects", False),
 )
 
 
 class _DropNoise(logging.Filter):
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, without_cuda_only: bool = False) -> None:
         super().__init__()
         self.text = text
+        self.without_cuda_only = without_cuda_only
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return self.text not in record.getMessage()
+        if self.text not in record.getMessage():
+            return True
+        if self.without_cuda_only:
+            import torch  # imported by whoever logs this
+
+            return torch.cuda.is_available()
+        return False
 
 
 def quiet_library_noise() -> None:
     """Installed before the libraries are imported (their loggers are the same objects, looked up by name)."""
-    for name, text in NOISE:
+    for name, text, without_cuda_only in NOISE:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNoise) and f.text == text for f in logger.filters):
-            logger.addFilter(_DropNoise(text))
+            logger.addFilter(_DropNoise(text, without_cuda_only))

@@ -37,7 +37,14 @@ def in_launched_group() -> bool:
 
 
 def join_group(
-    model: str, *, device: str = "cpu", dtype: str = "float32", cfg_parallel: int = 1, ulysses: int = 1
+    model: str,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    cfg_parallel: int = 1,
+    ulysses: int = 1,
+    quantize: str = "none",
+    quantize_skip: str | None = None,
 ) -> Rank:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     layout = ParallelLayout(world_size, cfg_parallel, ulysses)
@@ -51,7 +58,7 @@ def join_group(
         backend = "gloo"
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     attempt = agree_on_attempt(device)
-    adapter = load_adapter(model, device=device, dtype=dtype)
+    adapter = load_adapter(model, device=device, dtype=dtype, quantize=quantize, quantize_skip=quantize_skip)
     cfg_group, ulysses_group = build_groups(layout, rank)
     if cfg_group is not None:
         adapter.enable_cfg_parallel(cfg_group)

@@ -98,6 +98,8 @@ class RequestState:
 class ModelAdapter(abc.ABC):
     pipeline_class: ClassVar[str]
     capabilities: Capabilities
+    # (choice, layers converted) when models/loader.py quantized the transformer (kernels/quantize.py).
+    quantized: tuple[str, int] | None = None
 
     @classmethod
     @abc.abstractmethod

@@ -28,8 +28,23 @@ def read_model_index(model: str) -> dict:
     return json.loads(path.read_text())
 
 
-def load_adapter(model: str, *, device: str = "cpu", dtype: str | torch.dtype = "float32") -> ModelAdapter:
+def load_adapter(
+    model: str,
+    *,
+    device: str = "cpu",
+    dtype: str | torch.dtype = "float32",
+    quantize: str = "none",
+    quantize_skip: str | None = None,
+) -> ModelAdapter:
+    """The adapter for `model`, loaded through its pipeline's `from_pretrained`; with `quantize`, its transformer's
+    linear layers quantized (kernels/quantize.py; `quantize_skip`: comma-separated name patterns left alone)."""
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     index = read_model_index(model)
     cls = adapter_for(index.get("_class_name", "<missing _class_name>"))
-    return cls.from_pretrained(model, device=device, dtype=torch_dtype)
+    adapter = cls.from_pretrained(model, device=device, dtype=torch_dtype)
+    if quantize != "none":
+        from diffusiond.kernels.quantize import DEFAULT_SKIP, quantize_layers
+
+        skip = DEFAULT_SKIP if quantize_skip is None else tuple(filter(None, map(str.strip, quantize_skip.split(","))))
+        adapter.quantized = (quantize, quantize_layers(adapter.transformer, quantize, skip))
+    return adapter

@@ -24,7 +24,6 @@ from aiohttp import web
 from diffusiond.daemon.app import create_app
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.state import STATE, ServerState
-from diffusiond.models.loader import load_adapter
 from diffusiond.models.tiny import build_tiny
 
 # 2 cores on CI; more threads than cores slows torch down by an order of magnitude.
@@ -182,8 +181,7 @@ class ServerThread:
             loop.close()
 
     async def _setup(self) -> None:
-        model = self.model
-        self.app = create_app(self.config, load=lambda: load_adapter(model))
+        self.app = create_app(self.config)  # its own loader: config.model, as `diffusiond serve` loads
         self.runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=5.0)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)

@@ -7,7 +7,6 @@ that set nothing would leave the counter at 0). GPU-only backends are refused be
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 from typing import get_args
@@ -15,11 +14,9 @@ from typing import get_args
 import numpy as np
 import pytest
 from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+from engines import generate
 
 from diffusiond.daemon.config import AttentionChoice
-from diffusiond.engine.engine import Engine
-from diffusiond.engine.outputs import Completed
-from diffusiond.engine.request import SamplingParams
 from diffusiond.kernels import attention
 from diffusiond.models.loader import load_adapter
 
@@ -39,26 +36,6 @@ def count_calls(monkeypatch, backend: str) -> list[int]:
 
     monkeypatch.setitem(_AttentionBackendRegistry._backends, name, counted)
     return calls
-
-
-def generate(adapter, seeds=(1, 2)) -> list[np.ndarray]:
-    async def run():
-        engine = Engine(adapter, max_batch=4, batch_wait=0.5)  # both requests in every forward
-        await engine.start()
-        try:
-            handles = [
-                engine.add_request(
-                    SamplingParams(prompt=f"a shape {s}", seed=s, width=64, height=64, num_inference_steps=3)
-                )
-                for s in seeds
-            ]
-            results = [await h.result() for h in handles]
-        finally:
-            await engine.stop()
-        assert all(isinstance(r, Completed) for r in results), results
-        return [r.image for r in results]
-
-    return asyncio.run(run())
 
 
 def test_choices_match_the_config() -> None:

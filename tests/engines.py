@@ -1,0 +1,36 @@
+"""Helpers for tests that run requests through an Engine in the test's process.
+
+On the test path through `pythonpath = ["tests"]` in pyproject.toml: `from engines import ...`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from diffusiond.engine.engine import Engine
+from diffusiond.engine.outputs import Completed
+from diffusiond.engine.request import SamplingParams
+
+
+def generate(adapter, seeds=(1, 2), steps: int = 3) -> list[np.ndarray]:
+    """64x64 images of "a shape {seed}" for each seed, the requests batched together in every forward."""
+
+    async def run():
+        engine = Engine(adapter, max_batch=4, batch_wait=0.5)  # both requests in every forward
+        await engine.start()
+        try:
+            handles = [
+                engine.add_request(
+                    SamplingParams(prompt=f"a shape {s}", seed=s, width=64, height=64, num_inference_steps=steps)
+                )
+                for s in seeds
+            ]
+            results = [await h.result() for h in handles]
+        finally:
+            await engine.stop()
+        assert all(isinstance(r, Completed) for r in results), results
+        return [r.image for r in results]
+
+    return asyncio.run(run())

@@ -87,6 +87,7 @@ def _default_loader(config: ServeConfig) -> Loader:
             dtype=config.dtype,
             quantize=config.quantize,
             quantize_skip=config.quantize_skip,
+            offload=config.offload,
         )
 
     return load

@@ -64,6 +64,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="quantize the transformer's linear layers with torchao: int8 weights, int8 weights and activations, "
         "or fp8 (CUDA, compute capability >= 8.9) (default: none)",
     )
+    parser.add_argument(
+        "--offload",
+        default="none",
+        choices=["none", "model", "group"],
+        help="keep weights in CPU memory for a GPU smaller than the model: model = one stage's components on the GPU "
+        "at a time, group = the transformer streamed layer by layer (default: none)",
+    )
 
 
 def resolve_model(model: str | None) -> str:
@@ -112,18 +119,21 @@ async def _generate(args: argparse.Namespace) -> int:
             check_declared(declared, params)
     except ParamError as exc:
         return _refused(exc)
-    from diffusiond.kernels import quantize
+    from diffusiond.kernels import offload, quantize
     from diffusiond.kernels.attention import AttentionUnavailable, resolve
 
     try:
         resolve(args.attention, args.device)
         quantize.check(args.quantize, args.device)
-    except (AttentionUnavailable, quantize.QuantizationUnavailable) as exc:
+        offload.check(args.offload, args.device)
+    except (AttentionUnavailable, quantize.QuantizationUnavailable, offload.OffloadUnavailable) as exc:
         print(f"diffusiond generate: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
     def load():  # on the engine's step thread: one thread owns torch
-        adapter = load_adapter(model, device=args.device, dtype=args.dtype, quantize=args.quantize)
+        adapter = load_adapter(
+            model, device=args.device, dtype=args.dtype, quantize=args.quantize, offload=args.offload
+        )
         adapter.set_attention(args.attention)
         return adapter
 
@@ -218,18 +228,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     config, _ = loaded
     from diffusiond.daemon.config import ConfigError, check_exposure, exposure_warning
-    from diffusiond.kernels import quantize
+    from diffusiond.kernels import offload, quantize
     from diffusiond.kernels.attention import AttentionUnavailable, resolve
 
     try:
         check_exposure(config)
         resolve(config.attention, config.device)  # before any rank starts or loads
         quantize.check(config.quantize, config.device)
+        offload.check(config.offload, config.device)
         ranks = max(config.nproc * config.nnodes, int(os.environ.get("WORLD_SIZE", "1")))
         if config.compile and ranks > 1:
             # Ulysses runs collectives inside the blocks --compile would trace; no split is tested compiled yet.
             raise ConfigError("--compile runs on one rank for now; drop it or the extra ranks")
-    except (ConfigError, AttentionUnavailable, quantize.QuantizationUnavailable) as exc:
+    except (ConfigError, AttentionUnavailable, quantize.QuantizationUnavailable, offload.OffloadUnavailable) as exc:
         print(f"diffusiond serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     from diffusiond.daemon.logs import configure_logging
@@ -372,6 +383,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--quantize-skip",
         metavar="PATTERNS",
         help=f"comma-separated fnmatch patterns of layer names left unquantized (default: {d.quantize_skip})",
+    )
+    add(
+        "--offload",
+        choices=["none", "model", "group"],
+        help="keep weights in CPU memory for a GPU smaller than the model: model = one stage's components (text "
+        "encoders, transformer, VAE) on the GPU at a time, group = the transformer's layers streamed to it with "
+        f"prefetch (default: {d.offload})",
     )
 
     add = parser.add_argument_group("stopping (SIGTERM, SIGINT)").add_argument

@@ -91,6 +91,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # patterns of layer names left as loaded (default: the embedders, the final norm and the output projection).
     quantize: QuantizeChoice = "none"
     quantize_skip: str = "*embed*,norm_out.*,proj_out"
+    # Offload (kernels/offload.py), for GPUs with less memory than the model: "model" keeps one stage's components
+    # (text encoders, transformer, VAE) on the device at a time; "group" streams the transformer's layers to it.
+    offload: Literal["none", "model", "group"] = "none"
     cache_threshold: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.1
     # Several nodes, one group: nproc ranks on each of nnodes nodes, which meet at the c10d rendezvous at
     # rdzv_endpoint (HOST:PORT; the agent on HOST serves it, and it must be up for the group to heal). rdzv_timeout:

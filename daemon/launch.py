@@ -141,6 +141,7 @@ def run_rank(config: ServeConfig) -> int:
             ulysses=config.ulysses,
             quantize=config.quantize,
             quantize_skip=config.quantize_skip,
+            offload=config.offload,
         )
         log.info("rank %d/%d joined (pid %d)", rank.rank, rank.world_size, os.getpid())
         return rank

@@ -45,6 +45,7 @@ def join_group(
     ulysses: int = 1,
     quantize: str = "none",
     quantize_skip: str | None = None,
+    offload: str = "none",
 ) -> Rank:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     layout = ParallelLayout(world_size, cfg_parallel, ulysses)
@@ -58,7 +59,9 @@ def join_group(
         backend = "gloo"
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     attempt = agree_on_attempt(device)
-    adapter = load_adapter(model, device=device, dtype=dtype, quantize=quantize, quantize_skip=quantize_skip)
+    adapter = load_adapter(
+        model, device=device, dtype=dtype, quantize=quantize, quantize_skip=quantize_skip, offload=offload
+    )
     cfg_group, ulysses_group = build_groups(layout, rank)
     if cfg_group is not None:
         adapter.enable_cfg_parallel(cfg_group)

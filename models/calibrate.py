@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -76,10 +77,10 @@ def record_pairs(
     steps: int | None = None,
     size: tuple[int, int] | None = None,
     guidance: float | None = None,
-    device: str = "cpu",
-    dtype: str = "float32",
+    **load_options: Any,
 ) -> list[tuple[float, float]]:
-    """(input change, output change) for every request-step after the first, every step computed, batched as served."""
+    """(input change, output change) for every request-step after the first, every step computed, batched as served.
+    `load_options`: `load_adapter`'s (device, dtype, quantize, offload), as the checkpoint will be served."""
     from diffusiond.engine.engine import Engine
     from diffusiond.engine.outputs import Completed
     from diffusiond.engine.request import SamplingParams
@@ -88,7 +89,7 @@ def record_pairs(
     pairs: list[tuple[float, float]] = []
 
     def load() -> Any:  # on the engine's step thread, which owns torch
-        adapter = load_adapter(model, device=device, dtype=dtype)
+        adapter = load_adapter(model, **load_options)
         adapter.enable_step_cache("teacache", 0.0)
         adapter.cache_method.record = pairs
         return adapter
@@ -124,7 +125,14 @@ def record_pairs(
 
 def calibrate(args: argparse.Namespace) -> int:
     from diffusiond.daemon.cli import resolve_model
+    from diffusiond.kernels import offload, quantize
 
+    try:
+        quantize.check(args.quantize, args.device)
+        offload.check(args.offload, args.device)
+    except ValueError as exc:
+        print(f"diffusiond calibrate-cache: error: {exc}", file=sys.stderr)
+        return 2
     model = resolve_model(args.model)
     prompts = list(PROMPTS)
     if args.prompts:
@@ -138,6 +146,8 @@ def calibrate(args: argparse.Namespace) -> int:
         guidance=args.guidance_scale,
         device=args.device,
         dtype=args.dtype,
+        quantize=args.quantize,
+        offload=args.offload,
     )
     coefficients, r2 = fit(pairs, args.degree)
     out = Path(args.out or model) / CACHE_FILE

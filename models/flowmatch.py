@@ -240,6 +240,34 @@ class FlowMatchAdapter(ModelAdapter):
 
     attention_backend: str = "sdpa"
     compiled: bool = False
+    offload: str = "none"
+    _stages: Any = None  # kernels/offload.StageOffload with `model` offload
+    TEXT_ENCODERS: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+    def enable_offload(self, mode: str, device: str) -> None:
+        """Keep weights in CPU memory and bring them to `device` as they run (kernels/offload.py); the adapter was
+        loaded to CPU memory. `model`: one stage's components at a time; `group`: the transformer streamed layer by
+        layer, the rest on the device."""
+        from diffusiond.kernels import offload
+
+        if mode == "model":
+            self._stages = offload.StageOffload(self.pipe.components, device)
+        elif mode == "group":
+            for name, module in self.pipe.components.items():
+                if isinstance(module, torch.nn.Module) and name != "transformer":
+                    module.to(device)
+            offload.group_offload(self.transformer, device)
+        elif mode != "none":
+            raise offload.OffloadUnavailable(f"unknown offload {mode!r}")
+        self.offload = mode
+        self.device = torch.device(device)  # where inputs are made: the execution device, not the weights' home
+        self.capabilities = self._capabilities()
+
+    def _stage(self, *names: str) -> None:
+        """Before a stage runs (encoding, denoising, decoding): with `model` offload, its components come to the
+        device and the others leave it."""
+        if self._stages is not None:
+            self._stages.stage(names)
 
     def enable_compile(self) -> int:
         """torch.compile the transformer's repeated blocks (kernels/compile.py); they compile at their first call,
@@ -361,6 +389,7 @@ class FlowMatchAdapter(ModelAdapter):
 
     @torch.inference_mode()
     def decode_latents(self, states: Sequence[RequestState]) -> torch.Tensor:
+        self._stage("vae")
         return self._decode(self._unpack(torch.cat([s.latents for s in states]), states[0].params))
 
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -371,6 +400,7 @@ class FlowMatchAdapter(ModelAdapter):
     @torch.inference_mode()
     def preview_vae(self, x0: torch.Tensor) -> list[np.ndarray]:
         """Predicted clean latents [B, C, h, w] (`predicted_x0`, one size) decoded by the VAE: uint8 [H, W, 3] each."""
+        self._stage("vae")
         images = self._decode(x0)
         return [(image * 255).round().astype(np.uint8) for image in self.postprocess(images)]
 

@@ -84,6 +84,7 @@ class FluxAdapter(FlowMatchAdapter):
         return states
 
     def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self._stage(*self.TEXT_ENCODERS)
         embeds, pooled, _ = self.pipe.encode_prompt(
             prompt=texts, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length
         )
@@ -92,6 +93,7 @@ class FluxAdapter(FlowMatchAdapter):
 
     @torch.inference_mode()
     def denoise(self, states: Sequence[RequestState]) -> torch.Tensor:
+        self._stage("transformer")
         cond = self._batched_cond(states)
         shared = states[0].shared  # same size and text length across the batch (batch key)
         latents = torch.cat([s.latents for s in states])  # [B, seq, C * 4]

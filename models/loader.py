@@ -35,16 +35,20 @@ def load_adapter(
     dtype: str | torch.dtype = "float32",
     quantize: str = "none",
     quantize_skip: str | None = None,
+    offload: str = "none",
 ) -> ModelAdapter:
     """The adapter for `model`, loaded through its pipeline's `from_pretrained`; with `quantize`, its transformer's
-    linear layers quantized (kernels/quantize.py; `quantize_skip`: comma-separated name patterns left alone)."""
+    linear layers quantized (kernels/quantize.py; `quantize_skip`: comma-separated name patterns left alone); with
+    `offload`, loaded to CPU memory and run on `device` (kernels/offload.py)."""
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     index = read_model_index(model)
     cls = adapter_for(index.get("_class_name", "<missing _class_name>"))
-    adapter = cls.from_pretrained(model, device=device, dtype=torch_dtype)
+    adapter = cls.from_pretrained(model, device="cpu" if offload != "none" else device, dtype=torch_dtype)
     if quantize != "none":
         from diffusiond.kernels.quantize import DEFAULT_SKIP, quantize_layers
 
         skip = DEFAULT_SKIP if quantize_skip is None else tuple(filter(None, map(str.strip, quantize_skip.split(","))))
         adapter.quantized = (quantize, quantize_layers(adapter.transformer, quantize, skip))
+    if offload != "none":
+        adapter.enable_offload(offload, device)
     return adapter

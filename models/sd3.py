@@ -97,6 +97,7 @@ class SD3Adapter(FlowMatchAdapter):
         return states
 
     def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self._stage(*self.TEXT_ENCODERS)
         """The pipeline's own encoder, one batched call; negative prompts take the same path in diffusers."""
         embeds, _, pooled, _ = self.pipe.encode_prompt(
             prompt=texts,
@@ -111,6 +112,7 @@ class SD3Adapter(FlowMatchAdapter):
 
     @torch.inference_mode()
     def denoise(self, states: Sequence[RequestState]) -> torch.Tensor:
+        self._stage("transformer")
         cond = self._batched_cond(states)
         latents = torch.cat([s.latents for s in states])  # [B, C, h, w]
         timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device)  # [B]

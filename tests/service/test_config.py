@@ -75,6 +75,7 @@ def test_every_serve_flag_maps_to_its_field():
         "--rdzv-timeout", "60", "--node-addr", "10.0.0.2", "--served-model-name", "shapes",
         "--cache", "fbcache", "--cache-threshold", "0.3", "--attention", "math", "--compile",
         "--compile-cache", "/var/cache/inductor", "--quantize", "int8", "--quantize-skip", "proj_out",
+        "--offload", "group",
     ]  # fmt: skip
     config, sources = load_config(cli(*argv), {})
     assert config == ServeConfig(
@@ -84,7 +85,7 @@ def test_every_serve_flag_maps_to_its_field():
         sse_keepalive=0.5, batch_wait_ms=0.0, unready_delay=2.0, nnodes=2, rdzv_endpoint="head:29400", rdzv_id="g1",
         rdzv_timeout=60.0, node_addr="10.0.0.2", served_model_name="shapes",
         cache="fbcache", cache_threshold=0.3, attention="math", compile=True, compile_cache="/var/cache/inductor",
-        quantize="int8", quantize_skip="proj_out",
+        quantize="int8", quantize_skip="proj_out", offload="group",
     )  # fmt: skip
     assert all(source.startswith("--") for source in sources.values()), sources
     # The global logging flags, before the subcommand, still work.

@@ -235,11 +235,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         check_exposure(config)
         resolve(config.attention, config.device)  # before any rank starts or loads
         quantize.check(config.quantize, config.device)
+        if config.compile and config.offload == "group":
+            # Its hooks move each layer's weights inside the blocks --compile would trace.
+            raise ConfigError("--compile does not run with --offload group; use --offload model, or drop one")
         offload.check(config.offload, config.device)
-        ranks = max(config.nproc * config.nnodes, int(os.environ.get("WORLD_SIZE", "1")))
-        if config.compile and ranks > 1:
-            # Ulysses runs collectives inside the blocks --compile would trace; no split is tested compiled yet.
-            raise ConfigError("--compile runs on one rank for now; drop it or the extra ranks")
+        if config.compile and config.ulysses > 1:
+            # Ulysses runs its all-to-alls inside the attention of the blocks --compile would trace.
+            raise ConfigError("--compile does not run with --ulysses yet; drop one (CFG-parallel ranks compile)")
     except (ConfigError, AttentionUnavailable, quantize.QuantizationUnavailable, offload.OffloadUnavailable) as exc:
         print(f"diffusiond serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -168,6 +168,11 @@ def run_rank(config: ServeConfig) -> int:
         # Rank 0's app sets the same from the same configuration; requests carry their own thresholds.
         rank.adapter.enable_step_cache(config.cache, config.cache_threshold)
         rank.adapter.set_attention(config.attention)
+        if config.compile:  # compiled at their first calls: rank 0's warm-up runs them on every rank
+            from diffusiond.kernels.compile import use_cache_dir
+
+            use_cache_dir(config.compile_cache)
+            rank.adapter.enable_compile()
         try:
             run_follower(rank.adapter, rank.comm)
         except Exception as exc:

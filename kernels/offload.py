@@ -32,8 +32,14 @@ def check(choice: str, device: str) -> None:
     """Raises OffloadUnavailable when `choice` makes no sense on `device`. No torch work."""
     if choice not in CHOICES:
         raise OffloadUnavailable(f"unknown offload {choice!r}; choose from {', '.join(CHOICES)}")
-    if choice != "none" and not device.startswith("cuda"):
+    if choice == "none":
+        return
+    if not device.startswith("cuda"):
         raise OffloadUnavailable(f"--offload {choice} needs a CUDA device: it keeps weights in CPU memory for one")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise OffloadUnavailable(f"--offload {choice} needs a CUDA device, and none is available here")
 
 
 class StageOffload:

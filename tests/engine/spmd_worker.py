@@ -4,7 +4,8 @@ saw (requests, rows, tokens in and tokens per block) and how many images it deco
 split from one that computes everything everywhere. Arguments: MODEL OUT CFG_PARALLEL ULYSSES REQUESTS_JSON [CACHE];
 with CACHE (fbcache or teacache), step caching is on and each rank writes OUT/reuse<rank>.json, its decisions. With
 SPMD_ATTENTION=NAME in the environment, every rank selects that attention backend (kernels/attention.py) and writes
-OUT/attention<rank>.json, how many attention calls went through it."""
+OUT/attention<rank>.json, how many attention calls went through it. With SPMD_COMPILE=1, every rank compiles the
+transformer's blocks (kernels/compile.py) and writes OUT/graphs<rank>.json, how many graphs dynamo compiled."""
 
 import asyncio
 import json
@@ -108,6 +109,9 @@ def main() -> None:
             return decision
 
         stepcache.reuse = recording
+    compiled = os.environ.get("SPMD_COMPILE") == "1"
+    if compiled:
+        rank.adapter.enable_compile()
     if rank.rank == 0:
         asyncio.run(drive(rank, requests, Path(out)))
     else:
@@ -117,6 +121,10 @@ def main() -> None:
         Path(out, f"reuse{rank.rank}.json").write_text(json.dumps(decisions))
     if attention_calls is not None:
         Path(out, f"attention{rank.rank}.json").write_text(json.dumps(attention_calls[0]))
+    if compiled:
+        from torch._dynamo.utils import counters
+
+        Path(out, f"graphs{rank.rank}.json").write_text(json.dumps(counters["stats"]["unique_graphs"]))
     dist.destroy_process_group()
 
 

@@ -110,7 +110,14 @@ def one_rank(model: str, requests, cache: str | None = None) -> list[np.ndarray]
 
 
 def two_ranks(
-    model: str, out: Path, cfg: int, ulysses: int, requests, cache: str | None = None, attention: str | None = None
+    model: str,
+    out: Path,
+    cfg: int,
+    ulysses: int,
+    requests,
+    cache: str | None = None,
+    attention: str | None = None,
+    compile: bool = False,
 ) -> tuple[list[np.ndarray], list[list[dict]]]:
     cmd = [
         sys.executable,
@@ -129,6 +136,8 @@ def two_ranks(
         *([cache] if cache else []),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **({"SPMD_ATTENTION": attention} if attention else {})}
+    if compile:
+        env["SPMD_COMPILE"] = "1"
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     images = [np.load(out / f"{i}.npy") for i in range(len(requests))]
@@ -212,6 +221,22 @@ def test_step_cache_decisions_agree_across_ranks(family, strategy, method, reque
     for params, a, b in zip(requests, expected, got, strict=True):
         diff = float(np.abs(a - b).max())
         assert diff <= TOLERANCE, f"{family}/{strategy} {params.prompt[:20]!r}: max abs diff {diff}"
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_cfg_parallel_ranks_run_compiled_blocks(family, request, tmp_path):
+    """`--compile` with CFG-parallel: every rank compiles its blocks (no collective runs inside them), the split still
+    happens, and the images are one eager rank's."""
+    model = request.getfixturevalue(f"tiny_{family}")
+    requests = REQUESTS[family]  # with and without CFG: check_split wants both
+    expected = one_rank(model, requests)
+    got, forwards = two_ranks(model, tmp_path, 2, 1, requests, compile=True)
+    check_split("cfg", forwards)
+    graphs = [json.loads((tmp_path / f"graphs{r}.json").read_text()) for r in range(2)]
+    assert all(g > 0 for g in graphs), graphs
+    for params, a, b in zip(requests, expected, got, strict=True):
+        diff = float(np.abs(a - b).max())
+        assert diff <= TOLERANCE, f"{family} {params.prompt!r}: max abs diff {diff}"
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux"])

@@ -85,15 +85,15 @@ def test_compiled_blocks_never_recompile_after_the_warm_up(family, request, tmp_
         assert a.shape == b.shape and np.abs(a - b).max() <= ATOL, np.abs(a - b).max()
 
 
-def test_compile_on_several_ranks_is_refused_with_a_reason() -> None:
+def test_compile_with_ulysses_is_refused_with_a_reason() -> None:
     import subprocess
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "diffusiond", "serve", "--compile", "--nproc", "2", "--cfg-parallel", "2"],
+        [sys.executable, "-m", "diffusiond", "serve", "--compile", "--nproc", "2", "--ulysses", "2"],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert proc.returncode == 2, proc.stderr
-    assert "--compile runs on one rank for now" in proc.stderr
+    assert "--compile does not run with --ulysses yet" in proc.stderr

@@ -20,7 +20,6 @@ TEXT = {"text_encoder", "text_encoder_2", "text_encoder_3"}
 
 def test_refusals() -> None:
     offload.check("none", "cpu")
-    offload.check("group", "cuda:1")
     with pytest.raises(offload.OffloadUnavailable, match="--offload model needs a CUDA device"):
         offload.check("model", "cpu")
     with pytest.raises(offload.OffloadUnavailable, match="unknown offload"):
@@ -72,13 +71,21 @@ def test_group_offload_hooks_every_layer_of_the_transformer(family, cache, reque
         np.testing.assert_array_equal(a, b)
 
 
-def test_serve_refuses_offload_without_cuda(tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--offload", "group"], "--offload group needs a CUDA device"),
+        (["--offload", "model", "--device", "cuda", "--compile"], "needs a CUDA device"),
+        (["--offload", "group", "--device", "cuda", "--compile"], "--compile does not run with --offload group"),
+    ],
+)
+def test_serve_refuses_what_cannot_run_before_loading(flags, message, tmp_path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "diffusiond", "serve", "--offload", "group", "--model", str(tmp_path / "absent")],
+        [sys.executable, "-m", "diffusiond", "serve", *flags, "--model", str(tmp_path / "absent")],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert proc.returncode == 2, proc.stderr
-    assert "--offload group needs a CUDA device" in proc.stderr
+    assert message in proc.stderr
     assert "Traceback" not in proc.stderr

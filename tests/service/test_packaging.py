@@ -134,3 +134,10 @@ def test_the_wheel_ships_the_model_and_the_playground_without_warnings(tmp_path)
     }
     assert expected and expected <= names, sorted(expected - names)
     assert any(name.startswith("diffusiond/metrics/") and name.endswith(".json") for name in names)
+
+
+def test_the_test_extra_installs_what_the_quant_extra_does():
+    """README's `pip install ... '.[quant]'`: CI installs the test extra, which must carry the same requirements, so
+    the quantization tests run against what users install."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["quant"] and set(extras["quant"]) <= set(extras["test"])

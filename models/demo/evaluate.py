@@ -418,13 +418,17 @@ def cmd_partial(args: argparse.Namespace) -> None:
     for kind in args.kinds:
         cases = caption_cases(kind, args.n, args.per_scene if kind == "partial" else 1)
         for steps in args.steps:
-            requests = [
-                SamplingParams(prompt=c.text, seed=SEED_BASE + i, num_inference_steps=steps)
-                for i, (_, c) in enumerate(cases)
-            ]
-            images = [image for image, _ in generate(adapter, requests)]
-            table[f"{kind}, {steps} steps"] = row = judge_named(cases, images)
-            print(f"{kind}, {steps} steps: {json.dumps(row)}", flush=True)
+            for guidance in args.guidance or [None]:
+                requests = [
+                    SamplingParams(
+                        prompt=c.text, seed=SEED_BASE + i, num_inference_steps=steps, guidance_scale=guidance
+                    )
+                    for i, (_, c) in enumerate(cases)
+                ]
+                images = [image for image, _ in generate(adapter, requests)]
+                label = f"{kind}, {steps} steps" + ("" if guidance is None else f", guidance {guidance:g}")
+                table[label] = row = judge_named(cases, images)
+                print(f"{label}: {json.dumps(row)}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
 
@@ -455,6 +459,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--per-scene", type=int, default=4, help="partial captions per scene")
     p.add_argument("--kinds", nargs="+", default=["grammar", "full", "partial"], choices=["grammar", "full", "partial"])
     p.add_argument("--steps", type=int, nargs="+", default=[8, 16])
+    p.add_argument("--guidance", type=float, nargs="+", default=None, help="guidance scales (default: the model's)")
     p.add_argument("--json", default=None)
     p.set_defaults(fn=cmd_partial)
     p = sub.add_parser("gallery")

@@ -51,7 +51,7 @@ class Method:
         value = 0.0
         for c in self.coefficients:  # Horner
             value = value * x + c
-        return value
+        return max(value, 0.0)  # a fitted polynomial may dip below 0 outside its data; a change cannot
 
 
 @dataclass

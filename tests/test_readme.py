@@ -35,7 +35,10 @@ ELSEWHERE: list[tuple[str, str]] = [
     (r"haproxy -f deploy/haproxy/haproxy\.cfg", "tests/deploy/test_haproxy.py"),
     (r"diffusiond serve --cache (fb|tea)cache", "tests/models/test_stepcache.py"),
     (r"diffusiond calibrate-cache", "tests/models/test_stepcache.py"),
+    (r"diffusiond serve --quantize", "tests/kernels/test_quantize.py"),
+    (r"pip install -c constraints/cpu\.txt -e '\.\[quant\]'", "tests/service/test_packaging.py"),
     (r"python -m diffusiond\.bench\.cache", "tests/test_readme.py"),
+    (r"python -m diffusiond\.bench\.accel", "tests/test_readme.py"),
     (r"diffusiond serve --attention math", "tests/kernels/test_attention.py"),
     (r"diffusiond serve --compile", "tests/kernels/test_compile.py"),
 ]
@@ -176,6 +179,19 @@ def test_bench_spmd_example(tmp_path):
     cmd = "diffusiond bench spmd --images 4 --steps 4 --plans 50"
     result = run(cmd, tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr.decode()[-2000:]
+
+
+@pytest.mark.slow
+def test_bench_accel_example(tmp_path):
+    """README's acceleration benchmark, at its smallest settings (the numbers are not checked): each configuration
+    in a child process of its own, every row reported."""
+    readme_commands("python -m diffusiond.bench.accel")
+    configs = "exact,teacache:0.4,int8"
+    cmd = f"{sys.executable} -m diffusiond.bench.accel --requests 2 --repeats 1 --steps 4 --configs {configs}"
+    result = run(cmd, tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    for config in configs.split(","):
+        assert f'"config": "{config}"'.encode() in result.stdout
 
 
 @pytest.mark.slow

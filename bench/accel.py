@@ -77,25 +77,16 @@ def worker(args: argparse.Namespace) -> None:
     """One configuration in this (clean) process: writes images, times and the reuse share to --out."""
     import torch
 
+    from diffusiond.bench.cache import count_reuse
     from diffusiond.daemon.app import warm_up_requests
     from diffusiond.engine.engine import Engine
     from diffusiond.engine.request import SamplingParams
-    from diffusiond.models import stepcache
     from diffusiond.models.loader import load_adapter
 
     torch.set_num_threads(args.threads)
     config = parse(args.worker)
     model, prompts, extra = workload(args.model, args.requests, args.size)
-    counts = {"reused": 0, "decided": 0}
-    original = stepcache.reuse
-
-    def counting(state, change):
-        decision = original(state, change)
-        counts["reused"] += decision
-        counts["decided"] += 1
-        return decision
-
-    stepcache.reuse = counting
+    counts = count_reuse()
 
     def load():  # on the engine's step thread, as the daemon loads
         adapter = load_adapter(model, quantize=config["quantize"])

@@ -38,6 +38,23 @@ def ssim(a: np.ndarray, b: np.ndarray, window: int = 7) -> float:
     return float(s.mean())
 
 
+def count_reuse() -> dict[str, int]:
+    """Wrap `stepcache.reuse` (in this process) to count decisions; the returned counts move as requests run."""
+    from diffusiond.models import stepcache
+
+    counts = {"reused": 0, "decided": 0}
+    original = stepcache.reuse
+
+    def counting(state, change):
+        decision = original(state, change)
+        counts["reused"] += decision
+        counts["decided"] += 1
+        return decision
+
+    stepcache.reuse = counting
+    return counts
+
+
 async def run(engine, requests) -> tuple[list[np.ndarray], float]:
     t0 = time.perf_counter()
     results = await asyncio.gather(*(engine.add_request(p).result() for p in requests))
@@ -50,23 +67,13 @@ async def main(args: argparse.Namespace) -> None:
 
     from diffusiond.engine.engine import Engine
     from diffusiond.engine.request import SamplingParams
-    from diffusiond.models import stepcache
     from diffusiond.models.default import default_model
     from diffusiond.models.loader import load_adapter
 
     torch.set_num_threads(args.threads)
     model = args.model or default_model()
     bundled = args.model is None
-    counts = {"reused": 0, "decided": 0}
-    original = stepcache.reuse
-
-    def counting(state, first):
-        decision = original(state, first)
-        counts["reused"] += decision
-        counts["decided"] += 1
-        return decision
-
-    stepcache.reuse = counting
+    counts = count_reuse()
 
     adapters = []
 

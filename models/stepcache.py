@@ -114,19 +114,26 @@ def _run_blocks(
     temb: torch.Tensor,
     computing: list[int],
     rows: int,
-    everyone: bool,
     **block_kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`blocks` over the rows of the `computing` requests: (their image tokens after the blocks, the row index
-    they came from, None when everyone computes and the full batch ran, exactly as the pipeline's forward)."""
-    if everyone:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`blocks` over the rows of the `computing` requests (a sub-batch; all of `h` when every request computes,
+    exactly as the pipeline's forward): (`h` with those rows replaced by their tokens after the blocks, a new
+    tensor; their tokens after the blocks, in `computing` order). Without `computing`: (a copy of `h`, None)."""
+    n = h.shape[0] // rows
+    if len(computing) == n:
         hc, ec, tc, index = h, enc, temb, None
     else:
+        out = h.clone()
+        if not computing:
+            return out, None
         index = torch.tensor([i * rows + r for i in computing for r in range(rows)], device=h.device)
         hc, ec, tc = h[index], enc[index], temb[index]
     for block in blocks:
         ec, hc = block(hidden_states=hc, encoder_hidden_states=ec, temb=tc, **block_kwargs)
-    return hc, index
+    if index is None:
+        return hc, hc
+    out[index] = hc
+    return out, hc
 
 
 def cached_blocks(
@@ -155,16 +162,10 @@ def _fbcache(blocks, h, enc, temb, rows, states, **block_kwargs) -> torch.Tensor
     for i, (state, change) in enumerate(zip(states, changes(first, rows, _signals(states)), strict=True)):
         (reusing if reuse(state, change) else computing).append(i)
 
-    out = h1.clone() if reusing else h1
-    if computing:
-        hc, index = _run_blocks(blocks[1:], h1, enc1, temb, computing, rows, not reusing, **block_kwargs)
-        if index is None:
-            out = hc
-        else:
-            out[index] = hc
-        for k, i in enumerate(computing):
-            mine = slice(i * rows, (i + 1) * rows)
-            _renew(states[i], first[mine], hc[k * rows : (k + 1) * rows] - h1[mine])
+    out, hc = _run_blocks(blocks[1:], h1, enc1, temb, computing, rows, **block_kwargs)
+    for k, i in enumerate(computing):
+        mine = slice(i * rows, (i + 1) * rows)
+        _renew(states[i], first[mine], hc[k * rows : (k + 1) * rows] - h1[mine])
     for i in reusing:
         mine = slice(i * rows, (i + 1) * rows)
         out[mine] = h1[mine] + states[i].cache.rest
@@ -185,21 +186,15 @@ def _teacache(method: Method, blocks, h, enc, temb, rows, states, **block_kwargs
         estimates.append(estimate)
         (reusing if reuse(state, estimate) else computing).append(i)
 
-    out = h.clone() if reusing else h
-    if computing:
-        hc, index = _run_blocks(blocks, h, enc, temb, computing, rows, not reusing, **block_kwargs)
-        if index is None:
-            out = hc
-        else:
-            out[index] = hc
-        for k, i in enumerate(computing):
-            mine = slice(i * rows, (i + 1) * rows)
-            residual = hc[k * rows : (k + 1) * rows] - h[mine]
-            state = states[i]
-            if method.record is not None and state.cache is not None and raw[i] is not None:
-                method.record.append((raw[i], relative_l1(residual, state.cache.rest)))
-            _renew(state, modulated[mine], residual)
-            state.cache.accumulated = 0.0
+    out, hc = _run_blocks(blocks, h, enc, temb, computing, rows, **block_kwargs)
+    for k, i in enumerate(computing):
+        mine = slice(i * rows, (i + 1) * rows)
+        residual = hc[k * rows : (k + 1) * rows] - h[mine]
+        state = states[i]
+        if method.record is not None and state.cache is not None and raw[i] is not None:
+            method.record.append((raw[i], relative_l1(residual, state.cache.rest)))
+        _renew(state, modulated[mine], residual)
+        state.cache.accumulated = 0.0
     for i in reusing:
         mine = slice(i * rows, (i + 1) * rows)
         cache = states[i].cache

@@ -118,8 +118,8 @@ def clip_vocab_and_merges(words: tuple[str, ...] = WORDS) -> tuple[dict[str, int
     return vocab, merges
 
 
-def make_clip_tokenizer(words: tuple[str, ...] = WORDS) -> Any:
-    """A CLIPTokenizer with one token per listed word.
+def make_clip_tokenizer(words: tuple[str, ...] = WORDS, max_length: int = CLIP_MAX_LENGTH) -> Any:
+    """A CLIPTokenizer with one token per listed word (raises if it splits one), `max_length` tokens of context.
 
     Built from in-memory `vocab=dict, merges=list[tuple]`: under transformers v5, `CLIPTokenizer(vocab_file=...,
     merges_file=...)` silently yields a tokenizer that maps text to garbage ids.
@@ -134,7 +134,7 @@ def make_clip_tokenizer(words: tuple[str, ...] = WORDS) -> Any:
         bos_token=_BOS,
         eos_token=_EOS,
         pad_token=_EOS,
-        model_max_length=CLIP_MAX_LENGTH,
+        model_max_length=max_length,
     )
     _check_single_tokens(tok, words, lambda w: [vocab[w + _EOW]], bos=[tok.bos_token_id], eos=[tok.eos_token_id])
     return tok

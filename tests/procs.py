@@ -146,3 +146,15 @@ class Client(threading.Thread):
             self.error = exc
         finally:
             self.ended_at = time.monotonic()
+
+
+def refused(*args: str) -> str:
+    """Runs `diffusiond ARGS` and asserts it refused: exit code 2, a message rather than a traceback. Its stderr."""
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "diffusiond", *args], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.stderr

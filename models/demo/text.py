@@ -14,31 +14,12 @@ CLIP_MAX_LENGTH = 16
 CLIP_HIDDEN = 64
 CLIP_PROJECTION = 64
 
-_BOS = "<|startoftext|>"
-_EOS = "<|endoftext|>"
-
 
 def make_tokenizer() -> Any:
     """A CLIPTokenizer in which every word of the scene grammar is one token; 16 tokens of context."""
-    from transformers import CLIPTokenizer
+    from diffusiond.models.tiny import make_clip_tokenizer
 
-    from diffusiond.models.tiny import clip_vocab_and_merges
-
-    vocab, merges = clip_vocab_and_merges(sc.VOCABULARY)
-    tok = CLIPTokenizer(
-        vocab=vocab,
-        merges=merges,
-        unk_token=_EOS,
-        bos_token=_BOS,
-        eos_token=_EOS,
-        pad_token=_EOS,
-        model_max_length=CLIP_MAX_LENGTH,
-    )
-    got = tok(list(sc.VOCABULARY))["input_ids"]
-    for word, ids in zip(sc.VOCABULARY, got, strict=True):
-        if ids != [tok.bos_token_id, vocab[word + "</w>"], tok.eos_token_id]:
-            raise RuntimeError(f"the demo tokenizer splits {word!r}: {ids}")
-    return tok
+    return make_clip_tokenizer(sc.VOCABULARY, max_length=CLIP_MAX_LENGTH)
 
 
 def make_text_encoder(tok: Any) -> Any:

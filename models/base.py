@@ -81,8 +81,10 @@ class RequestState:
     step_index: int = 0
     # Family-specific conditioning (prompt embeddings, ids, ...).
     cond: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Conditioning of varying length that the family's transformer takes as a list (one tensor per row).
+    rows: list[torch.Tensor] = field(default_factory=list)
     # Conditioning that is identical across a batch (same batch key) and passed once, not concatenated.
-    shared: dict[str, torch.Tensor] = field(default_factory=dict)
+    shared: dict[str, Any] = field(default_factory=dict)
     # Step cache state of this request (models/stepcache.py), freed with it.
     cache: Any = None
 

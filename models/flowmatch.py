@@ -93,8 +93,12 @@ PROMPT_CACHE_BYTES = 64 << 20
 
 class FlowMatchAdapter(ModelAdapter):
     family: ClassVar[str]
+    # Whose VAE the family uses, for published preview factors (models/preview.py); None: its own.
+    vae_family: ClassVar[str | None] = None
     default_steps: ClassVar[int] = 28
     default_guidance: ClassVar[float]
+    # `true_cfg_scale` when a request sends none (families with true CFG beside a guidance embedding).
+    default_true_cfg: ClassVar[float] = 1.0
 
     def __init__(self, pipe: Any, *, source: str) -> None:
         self.pipe = pipe
@@ -189,7 +193,7 @@ class FlowMatchAdapter(ModelAdapter):
         guidance = params.guidance_scale if params.guidance_scale is not None else caps.default_guidance
         if not math.isfinite(guidance) or guidance < 0 or guidance > 100:
             raise ParamError("guidance_scale", f"guidance_scale must be between 0 and 100, got {guidance}")
-        true_cfg = params.true_cfg_scale if params.true_cfg_scale is not None else 1.0
+        true_cfg = params.true_cfg_scale if params.true_cfg_scale is not None else self.default_true_cfg
         if not math.isfinite(true_cfg) or true_cfg < 0 or true_cfg > 100:
             raise ParamError("true_cfg_scale", f"true_cfg_scale must be between 0 and 100, got {true_cfg}")
         seed = params.seed
@@ -326,6 +330,10 @@ class FlowMatchAdapter(ModelAdapter):
         when step caching is on, else the pipeline's own."""
         if self.step_cache != "none":
             return self._cached_forward(batched, shared, rows, states)
+        return self._call(batched, shared)
+
+    def _call(self, batched: dict[str, Any], shared: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The pipeline's own transformer call over `batched` rows; [rows, ...]."""
         return self.transformer(**batched, **shared, return_dict=False)[0]
 
     def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
@@ -362,7 +370,7 @@ class FlowMatchAdapter(ModelAdapter):
         k = (n + 1) // 2
         lo, hi = (0, k) if self.cfg_group.rank == 0 else (k, n)
         local = {name: t[lo:hi] for name, t in batched.items()}
-        out = self.transformer(**local, **shared, return_dict=False)[0].contiguous()  # [hi - lo, ...]
+        out = self._call(local, shared).contiguous()  # [hi - lo, ...]
         if out.shape[0] < k:  # odd n: rank 1 pads its half to k rows for the gather
             out = torch.cat([out, out.new_zeros((k - out.shape[0], *out.shape[1:]))])
         halves = [torch.empty_like(out) for _ in range(2)]
@@ -417,7 +425,11 @@ class FlowMatchAdapter(ModelAdapter):
             fitted = preview_maps.load_preview_factors(source)
             if fitted is not None:
                 return fitted
-        published = preview_maps.published(self.family)
-        if published is not None and len(published.factors) == self.vae.config.latent_channels:
+        published = preview_maps.published(self.vae_family or self.family)
+        channels = self._latent_channels()
+        if published is not None and len(published.factors) == channels:
             return published
-        return preview_maps.fit_latent_rgb(self.vae)
+        return preview_maps.fit_decoder(self._decode, channels, self.vae_scale_factor)
+
+    def _latent_channels(self) -> int:
+        return self.vae.config.latent_channels

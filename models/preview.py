@@ -18,6 +18,7 @@ preview path; real VAEs are much closer to linear, which is what makes the publi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -152,10 +153,19 @@ def decode_pooled(vae: AutoencoderKL, z: torch.Tensor) -> torch.Tensor:
     scaling = vae.config.scaling_factor
     shift = vae.config.shift_factor or 0.0
     param = next(vae.parameters())
-    latents = (z / scaling + shift).to(device=param.device, dtype=param.dtype)
-    image = vae.decode(latents).sample.float().clamp(-1.0, 1.0)
-    f = vae_scale_factor(vae)
-    return torch.nn.functional.avg_pool2d(image, kernel_size=f, stride=f).cpu()
+
+    def decode(z: torch.Tensor) -> torch.Tensor:
+        return vae.decode((z / scaling + shift).to(device=param.device, dtype=param.dtype)).sample
+
+    return pooled(decode, z, vae_scale_factor(vae))
+
+
+@torch.no_grad()
+def pooled(decode: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor, scale: int) -> torch.Tensor:
+    """`decode(z)` ([N, 3, h * scale, w * scale] in [-1, 1]) clamped and average-pooled back to the latent
+    resolution: [N, 3, h, w] float32 on the CPU."""
+    image = decode(z).float().clamp(-1.0, 1.0)
+    return torch.nn.functional.avg_pool2d(image, kernel_size=scale, stride=scale).cpu()
 
 
 def random_latents(channels: int, *, samples: int, size: int, seed: int) -> torch.Tensor:
@@ -168,7 +178,19 @@ def fit_latent_rgb(vae: AutoencoderKL, *, samples: int = 8, size: int = 16, seed
     """Least-squares fit of `[x0, 1] @ [W; b] = rgb` over all latent pixels of `samples` random model-space latents
     (size x size, so the VAE only decodes size*8 px images) against their pooled decodes. Deterministic per seed."""
     z = random_latents(vae.config.latent_channels, samples=samples, size=size, seed=seed)
-    rgb = decode_pooled(vae, z)
+    return fit_pairs(z, decode_pooled(vae, z))
+
+
+def fit_decoder(
+    decode: Callable[[torch.Tensor], torch.Tensor], channels: int, scale: int, *, samples: int = 8, size: int = 16
+) -> LatentRGB:
+    """`fit_latent_rgb` for any decoder of model-space latents [N, C, h, w] (a family's own `_decode`)."""
+    z = random_latents(channels, samples=samples, size=size, seed=0)
+    return fit_pairs(z, pooled(decode, z, scale))
+
+
+def fit_pairs(z: torch.Tensor, rgb: torch.Tensor) -> LatentRGB:
+    """The least-squares map from latents z [N, C, h, w] to pooled images rgb [N, 3, h, w]."""
     x = z.permute(0, 2, 3, 1).reshape(-1, z.shape[1]).double()
     y = rgb.permute(0, 2, 3, 1).reshape(-1, 3).double()
     a = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=1)

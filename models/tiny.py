@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-FAMILIES: tuple[str, ...] = ("sd3", "flux")
+FAMILIES: tuple[str, ...] = ("sd3", "sd35", "flux", "z-image", "qwen-image")
 
 # Common English words, plus colours, shapes, animals and photo vocabulary; each becomes a single token in both the
 # CLIP and the T5 tokenizer. Lower case ASCII letters only (CLIP lower-cases its input).
@@ -234,7 +234,8 @@ def _t5(tok: Any, d_model: int) -> Any:
     return T5EncoderModel(config)
 
 
-def _build_sd3() -> Any:
+def _build_sd3(**layout: Any) -> Any:
+    """`layout`: the transformer arguments that set SD3.5 apart (RMS q/k norms, dual attention layers)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextModelWithProjection
 
@@ -250,6 +251,7 @@ def _build_sd3() -> Any:
         caption_projection_dim=32,
         pooled_projection_dim=64,
         pos_embed_max_size=64,
+        **layout,
     )
     vae = _vae(scaling_factor=1.5305, shift_factor=0.0609)
     tokenizer = make_clip_tokenizer()
@@ -316,7 +318,16 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
     """The tiny pipeline for `family`, in memory (fp32, CPU). Same weights as `build_tiny` writes."""
     import torch
 
-    builders = {"sd3": _build_sd3, "flux": _build_flux}
+    from diffusiond.models import tiny_qwen  # it builds on this module's helpers
+
+    builders = {
+        "sd3": _build_sd3,
+        # SD3.5 Medium's layout: RMS-normed q/k and a second (self-only) attention in the first layers.
+        "sd35": lambda: _build_sd3(qk_norm="rms_norm", dual_attention_layers=(0,)),
+        "flux": _build_flux,
+        "z-image": tiny_qwen.build_zimage,
+        "qwen-image": tiny_qwen.build_qwenimage,
+    }
     if family not in builders:
         raise ValueError(f"unknown model family {family!r}; valid families: {', '.join(FAMILIES)}")
     with torch.random.fork_rng(devices=[]):

@@ -53,6 +53,21 @@ def tiny_flux(tmp_path_factory) -> str:
     return str(build_tiny("flux", tmp_path_factory.mktemp("tiny") / "flux"))
 
 
+@pytest.fixture(scope="session")
+def tiny_sd35(tmp_path_factory) -> str:
+    return str(build_tiny("sd35", tmp_path_factory.mktemp("tiny") / "sd35"))
+
+
+@pytest.fixture(scope="session")
+def tiny_zimage(tmp_path_factory) -> str:
+    return str(build_tiny("z-image", tmp_path_factory.mktemp("tiny") / "z-image"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwenimage(tmp_path_factory) -> str:
+    return str(build_tiny("qwen-image", tmp_path_factory.mktemp("tiny") / "qwen-image"))
+
+
 try:
     import uvloop
 except ImportError:  # pragma: no cover - uvloop is optional off Linux/macOS

@@ -78,6 +78,62 @@ REQUESTS = {
             true_cfg_scale=4.0,
         ),
     ],
+    "z-image": [
+        SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=6, guidance_scale=4.0),
+        SamplingParams(
+            prompt="a blue square on a white background with a tree",
+            negative_prompt="blurry",
+            seed=2,
+            width=64,
+            height=64,
+            num_inference_steps=4,
+            guidance_scale=2.5,
+            preview_every=1,
+        ),
+        SamplingParams(prompt="green", seed=3, width=64, height=64, num_inference_steps=5, guidance_scale=6.0),
+        SamplingParams(
+            prompt="a photo of a cat", seed=4, width=96, height=64, num_inference_steps=3, guidance_scale=4.0
+        ),
+        # Guidance 0 is the Turbo checkpoints' setting: one row per request.
+        SamplingParams(prompt="yellow dog", seed=5, width=64, height=64, num_inference_steps=3, guidance_scale=0.0),
+        SamplingParams(prompt="white dog", seed=6, width=64, height=64, num_inference_steps=4, guidance_scale=0.0),
+    ],
+    "qwen-image": [
+        SamplingParams(
+            prompt="a red circle",
+            negative_prompt="blurry",
+            seed=1,
+            width=64,
+            height=64,
+            num_inference_steps=6,
+            true_cfg_scale=4.0,
+        ),
+        SamplingParams(
+            prompt="a blue square on a white background with a tree",
+            negative_prompt="dark",
+            seed=2,
+            width=64,
+            height=64,
+            num_inference_steps=4,
+            true_cfg_scale=2.5,
+            preview_every=1,
+        ),
+        SamplingParams(
+            prompt="green", negative_prompt="", seed=3, width=64, height=64, num_inference_steps=5, true_cfg_scale=6.0
+        ),
+        SamplingParams(
+            prompt="a photo of a cat",
+            negative_prompt="blurry",
+            seed=4,
+            width=96,
+            height=64,
+            num_inference_steps=3,
+            true_cfg_scale=4.0,
+        ),
+        # No negative prompt: no true CFG, one row per request.
+        SamplingParams(prompt="yellow dog", seed=5, width=64, height=64, num_inference_steps=3),
+        SamplingParams(prompt="white dog on the grass", seed=6, width=64, height=64, num_inference_steps=4),
+    ],
 }
 
 
@@ -109,6 +165,7 @@ async def run_staggered(adapter, requests):
 
 
 def reference(pipe, family: str, params: SamplingParams) -> np.ndarray:
+    """The pipeline's own `__call__` with the parameters each family's pipeline takes (`params` resolved)."""
     kwargs = dict(
         prompt=params.prompt,
         negative_prompt=params.negative_prompt,
@@ -119,14 +176,26 @@ def reference(pipe, family: str, params: SamplingParams) -> np.ndarray:
         generator=torch.Generator().manual_seed(params.seed),
         output_type="np",
     )
-    if family == "flux":
+    if family in ("flux", "qwen-image"):
         kwargs["true_cfg_scale"] = params.true_cfg_scale
+    if family == "qwen-image" and not pipe.transformer.config.guidance_embeds:
+        kwargs["guidance_scale"] = None
     return pipe(**kwargs).images[0]
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux"])
+FIXTURES = {
+    "sd3": "tiny_sd3",
+    "sd35": "tiny_sd35",
+    "flux": "tiny_flux",
+    "z-image": "tiny_zimage",
+    "qwen-image": "tiny_qwenimage",
+}
+
+
+@pytest.mark.parametrize("family", list(FIXTURES))
 def test_engine_matches_diffusers_pipeline(family, request):
-    checkpoint = request.getfixturevalue(f"tiny_{family}")
+    checkpoint = request.getfixturevalue(FIXTURES[family])
+    family = {"sd35": "sd3"}.get(family, family)  # SD3.5's layout, SD3's requests and pipeline
     adapter = load_adapter(checkpoint)
     handles, results, plans = asyncio.run(run_staggered(adapter, REQUESTS[family]))
 
@@ -143,9 +212,11 @@ def test_engine_matches_diffusers_pipeline(family, request):
         assert result.image.shape == expected.shape
         diff = float(np.abs(result.image - expected).max())
         assert diff <= TOLERANCE, f"{handle.params.prompt!r}: max abs diff {diff}"
-        # Not vacuous: a different seed gives a clearly different image.
-    other = reference(pipe, family, SamplingParams(**{**_asdict(handles[0].params), "seed": 99}))
-    assert float(np.abs(other - results[0].image).max()) > 100 * TOLERANCE
+    # Not vacuous: a different seed, prompt or guidance gives a clearly different image.
+    first = _asdict(handles[0].params)
+    for change in ({"seed": 99}, {"prompt": "a drawing of a blue dog"}, {"guidance_scale": 7.0, "true_cfg_scale": 7.0}):
+        other = reference(pipe, family, SamplingParams(**{**first, **change}))
+        assert float(np.abs(other - results[0].image).max()) > 100 * TOLERANCE, change
 
 
 def _asdict(params: SamplingParams) -> dict:

@@ -1,0 +1,136 @@
+"""Qwen-Image (`QwenImagePipeline` checkpoints): an MMDiT on packed 2x2 latent patches, a Qwen2.5-VL text encoder
+whose prompts keep their own length, and true CFG (`true_cfg_scale` > 1 with a negative prompt) whose combined
+prediction is rescaled to the norm of the conditional one, token by token.
+
+The pipeline runs its conditional and unconditional branches as two forwards, each with its own text length; here
+both rows of every request share one forward, their texts padded to the longest in the batch and masked
+(`encoder_hidden_states_mask`), which the transformer's attention and rotary positions honour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import QwenImagePipeline
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+from diffusiond.engine.request import SamplingParams
+from diffusiond.engine.wire import NewRequest
+from diffusiond.models.base import RequestState
+from diffusiond.models.flowmatch import FlowMatchAdapter
+from diffusiond.models.sampler import FlowMatchSampler
+
+
+class QwenImageAdapter(FlowMatchAdapter):
+    pipeline_class = "QwenImagePipeline"
+    family = "qwen-image"
+    # The pipeline's own defaults: 50 steps, true CFG at 4 when a negative prompt is given.
+    default_steps = 50
+    default_guidance = 1.0  # the distilled guidance embedding, which only guidance-distilled checkpoints have
+    default_true_cfg = 4.0
+    max_sequence_length = 512
+    TEXT_ENCODERS = ("text_encoder",)
+
+    def _default_size(self) -> tuple[int, int]:
+        side = self.pipe.default_sample_size * self.vae_scale_factor
+        return side, side
+
+    def _size_multiple(self) -> int:
+        return self.vae_scale_factor * 2
+
+    def _latent_channels(self) -> int:
+        return self.vae.config.z_dim
+
+    def _uses_cfg(self, params: SamplingParams) -> bool:
+        # As the pipeline's `do_true_cfg`.
+        return (params.true_cfg_scale or 0.0) > 1 and params.negative_prompt is not None
+
+    def _unpack(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        # [B, seq, C * 4] -> [B, C, 1, h, w] -> one frame [B, C, h, w]
+        return QwenImagePipeline._unpack_latents(latents, params.height, params.width, self.vae_scale_factor)[:, :, 0]
+
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """[B, C, h, w] -> the VAE's output [B, 3, H, W], the pipeline's de-normalisation step for step."""
+        config = self.vae.config
+        latents = latents.unsqueeze(2).to(self.vae.dtype)  # [B, C, 1, h, w]: the video VAE's one frame
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        latents = latents / std + mean
+        return self.vae.decode(latents, return_dict=False)[0][:, :, 0]
+
+    @torch.inference_mode()
+    def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
+        params = [n.params for n in new]
+        cfg = [self._uses_cfg(p) for p in params]
+        negatives = [p.negative_prompt or "" for p, c in zip(params, cfg, strict=True) if c]
+        text = self.prompts.lookup([p.prompt for p in params] + negatives, self._encode)  # text -> ([L, D],)
+        config = self.pipe.scheduler.config
+        channels = self.transformer.config.in_channels // 4
+        states = []
+        for i, (req, p) in enumerate(zip(new, params, strict=True)):
+            embeds = text[p.prompt][0]
+            latents = self.pipe.prepare_latents(
+                1, channels, p.height, p.width, embeds.dtype, self.device, self._generator(p)
+            )  # [1, seq, C * 4]
+            mu = calculate_shift(
+                latents.shape[1],
+                config.get("base_image_seq_len", 256),
+                config.get("max_image_seq_len", 4096),
+                config.get("base_shift", 0.5),
+                config.get("max_shift", 1.15),
+            )
+            sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
+            sampler = FlowMatchSampler(self.pipe.scheduler, p.num_inference_steps, self.device, sigmas=sigmas, mu=mu)
+            rows = [embeds]  # (positive, negative) per request; a batch interleaves them
+            cond = {"guidance": torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)}
+            if cfg[i]:
+                rows.append(text[p.negative_prompt or ""][0])
+                cond["guidance"] = cond["guidance"].expand(2)
+                cond["true_cfg"] = torch.full([1], p.true_cfg_scale, device=self.device, dtype=torch.float32)
+            patches = (1, p.height // self.vae_scale_factor // 2, p.width // self.vae_scale_factor // 2)
+            shared = {"img_shapes": [[patches]]}  # the transformer reads the first entry only
+            states.append(RequestState(req.request_id, p, latents, sampler, cond=cond, rows=rows, shared=shared))
+        return states
+
+    def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor]]:
+        """The pipeline's own encoder, one batched call: each prompt's embeddings without padding [L, D]."""
+        self._stage(*self.TEXT_ENCODERS)
+        embeds, mask = self.pipe.encode_prompt(
+            prompt=list(texts), device=self.device, max_sequence_length=self.max_sequence_length
+        )
+        lengths = mask.sum(dim=1).tolist() if mask is not None else [embeds.shape[1]] * len(texts)
+        return [(embeds[i, :n].clone(),) for i, n in enumerate(lengths)]
+
+    @torch.inference_mode()
+    def denoise(self, states: Sequence[RequestState]) -> torch.Tensor:
+        self._stage("transformer")
+        cond = self._batched_cond(states)
+        rows = len(states[0].rows)  # 2 with true CFG (batch key)
+        texts = [t for s in states for t in s.rows]  # B * rows tensors [L_i, D]
+        longest = max(t.shape[0] for t in texts)
+        latents = torch.cat([s.latents for s in states])  # [B, seq, C * 4]
+        timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device, latents.dtype)  # [B]
+        batched: dict[str, Any] = {
+            "hidden_states": latents.repeat_interleave(rows, dim=0),  # [B * rows, seq, C * 4]
+            "timestep": timestep.repeat_interleave(rows) / 1000,
+            "encoder_hidden_states": torch.stack(
+                [torch.nn.functional.pad(t, (0, 0, 0, longest - t.shape[0])) for t in texts]
+            ),
+        }
+        if any(t.shape[0] < longest for t in texts):
+            mask = torch.zeros(len(texts), longest, dtype=torch.bool, device=self.device)
+            for i, t in enumerate(texts):
+                mask[i, : t.shape[0]] = True
+            batched["encoder_hidden_states_mask"] = mask  # [B * rows, L]
+        if self.transformer.config.guidance_embeds:
+            batched["guidance"] = cond["guidance"]
+        out = self._transformer_rows(rows, batched, states[0].shared, states)  # [B, rows, seq, C * 4]
+        if rows == 1:
+            return out[:, 0]
+        pos, neg = out[:, 0], out[:, 1]
+        scale = cond["true_cfg"].to(out.dtype).view(-1, 1, 1)  # [B, 1, 1], built once per batch membership
+        combined = neg + scale * (pos - neg)
+        return combined * (torch.norm(pos, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))

@@ -1,0 +1,235 @@
+"""Tiny random-weight Z-Image and Qwen-Image pipelines, built entirely offline.
+
+`build_zimage()` and `build_qwenimage()` construct every component of `ZImagePipeline` / `QwenImagePipeline` with a
+tiny config (fp32, CPU); they draw from torch's global RNG, so the caller seeds (and forks) it. The pipelines save
+with `save_pretrained` and load back with `DiffusionPipeline.from_pretrained`, and generate a 64x64 image in 4 steps
+in well under a second on a CPU.
+
+Both families read prompts with a Qwen tokenizer (`Qwen2Tokenizer`: GPT-2 style byte-level BPE, no end-of-word
+suffix). It is built in memory from the same word list as the tiny CLIP/T5 tokenizers: every listed word is one
+token both bare and after the byte-level space symbol "Ġ" (as it appears mid-sentence), and all 256 byte symbols are
+in the vocabulary, so any other text still tokenizes. The words of the chat roles and of Qwen-Image's system prompt
+are added, so that the prompt template the Qwen-Image pipeline cuts off (its first 34 tokens, counted with the real
+Qwen tokenizer) is exactly 34 tokens here too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diffusiond.models.tiny import WORDS, _bpe, _bytes_to_unicode, _vae
+
+_SPACE = "Ġ"  # byte-level symbol of " "
+_EOT = "<|endoftext|>"
+_IM_START = "<|im_start|>"
+_IM_END = "<|im_end|>"
+
+# Chat roles, and the words of QwenImagePipeline.prompt_template_encode that WORDS lacks (case matters: Qwen does not
+# lower-case its input).
+_TEMPLATE_WORDS: tuple[str, ...] = (
+    "system",
+    "user",
+    "assistant",
+    "Describe",
+    "detailing",
+    "size",
+    "quantity",
+    "spatial",
+    "relationships",
+    "objects",
+)
+
+# Qwen's ChatML layout. Z-Image renders a user message with add_generation_prompt=True and enable_thinking=True,
+# for which the real Qwen3 template adds nothing more than this.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+# --------------------------------------------------------------------------------------------------- tokenizer
+
+
+def qwen_vocab_and_merges(words: tuple[str, ...] = WORDS) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A byte-level BPE vocabulary in which each of `words` and `"Ġ" + word` is one token.
+
+    The 256 byte symbols come first, then merge results. Merges are made as in `tiny.clip_vocab_and_merges`: each
+    spelling is first split with the merges so far and its remaining pieces joined left to right by new,
+    lower-priority merges, which never changes how an earlier spelling splits.
+    """
+    vocab = {s: i for i, s in enumerate(_bytes_to_unicode().values())}
+    merges: list[tuple[str, str]] = []
+    ranks: dict[tuple[str, str], int] = {}
+    for word in dict.fromkeys(words):
+        for symbols in ([*word], [_SPACE, *word]):
+            pieces = _bpe(symbols, ranks)
+            while len(pieces) > 1:
+                pair = (pieces[0], pieces[1])
+                if pair not in ranks:
+                    ranks[pair] = len(merges)
+                    merges.append(pair)
+                merged = pair[0] + pair[1]
+                vocab.setdefault(merged, len(vocab))
+                pieces = [merged, *pieces[2:]]
+    return vocab, merges
+
+
+def make_qwen_tokenizer(words: tuple[str, ...] = WORDS) -> Any:
+    """A `Qwen2Tokenizer` with one token per listed word (bare and "Ġ"-prefixed; raises if it splits one), plus the
+    chat-role and Qwen-Image template words, `<|endoftext|>` (pad/eos), `<|im_start|>`, `<|im_end|>` and a ChatML
+    chat template.
+
+    Built from in-memory `vocab=dict, merges=list[tuple]`: under transformers v5, `Qwen2Tokenizer(vocab_file=...,
+    merges_file=...)` silently yields a tokenizer that maps every text to no ids at all.
+    """
+    from transformers import Qwen2Tokenizer
+
+    words = tuple(dict.fromkeys(words + _TEMPLATE_WORDS))
+    vocab, merges = qwen_vocab_and_merges(words)
+    tok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=_EOT,
+        eos_token=_EOT,
+        pad_token=_EOT,
+        extra_special_tokens=[_IM_START, _IM_END],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=32768,
+    )
+    got = tok([*words, *(" " + w for w in words)])["input_ids"]
+    want = [[vocab[w]] for w in words] + [[vocab[_SPACE + w]] for w in words]
+    bad = [ids for ids, expect in zip(got, want, strict=True) if ids != expect]
+    if bad:
+        raise RuntimeError(f"tiny Qwen tokenizer splits listed words: {tok.batch_decode(bad[:10])}")
+    return tok
+
+
+# --------------------------------------------------------------------------------------------------- pipelines
+
+
+def build_zimage() -> Any:
+    """A tiny `ZImagePipeline`: Qwen3 text encoder, single-stream DiT, FLUX-style 16-channel VAE."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    tokenizer = make_qwen_tokenizer()
+    text_encoder = Qwen3Model(
+        Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=1024,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    )
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels=16,
+        dim=32,
+        n_layers=2,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        cap_feat_dim=32,  # == text encoder hidden_size
+        axes_dims=[4, 6, 6],  # sums to the head dim, dim / n_heads
+        axes_lens=[1024, 512, 512],
+    )
+    vae = _vae(scaling_factor=0.3611, shift_factor=0.1159)  # the real Z-Image VAE is FLUX's
+    # Z-Image-Turbo's scheduler: a fixed shift, though the pipeline computes (and the scheduler then ignores) a mu.
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
+    # No weights need scaling up (unlike Qwen-Image): the caption tokens, padded to 32, share a single attention with
+    # the image tokens, so prompt and guidance already change a 64x64 image by more than 0.1.
+    return ZImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
+    )
+
+
+def build_qwenimage() -> Any:
+    """A tiny `QwenImagePipeline`: Qwen2.5-VL text encoder (with a tiny vision tower), MMDiT, Qwen-Image VAE."""
+    import torch
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = make_qwen_tokenizer()
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 2048,
+            # Sums to head_dim / 2, in the real model's 16:24:24 proportion.
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+            "bos_token_id": tokenizer.eos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": 32,  # == text hidden_size
+            "fullatt_block_indexes": [0],
+        },
+    )
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=64,  # 16 latent channels packed 2x2
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,  # == text hidden_size
+        axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
+    )
+    # Three downsamples, so vae_scale_factor = 8; latents_mean/std keep the real model's (the defaults).
+    vae = AutoencoderKLQwenImage(
+        base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=0.9,
+        base_image_seq_len=256,
+        max_image_seq_len=8192,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+    )
+    # With plain random weights the text barely reaches the image (another prompt or guidance scale moves pixels by
+    # ~5/255) and the decoder paints a flat gray: sharpen the image-to-text attention, amplify the text values and
+    # give the decoded image contrast.
+    with torch.no_grad():
+        for block in transformer.transformer_blocks:
+            block.attn.norm_q.weight.mul_(3.0)
+            block.attn.norm_added_k.weight.mul_(3.0)
+            block.attn.add_v_proj.weight.mul_(4.0)
+        vae.decoder.conv_out.weight.mul_(2.0)
+    pipe = QwenImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
+    )
+    # The pipeline drops the template's first tokens as counted by the real tokenizer; they must be exactly the
+    # template here too, or prompt tokens are lost.
+    prefix = pipe.prompt_template_encode.split("{}")[0]
+    n, drop = len(tokenizer(prefix)["input_ids"]), pipe.prompt_template_encode_start_idx
+    if n != drop:
+        raise RuntimeError(f"the Qwen-Image prompt template prefix is {n} tokens, the pipeline drops {drop}")
+    return pipe

@@ -1,0 +1,54 @@
+"""The tiny Z-Image and Qwen-Image checkpoints: their Qwen tokenizer survives a save and load, keeps listed words
+whole, and cuts Qwen-Image's prompt template exactly where the pipeline cuts it; both load through the pipeline
+classes' `from_pretrained` and generate."""
+
+import numpy as np
+import pytest
+import torch
+from diffusers import DiffusionPipeline, QwenImagePipeline, ZImagePipeline
+from transformers import AutoTokenizer
+
+from diffusiond.models.tiny import WORDS
+from diffusiond.models.tiny_qwen import make_qwen_tokenizer
+
+PROMPTS = ["a red circle on a blue background", "A zebraish Quokka, 42 times!", " leading space"]
+
+
+def test_qwen_tokenizer_round_trip_and_single_words(tmp_path):
+    built = make_qwen_tokenizer()
+    built.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    for text in [*PROMPTS, " ".join(WORDS)]:
+        assert loaded(text)["input_ids"] == built(text)["input_ids"], text
+        assert loaded.decode(loaded(text)["input_ids"]) == text
+    for word in WORDS:
+        assert len(built(word)["input_ids"]) == 1 and len(built(" " + word)["input_ids"]) == 1, word
+    chat = [{"role": "user", "content": "a red circle"}]
+    rendered = loaded.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert rendered == "<|im_start|>user\na red circle<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_qwen_image_template_is_cut_where_the_pipeline_cuts(tiny_qwenimage):
+    pipe = QwenImagePipeline.from_pretrained(tiny_qwenimage)
+    template, start = pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx
+    for prompt in PROMPTS:
+        ids = pipe.tokenizer(template.format(prompt))["input_ids"]
+        assert ids[start:] == pipe.tokenizer(prompt + template.split("{}")[1])["input_ids"], prompt
+
+
+@pytest.mark.parametrize(("fixture", "cls"), [("tiny_zimage", ZImagePipeline), ("tiny_qwenimage", QwenImagePipeline)])
+def test_loads_as_its_pipeline_and_generates(fixture, cls, request):
+    checkpoint = request.getfixturevalue(fixture)
+    pipe = DiffusionPipeline.from_pretrained(checkpoint)
+    assert type(pipe) is cls
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe(
+        "a red circle",
+        height=64,
+        width=64,
+        num_inference_steps=2,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    ).images[0]
+    assert image.shape == (64, 64, 3) and np.isfinite(image).all()
+    assert image.std() > 0.01  # not a constant image

@@ -242,6 +242,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if config.compile and config.ulysses > 1:
             # Ulysses runs its all-to-alls inside the attention of the blocks --compile would trace.
             raise ConfigError("--compile does not run with --ulysses yet; drop one (CFG-parallel ranks compile)")
+        if config.model is not None and os.path.isdir(config.model):  # hub ids: at load; the bundled model: SD3
+            from diffusiond.models.loader import check_features
+
+            try:
+                check_features(config.model, ulysses=config.ulysses, cache=config.cache)
+            except (ValueError, FileNotFoundError) as exc:
+                raise ConfigError(str(exc)) from None
     except (ConfigError, AttentionUnavailable, quantize.QuantizationUnavailable, offload.OffloadUnavailable) as exc:
         print(f"diffusiond serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -345,7 +352,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--cache",
         choices=["none", "fbcache", "teacache"],
         help="step caching, decided per request: fbcache = first-block cache, teacache = TeaCache (its polynomial: "
-        f"`diffusiond calibrate-cache`, or FLUX's published one) (default: {d.cache})",
+        f"`diffusiond calibrate-cache`, or the family's published one) (default: {d.cache})",
     )
     add(
         "--cache-threshold",

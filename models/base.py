@@ -48,6 +48,12 @@ class Capabilities:
     vocabulary: frozenset[str] | None = None
     draws: str | None = None
     name: str | None = None
+    # What the family declares (ModelAdapter's class declarations), as served at `/v1/models`.
+    guidance_styles: tuple[str, ...] = ()
+    parallel: tuple[str, ...] = ()
+    ulysses_degrees: tuple[int, ...] = ()
+    cache_methods: tuple[str, ...] = ()
+    image_inputs: tuple[str, ...] = ()
 
     def public(self) -> dict:
         """What `/v1/models` and the playground show (not the vocabulary's every word: its size)."""
@@ -65,6 +71,11 @@ class Capabilities:
             "negative_prompt": self.supports_negative_prompt,
             "vocabulary": sorted(self.vocabulary) if self.vocabulary is not None else None,
             "draws": self.draws,
+            "guidance_styles": list(self.guidance_styles),
+            "parallel": list(self.parallel),
+            "ulysses_degrees": list(self.ulysses_degrees),
+            "cache_methods": list(self.cache_methods),
+            "image_inputs": list(self.image_inputs),
         }
 
 
@@ -97,8 +108,27 @@ class RequestState:
         return self.step_index >= self.total_steps
 
 
+# How a family guides: "cfg" (a negative branch whenever `guidance_scale` says so), "distilled" (`guidance_scale`
+# feeds a guidance embedding, one row), "true-cfg" (a negative branch with `true_cfg_scale` and a negative prompt).
+GUIDANCE_STYLES = ("cfg", "distilled", "true-cfg")
+
+
 class ModelAdapter(abc.ABC):
+    """Besides the verbs, a family declares what it supports in class attributes, readable without loading a model
+    (start-up validation, README's table); `capabilities` narrows them to the loaded checkpoint."""
+
     pipeline_class: ClassVar[str]
+    family: ClassVar[str]
+    guidance_styles: ClassVar[tuple[str, ...]]
+    # Parallel strategies over several ranks: "cfg-parallel" (the two CFG rows, or halves of a batch without CFG),
+    # "ulysses" (sequence parallel attention; its degree must divide the transformer's heads).
+    parallel: ClassVar[tuple[str, ...]] = ("cfg-parallel",)
+    # Step caches it implements (models/stepcache.py), besides "none".
+    cache_methods: ClassVar[tuple[str, ...]] = ()
+    # Images a request may bring (edits, img2img, masks); none yet.
+    image_inputs: ClassVar[tuple[str, ...]] = ()
+    # Packages its pipeline needs beyond diffusiond's own dependencies.
+    needs: ClassVar[tuple[str, ...]] = ()
     capabilities: Capabilities
     # (choice, layers converted) when models/loader.py quantized the transformer (kernels/quantize.py).
     quantized: tuple[str, int] | None = None

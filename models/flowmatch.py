@@ -165,7 +165,27 @@ class FlowMatchAdapter(ModelAdapter):
             vocabulary=overrides.vocabulary,
             draws=overrides.draws,
             name=overrides.name,
+            guidance_styles=self._guidance_styles(),
+            parallel=self.parallel,
+            ulysses_degrees=self._ulysses_degrees(),
+            cache_methods=self.cache_methods,
+            image_inputs=self.image_inputs,
         )
+
+    def _guidance_styles(self) -> tuple[str, ...]:
+        """This checkpoint's: a family with a guidance embedding may have checkpoints without one."""
+        if "distilled" in self.guidance_styles and not getattr(self.transformer.config, "guidance_embeds", False):
+            return tuple(s for s in self.guidance_styles if s != "distilled")
+        return self.guidance_styles
+
+    def _ulysses_degrees(self) -> tuple[int, ...]:
+        if "ulysses" not in self.parallel:
+            return ()
+        heads = self.transformer.config.num_attention_heads
+        return tuple(d for d in range(2, heads + 1) if heads % d == 0)
+
+    def enable_ulysses(self, group: Any) -> None:
+        raise ValueError(f"the {self.family} family does not support Ulysses sequence parallelism")
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         caps = self.capabilities
@@ -232,15 +252,12 @@ class FlowMatchAdapter(ModelAdapter):
 
         if method not in stepcache.METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose from {', '.join(stepcache.METHODS)}")
-        if method != "none" and not self._supports_step_cache():
+        if method != "none" and method not in self.cache_methods:
             raise ValueError(f"--cache {method} is not implemented for the {self.family} family yet")
         self.step_cache = method
         self.default_cache_threshold = threshold if method != "none" else 0.0
         coefficients = load_coefficients(self.source) if os.path.isdir(self.source) else None
         self.cache_method = stepcache.Method(method, coefficients or self.teacache_coefficients)
-
-    def _supports_step_cache(self) -> bool:
-        return False
 
     attention_backend: str = "sdpa"
     compiled: bool = False

@@ -23,6 +23,9 @@ class FluxAdapter(FlowMatchAdapter):
     pipeline_class = "FluxPipeline"
     family = "flux"
     default_guidance = 3.5
+    guidance_styles = ("distilled", "true-cfg")
+    parallel = ("cfg-parallel", "ulysses")
+    cache_methods = ("fbcache", "teacache")
     max_sequence_length = 512
     teacache_coefficients = stepcache.FLUX_TEACACHE  # published for FLUX.1; a calibration beside the weights wins
 
@@ -114,9 +117,6 @@ class FluxAdapter(FlowMatchAdapter):
         pos, neg = out[:, 0], out[:, 1]
         scale = cond["true_cfg"].to(out.dtype)  # [B], built once per batch membership
         return neg + scale.view(-1, 1, 1) * (pos - neg)
-
-    def _supports_step_cache(self) -> bool:
-        return True
 
     def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
         return stepcache.flux_forward(

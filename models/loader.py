@@ -52,3 +52,23 @@ def load_adapter(
     if offload != "none":
         adapter.enable_offload(offload, device)
     return adapter
+
+
+def check_features(model: str, *, ulysses: int = 1, cache: str = "none") -> None:
+    """Raises ValueError, saying why, when the family of `model` cannot run the parallel layout or step cache asked
+    for: read from `model_index.json` and the family's declarations, before any rank starts or loads."""
+    cls = adapter_for(read_model_index(model).get("_class_name", "<missing _class_name>"))
+    if ulysses > 1:
+        if "ulysses" not in cls.parallel:
+            raise ValueError(
+                f"--ulysses {ulysses}: the {cls.family} family ({cls.pipeline_class}) does not support Ulysses "
+                f"sequence parallelism; it supports: {', '.join(cls.parallel)}"
+            )
+        config = Path(model) / "transformer" / "config.json"
+        if config.is_file():
+            heads = json.loads(config.read_text()).get("num_attention_heads")
+            if heads and heads % ulysses:
+                raise ValueError(f"--ulysses {ulysses} must divide the transformer's {heads} attention heads")
+    if cache != "none" and cache not in cls.cache_methods:
+        offered = ", ".join(cls.cache_methods) or "none"
+        raise ValueError(f"--cache {cache}: the {cls.family} family implements {offered}")

@@ -31,6 +31,7 @@ class QwenImageAdapter(FlowMatchAdapter):
     default_steps = 50
     default_guidance = 1.0  # the distilled guidance embedding, which only guidance-distilled checkpoints have
     default_true_cfg = 4.0
+    guidance_styles = ("true-cfg", "distilled")
     max_sequence_length = 512
     TEXT_ENCODERS = ("text_encoder",)
 

@@ -25,3 +25,28 @@ def adapter_for(pipeline_class: str) -> type[ModelAdapter]:
         raise UnsupportedModelError(
             f"no adapter for pipeline class {pipeline_class!r}; supported: {supported}"
         ) from None
+
+
+def families_table() -> str:
+    """README's table of supported families, from each adapter's declarations (a test keeps README equal to it)."""
+
+    def listed(values) -> str:
+        return ", ".join(values) or "-"
+
+    lines = [
+        "| `_class_name` | family | guidance | CFG-parallel | Ulysses | step cache | image inputs | needs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, cls in ADAPTERS.items():
+        cells = [
+            f"`{name}`",
+            cls.family,
+            listed(cls.guidance_styles),
+            "yes" if "cfg-parallel" in cls.parallel else "no",
+            "yes" if "ulysses" in cls.parallel else "no",
+            listed(cls.cache_methods),
+            listed(cls.image_inputs),
+            listed(cls.needs),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -28,15 +28,15 @@ class SD3Adapter(FlowMatchAdapter):
     pipeline_class = "StableDiffusion3Pipeline"
     family = "sd3"
     default_guidance = 7.0
+    guidance_styles = ("cfg",)
+    parallel = ("cfg-parallel", "ulysses")
+    cache_methods = ("fbcache", "teacache")
     # The pipeline's default T5 length; the text context length is fixed, so any prompts can share a batch.
     max_sequence_length = 256
 
     def _default_size(self) -> tuple[int, int]:
         side = self.transformer.config.sample_size * self.vae_scale_factor
         return side, side
-
-    def _supports_step_cache(self) -> bool:
-        return True
 
     def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
         # Ulysses shards tokens through hooks on pos_embed and proj_out, which this forward calls as well.

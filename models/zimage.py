@@ -28,6 +28,7 @@ class ZImageAdapter(FlowMatchAdapter):
     # The pipeline's own defaults.
     default_steps = 50
     default_guidance = 5.0
+    guidance_styles = ("cfg",)
     max_sequence_length = 512
     TEXT_ENCODERS = ("text_encoder",)
 

@@ -43,16 +43,18 @@ def record_forwards(adapter) -> list[dict]:
     tokens it got and the tokens its first block saw."""
     forwards: list[dict] = []
     real = adapter.denoise
-    patch = adapter.transformer.config.patch_size
+    patch = getattr(adapter.transformer.config, "patch_size", 2)  # Z-Image patches by 2 (`all_patch_size`)
 
     def denoise(states):
         forwards.append({"requests": len(states), "cfg": adapter._uses_cfg(states[0].params), "calls": []})
         return real(states)
 
     def on_transformer(module, args, kwargs):
-        hs = kwargs["hidden_states"]  # SD3: [B, C, H, W] latents; FLUX: [B, S, C] packed tokens
-        tokens = hs.shape[1] if hs.dim() == 3 else (hs.shape[2] // patch) * (hs.shape[3] // patch)
-        forwards[-1]["calls"].append({"rows": hs.shape[0], "tokens": tokens})
+        # SD3: [B, C, H, W] latents; FLUX, Qwen-Image: [B, S, C] packed tokens; Z-Image: a list of [C, 1, H, W]
+        hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        first = hs[0]
+        tokens = first.shape[0] if first.dim() == 2 else (first.shape[-2] // patch) * (first.shape[-1] // patch)
+        forwards[-1]["calls"].append({"rows": len(hs), "tokens": tokens})
 
     def on_block(module, args, kwargs):
         hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [B, S_local, D]
@@ -70,7 +72,8 @@ def record_forwards(adapter) -> list[dict]:
     adapter.decode_latents = decode_latents
     # prepend: before the Ulysses hook that shards FLUX inputs, so that "tokens" counts the whole image.
     adapter.transformer.register_forward_pre_hook(on_transformer, with_kwargs=True, prepend=True)
-    adapter.transformer.transformer_blocks[0].register_forward_pre_hook(on_block, with_kwargs=True)
+    blocks = getattr(adapter.transformer, "transformer_blocks", None) or adapter.transformer.layers  # Z-Image's
+    blocks[0].register_forward_pre_hook(on_block, with_kwargs=True)
     return forwards
 
 

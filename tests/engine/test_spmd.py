@@ -83,7 +83,50 @@ REQUESTS = {
             for i in range(2)
         ),
     ],
+    "z-image": [
+        SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=4, guidance_scale=4.0),
+        SamplingParams(
+            prompt="a blue square on the grass",
+            negative_prompt="blurry",
+            seed=2,
+            width=64,
+            height=64,
+            num_inference_steps=3,
+            guidance_scale=3.0,
+        ),
+        SamplingParams(prompt="a cat", seed=3, width=48, height=48, num_inference_steps=3, guidance_scale=4.0),
+        # Guidance 0 (Turbo), finishing together: split between the ranks and decoded by both.
+        *(
+            SamplingParams(
+                prompt=f"plain {i}", seed=10 + i, width=64, height=64, num_inference_steps=2, guidance_scale=0.0
+            )
+            for i in range(3)
+        ),
+    ],
+    "qwen-image": [
+        SamplingParams(
+            prompt="a red circle", negative_prompt="blurry", seed=1, width=64, height=64, num_inference_steps=4
+        ),
+        SamplingParams(
+            prompt="a blue square on the grass",
+            negative_prompt="dark",
+            seed=2,
+            width=64,
+            height=64,
+            num_inference_steps=3,
+            true_cfg_scale=2.5,
+        ),
+        SamplingParams(
+            prompt="a cat", negative_prompt="", seed=3, width=48, height=48, num_inference_steps=3, true_cfg_scale=4.0
+        ),
+        # No negative prompt, no true CFG, finishing together: split between the ranks and decoded by both.
+        *(
+            SamplingParams(prompt=f"plain {i}", seed=10 + i, width=64, height=64, num_inference_steps=2)
+            for i in range(3)
+        ),
+    ],
 }
+FIXTURES = {"sd3": "tiny_sd3", "flux": "tiny_flux", "z-image": "tiny_zimage", "qwen-image": "tiny_qwenimage"}
 
 
 def free_port() -> int:
@@ -180,10 +223,19 @@ def check_split(strategy: str, forwards: list[list[dict]]) -> int:
     return sum(n for rank in forwards for f in rank for n in f.get("decoded", []))
 
 
-@pytest.mark.parametrize("strategy", ["cfg", "ulysses"])
-@pytest.mark.parametrize("family", ["sd3", "flux"])
+@pytest.mark.parametrize(
+    ("family", "strategy"),
+    [
+        ("sd3", "cfg"),
+        ("sd3", "ulysses"),
+        ("flux", "cfg"),
+        ("flux", "ulysses"),
+        ("z-image", "cfg"),
+        ("qwen-image", "cfg"),
+    ],
+)
 def test_two_ranks_match_one(family, strategy, request, tmp_path):
-    model = request.getfixturevalue(f"tiny_{family}")
+    model = request.getfixturevalue(FIXTURES[family])
     requests = REQUESTS[family]
     expected = one_rank(model, requests)
     cfg, ulysses = (2, 1) if strategy == "cfg" else (1, 2)

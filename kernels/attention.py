@@ -5,7 +5,7 @@
 set it. We set the attribute ourselves instead of calling `set_attention_backend`, which also changes a process-wide
 default and logs an "experimental" warning on every load. SD3's stock `JointAttnProcessor2_0` calls SDPA directly
 (diffusers 0.42), so for any backend but `sdpa` it is swapped for `DispatchJointAttnProcessor`, the same steps with
-the attention call dispatched. The Ulysses processors (kernels/ulysses.py) call `attention` below too.
+the attention call dispatched. The Ulysses processors (models/, through kernels/ulysses.py) call `attention` too.
 
 `auto` (the default) is flash-attn on a CUDA device where the package imports, SDPA otherwise. A backend that cannot
 run here (no GPU, package missing) is a start-up error naming what is missing; flash-attn is imported only when
@@ -94,7 +94,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Any = 
 
 class DispatchJointAttnProcessor:
     """diffusers' `JointAttnProcessor2_0` (SD3's joint attention; its blocks pass [B, S, D] only) with its attention
-    call dispatched to `_attention_backend`. Subclasses replace `_attend` (kernels/ulysses.py shards it)."""
+    call dispatched to `_attention_backend`. Subclasses replace `_attend` (models/sd3.py shards it)."""
 
     _attention_backend = None
     _parallel_config = None

@@ -18,11 +18,6 @@ from pathlib import Path
 
 import torch
 
-# Block classes to compile for transformers that do not name their own (`_repeated_blocks`; FLUX does in 0.42).
-REPEATED_BLOCKS: dict[str, tuple[str, ...]] = {
-    "SD3Transformer2DModel": ("JointTransformerBlock",),
-}
-
 
 def use_cache_dir(path: str | Path | None = None) -> str:
     """Point inductor's on-disk caches at `path` (default: `<cache dir>/inductor`) unless TORCHINDUCTOR_CACHE_DIR is
@@ -37,9 +32,10 @@ def use_cache_dir(path: str | Path | None = None) -> str:
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
-def compile_blocks(transformer: torch.nn.Module) -> int:
-    """Compile every repeated block of `transformer` in place (compiled at its first call); how many."""
-    names = getattr(transformer, "_repeated_blocks", None) or REPEATED_BLOCKS.get(type(transformer).__name__)
+def compile_blocks(transformer: torch.nn.Module, names: tuple[str, ...] = ()) -> int:
+    """Compile every repeated block of `transformer` in place (compiled at its first call); how many. `names`: the
+    block classes, for transformers that do not name their own (`_repeated_blocks`)."""
+    names = names or getattr(transformer, "_repeated_blocks", None)
     if not names:
         raise ValueError(f"--compile: no repeated blocks known for {type(transformer).__name__}")
     count = 0

@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism for MMDiT transformers (SD3, FLUX) over any process group, gloo included.
+"""Ulysses sequence parallelism for MMDiT transformers over any process group, gloo included.
 
 Image tokens are sharded across the group (rank j holds a contiguous slice, sizes differ by at most one token, so
 any image size works); text tokens stay replicated. Around each attention call, an all-to-all trades the sequence
@@ -7,8 +7,8 @@ back. The replicated text part only needs its heads sliced before and all-gather
 
 Why our own and not diffusers' `enable_parallelism`: in diffusers 0.42 SD3 has no `_cp_plan` and its
 `JointAttnProcessor2_0` calls SDPA directly, and `enable_parallelism` computes
-`rank % torch.accelerator.device_count()`, which divides by zero on a CPU-only host (gloo). The processors below
-follow diffusers' `JointAttnProcessor2_0` and `FluxAttnProcessor` step by step, with the attention call replaced.
+`rank % torch.accelerator.device_count()`, which divides by zero on a CPU-only host (gloo). Each family's file in
+models/ holds its processor: its own diffusers processor step by step, the attention call replaced by `ulysses_sdpa`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from diffusers.models.embeddings import apply_rotary_emb
 
-from diffusiond.kernels.attention import DispatchJointAttnProcessor, attention
+from diffusiond.kernels.attention import attention
 from diffusiond.kernels.collectives import collective
 
 
@@ -28,7 +27,7 @@ class UlyssesGroup:
     group: dist.ProcessGroup
     rank: int
     size: int
-    # Replicated prefix length of the current forward (FLUX single-stream blocks see [text, image] concatenated).
+    # Replicated prefix length of the current forward (single-stream blocks see [text, image] concatenated).
     text_len: int = 0
     # Shard sizes of the current forward's image sequence, per rank.
     shards: list[int] = field(default_factory=list)
@@ -121,67 +120,6 @@ def ulysses_sdpa(
             dist.all_gather(gathered, rep.contiguous(), group=g.group)
         rep = torch.cat(gathered, dim=1)  # [B, H, T, d]
     return torch.cat([rep, img] if replicated_first else [img, rep], dim=2)
-
-
-class UlyssesJointAttnProcessor(DispatchJointAttnProcessor):
-    """SD3's joint attention (diffusers `JointAttnProcessor2_0`) with image tokens sharded across `g`: the same
-    projections as `DispatchJointAttnProcessor`, the attention itself over the whole sequence by all-to-all."""
-
-    def __init__(self, g: UlyssesGroup) -> None:
-        self.g = g
-
-    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, text_len: int) -> torch.Tensor:
-        return ulysses_sdpa(
-            query, key, value, self.g, replicated=text_len, replicated_first=False, backend=self._attention_backend
-        )
-
-
-class UlyssesFluxAttnProcessor:
-    """FLUX attention (diffusers `FluxAttnProcessor`) with image tokens sharded across `g`. Layout [B, L, H, d]."""
-
-    _attention_backend = None
-    _parallel_config = None
-
-    def __init__(self, g: UlyssesGroup) -> None:
-        self.g = g
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        from diffusers.models.transformers.transformer_flux import _get_qkv_projections
-
-        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states
-        )
-        query, key, value = (x.unflatten(-1, (-1, attn.head_dim)) for x in (query, key, value))
-        query, key = attn.norm_q(query), attn.norm_k(key)
-        if attn.added_kv_proj_dim is not None:
-            encoder_query, encoder_key, encoder_value = (
-                x.unflatten(-1, (-1, attn.head_dim)) for x in (encoder_query, encoder_key, encoder_value)
-            )
-            encoder_query, encoder_key = attn.norm_added_q(encoder_query), attn.norm_added_k(encoder_key)
-            query = torch.cat([encoder_query, query], dim=1)
-            key = torch.cat([encoder_key, key], dim=1)
-            value = torch.cat([encoder_value, value], dim=1)
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-        out = ulysses_sdpa(
-            query.transpose(1, 2),
-            key.transpose(1, 2),
-            value.transpose(1, 2),
-            self.g,
-            replicated=self.g.text_len,
-            replicated_first=True,
-            backend=self._attention_backend,
-        ).transpose(1, 2)  # [B, L_local, H, d]
-        hidden_states = out.flatten(2, 3).to(query.dtype)
-        if encoder_hidden_states is not None:
-            encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
-                [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1
-            )
-            hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
-            encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
-            return hidden_states, encoder_hidden_states
-        return hidden_states
 
 
 def shard_output(module: torch.nn.Module, g: UlyssesGroup, dim: int = 1) -> None:

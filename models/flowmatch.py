@@ -261,6 +261,8 @@ class FlowMatchAdapter(ModelAdapter):
 
     attention_backend: str = "sdpa"
     compiled: bool = False
+    # The transformer's repeated block classes, where it does not name them itself (`_repeated_blocks`).
+    repeated_blocks: ClassVar[tuple[str, ...]] = ()
     offload: str = "none"
     _stages: Any = None  # kernels/offload.StageOffload with `model` offload
     TEXT_ENCODERS: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")
@@ -295,7 +297,7 @@ class FlowMatchAdapter(ModelAdapter):
         which the warm-up makes. How many blocks."""
         from diffusiond.kernels.compile import compile_blocks
 
-        count = compile_blocks(self.transformer)
+        count = compile_blocks(self.transformer, self.repeated_blocks)
         self.compiled = True
         return count
 

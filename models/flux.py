@@ -8,11 +8,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from diffusers import FluxPipeline
+from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from diffusiond.engine.request import SamplingParams
 from diffusiond.engine.wire import NewRequest
-from diffusiond.kernels.ulysses import UlyssesFluxAttnProcessor, UlyssesGroup, check_heads, gather_output
+from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, ulysses_sdpa
 from diffusiond.models import stepcache
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
@@ -143,3 +144,51 @@ class FluxAdapter(FlowMatchAdapter):
 
         self.transformer.register_forward_pre_hook(shard_inputs, with_kwargs=True)
         gather_output(self.transformer.proj_out, group)
+
+
+class UlyssesFluxAttnProcessor:
+    """FLUX attention (diffusers `FluxAttnProcessor`) with image tokens sharded across `g`. Layout [B, L, H, d]."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, g: UlyssesGroup) -> None:
+        self.g = g
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        from diffusers.models.transformers.transformer_flux import _get_qkv_projections
+
+        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states
+        )
+        query, key, value = (x.unflatten(-1, (-1, attn.head_dim)) for x in (query, key, value))
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        if attn.added_kv_proj_dim is not None:
+            encoder_query, encoder_key, encoder_value = (
+                x.unflatten(-1, (-1, attn.head_dim)) for x in (encoder_query, encoder_key, encoder_value)
+            )
+            encoder_query, encoder_key = attn.norm_added_q(encoder_query), attn.norm_added_k(encoder_key)
+            query = torch.cat([encoder_query, query], dim=1)
+            key = torch.cat([encoder_key, key], dim=1)
+            value = torch.cat([encoder_value, value], dim=1)
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        out = ulysses_sdpa(
+            query.transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            self.g,
+            replicated=self.g.text_len,
+            replicated_first=True,
+            backend=self._attention_backend,
+        ).transpose(1, 2)  # [B, L_local, H, d]
+        hidden_states = out.flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is not None:
+            encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+                [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1
+            )
+            hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
+            encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
+            return hidden_states, encoder_hidden_states
+        return hidden_states

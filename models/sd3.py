@@ -11,13 +11,8 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from diffusiond.engine.request import SamplingParams
 from diffusiond.engine.wire import NewRequest
-from diffusiond.kernels.ulysses import (
-    UlyssesGroup,
-    UlyssesJointAttnProcessor,
-    check_heads,
-    gather_output,
-    shard_output,
-)
+from diffusiond.kernels.attention import DispatchJointAttnProcessor
+from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, shard_output, ulysses_sdpa
 from diffusiond.models import stepcache
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
@@ -31,6 +26,7 @@ class SD3Adapter(FlowMatchAdapter):
     guidance_styles = ("cfg",)
     parallel = ("cfg-parallel", "ulysses")
     cache_methods = ("fbcache", "teacache")
+    repeated_blocks = ("JointTransformerBlock",)  # diffusers 0.42's SD3 transformer names none
     # The pipeline's default T5 length; the text context length is fixed, so any prompts can share a batch.
     max_sequence_length = 256
 
@@ -136,3 +132,16 @@ class SD3Adapter(FlowMatchAdapter):
         self.transformer.set_attn_processor(UlyssesJointAttnProcessor(group))
         shard_output(self.transformer.pos_embed, group)  # patch tokens [B, S, D] -> this rank's slice
         gather_output(self.transformer.proj_out, group)  # [B, S_local, p*p*C] -> [B, S, p*p*C] before unpatchify
+
+
+class UlyssesJointAttnProcessor(DispatchJointAttnProcessor):
+    """SD3's joint attention (diffusers `JointAttnProcessor2_0`) with image tokens sharded across `g`: the same
+    projections as `DispatchJointAttnProcessor`, the attention itself over the whole sequence by all-to-all."""
+
+    def __init__(self, g: UlyssesGroup) -> None:
+        self.g = g
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, text_len: int) -> torch.Tensor:
+        return ulysses_sdpa(
+            query, key, value, self.g, replicated=text_len, replicated_first=False, backend=self._attention_backend
+        )

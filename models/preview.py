@@ -201,13 +201,13 @@ def fit_pairs(z: torch.Tensor, rgb: torch.Tensor) -> LatentRGB:
 
 
 def write_preview_factors(checkpoint_dir: str | Path, **fit_kwargs: Any) -> LatentRGB:
-    """Fit a preview map against the checkpoint's VAE (`<dir>/vae`) and store it as `<dir>/diffusiond_preview.json`."""
-    from diffusers import AutoencoderKL
+    """Fit a preview map against the checkpoint's VAE, through its family's own decode (models/flowmatch.py), and
+    store it as `<dir>/diffusiond_preview.json`."""
+    from diffusiond.models.loader import load_adapter
 
     checkpoint_dir = Path(checkpoint_dir)
-    vae = AutoencoderKL.from_pretrained(checkpoint_dir, subfolder="vae")
-    vae.eval()
-    rgb = fit_latent_rgb(vae, **fit_kwargs)
+    adapter = load_adapter(str(checkpoint_dir))
+    rgb = fit_decoder(adapter._decode, adapter._latent_channels(), adapter.vae_scale_factor, **fit_kwargs)
     (checkpoint_dir / FACTORS_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(rgb)) + b"\n")
     return rgb
 

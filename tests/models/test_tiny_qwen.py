@@ -8,6 +8,7 @@ import torch
 from diffusers import DiffusionPipeline, QwenImagePipeline, ZImagePipeline
 from transformers import AutoTokenizer
 
+from diffusiond.models.preview import load_preview_factors
 from diffusiond.models.tiny import WORDS
 from diffusiond.models.tiny_qwen import make_qwen_tokenizer
 
@@ -52,3 +53,14 @@ def test_loads_as_its_pipeline_and_generates(fixture, cls, request):
     ).images[0]
     assert image.shape == (64, 64, 3) and np.isfinite(image).all()
     assert image.std() > 0.01  # not a constant image
+
+
+@pytest.mark.parametrize("family", ["z-image", "qwen-image"])
+def test_make_tiny_writes_a_preview_map_fitted_through_the_familys_decode(family, tmp_path):
+    """`diffusiond make-tiny` for these families: Qwen-Image's VAE is a video VAE (5-D latents, its own
+    normalisation), which the generic AutoencoderKL fit cannot load."""
+    from diffusiond.daemon.cli import main
+
+    assert main(["make-tiny", "--family", family, "--out", str(tmp_path)]) == 0
+    fitted = load_preview_factors(tmp_path)
+    assert fitted is not None and fitted.source == "fitted" and len(fitted.factors) == 16

@@ -9,7 +9,18 @@ import msgspec
 from aiohttp import web
 
 from diffusiond.daemon.config import MAX_N
-from diffusiond.engine.request import CacheThreshold, Every, Guidance, PreviewMode, Prompt, Seed, Side, Steps
+from diffusiond.engine.request import (
+    CacheThreshold,
+    Every,
+    Fraction,
+    Guidance,
+    Layers,
+    PreviewMode,
+    Prompt,
+    Seed,
+    Side,
+    Steps,
+)
 
 MAX_PARTIAL_IMAGES = 3
 # Every number a client sends is bounded here, at the edge, with the field named in the error: nothing unbounded may
@@ -94,6 +105,10 @@ class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     num_inference_steps: Steps | None = None
     guidance_scale: Guidance | None = None
     true_cfg_scale: Guidance | None = None
+    skip_guidance_layers: Layers | None = None
+    skip_layer_guidance_scale: Guidance | None = None
+    skip_layer_guidance_start: Fraction | None = None
+    skip_layer_guidance_stop: Fraction | None = None
     preview_every: Every = 0
     # "fast": the latent -> RGB map, at latent resolution; "vae": a real decode of the predicted image, full size.
     preview: PreviewMode = "fast"

@@ -40,6 +40,8 @@ Steps = Annotated[int, msgspec.Meta(ge=1, le=MAX_STEPS)]
 Every = Annotated[int, msgspec.Meta(ge=0, le=MAX_STEPS)]
 Guidance = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_GUIDANCE)]
 Prompt = Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
+Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+Layers = Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=1000)], ...], msgspec.Meta(min_length=1, max_length=64)]
 
 
 PreviewMode = Literal["fast", "vae"]
@@ -76,6 +78,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     # residual changes by less than this (relative L1). 0: every step computes (exact). Resolved from the server's
     # --cache-threshold when the client sends none.
     cache_threshold: CacheThreshold | None = None
+    # Skip-layer guidance (families that declare "skip-layer", SD3.5's recommendation: layers 7, 8, 9): with CFG,
+    # for steps i with start * steps < i < stop * steps, the image is also pushed away from the prediction of the
+    # transformer run with these blocks skipped, by `skip_layer_guidance_scale`. Unset: off.
+    skip_guidance_layers: Layers | None = None
+    skip_layer_guidance_scale: Guidance | None = None
+    skip_layer_guidance_start: Fraction | None = None
+    skip_layer_guidance_stop: Fraction | None = None
 
 
 class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):

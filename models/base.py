@@ -109,8 +109,9 @@ class RequestState:
 
 
 # How a family guides: "cfg" (a negative branch whenever `guidance_scale` says so), "distilled" (`guidance_scale`
-# feeds a guidance embedding, one row), "true-cfg" (a negative branch with `true_cfg_scale` and a negative prompt).
-GUIDANCE_STYLES = ("cfg", "distilled", "true-cfg")
+# feeds a guidance embedding, one row), "true-cfg" (a negative branch with `true_cfg_scale` and a negative prompt),
+# "skip-layer" (skip-layer guidance on top of CFG, `skip_guidance_layers`).
+GUIDANCE_STYLES = ("cfg", "distilled", "true-cfg", "skip-layer")
 
 
 class ModelAdapter(abc.ABC):

@@ -237,7 +237,33 @@ class FlowMatchAdapter(ModelAdapter):
             stream_latents=params.stream_latents,
             preview=params.preview,
             cache_threshold=self._cache_threshold(params),
+            **self._skip_layer_guidance(params),
         )
+
+    # The pipeline's defaults (StableDiffusion3Pipeline.__call__).
+    SKIP_LAYER_DEFAULTS: ClassVar[dict[str, float]] = {
+        "skip_layer_guidance_scale": 2.8,
+        "skip_layer_guidance_start": 0.01,
+        "skip_layer_guidance_stop": 0.2,
+    }
+
+    def _skip_layer_guidance(self, params: SamplingParams) -> dict[str, Any]:
+        """The resolved skip-layer guidance fields: all set when the request skips layers, else none."""
+        layers = params.skip_guidance_layers
+        if layers is None:
+            return {}
+        if "skip-layer" not in self.guidance_styles:
+            raise ParamError("skip_guidance_layers", f"the {self.family} family has no skip-layer guidance")
+        blocks = self.transformer.config.num_layers
+        if max(layers) >= blocks:
+            raise ParamError(
+                "skip_guidance_layers", f"this model's transformer has blocks 0 to {blocks - 1}, got {max(layers)}"
+            )
+        resolved: dict[str, Any] = {"skip_guidance_layers": tuple(sorted(set(layers)))}
+        for name, default in self.SKIP_LAYER_DEFAULTS.items():
+            value = getattr(params, name)
+            resolved[name] = float(value if value is not None else default)
+        return resolved
 
     # ---- step caching (models/stepcache.py) ----
 

@@ -23,7 +23,7 @@ class SD3Adapter(FlowMatchAdapter):
     pipeline_class = "StableDiffusion3Pipeline"
     family = "sd3"
     default_guidance = 7.0
-    guidance_styles = ("cfg",)
+    guidance_styles = ("cfg", "skip-layer")
     parallel = ("cfg-parallel", "ulysses")
     cache_methods = ("fbcache", "teacache")
     repeated_blocks = ("JointTransformerBlock",)  # diffusers 0.42's SD3 transformer names none
@@ -86,6 +86,9 @@ class SD3Adapter(FlowMatchAdapter):
                     "embeds": torch.cat([neg_embeds, embeds]),
                     "pooled": torch.cat([neg_pooled, pooled]),
                     "scale": torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32),
+                    "slg_scale": torch.full(
+                        [1], p.skip_layer_guidance_scale or 0.0, device=self.device, dtype=torch.float32
+                    ),
                 }
             else:
                 cond = {"embeds": embeds, "pooled": pooled}
@@ -124,7 +127,34 @@ class SD3Adapter(FlowMatchAdapter):
             return out[:, 0]
         uncond, text = out[:, 0], out[:, 1]
         scale = cond["scale"].to(out.dtype)  # [B], built once per batch membership, not from a list each step
-        return uncond + scale.view(-1, 1, 1, 1) * (text - uncond)
+        guided = uncond + scale.view(-1, 1, 1, 1) * (text - uncond)
+        return self._skip_layer_guidance_step(states, batched, text, guided, cond["slg_scale"])
+
+    def _skip_layer_guidance_step(self, states, batched, text, guided, slg_scale) -> torch.Tensor:
+        """Requests in their skip-layer window this step: one more forward per set of skipped layers over their
+        positive rows, and `guided + (text - skipped) * scale`, as the pipeline computes it."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, s in enumerate(states):
+            p, n = s.params, s.total_steps
+            if (
+                p.skip_guidance_layers
+                and n * p.skip_layer_guidance_start < s.step_index < n * p.skip_layer_guidance_stop
+            ):
+                groups.setdefault(p.skip_guidance_layers, []).append(i)
+        for layers, rows in groups.items():
+            index = torch.tensor(rows, device=guided.device)
+            positive = 2 * index + 1  # rows (negative, positive) per request
+            skipped = self.transformer(
+                hidden_states=batched["hidden_states"][positive],
+                timestep=batched["timestep"][positive],
+                encoder_hidden_states=batched["encoder_hidden_states"][positive],
+                pooled_projections=batched["pooled_projections"][positive],
+                skip_layers=list(layers),
+                return_dict=False,
+            )[0]  # [len(rows), C, h, w]
+            scale = slg_scale[index].to(guided.dtype).view(-1, 1, 1, 1)
+            guided[index] = guided[index] + (text[index] - skipped) * scale
+        return guided
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:
         self.ulysses_group = group

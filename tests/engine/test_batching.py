@@ -22,9 +22,11 @@ def adapter(tiny_sd3):
     return load_adapter(tiny_sd3)
 
 
-def params(seed: int, prompt: str = "a red circle", steps: int = STEPS, guidance: float = 5.0) -> SamplingParams:
+def params(
+    seed: int, prompt: str = "a red circle", steps: int = STEPS, guidance: float = 5.0, **more
+) -> SamplingParams:
     return SamplingParams(
-        prompt=prompt, seed=seed, width=64, height=64, num_inference_steps=steps, guidance_scale=guidance
+        prompt=prompt, seed=seed, width=64, height=64, num_inference_steps=steps, guidance_scale=guidance, **more
     )
 
 
@@ -135,3 +137,26 @@ async def test_every_family_batches_its_forward(fixture, request):
         hook.remove()
     assert all(isinstance(r, Completed) for r in results), results
     assert calls == [6, 6], calls
+
+
+@pytest.mark.asyncio
+async def test_skip_layer_guidance_shares_one_extra_forward(tiny_sd35):
+    """Two requests with the same skipped layers, in their window at steps 1-3 of 4: each of those steps runs the
+    batch's CFG forward (2 x 2 rows) and one skip-layer forward over both positive rows, not one per request."""
+    adapter = load_adapter(tiny_sd35)
+    calls: list[tuple[int, bool]] = []
+    hook = adapter.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append((kwargs["hidden_states"].shape[0], bool(kwargs.get("skip_layers")))),
+        with_kwargs=True,
+    )
+    engine = Engine(adapter, max_batch=2, batch_wait=0.5)
+    await engine.start()
+    try:
+        slg = dict(skip_guidance_layers=(1,), skip_layer_guidance_start=0.0, skip_layer_guidance_stop=1.0)
+        handles = [engine.add_request(params(seed, steps=4, **slg)) for seed in range(2)]
+        results = [await h.result() for h in handles]
+    finally:
+        await engine.stop()
+        hook.remove()
+    assert all(isinstance(r, Completed) for r in results), results
+    assert calls == [(4, False)] + [(4, False), (2, True)] * 3, calls

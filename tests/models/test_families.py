@@ -7,9 +7,12 @@ import ast
 import re
 from pathlib import Path
 
+import aiohttp
 import pytest
 from procs import refused
 
+from diffusiond.engine.request import SamplingParams
+from diffusiond.models.base import ParamError
 from diffusiond.models.loader import load_adapter
 from diffusiond.models.registry import ADAPTERS, families_table
 
@@ -19,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(
     ("fixture", "guidance", "ulysses", "cache"),
     [
-        ("tiny_sd3", ("cfg",), (2, 4), ("fbcache", "teacache")),
+        ("tiny_sd3", ("cfg", "skip-layer"), (2, 4), ("fbcache", "teacache")),
         ("tiny_flux", ("distilled", "true-cfg"), (2,), ("fbcache", "teacache")),
         ("tiny_zimage", ("cfg",), (), ()),
         # The tiny Qwen-Image has no guidance embedding, so it drops "distilled" from its family's styles.
@@ -99,3 +102,26 @@ def test_no_family_is_named_outside_models(package):
         if FAMILY_NAMES.search(text)
     ]
     assert not found, found
+
+
+def test_skip_layer_guidance_is_refused_by_families_without_it(tiny_flux):
+    adapter = load_adapter(tiny_flux)
+    with pytest.raises(ParamError, match="the flux family has no skip-layer guidance") as info:
+        adapter.resolve(SamplingParams(prompt="a cat", skip_guidance_layers=(0,)))
+    assert info.value.param == "skip_guidance_layers"
+
+
+@pytest.mark.asyncio
+async def test_skip_layer_guidance_over_http_names_the_field(serve):
+    """The native API takes it; a block the transformer does not have is a 400 naming the field (tiny SD3: 2)."""
+    server = serve()
+    async with aiohttp.ClientSession() as session:
+        body = {"prompt": "a red circle", "width": 64, "height": 64, "skip_guidance_layers": [5]}
+        async with session.post(f"{server.base_url}/v1/generations", json=body) as resp:
+            error = await resp.json()
+        assert resp.status == 400 and error["error"]["param"] == "skip_guidance_layers", error
+        assert "blocks 0 to 1" in error["error"]["message"]
+        body = {**body, "skip_guidance_layers": [1], "num_inference_steps": 3, "guidance_scale": 4.0}
+        async with session.post(f"{server.base_url}/v1/generations", json=body) as resp:
+            events = [line async for line in resp.content if line.startswith(b"event: ")]
+        assert resp.status == 200 and events[-1].strip() == b"event: completed", events

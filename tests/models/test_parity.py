@@ -78,6 +78,60 @@ REQUESTS = {
             true_cfg_scale=4.0,
         ),
     ],
+    # SD3.5's layout; skip-layer guidance on some requests, in windows of their own, mixed with plain CFG ones.
+    "sd35": [
+        SamplingParams(
+            prompt="a red circle",
+            seed=1,
+            width=64,
+            height=64,
+            num_inference_steps=6,
+            guidance_scale=5.0,
+            skip_guidance_layers=(1,),
+            skip_layer_guidance_start=0.0,
+            skip_layer_guidance_stop=0.7,
+        ),
+        SamplingParams(
+            prompt="a blue square on a white background",
+            negative_prompt="blurry",
+            seed=2,
+            width=64,
+            height=64,
+            num_inference_steps=4,
+            guidance_scale=3.0,
+            preview_every=1,
+        ),
+        SamplingParams(
+            prompt="a small green triangle",
+            seed=3,
+            width=64,
+            height=64,
+            num_inference_steps=5,
+            guidance_scale=7.5,
+            skip_guidance_layers=(0, 1),
+            skip_layer_guidance_scale=1.5,
+            skip_layer_guidance_stop=0.9,
+        ),
+        SamplingParams(
+            prompt="a photo of a cat",
+            seed=4,
+            width=96,
+            height=64,
+            num_inference_steps=3,
+            guidance_scale=4.0,
+            skip_guidance_layers=(1,),  # the pipeline's window (0.01, 0.2) of 3 steps holds none
+        ),
+        SamplingParams(
+            prompt="yellow dog",
+            seed=5,
+            width=64,
+            height=64,
+            num_inference_steps=4,
+            guidance_scale=4.0,
+            skip_guidance_layers=(1,),
+            skip_layer_guidance_stop=1.0,
+        ),
+    ],
     "z-image": [
         SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=6, guidance_scale=4.0),
         SamplingParams(
@@ -180,6 +234,10 @@ def reference(pipe, family: str, params: SamplingParams) -> np.ndarray:
         kwargs["true_cfg_scale"] = params.true_cfg_scale
     if family == "qwen-image" and not pipe.transformer.config.guidance_embeds:
         kwargs["guidance_scale"] = None
+    if params.skip_guidance_layers is not None:
+        kwargs["skip_guidance_layers"] = list(params.skip_guidance_layers)
+        for name in ("skip_layer_guidance_scale", "skip_layer_guidance_start", "skip_layer_guidance_stop"):
+            kwargs[name] = getattr(params, name)
     return pipe(**kwargs).images[0]
 
 
@@ -195,9 +253,9 @@ FIXTURES = {
 @pytest.mark.parametrize("family", list(FIXTURES))
 def test_engine_matches_diffusers_pipeline(family, request):
     checkpoint = request.getfixturevalue(FIXTURES[family])
-    family = {"sd35": "sd3"}.get(family, family)  # SD3.5's layout, SD3's requests and pipeline
     adapter = load_adapter(checkpoint)
     handles, results, plans = asyncio.run(run_staggered(adapter, REQUESTS[family]))
+    family = {"sd35": "sd3"}.get(family, family)  # SD3.5's layout is SD3's pipeline
 
     # Requests really joined running batches, and batches really mixed requests at different steps.
     joined = [p for p in plans if p.new and set(p.advance) - {n.request_id for n in p.new}]
@@ -217,6 +275,9 @@ def test_engine_matches_diffusers_pipeline(family, request):
     for change in ({"seed": 99}, {"prompt": "a drawing of a blue dog"}, {"guidance_scale": 7.0, "true_cfg_scale": 7.0}):
         other = reference(pipe, family, SamplingParams(**{**first, **change}))
         assert float(np.abs(other - results[0].image).max()) > 100 * TOLERANCE, change
+    if first.get("skip_guidance_layers"):  # and so does skip-layer guidance
+        other = reference(pipe, family, SamplingParams(**{**first, "skip_guidance_layers": None}))
+        assert float(np.abs(other - results[0].image).max()) > 100 * TOLERANCE
 
 
 def _asdict(params: SamplingParams) -> dict:

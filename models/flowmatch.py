@@ -17,6 +17,7 @@ import diffusers
 import numpy as np
 import torch
 import torch.distributed as dist
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from diffusiond.engine.request import SamplingParams
 from diffusiond.kernels import attention
@@ -347,6 +348,27 @@ class FlowMatchAdapter(ModelAdapter):
 
     def _uses_cfg(self, params: SamplingParams) -> bool:
         raise NotImplementedError
+
+    def _lookup_prompts(
+        self, params: Sequence[SamplingParams]
+    ) -> tuple[list[bool], dict[str, tuple[torch.Tensor, ...]]]:
+        """Which requests use CFG, and the encoded prompts (and negative prompts of those) by text, through the
+        prompt cache: one encoder call for the texts it misses."""
+        cfg = [self._uses_cfg(p) for p in params]
+        negatives = [p.negative_prompt or "" for p, c in zip(params, cfg, strict=True) if c]
+        return cfg, self.prompts.lookup([p.prompt for p in params] + negatives, self._encode)
+
+    def _shift_mu(self, image_seq_len: int, max_shift: float = 1.15) -> float:
+        """The dynamic shift for `image_seq_len` tokens from the scheduler's config, as the pipelines compute it
+        (`max_shift`: the pipeline's default when the config has none; SD3's is 1.16)."""
+        config = self.pipe.scheduler.config
+        return calculate_shift(
+            image_seq_len,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", max_shift),
+        )
 
     def _generator(self, params: SamplingParams) -> torch.Generator:
         # A CPU generator on every device: the same seed gives the same image on CPU and GPU, as in diffusers when

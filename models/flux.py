@@ -9,7 +9,6 @@ import numpy as np
 import torch
 from diffusers import FluxPipeline
 from diffusers.models.embeddings import apply_rotary_emb
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from diffusiond.engine.request import SamplingParams
 from diffusiond.engine.wire import NewRequest
@@ -47,9 +46,7 @@ class FluxAdapter(FlowMatchAdapter):
     @torch.inference_mode()
     def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
         params = [n.params for n in new]
-        cfg = [self._uses_cfg(p) for p in params]
-        negatives = [p.negative_prompt or "" for p, c in zip(params, cfg, strict=True) if c]
-        text = self.prompts.lookup([p.prompt for p in params] + negatives, self._encode)  # text -> (embeds, pooled)
+        cfg, text = self._lookup_prompts(params)  # text -> (embeds, pooled)
         config = self.pipe.scheduler.config
         channels = self.transformer.config.in_channels // 4
         states = []
@@ -61,13 +58,7 @@ class FluxAdapter(FlowMatchAdapter):
             sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
             if getattr(config, "use_flow_sigmas", False):
                 sigmas = None
-            mu = calculate_shift(
-                latents.shape[1],
-                config.get("base_image_seq_len", 256),
-                config.get("max_image_seq_len", 4096),
-                config.get("base_shift", 0.5),
-                config.get("max_shift", 1.15),
-            )
+            mu = self._shift_mu(latents.shape[1])
             sampler = FlowMatchSampler(self.pipe.scheduler, p.num_inference_steps, self.device, sigmas=sigmas, mu=mu)
             guidance = torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)
             if cfg[i]:

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import QwenImagePipeline
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
 from diffusiond.engine.request import SamplingParams
 from diffusiond.engine.wire import NewRequest
@@ -65,10 +64,7 @@ class QwenImageAdapter(FlowMatchAdapter):
     @torch.inference_mode()
     def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
         params = [n.params for n in new]
-        cfg = [self._uses_cfg(p) for p in params]
-        negatives = [p.negative_prompt or "" for p, c in zip(params, cfg, strict=True) if c]
-        text = self.prompts.lookup([p.prompt for p in params] + negatives, self._encode)  # text -> ([L, D],)
-        config = self.pipe.scheduler.config
+        cfg, text = self._lookup_prompts(params)  # text -> ([L, D],)
         channels = self.transformer.config.in_channels // 4
         states = []
         for i, (req, p) in enumerate(zip(new, params, strict=True)):
@@ -76,13 +72,7 @@ class QwenImageAdapter(FlowMatchAdapter):
             latents = self.pipe.prepare_latents(
                 1, channels, p.height, p.width, embeds.dtype, self.device, self._generator(p)
             )  # [1, seq, C * 4]
-            mu = calculate_shift(
-                latents.shape[1],
-                config.get("base_image_seq_len", 256),
-                config.get("max_image_seq_len", 4096),
-                config.get("base_shift", 0.5),
-                config.get("max_shift", 1.15),
-            )
+            mu = self._shift_mu(latents.shape[1])
             sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
             sampler = FlowMatchSampler(self.pipe.scheduler, p.num_inference_steps, self.device, sigmas=sigmas, mu=mu)
             rows = [embeds]  # (positive, negative) per request; a batch interleaves them

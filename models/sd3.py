@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
 from diffusiond.engine.request import SamplingParams
@@ -54,9 +53,7 @@ class SD3Adapter(FlowMatchAdapter):
     @torch.inference_mode()
     def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
         params = [n.params for n in new]
-        cfg = [self._uses_cfg(p) for p in params]
-        negatives = [p.negative_prompt or "" for p, c in zip(params, cfg, strict=True) if c]
-        text = self.prompts.lookup([p.prompt for p in params] + negatives, self._encode)  # text -> (embeds, pooled)
+        cfg, text = self._lookup_prompts(params)  # text -> (embeds, pooled)
         config = self.pipe.scheduler.config
         states = []
         for i, (req, p) in enumerate(zip(new, params, strict=True)):
@@ -71,13 +68,7 @@ class SD3Adapter(FlowMatchAdapter):
             kwargs = {}
             if config.get("use_dynamic_shifting", None):
                 patch = self.transformer.config.patch_size
-                kwargs["mu"] = calculate_shift(
-                    (shape[2] // patch) * (shape[3] // patch),
-                    config.get("base_image_seq_len", 256),
-                    config.get("max_image_seq_len", 4096),
-                    config.get("base_shift", 0.5),
-                    config.get("max_shift", 1.16),
-                )
+                kwargs["mu"] = self._shift_mu((shape[2] // patch) * (shape[3] // patch), max_shift=1.16)
             sampler = FlowMatchSampler(self.pipe.scheduler, p.num_inference_steps, self.device, **kwargs)
             if cfg[i]:
                 # Rows (negative, positive) per request: a batch of them interleaves, one concatenation per batch.

@@ -86,6 +86,22 @@ def _bpe(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
     return symbols
 
 
+def add_merges(
+    symbols: list[str], vocab: dict[str, int], merges: list[tuple[str, str]], ranks: dict[tuple[str, str], int]
+) -> None:
+    """Make `symbols` one token: split with the merges so far, then join the remaining pieces left to right by new,
+    lower-priority merges (added to `merges`, `ranks` and `vocab`)."""
+    pieces = _bpe(symbols, ranks)
+    while len(pieces) > 1:
+        pair = (pieces[0], pieces[1])
+        if pair not in ranks:
+            ranks[pair] = len(merges)
+            merges.append(pair)
+        merged = pair[0] + pair[1]
+        vocab.setdefault(merged, len(vocab))
+        pieces = [merged, *pieces[2:]]
+
+
 def clip_vocab_and_merges(words: tuple[str, ...] = WORDS) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """A CLIP BPE vocabulary in which every word of `words` is a single `word</w>` token.
 
@@ -104,15 +120,7 @@ def clip_vocab_and_merges(words: tuple[str, ...] = WORDS) -> tuple[dict[str, int
     merges: list[tuple[str, str]] = []
     ranks: dict[tuple[str, str], int] = {}
     for word in dict.fromkeys(words):
-        pieces = _bpe([*word[:-1], word[-1] + _EOW], ranks)
-        while len(pieces) > 1:
-            pair = (pieces[0], pieces[1])
-            if pair not in ranks:
-                ranks[pair] = len(merges)
-                merges.append(pair)
-            merged = pair[0] + pair[1]
-            vocab.setdefault(merged, len(vocab))
-            pieces = [merged, *pieces[2:]]
+        add_merges([*word[:-1], word[-1] + _EOW], vocab, merges, ranks)
     vocab[_BOS] = len(vocab)
     vocab[_EOS] = len(vocab)
     return vocab, merges

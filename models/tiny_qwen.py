@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from diffusiond.models.tiny import WORDS, _bpe, _bytes_to_unicode, _vae
+from diffusiond.models.tiny import WORDS, _bytes_to_unicode, _vae, add_merges
 
 _SPACE = "Ġ"  # byte-level symbol of " "
 _EOT = "<|endoftext|>"
@@ -64,15 +64,7 @@ def qwen_vocab_and_merges(words: tuple[str, ...] = WORDS) -> tuple[dict[str, int
     ranks: dict[tuple[str, str], int] = {}
     for word in dict.fromkeys(words):
         for symbols in ([*word], [_SPACE, *word]):
-            pieces = _bpe(symbols, ranks)
-            while len(pieces) > 1:
-                pair = (pieces[0], pieces[1])
-                if pair not in ranks:
-                    ranks[pair] = len(merges)
-                    merges.append(pair)
-                merged = pair[0] + pair[1]
-                vocab.setdefault(merged, len(vocab))
-                pieces = [merged, *pieces[2:]]
+            add_merges(symbols, vocab, merges, ranks)
     return vocab, merges
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift, get_default_z_image_sigmas
+from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas
 
 from diffusiond.engine.request import SamplingParams
 from diffusiond.engine.wire import NewRequest
@@ -45,23 +45,14 @@ class ZImageAdapter(FlowMatchAdapter):
     @torch.inference_mode()
     def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
         params = [n.params for n in new]
-        cfg = [self._uses_cfg(p) for p in params]
-        negatives = [p.negative_prompt or "" for p, c in zip(params, cfg, strict=True) if c]
-        text = self.prompts.lookup([p.prompt for p in params] + negatives, self._encode)  # text -> ([L, D],)
-        config = self.pipe.scheduler.config
+        cfg, text = self._lookup_prompts(params)  # text -> ([L, D],)
         states = []
         for i, (req, p) in enumerate(zip(new, params, strict=True)):
             # float32 whatever the transformer's dtype, as the pipeline keeps them.
             latents = self.pipe.prepare_latents(
                 1, self.transformer.in_channels, p.height, p.width, torch.float32, self.device, self._generator(p)
             )  # [1, C, h, w]
-            mu = calculate_shift(
-                (latents.shape[2] // 2) * (latents.shape[3] // 2),
-                config.get("base_image_seq_len", 256),
-                config.get("max_image_seq_len", 4096),
-                config.get("base_shift", 0.5),
-                config.get("max_shift", 1.15),
-            )
+            mu = self._shift_mu((latents.shape[2] // 2) * (latents.shape[3] // 2))
             sigmas = get_default_z_image_sigmas(p.num_inference_steps)
             sampler = FlowMatchSampler(self.pipe.scheduler, p.num_inference_steps, self.device, sigmas=sigmas, mu=mu)
             # Rows (positive, negative) per request; a batch interleaves them.

@@ -255,7 +255,7 @@ def test_engine_matches_diffusers_pipeline(family, request):
     checkpoint = request.getfixturevalue(FIXTURES[family])
     adapter = load_adapter(checkpoint)
     handles, results, plans = asyncio.run(run_staggered(adapter, REQUESTS[family]))
-    family = {"sd35": "sd3"}.get(family, family)  # SD3.5's layout is SD3's pipeline
+    name, family = family, {"sd35": "sd3"}.get(family, family)  # SD3.5's layout is SD3's pipeline
 
     # Requests really joined running batches, and batches really mixed requests at different steps.
     joined = [p for p in plans if p.new and set(p.advance) - {n.request_id for n in p.new}]
@@ -269,6 +269,7 @@ def test_engine_matches_diffusers_pipeline(family, request):
         expected = reference(pipe, family, handle.params)
         assert result.image.shape == expected.shape
         diff = float(np.abs(result.image - expected).max())
+        print(f"{name} {handle.params.prompt!r}: max abs diff {diff:.2e}")
         assert diff <= TOLERANCE, f"{handle.params.prompt!r}: max abs diff {diff}"
     # Not vacuous: a different seed, prompt or guidance gives a clearly different image.
     first = _asdict(handles[0].params)

@@ -77,7 +77,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # Step caching with a decision per request (models/stepcache.py): "fbcache" reuses a request's remaining
     # blocks while its first block's residual changes by less than cache_threshold; "teacache" reuses all blocks
     # while the accumulated rescaled change of its first block's modulated input stays below it (requests may send
-    # their own; 0 is exact). SD3 and FLUX; under several ranks the ranks agree on every decision.
+    # their own; 0 is exact). Families that declare it; under several ranks the ranks agree on every decision.
     cache: Literal["none", "fbcache", "teacache"] = "none"
     # Attention kernel (kernels/attention.py), through diffusers' attention dispatch: auto = flash-attn on a CUDA
     # device where it is installed, SDPA otherwise. One that cannot run here stops the start with a clear error.

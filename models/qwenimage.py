@@ -18,6 +18,7 @@ from diffusers import QwenImagePipeline
 
 from diffusiond.engine.request import SamplingParams
 from diffusiond.engine.wire import NewRequest
+from diffusiond.models import stepcache
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.sampler import FlowMatchSampler
@@ -33,6 +34,7 @@ class QwenImageAdapter(FlowMatchAdapter):
     guidance_styles = ("true-cfg", "distilled")
     max_sequence_length = 512
     TEXT_ENCODERS = ("text_encoder",)
+    cache_methods = ("fbcache", "teacache")
 
     def _default_size(self) -> tuple[int, int]:
         side = self.pipe.default_sample_size * self.vae_scale_factor
@@ -125,3 +127,6 @@ class QwenImageAdapter(FlowMatchAdapter):
         scale = cond["true_cfg"].to(out.dtype).view(-1, 1, 1)  # [B, 1, 1], built once per batch membership
         combined = neg + scale * (pos - neg)
         return combined * (torch.norm(pos, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+
+    def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
+        return stepcache.qwen_forward(self.cache_method, self.transformer, batched, shared, rows, states)

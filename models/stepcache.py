@@ -114,12 +114,15 @@ def _run_blocks(
     temb: torch.Tensor,
     computing: list[int],
     rows: int,
+    row_kwargs: dict[str, torch.Tensor] | None = None,
     **block_kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`blocks` over the rows of the `computing` requests (a sub-batch; all of `h` when every request computes,
     exactly as the pipeline's forward): (`h` with those rows replaced by their tokens after the blocks, a new
-    tensor; their tokens after the blocks, in `computing` order). Without `computing`: (a copy of `h`, None)."""
+    tensor; their tokens after the blocks, in `computing` order). Without `computing`: (a copy of `h`, None).
+    `row_kwargs`: block arguments with a row per batch row (a text mask), sub-batched with the rows."""
     n = h.shape[0] // rows
+    row_kwargs = row_kwargs or {}
     if len(computing) == n:
         hc, ec, tc, index = h, enc, temb, None
     else:
@@ -128,8 +131,9 @@ def _run_blocks(
             return out, None
         index = torch.tensor([i * rows + r for i in computing for r in range(rows)], device=h.device)
         hc, ec, tc = h[index], enc[index], temb[index]
+        row_kwargs = {name: t[index] for name, t in row_kwargs.items()}
     for block in blocks:
-        ec, hc = block(hidden_states=hc, encoder_hidden_states=ec, temb=tc, **block_kwargs)
+        ec, hc = block(hidden_states=hc, encoder_hidden_states=ec, temb=tc, **row_kwargs, **block_kwargs)
     if index is None:
         return hc, hc
     out[index] = hc
@@ -144,25 +148,34 @@ def cached_blocks(
     temb: torch.Tensor,
     rows: int,
     states: Sequence[Any],
+    row_kwargs: dict[str, torch.Tensor] | None = None,
+    modulated: Any = None,
     **block_kwargs: Any,
 ) -> torch.Tensor:
     """The transformer's blocks over B requests x `rows` rows with a decision per request: image tokens after the last
     block [B * rows, S, D]. Every block takes (hidden_states, encoder_hidden_states, temb, **block_kwargs) and returns
     (encoder_hidden_states, hidden_states), as diffusers' SD3 and FLUX blocks do."""
     if method.name == "teacache":
-        return _teacache(method, blocks, h, enc, temb, rows, states, **block_kwargs)
-    return _fbcache(blocks, h, enc, temb, rows, states, **block_kwargs)
+        return _teacache(method, blocks, h, enc, temb, rows, states, row_kwargs, modulated, **block_kwargs)
+    return _fbcache(blocks, h, enc, temb, rows, states, row_kwargs, **block_kwargs)
 
 
-def _fbcache(blocks, h, enc, temb, rows, states, **block_kwargs) -> torch.Tensor:
-    enc1, h1 = blocks[0](hidden_states=h, encoder_hidden_states=enc, temb=temb, **block_kwargs)
+def _modulated_input(block: Any, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    """The first block's adaptive norm: its normalised, shifted and scaled input (SD3, SD3.5 and FLUX blocks alike
+    return it first from `norm1`). Families whose blocks modulate otherwise pass their own (`modulated=`)."""
+    return block.norm1(h, emb=temb)[0]
+
+
+def _fbcache(blocks, h, enc, temb, rows, states, row_kwargs, **block_kwargs) -> torch.Tensor:
+    row_kwargs = row_kwargs or {}
+    enc1, h1 = blocks[0](hidden_states=h, encoder_hidden_states=enc, temb=temb, **row_kwargs, **block_kwargs)
     first = h1 - h
     computing: list[int] = []  # requests whose rows run the remaining blocks
     reusing: list[int] = []
     for i, (state, change) in enumerate(zip(states, changes(first, rows, _signals(states)), strict=True)):
         (reusing if reuse(state, change) else computing).append(i)
 
-    out, hc = _run_blocks(blocks[1:], h1, enc1, temb, computing, rows, **block_kwargs)
+    out, hc = _run_blocks(blocks[1:], h1, enc1, temb, computing, rows, row_kwargs, **block_kwargs)
     for k, i in enumerate(computing):
         mine = slice(i * rows, (i + 1) * rows)
         _renew(states[i], first[mine], hc[k * rows : (k + 1) * rows] - h1[mine])
@@ -173,10 +186,10 @@ def _fbcache(blocks, h, enc, temb, rows, states, **block_kwargs) -> torch.Tensor
     return out
 
 
-def _teacache(method: Method, blocks, h, enc, temb, rows, states, **block_kwargs) -> torch.Tensor:
-    # The first block's adaptive norm: its normalised, shifted and scaled input (SD3, SD3.5 and FLUX blocks alike
-    # return it first).
-    modulated = blocks[0].norm1(h, emb=temb)[0]
+def _teacache(
+    method: Method, blocks, h, enc, temb, rows, states, row_kwargs, modulated, **block_kwargs
+) -> torch.Tensor:
+    modulated = (modulated or _modulated_input)(blocks[0], h, temb)
     raw = changes(modulated, rows, _signals(states))
     computing: list[int] = []
     reusing: list[int] = []
@@ -186,7 +199,7 @@ def _teacache(method: Method, blocks, h, enc, temb, rows, states, **block_kwargs
         estimates.append(estimate)
         (reusing if reuse(state, estimate) else computing).append(i)
 
-    out, hc = _run_blocks(blocks, h, enc, temb, computing, rows, **block_kwargs)
+    out, hc = _run_blocks(blocks, h, enc, temb, computing, rows, row_kwargs, **block_kwargs)
     for k, i in enumerate(computing):
         mine = slice(i * rows, (i + 1) * rows)
         residual = hc[k * rows : (k + 1) * rows] - h[mine]
@@ -267,5 +280,55 @@ def flux_forward(
     blocks = [*t.transformer_blocks, *t.single_transformer_blocks]
     out = cached_blocks(
         method, blocks, h, enc, temb, rows, states, image_rotary_emb=rotary, joint_attention_kwargs=None
+    )
+    return t.proj_out(t.norm_out(out, temb))
+
+
+def _qwen_modulated(block: Any, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    """A Qwen-Image block's modulated image input, as its forward computes it before attention."""
+    img_mod1 = block.img_mod(temb).chunk(2, dim=-1)[0]
+    return block._modulate(block.img_norm1(h), img_mod1)[0]
+
+
+@torch.inference_mode()
+def qwen_forward(
+    method: Method,
+    transformer: Any,
+    batched: dict[str, torch.Tensor],
+    shared: dict[str, Any],
+    rows: int,
+    states: Sequence[Any],
+) -> torch.Tensor:
+    """`QwenImageTransformer2DModel.forward` over B requests x `rows` rows (packed latents), with a cache decision
+    per request; a padded batch's text mask is sub-batched with the rows. Returns [B * rows, seq, C * 4]."""
+    from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
+
+    t = transformer
+    h = t.img_in(batched["hidden_states"])
+    timestep = batched["timestep"].to(h.dtype)
+    enc = t.txt_in(t.txt_norm(batched["encoder_hidden_states"]))
+    text_len, _, mask = compute_text_seq_len_from_mask(enc, batched.get("encoder_hidden_states_mask"))
+    guidance = batched.get("guidance")
+    if guidance is None:
+        temb = t.time_text_embed(timestep, h, None)
+    else:
+        temb = t.time_text_embed(timestep, guidance.to(h.dtype) * 1000, h, None)
+    rotary = t.pos_embed(shared["img_shapes"], max_txt_seq_len=text_len, device=h.device)
+    # A padded batch's mask has a row per batch row and is sub-batched with them; no mask is passed as None.
+    row_kwargs = {} if mask is None else {"encoder_hidden_states_mask": mask}
+    fixed = {"encoder_hidden_states_mask": None} if mask is None else {}
+    out = cached_blocks(
+        method,
+        t.transformer_blocks,
+        h,
+        enc,
+        temb,
+        rows,
+        states,
+        row_kwargs=row_kwargs,
+        modulated=_qwen_modulated,
+        image_rotary_emb=rotary,
+        joint_attention_kwargs=None,
+        **fixed,
     )
     return t.proj_out(t.norm_out(out, temb))

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ("tiny_flux", ("distilled", "true-cfg"), (2,), ("fbcache", "teacache")),
         ("tiny_zimage", ("cfg",), (), ()),
         # The tiny Qwen-Image has no guidance embedding, so it drops "distilled" from its family's styles.
-        ("tiny_qwenimage", ("true-cfg",), (), ()),
+        ("tiny_qwenimage", ("true-cfg",), (), ("fbcache", "teacache")),
     ],
 )
 def test_loaded_checkpoints_declare_what_they_support(fixture, guidance, ulysses, cache, request):
@@ -48,7 +48,7 @@ def test_loaded_checkpoints_declare_what_they_support(fixture, guidance, ulysses
             "the z-image family (ZImagePipeline) does not support Ulysses",
         ),
         ("tiny_sd3", ["--nproc", "3", "--ulysses", "3"], "--ulysses 3 must divide the transformer's 4 attention heads"),
-        ("tiny_qwenimage", ["--cache", "teacache"], "--cache teacache: the qwen-image family implements none"),
+        ("tiny_zimage", ["--cache", "teacache"], "--cache teacache: the z-image family implements none"),
     ],
 )
 def test_serve_refuses_what_the_family_cannot_do_at_start(fixture, flags, message, request):

@@ -26,14 +26,17 @@ from diffusiond.models.loader import load_adapter
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module", params=["sd3", "flux"])
+FIXTURES = {"sd3": "tiny_sd3", "flux": "tiny_flux", "qwen-image": "tiny_qwenimage"}
+
+
+@pytest.fixture(scope="module", params=list(FIXTURES))
 def family(request):
     return request.param
 
 
 @pytest.fixture(scope="module")
 def plain(family, request):
-    return load_adapter(request.getfixturevalue(f"tiny_{family}"))
+    return load_adapter(request.getfixturevalue(FIXTURES[family]))
 
 
 @pytest.fixture(scope="module", params=["fbcache", "teacache"])
@@ -43,14 +46,15 @@ def method(request):
 
 @pytest.fixture(scope="module")
 def cached(family, method, request):
-    adapter = load_adapter(request.getfixturevalue(f"tiny_{family}"))
+    adapter = load_adapter(request.getfixturevalue(FIXTURES[family]))
     adapter.enable_step_cache(method, 0.0)
     return adapter
 
 
 def params(seed: int, steps: int = 8, threshold: float | None = None) -> SamplingParams:
     return SamplingParams(
-        prompt=f"a shape {seed}",
+        # Prompts of two lengths: families with texts of their own length (Qwen-Image) batch them padded and masked.
+        prompt=f"a shape {seed}" + " on a blue background" * (seed % 2),
         seed=seed,
         width=64,
         height=64,
@@ -136,7 +140,7 @@ def test_teacache_skips_every_block_and_accumulates(family, request, monkeypatch
     """TeaCache decides before any block runs: a request that reuses runs no block at all at that step (fbcache
     always runs the first), so a TeaCache that ran the first block (or every block) for it would fail here. Its
     estimate is the rescaled input change summed over the steps since its last computed one, reset when it computes."""
-    adapter = load_adapter(request.getfixturevalue(f"tiny_{family}"))
+    adapter = load_adapter(request.getfixturevalue(FIXTURES[family]))
     adapter.enable_step_cache("teacache", 0.0)
     first_block = adapter.transformer.transformer_blocks[0]
     rows_through: list[int] = []  # rows through the first block, per forward
@@ -159,7 +163,8 @@ def test_teacache_skips_every_block_and_accumulates(family, request, monkeypatch
     asyncio.run(run(adapter, [params(1, steps=8, threshold=10.0), params(2, steps=8, threshold=0.0)], together=True))
     reused = sum(decision for *_, decision in seen)
     assert reused > 0
-    # 8 forwards of 2 requests (SD3 runs CFG: 2 rows each; FLUX is guidance-distilled: 1). Each reused
+    # 8 forwards of 2 requests (SD3 runs CFG: 2 rows each; FLUX and Qwen-Image without a negative prompt: 1;
+    # Qwen-Image's prompts differ in length, so its text mask is sub-batched with the rows). Each reused
     # request-step takes its rows out of the first block too.
     rows = 2 if family == "sd3" else 1
     assert len(rows_through) == 8 and sum(rows_through) == rows * (2 * 8 - reused), (rows_through, reused)

@@ -111,7 +111,7 @@ class FlowMatchAdapter(ModelAdapter):
         self.vae_scale_factor: int = pipe.vae_scale_factor
         self.latent_rgb = self._load_preview_map(source)
         self.capabilities = self._capabilities()
-        self._cond_cache: tuple[tuple[str, ...], dict[str, torch.Tensor]] | None = None
+        self._cond_cache: tuple[tuple[str, ...], dict[str, Any]] | None = None
         self.cfg_group: CFGGroup | None = None
         self.prompts = PromptCache(PROMPT_CACHE_BYTES)
 
@@ -376,15 +376,21 @@ class FlowMatchAdapter(ModelAdapter):
         assert params.seed is not None
         return torch.Generator(device="cpu").manual_seed(params.seed)
 
-    def _batched_cond(self, states: Sequence[RequestState]) -> dict[str, torch.Tensor]:
-        """Conditioning tensors concatenated along the batch, reused while the batch keeps the same members."""
+    def _batched_cond(self, states: Sequence[RequestState]) -> dict[str, Any]:
+        """Conditioning tensors concatenated along the batch, and the family's batched `rows`
+        (`_batched_rows`), reused while the batch keeps the same members."""
         ids = tuple(s.request_id for s in states)
         if self._cond_cache is not None and self._cond_cache[0] == ids:
             return self._cond_cache[1]
         names = states[0].cond.keys()
         cond = {name: torch.cat([s.cond[name] for s in states]) for name in names}
+        cond.update(self._batched_rows(states))
         self._cond_cache = (ids, cond)
         return cond
+
+    def _batched_rows(self, states: Sequence[RequestState]) -> dict[str, Any]:
+        """The batch's conditioning of varying length (`RequestState.rows`) as the family's transformer takes it."""
+        return {}
 
     def enable_cfg_parallel(self, group: CFGGroup) -> None:
         """The two CFG branches of every request run on the two ranks of `group`; outputs are all-gathered."""

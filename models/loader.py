@@ -65,10 +65,11 @@ def check_features(model: str, *, ulysses: int = 1, cache: str = "none") -> None
                 f"sequence parallelism; it supports: {', '.join(cls.parallel)}"
             )
         config = Path(model) / "transformer" / "config.json"
-        if config.is_file():
-            heads = json.loads(config.read_text()).get("num_attention_heads")
-            if heads and heads % ulysses:
-                raise ValueError(f"--ulysses {ulysses} must divide the transformer's {heads} attention heads")
+        heads = json.loads(config.read_text()).get("num_attention_heads") if config.is_file() else None
+        if heads:
+            from diffusiond.kernels.ulysses import check_heads
+
+            check_heads(heads, ulysses)
     if cache != "none" and cache not in cls.cache_methods:
         offered = ", ".join(cls.cache_methods) or "none"
         raise ValueError(f"--cache {cache}: the {cls.family} family implements {offered}")

@@ -102,22 +102,15 @@ class QwenImageAdapter(FlowMatchAdapter):
         self._stage("transformer")
         cond = self._batched_cond(states)
         rows = len(states[0].rows)  # 2 with true CFG (batch key)
-        texts = [t for s in states for t in s.rows]  # B * rows tensors [L_i, D]
-        longest = max(t.shape[0] for t in texts)
         latents = torch.cat([s.latents for s in states])  # [B, seq, C * 4]
         timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device, latents.dtype)  # [B]
         batched: dict[str, Any] = {
             "hidden_states": latents.repeat_interleave(rows, dim=0),  # [B * rows, seq, C * 4]
             "timestep": timestep.repeat_interleave(rows) / 1000,
-            "encoder_hidden_states": torch.stack(
-                [torch.nn.functional.pad(t, (0, 0, 0, longest - t.shape[0])) for t in texts]
-            ),
+            "encoder_hidden_states": cond["texts"],  # [B * rows, L, D]
         }
-        if any(t.shape[0] < longest for t in texts):
-            mask = torch.zeros(len(texts), longest, dtype=torch.bool, device=self.device)
-            for i, t in enumerate(texts):
-                mask[i, : t.shape[0]] = True
-            batched["encoder_hidden_states_mask"] = mask  # [B * rows, L]
+        if "text_mask" in cond:
+            batched["encoder_hidden_states_mask"] = cond["text_mask"]  # [B * rows, L]
         if self.transformer.config.guidance_embeds:
             batched["guidance"] = cond["guidance"]
         out = self._transformer_rows(rows, batched, states[0].shared, states)  # [B, rows, seq, C * 4]
@@ -127,6 +120,18 @@ class QwenImageAdapter(FlowMatchAdapter):
         scale = cond["true_cfg"].to(out.dtype).view(-1, 1, 1)  # [B, 1, 1], built once per batch membership
         combined = neg + scale * (pos - neg)
         return combined * (torch.norm(pos, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+
+    def _batched_rows(self, states: Sequence[RequestState]) -> dict[str, Any]:
+        """Texts padded to the batch's longest [B * rows, L, D], with a mask when any is shorter."""
+        texts = [t for s in states for t in s.rows]  # B * rows tensors [L_i, D]
+        longest = max(t.shape[0] for t in texts)
+        batched = {"texts": torch.stack([torch.nn.functional.pad(t, (0, 0, 0, longest - t.shape[0])) for t in texts])}
+        if any(t.shape[0] < longest for t in texts):
+            mask = torch.zeros(len(texts), longest, dtype=torch.bool, device=self.device)
+            for i, t in enumerate(texts):
+                mask[i, : t.shape[0]] = True
+            batched["text_mask"] = mask
+        return batched
 
     def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
         return stepcache.qwen_forward(self.cache_method, self.transformer, batched, shared, rows, states)

@@ -120,7 +120,7 @@ def _run_blocks(
     """`blocks` over the rows of the `computing` requests (a sub-batch; all of `h` when every request computes,
     exactly as the pipeline's forward): (`h` with those rows replaced by their tokens after the blocks, a new
     tensor; their tokens after the blocks, in `computing` order). Without `computing`: (a copy of `h`, None).
-    `row_kwargs`: block arguments with a row per batch row (a text mask), sub-batched with the rows."""
+    `row_kwargs`: block arguments with a row per batch row (a text mask, or None), sub-batched with the rows."""
     n = h.shape[0] // rows
     row_kwargs = row_kwargs or {}
     if len(computing) == n:
@@ -131,7 +131,7 @@ def _run_blocks(
             return out, None
         index = torch.tensor([i * rows + r for i in computing for r in range(rows)], device=h.device)
         hc, ec, tc = h[index], enc[index], temb[index]
-        row_kwargs = {name: t[index] for name, t in row_kwargs.items()}
+        row_kwargs = {name: None if t is None else t[index] for name, t in row_kwargs.items()}
     for block in blocks:
         ec, hc = block(hidden_states=hc, encoder_hidden_states=ec, temb=tc, **row_kwargs, **block_kwargs)
     if index is None:
@@ -314,9 +314,6 @@ def qwen_forward(
     else:
         temb = t.time_text_embed(timestep, guidance.to(h.dtype) * 1000, h, None)
     rotary = t.pos_embed(shared["img_shapes"], max_txt_seq_len=text_len, device=h.device)
-    # A padded batch's mask has a row per batch row and is sub-batched with them; no mask is passed as None.
-    row_kwargs = {} if mask is None else {"encoder_hidden_states_mask": mask}
-    fixed = {"encoder_hidden_states_mask": None} if mask is None else {}
     out = cached_blocks(
         method,
         t.transformer_blocks,
@@ -325,10 +322,9 @@ def qwen_forward(
         temb,
         rows,
         states,
-        row_kwargs=row_kwargs,
+        row_kwargs={"encoder_hidden_states_mask": mask},  # a padded batch's: a row per batch row
         modulated=_qwen_modulated,
         image_rotary_emb=rotary,
         joint_attention_kwargs=None,
-        **fixed,
     )
     return t.proj_out(t.norm_out(out, temb))

@@ -80,7 +80,7 @@ class ZImageAdapter(FlowMatchAdapter):
         batched = {
             "hidden_states": latents.unsqueeze(2).repeat_interleave(rows, dim=0),  # [B * rows, C, 1, h, w]
             "timestep": ((1000 - timestep) / 1000).repeat_interleave(rows),
-            "cap_feats": [t for s in states for t in s.rows],  # B * rows tensors [L_i, D]
+            "cap_feats": self._batched_cond(states)["cap_feats"],
         }
         out = self._transformer_rows(rows, batched, {}, states).float().squeeze(3)  # [B, rows, C, h, w]
         if rows == 1:
@@ -88,6 +88,9 @@ class ZImageAdapter(FlowMatchAdapter):
         pos, neg = out[:, 0], out[:, 1]
         scale = self._batched_cond(states)["scale"]  # [B], built once per batch membership
         return -(pos + scale.view(-1, 1, 1, 1) * (pos - neg))
+
+    def _batched_rows(self, states: Sequence[RequestState]) -> dict[str, Any]:
+        return {"cap_feats": [t for s in states for t in s.rows]}  # B * rows tensors [L_i, D]
 
     def _call(self, batched: dict[str, Any], shared: dict[str, torch.Tensor]) -> torch.Tensor:
         out = self.transformer(

@@ -47,7 +47,7 @@ def test_loaded_checkpoints_declare_what_they_support(fixture, guidance, ulysses
             ["--nproc", "2", "--ulysses", "2"],
             "the z-image family (ZImagePipeline) does not support Ulysses",
         ),
-        ("tiny_sd3", ["--nproc", "3", "--ulysses", "3"], "--ulysses 3 must divide the transformer's 4 attention heads"),
+        ("tiny_sd3", ["--nproc", "3", "--ulysses", "3"], "--ulysses 3 must divide the number of attention heads (4)"),
         ("tiny_zimage", ["--cache", "teacache"], "--cache teacache: the z-image family implements none"),
     ],
 )

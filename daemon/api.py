@@ -14,6 +14,7 @@ from diffusiond.engine.request import (
     Every,
     Fraction,
     Guidance,
+    ImageFile,
     Layers,
     PreviewMode,
     Prompt,
@@ -67,7 +68,7 @@ def _dumps(obj) -> str:
 
 
 class ImageGenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """OpenAI `POST /v1/images/generations`, plus our extensions (last four fields)."""
+    """OpenAI `POST /v1/images/generations`, plus our extensions (from `negative_prompt` on)."""
 
     prompt: Prompt
     model: Short | None = None
@@ -94,6 +95,14 @@ class ImageGenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only
     cache_threshold: CacheThreshold | None = None
 
 
+class ImageEditRequest(ImageGenerationRequest, kw_only=True):
+    """The text fields of OpenAI `POST /v1/images/edits` (multipart; the files are read apart), plus `strength`:
+    how much of the schedule the edit runs, from the input image (0: none of it, 1: all)."""
+
+    input_fidelity: Short | None = None
+    strength: Fraction | None = None
+
+
 class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Native `POST /v1/generations`: an SSE stream of everything the engine knows about one request."""
 
@@ -117,6 +126,9 @@ class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     # Also stream the raw latent (base64, with dtype and shape) with each preview.
     latents: bool = False
     output_format: Short = "png"
+    # Image to image: the input file (PNG, JPEG, WebP...) in base64, and how much of the schedule runs from it.
+    image: ImageFile | None = None
+    strength: Fraction | None = None
 
 
 _PARAM_PATTERNS = (
@@ -131,11 +143,41 @@ def decode_body(data: bytes, type_: type[T]) -> T:
     try:
         return msgspec.json.decode(data, type=type_)
     except msgspec.ValidationError as exc:
-        message = str(exc)
-        param = next((m.group(1) for p in _PARAM_PATTERNS if (m := p.search(message))), None)
-        raise ApiError(400, f"invalid request: {message}", param=param, code="invalid_value") from None
+        raise _invalid(exc) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def convert_fields(fields: dict[str, str], type_: type[T]) -> T:
+    """Form fields (strings) into `type_`, numbers and booleans parsed, or a 400 ApiError naming the field."""
+    try:
+        return msgspec.convert(fields, type_, strict=False)
+    except msgspec.ValidationError as exc:
+        raise _invalid(exc) from None
+
+
+def _invalid(exc: msgspec.ValidationError) -> ApiError:
+    message = str(exc)
+    param = next((m.group(1) for p in _PARAM_PATTERNS if (m := p.search(message))), None)
+    return ApiError(400, f"invalid request: {message}", param=param, code="invalid_value")
+
+
+def base64_size(size: int) -> int:
+    return 4 * -(-size // 3)
+
+
+def body_limit(max_body_bytes: int, max_image_bytes: int, images: int) -> int:
+    """The largest JSON body of a route that carries up to `images` base64 images."""
+    return max_body_bytes + images * base64_size(max_image_bytes)
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(
+        413,
+        f"request body is larger than {limit} bytes, this route's limit (--max-body-bytes; routes that take an image "
+        "add --max-image-bytes)",
+        code="request_too_large",
+    )
 
 
 def check_choice(name: str, value: str | None, choices: tuple[str, ...]) -> None:

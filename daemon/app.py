@@ -21,7 +21,7 @@ from prometheus_client.exposition import choose_encoder
 
 from diffusiond import __version__
 from diffusiond.daemon import native_api, openai_api
-from diffusiond.daemon.api import ApiError
+from diffusiond.daemon.api import ApiError, body_limit, too_large
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.images import encoder_pool
 from diffusiond.daemon.state import ENCODERS, LOAD, METRICS, STATE, ServerState
@@ -41,12 +41,13 @@ def create_app(config: ServeConfig, *, load: Loader | None = None) -> web.Applic
     """`load`: how the model is loaded (an SPMD rank 0 joins its group there too; tests pass their checkpoint).
     Default: `config.model`, else the bundled default model. It runs on the engine's step thread, the one thread
     that owns torch in this process; the event loop answers /health and pings the watchdog meanwhile."""
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware, auth_middleware])
+    app = web.Application(client_max_size=json_limit(config), middlewares=[error_middleware, auth_middleware])
     app[STATE] = ServerState(config)
     app[METRICS] = Metrics()
     app[LOAD] = load or _default_loader(config)
     app.cleanup_ctx.append(engine_ctx)
     app.router.add_post("/v1/images/generations", openai_api.images_generations)
+    app.router.add_post("/v1/images/edits", openai_api.images_edits)
     app.router.add_post("/v1/generations", native_api.generations)
     app.router.add_get("/v1/generations/{id}", native_api.generation_status)
     app.router.add_delete("/v1/generations/{id}", native_api.generation_cancel)
@@ -56,6 +57,12 @@ def create_app(config: ServeConfig, *, load: Loader | None = None) -> web.Applic
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/", playground)
     return app
+
+
+def json_limit(config: ServeConfig) -> int:
+    """aiohttp's bound on any body read whole: the native route's, which may carry an image in base64. Routes
+    without images check their own, smaller limit."""
+    return body_limit(config.max_body_bytes, config.max_image_bytes, 1)
 
 
 async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -222,8 +229,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         ).response()
     except web.HTTPException as exc:
         if exc.status == 413:
-            limit = request.app[STATE].config.max_body_bytes
-            return ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large").response()
+            return too_large(json_limit(request.app[STATE].config)).response()
         if exc.status < 400:
             raise
         headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None

@@ -328,6 +328,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     add("--max-body-bytes", type=int, help=f"largest request body; larger ones get 413 (default: {d.max_body_bytes})")
     add(
+        "--max-image-bytes",
+        type=int,
+        help=f"largest input image file (edits); bodies may grow by it (default: {d.max_image_bytes})",
+    )
+    add(
         "--sse-keepalive",
         type=float,
         metavar="S",

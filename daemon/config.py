@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
-from diffusiond.engine.request import MAX_STEPS
+from diffusiond.engine.request import MAX_IMAGE_BYTES, MAX_STEPS
 
 # The most images one OpenAI request may ask for (`n`): OpenAI's own limit.
 MAX_N = 10
@@ -61,6 +61,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     threads: Positive | None = None
     max_body_bytes: Positive = 1 << 20
+    # The largest image file a request may bring (edits, img2img): multipart parts, or base64 in native JSON bodies,
+    # whose limit grows by what the images take.
+    max_image_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_IMAGE_BYTES)] = 16 << 20
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     log_format: Literal["text", "json"] = "text"
     # Seconds that running requests get to finish after SIGTERM/SIGINT before they are cancelled.

@@ -15,6 +15,7 @@ from diffusiond.daemon.state import STATE, Record
 from diffusiond.daemon.streaming import (
     KEEPALIVE,
     UNKNOWN_WORDS_HEADER,
+    check_images,
     encode_off_loop,
     finish,
     queue_requests,
@@ -54,6 +55,8 @@ def parse_generation(data: bytes) -> tuple[GenerationRequest, SamplingParams]:
         stream_latents=body.latents,
         preview=body.preview,
         cache_threshold=body.cache_threshold,
+        image=body.image,
+        strength=body.strength,
     )
     return body, params
 
@@ -62,6 +65,7 @@ async def generations(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body, params = parse_generation(await request.read())
     engine = state.require_engine()
+    await check_images(request, {"image": body.image})
     (handle,) = queue_requests(engine, state, [params])  # add_request checks it (Engine.check)
     unknown = unknown_words(engine, params.prompt)
     headers = {"X-Request-Id": handle.request_id}

@@ -1,4 +1,5 @@
-"""OpenAI Images API: `POST /v1/images/generations`, non-streaming and streaming with real partial images."""
+"""OpenAI Images API: `POST /v1/images/generations` and `POST /v1/images/edits`, non-streaming and streaming with
+real partial images."""
 
 from __future__ import annotations
 
@@ -7,16 +8,29 @@ import base64
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
-from aiohttp import web
+from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
-from diffusiond.daemon.api import ApiError, ImageGenerationRequest, decode_body, parse_size, validate_openai
+from diffusiond.daemon.api import (
+    ApiError,
+    ImageEditRequest,
+    ImageGenerationRequest,
+    check_choice,
+    convert_fields,
+    decode_body,
+    parse_size,
+    too_large,
+    validate_openai,
+)
 from diffusiond.daemon.images import encode_image, encode_preview
 from diffusiond.daemon.state import STATE, ServerState
 from diffusiond.daemon.streaming import (
     KEEPALIVE,
     UNKNOWN_WORDS_HEADER,
+    check_images,
     encode_off_loop,
     finish,
     last_event,
@@ -33,6 +47,8 @@ from diffusiond.engine.outputs import Cancelled, Completed, Event, Failed, Previ
 from diffusiond.engine.request import MAX_SEED, SamplingParams
 from diffusiond.models.base import ParamError
 
+Files = dict[str, list[bytes]]
+
 
 def _partial_every(steps: int, partial_images: int) -> int:
     """The widest preview spacing that still yields `partial_images` previews before the final step."""
@@ -43,8 +59,12 @@ def parse_image_generation(data: bytes, max_n: int) -> tuple[ImageGenerationRequ
     """The body of `POST /v1/images/generations`, validated as far as it can be without the model (ApiError)."""
     body = decode_body(data, ImageGenerationRequest)
     validate_openai(body, max_n)
+    return body, _params(body)
+
+
+def _params(body: ImageGenerationRequest, **image: Any) -> SamplingParams:
     width, height = parse_size(body.size)
-    base = SamplingParams(
+    return SamplingParams(
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,
         seed=body.seed,
@@ -54,8 +74,68 @@ def parse_image_generation(data: bytes, max_n: int) -> tuple[ImageGenerationRequ
         guidance_scale=body.guidance_scale,
         preview=body.preview,
         cache_threshold=body.cache_threshold,
+        **image,
     )
-    return body, base
+
+
+# A multipart edit: its text fields are short (the longest, a prompt, is 10,000 characters), its files are the
+# image and an optional mask; anything more is refused as it arrives, so no body is read whole.
+MAX_FORM_PARTS = 64
+MAX_FIELD_BYTES = 64 << 10
+IMAGE_PARTS = ("image", "image[]")
+
+
+async def read_image_edit(request: web.Request, max_n: int, max_image_bytes: int) -> tuple[ImageEditRequest, Files]:
+    """The multipart body of `POST /v1/images/edits`: its text fields validated as far as they can be without the
+    model, and its files by name ("image" for `image` or `image[]`, and "mask"), unchecked (ApiError)."""
+    if request.content_type != "multipart/form-data":
+        raise ApiError(
+            400,
+            f"POST /v1/images/edits takes multipart/form-data with the image as a file, not {request.content_type}",
+            param="image",
+            code="invalid_content_type",
+        )
+    fields: dict[str, str] = {}
+    files: Files = {"image": [], "mask": []}
+    try:
+        reader = await request.multipart()
+        for _ in range(MAX_FORM_PARTS + 1):
+            part = await reader.next()
+            if part is None:
+                break
+            if not isinstance(part, BodyPartReader) or not part.name:
+                raise ApiError(400, "every multipart part must be a named field", code="invalid_multipart")
+            name = "image" if part.name in IMAGE_PARTS else part.name
+            if name in files:
+                files[name].append(await _read_part(part, name, max_image_bytes))
+                if len(files[name]) > 1:
+                    raise ApiError(400, f"send one {name}; this server edits one image per request", param=name)
+            elif name in fields:
+                raise ApiError(400, f"{name} is sent twice", param=name)
+            else:
+                try:
+                    fields[name] = (await _read_part(part, name, MAX_FIELD_BYTES)).decode()
+                except UnicodeDecodeError:
+                    raise ApiError(400, f"{name} is not UTF-8 text", param=name) from None
+        else:
+            raise ApiError(400, f"more than {MAX_FORM_PARTS} multipart parts", code="invalid_multipart")
+    except (ValueError, HttpProcessingError) as exc:  # aiohttp's words for a malformed multipart body
+        raise ApiError(400, f"malformed multipart body: {exc}", code="invalid_multipart") from None
+    if not files["image"]:
+        raise ApiError(400, "image is required: the file to edit", param="image")
+    body = convert_fields(fields, ImageEditRequest)
+    validate_openai(body, max_n)
+    check_choice("input_fidelity", body.input_fidelity, ("high", "low"))
+    return body, files
+
+
+async def _read_part(part: BodyPartReader, name: str, limit: int) -> bytes:
+    data = bytearray()
+    while chunk := await part.read_chunk(1 << 16):
+        data += chunk
+        if len(data) > limit:
+            raise ApiError(400, f"{name} is larger than {limit} bytes", param=name, code="too_large")
+    return bytes(data)
 
 
 def expand(engine: Engine, body: ImageGenerationRequest, base: SamplingParams) -> list[SamplingParams]:
@@ -68,7 +148,7 @@ def expand(engine: Engine, body: ImageGenerationRequest, base: SamplingParams) -
             raise ParamError("size", str(exc)) from None
         raise
     assert resolved.seed is not None
-    every = _partial_every(resolved.num_inference_steps or 1, body.partial_images or 0)
+    every = _partial_every(resolved.steps_to_run or 1, body.partial_images or 0)
     # Seeds stay within the wire's bounds; preview_every is at most the step count.
     return [
         msgspec.structs.replace(resolved, seed=(resolved.seed + i) % (MAX_SEED + 1), preview_every=every)
@@ -78,7 +158,30 @@ def expand(engine: Engine, body: ImageGenerationRequest, base: SamplingParams) -
 
 async def images_generations(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body, base = parse_image_generation(await request.read(), state.config.max_n)
+    data = await request.read()
+    if len(data) > state.config.max_body_bytes:
+        raise too_large(state.config.max_body_bytes)
+    body, base = parse_image_generation(data, state.config.max_n)
+    return await _images(request, state, body, base, "image_generation")
+
+
+async def images_edits(request: web.Request) -> web.StreamResponse:
+    """OpenAI edits: the request starts from its image (img2img), with `strength` (ours) of the schedule."""
+    state = request.app[STATE]
+    body, files = await read_image_edit(request, state.config.max_n, state.config.max_image_bytes)
+    engine = state.require_engine()
+    if files["mask"] and "mask" not in engine.adapter.capabilities.image_inputs:
+        raise ApiError(400, "this model edits whole images; it takes no mask", param="mask")
+    (image,) = files["image"]
+    await check_images(request, {"image": image})
+    return await _images(request, state, body, _params(body, image=image, strength=body.strength), "image_edit")
+
+
+async def _images(
+    request: web.Request, state: ServerState, body: ImageGenerationRequest, base: SamplingParams, kind: str
+) -> web.StreamResponse:
+    """Generations and edits alike: `n` requests, answered at once or streamed as `{kind}.partial_image` and
+    `{kind}.completed` events."""
     engine = state.require_engine()
     if body.model is not None and body.model != state.model_id:
         raise ApiError(
@@ -102,7 +205,7 @@ async def images_generations(request: web.Request) -> web.StreamResponse:
     if unknown := unknown_words(engine, resolved.prompt):
         headers[UNKNOWN_WORDS_HEADER] = ", ".join(unknown)
     if body.stream:
-        return await _openai_stream(request, state, handles, fmt, body.output_compression, partial, meta, headers)
+        return await _openai_stream(request, state, handles, fmt, body.output_compression, partial, meta, headers, kind)
     # Non-streaming: nothing to write until the end, so a client that hangs up is noticed through handler
     # cancellation (aiohttp), which cancels the requests through `track`.
     results = await asyncio.gather(*(last_event(state.track(h)) for h in handles))
@@ -156,7 +259,7 @@ async def _merged(state: ServerState, handles: list[RequestHandle]) -> AsyncIter
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _openai_stream(request, state, handles, fmt, compression, partial, meta, headers) -> web.StreamResponse:
+async def _openai_stream(request, state, handles, fmt, compression, partial, meta, headers, kind) -> web.StreamResponse:
     response = await start_sse(request, headers)
     width, height = (int(v) for v in meta["size"].split("x"))
     sent = [0] * len(handles)
@@ -171,7 +274,7 @@ async def _openai_stream(request, state, handles, fmt, compression, partial, met
             tag = {"id": event.request_id, "index": i}
             if isinstance(event, Preview) and sent[i] < partial:
                 data = await encode_off_loop(request, encode_preview, event.image, (width, height), fmt, compression)
-                name = "image_generation.partial_image"
+                name = f"{kind}.partial_image"
                 payload = {
                     "type": name,
                     "b64_json": base64.b64encode(data).decode(),
@@ -184,7 +287,7 @@ async def _openai_stream(request, state, handles, fmt, compression, partial, met
                 sent[i] += 1
             elif isinstance(event, Completed):
                 data = await encode_off_loop(request, encode_image, event.image, fmt, compression)
-                name = "image_generation.completed"
+                name = f"{kind}.completed"
                 payload = {
                     "type": name,
                     "b64_json": base64.b64encode(data).decode(),

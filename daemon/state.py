@@ -81,7 +81,7 @@ class ServerState:
             rec.update(event)
 
     def record(self, handle: RequestHandle) -> Record:
-        rec = Record(handle.request_id, int(time.time()), total=handle.params.num_inference_steps or 0)
+        rec = Record(handle.request_id, int(time.time()), total=handle.params.steps_to_run)
         self.records[rec.id] = rec
         while len(self.records) > MAX_RECORDS:
             self.records.popitem(last=False)

@@ -14,10 +14,12 @@ import msgspec
 from aiohttp import web
 
 from diffusiond.daemon.api import ApiError
-from diffusiond.daemon.state import ENCODERS, METRICS, ServerState
+from diffusiond.daemon.state import ENCODERS, METRICS, STATE, ServerState
 from diffusiond.engine.engine import Engine, QueueFullError, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Event, Failed
 from diffusiond.engine.request import SamplingParams
+from diffusiond.models.base import ParamError
+from diffusiond.models.inputs import check_image
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -83,6 +85,19 @@ async def encode_off_loop(request: web.Request, fn, *args) -> bytes:
     data = await asyncio.get_running_loop().run_in_executor(request.app[ENCODERS], fn, *args)
     request.app[METRICS].stage_seconds.labels("encode_response").observe(time.perf_counter() - t0)
     return data
+
+
+async def check_images(request: web.Request, images: dict[str, bytes | None]) -> None:
+    """Each input image decoded once in the encoder pool, off the event loop: a file too large, broken or of a
+    mode we do not take is a 400 naming its field (ParamError), before anything is queued."""
+    limit = request.app[STATE].config.max_image_bytes
+    for param, data in images.items():
+        if data is None:
+            continue
+        if len(data) > limit:
+            message = f"{param} is {len(data)} bytes; this server takes at most {limit} (--max-image-bytes)"
+            raise ParamError(param, message)
+        await asyncio.get_running_loop().run_in_executor(request.app[ENCODERS], check_image, data, param)
 
 
 # Words of the prompt the model does not know (a checkpoint that declares its vocabulary): they are drawn as if

@@ -257,7 +257,7 @@ class Engine:
             request_id=request_id,
             params=resolved,
             key=self.adapter.batch_key(resolved),
-            total_steps=resolved.num_inference_steps or 0,
+            total_steps=resolved.steps_to_run,
         )
         self._commands.put(_Add(request, time.perf_counter(), progress, internal))
         return RequestHandle(self, request_id, resolved, mailbox)

@@ -32,6 +32,9 @@ MAX_SIDE = 1 << 16
 MAX_STEPS = 10_000
 MAX_GUIDANCE = 100.0
 MAX_PROMPT_CHARS = 10_000
+# An input image (edits, img2img) as its client sent the file: PNG, JPEG, WebP... The operator's --max-image-bytes is
+# narrower.
+MAX_IMAGE_BYTES = 64 << 20
 
 Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)]
 Side = Annotated[int, msgspec.Meta(ge=1, le=MAX_SIDE)]
@@ -41,6 +44,7 @@ Every = Annotated[int, msgspec.Meta(ge=0, le=MAX_STEPS)]
 Guidance = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_GUIDANCE)]
 Prompt = Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+ImageFile = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_IMAGE_BYTES)]
 Layers = Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=1000)], ...], msgspec.Meta(min_length=1, max_length=64)]
 
 
@@ -85,6 +89,25 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     skip_layer_guidance_scale: Guidance | None = None
     skip_layer_guidance_start: Fraction | None = None
     skip_layer_guidance_stop: Fraction | None = None
+    # Image to image: the request starts from this image (an encoded file, decoded on every rank when the request
+    # is prepared), noised to `strength` of the schedule: about the last strength * num_inference_steps steps run
+    # (`steps_to_run`), as in diffusers' Img2Img pipelines. At `strength` 1 only the image's aspect is kept.
+    image: ImageFile | None = None
+    strength: Fraction | None = None
+
+    @property
+    def first_step(self) -> int:
+        """The schedule position the request starts at: 0, or with `strength` the Img2Img pipelines' `t_start`
+        (the same float arithmetic, so the same count: 50 steps at strength 0.56 run 29, not 28)."""
+        n = self.num_inference_steps or 0
+        if self.strength is None:
+            return 0
+        return int(max(n - min(n * self.strength, n), 0))
+
+    @property
+    def steps_to_run(self) -> int:
+        """Denoising steps the request runs (its forwards, progress total and preview spacing)."""
+        return (self.num_inference_steps or 0) - self.first_step
 
 
 class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):

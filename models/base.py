@@ -101,7 +101,7 @@ class RequestState:
 
     @property
     def total_steps(self) -> int:
-        return self.params.num_inference_steps or 0
+        return self.params.steps_to_run
 
     @property
     def finished(self) -> bool:

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
+from diffusers.utils.torch_utils import randn_tensor
 
 from diffusiond.engine.request import SamplingParams
 from diffusiond.kernels import attention
@@ -27,7 +29,8 @@ from diffusiond.models import preview as preview_maps
 from diffusiond.models import stepcache
 from diffusiond.models.base import Capabilities, ModelAdapter, ParamError, RequestState
 from diffusiond.models.declared import check_declared, read_declared
-from diffusiond.models.sampler import step_batch
+from diffusiond.models.inputs import image_size, open_rgb
+from diffusiond.models.sampler import FlowMatchSampler, step_batch
 
 MAX_PROMPT_CHARS = 10_000
 MAX_STEPS = 1000
@@ -197,8 +200,8 @@ class FlowMatchAdapter(ModelAdapter):
             if text is not None and len(text) > MAX_PROMPT_CHARS:
                 raise ParamError(name, f"{name} is {len(text)} characters long; the limit is {MAX_PROMPT_CHARS}")
         check_declared(self.declared, params)
-        width = params.width if params.width is not None else caps.default_width
-        height = params.height if params.height is not None else caps.default_height
+        strength = self._strength(params)
+        width, height = self._size(params)
         for name, side in (("width", width), ("height", height)):
             if side < caps.size_multiple or side > caps.max_side or side % caps.size_multiple:
                 raise ParamError(
@@ -225,7 +228,10 @@ class FlowMatchAdapter(ModelAdapter):
             raise ParamError("seed", f"seed must be between 0 and {MAX_SEED}, got {seed}")
         if params.preview_every < 0:
             raise ParamError("preview_every", f"preview_every must be >= 0, got {params.preview_every}")
-        return SamplingParams(
+        if params.image is not None and params.skip_guidance_layers is not None:
+            # As diffusers: its SD3 Img2Img pipeline has no skip-layer guidance.
+            raise ParamError("skip_guidance_layers", "skip-layer guidance is for requests without an input image")
+        resolved = SamplingParams(
             prompt=params.prompt,
             negative_prompt=params.negative_prompt,
             seed=seed,
@@ -239,7 +245,46 @@ class FlowMatchAdapter(ModelAdapter):
             preview=params.preview,
             cache_threshold=self._cache_threshold(params),
             **self._skip_layer_guidance(params),
+            image=params.image,
+            strength=strength,
         )
+        if resolved.steps_to_run < 1:
+            raise ParamError(
+                "strength", f"strength {strength} leaves none of the {steps} steps to run; raise either of them"
+            )
+        return resolved
+
+    # Img2img's strength when a request with an image sends none (the Img2Img pipelines' default).
+    default_strength: ClassVar[float] = 0.6
+
+    def _strength(self, params: SamplingParams) -> float | None:
+        """The resolved strength: None without an input image."""
+        if params.image is None:
+            if params.strength is not None:
+                raise ParamError("strength", "strength applies to requests with an input image")
+            return None
+        if "img2img" not in self.image_inputs:
+            raise ParamError("image", f"the {self.family} family takes no input image")
+        strength = params.strength if params.strength is not None else self.default_strength
+        if not 0 <= strength <= 1:
+            raise ParamError("strength", f"strength must be between 0 and 1, got {strength}")
+        return float(strength)
+
+    def _size(self, params: SamplingParams) -> tuple[int, int]:
+        """The requested size; a side not given is the model's default, or with an input image, the image's aspect
+        ratio at the model's default area (so that an edit's cost does not depend on the file's resolution)."""
+        caps = self.capabilities
+        if params.image is None or params.width is not None or params.height is not None:
+            width = params.width if params.width is not None else caps.default_width
+            height = params.height if params.height is not None else caps.default_height
+            return width, height
+        image_width, image_height = image_size(params.image)
+        area, ratio, m = caps.default_width * caps.default_height, image_width / image_height, caps.size_multiple
+        if caps.sizes:  # a checkpoint that draws some sizes only: the one closest in aspect
+            return min(caps.sizes, key=lambda size: abs(math.log(size[0] / size[1] / ratio)))
+        width = max(m, min(caps.max_side, round(math.sqrt(area * ratio) / m) * m))
+        height = max(m, min(caps.max_side, round(math.sqrt(area / ratio) / m) * m))
+        return width, height
 
     # The pipeline's defaults (StableDiffusion3Pipeline.__call__).
     SKIP_LAYER_DEFAULTS: ClassVar[dict[str, float]] = {
@@ -369,6 +414,27 @@ class FlowMatchAdapter(ModelAdapter):
             config.get("base_shift", 0.5),
             config.get("max_shift", max_shift),
         )
+
+    def _sampler(self, params: SamplingParams, **kwargs: Any) -> FlowMatchSampler:
+        """The request's own copy of the scheduler, at the request's first step."""
+        return FlowMatchSampler(
+            self.pipe.scheduler, params.num_inference_steps, self.device, start=params.first_step, **kwargs
+        )
+
+    def _noised_image(self, p: SamplingParams, sampler: FlowMatchSampler, generator: torch.Generator, dtype):
+        """Img2img's first latents, VAE-shaped [1, C, h, w], as the Img2Img pipelines' `prepare_latents` makes them:
+        the image resized by the pipeline's image processor, its latent distribution sampled with the request's
+        generator, then the noise drawn from the same generator and mixed in at the starting sigma."""
+        self._stage("vae")
+        image = self.pipe.image_processor.preprocess(open_rgb(p.image), height=p.height, width=p.width)
+        latents = self._encode_image(image.to(self.device, dtype), generator)
+        noise = randn_tensor(latents.shape, generator=generator, device=self.device, dtype=dtype)
+        return sampler.noise_image(latents, noise)
+
+    def _encode_image(self, image: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Preprocessed images [B, 3, H, W] in [-1, 1] -> model-space latents [B, C, h, w] (`_decode`'s inverse)."""
+        latents = retrieve_latents(self.vae.encode(image.to(self.vae.dtype)), generator=generator)
+        return (latents - self.vae.config.shift_factor) * self.vae.config.scaling_factor
 
     def _generator(self, params: SamplingParams) -> torch.Generator:
         # A CPU generator on every device: the same seed gives the same image on CPU and GPU, as in diffusers when

@@ -16,7 +16,6 @@ from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output,
 from diffusiond.models import stepcache
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
-from diffusiond.models.sampler import FlowMatchSampler
 
 
 class FluxAdapter(FlowMatchAdapter):
@@ -26,6 +25,7 @@ class FluxAdapter(FlowMatchAdapter):
     guidance_styles = ("distilled", "true-cfg")
     parallel = ("cfg-parallel", "ulysses")
     cache_methods = ("fbcache", "teacache")
+    image_inputs = ("img2img",)
     max_sequence_length = 512
     teacache_coefficients = stepcache.FLUX_TEACACHE  # published for FLUX.1; a calibration beside the weights wins
 
@@ -52,14 +52,20 @@ class FluxAdapter(FlowMatchAdapter):
         states = []
         for i, (req, p) in enumerate(zip(new, params, strict=True)):
             embeds, pooled = text[p.prompt]  # [1, L, D], [1, D]
-            latents, image_ids = self.pipe.prepare_latents(
-                1, channels, p.height, p.width, embeds.dtype, self.device, self._generator(p)
-            )  # latents [1, seq, C * 4], image_ids [seq, 3]
             sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
             if getattr(config, "use_flow_sigmas", False):
                 sigmas = None
-            mu = self._shift_mu(latents.shape[1])
-            sampler = FlowMatchSampler(self.pipe.scheduler, p.num_inference_steps, self.device, sigmas=sigmas, mu=mu)
+            h, w = 2 * (p.height // (self.vae_scale_factor * 2)), 2 * (p.width // (self.vae_scale_factor * 2))
+            sampler = self._sampler(p, sigmas=sigmas, mu=self._shift_mu((h // 2) * (w // 2)))
+            generator = self._generator(p)
+            if p.image is None:
+                latents, image_ids = self.pipe.prepare_latents(
+                    1, channels, p.height, p.width, embeds.dtype, self.device, generator
+                )  # latents [1, seq, C * 4], image_ids [seq, 3]
+            else:
+                noised = self._noised_image(p, sampler, generator, embeds.dtype)  # [1, C, h, w]
+                latents = FluxPipeline._pack_latents(noised, 1, channels, h, w)
+                image_ids = FluxPipeline._prepare_latent_image_ids(1, h // 2, w // 2, self.device, embeds.dtype)
             guidance = torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)
             if cfg[i]:
                 # Rows (positive, negative) per request; a batch interleaves them.

@@ -21,7 +21,6 @@ from diffusiond.engine.wire import NewRequest
 from diffusiond.models import stepcache
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
-from diffusiond.models.sampler import FlowMatchSampler
 
 
 class QwenImageAdapter(FlowMatchAdapter):
@@ -76,7 +75,7 @@ class QwenImageAdapter(FlowMatchAdapter):
             )  # [1, seq, C * 4]
             mu = self._shift_mu(latents.shape[1])
             sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
-            sampler = FlowMatchSampler(self.pipe.scheduler, p.num_inference_steps, self.device, sigmas=sigmas, mu=mu)
+            sampler = self._sampler(p, sigmas=sigmas, mu=mu)
             rows = [embeds]  # (positive, negative) per request; a batch interleaves them
             cond = {"guidance": torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)}
             if cfg[i]:

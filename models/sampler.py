@@ -19,7 +19,10 @@ from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 class FlowMatchSampler:
     __slots__ = ("device_sigmas", "dts", "euler", "index", "scheduler", "sigmas", "timesteps")
 
-    def __init__(self, template: Any, num_inference_steps: int, device: torch.device | str, **kwargs: Any) -> None:
+    def __init__(
+        self, template: Any, num_inference_steps: int, device: torch.device | str, *, start: int = 0, **kwargs: Any
+    ) -> None:
+        """`start`: the schedule position to begin at (img2img's `SamplingParams.first_step`)."""
         self.scheduler = copy.deepcopy(template)
         self.timesteps, _ = retrieve_timesteps(self.scheduler, num_inference_steps, device, **kwargs)
         self.sigmas = self.scheduler.sigmas  # on the CPU, as diffusers keeps them
@@ -27,12 +30,17 @@ class FlowMatchSampler:
         # synchronous copy on CUDA). float32 on the CPU first, exactly as `scheduler.step` computes them.
         self.dts = (self.sigmas[1:] - self.sigmas[:-1]).to(device)
         self.device_sigmas = self.sigmas.to(device)
-        self.scheduler.set_begin_index(0)
+        self.scheduler.set_begin_index(start)
         # Plain Euler: the update is `x + (sigma_next - sigma) * v`, which we can apply to the whole batch at once.
         self.euler = type(self.scheduler) is FlowMatchEulerDiscreteScheduler and not getattr(
             self.scheduler.config, "stochastic_sampling", False
         )
-        self.index = 0
+        self.index = start
+
+    def noise_image(self, image_latents: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """Img2img's first latents: the image's latents noised to the starting sigma (the scheduler's own
+        `scale_noise`, which reads the begin index as the Img2Img pipelines set it)."""
+        return self.scheduler.scale_noise(image_latents, self.timesteps[self.index : self.index + 1], noise)
 
     @property
     def timestep(self) -> torch.Tensor:

@@ -15,7 +15,6 @@ from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output,
 from diffusiond.models import stepcache
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
-from diffusiond.models.sampler import FlowMatchSampler
 
 
 class SD3Adapter(FlowMatchAdapter):
@@ -25,6 +24,7 @@ class SD3Adapter(FlowMatchAdapter):
     guidance_styles = ("cfg", "skip-layer")
     parallel = ("cfg-parallel", "ulysses")
     cache_methods = ("fbcache", "teacache")
+    image_inputs = ("img2img",)
     repeated_blocks = ("JointTransformerBlock",)  # diffusers 0.42's SD3 transformer names none
     # The pipeline's default T5 length; the text context length is fixed, so any prompts can share a batch.
     max_sequence_length = 256
@@ -64,12 +64,16 @@ class SD3Adapter(FlowMatchAdapter):
                 p.width // self.vae_scale_factor,
             )  # [1, C, h, w]
             embeds, pooled = text[p.prompt]  # [1, L, D], [1, D]
-            latents = randn_tensor(shape, generator=self._generator(p), device=self.device, dtype=embeds.dtype)
             kwargs = {}
             if config.get("use_dynamic_shifting", None):
                 patch = self.transformer.config.patch_size
                 kwargs["mu"] = self._shift_mu((shape[2] // patch) * (shape[3] // patch), max_shift=1.16)
-            sampler = FlowMatchSampler(self.pipe.scheduler, p.num_inference_steps, self.device, **kwargs)
+            sampler = self._sampler(p, **kwargs)
+            generator = self._generator(p)
+            if p.image is None:
+                latents = randn_tensor(shape, generator=generator, device=self.device, dtype=embeds.dtype)
+            else:
+                latents = self._noised_image(p, sampler, generator, embeds.dtype)
             if cfg[i]:
                 # Rows (negative, positive) per request: a batch of them interleaves, one concatenation per batch.
                 neg_embeds, neg_pooled = text[p.negative_prompt or ""]

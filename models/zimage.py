@@ -18,7 +18,6 @@ from diffusiond.engine.request import SamplingParams
 from diffusiond.engine.wire import NewRequest
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
-from diffusiond.models.sampler import FlowMatchSampler
 
 
 class ZImageAdapter(FlowMatchAdapter):
@@ -54,7 +53,7 @@ class ZImageAdapter(FlowMatchAdapter):
             )  # [1, C, h, w]
             mu = self._shift_mu((latents.shape[2] // 2) * (latents.shape[3] // 2))
             sigmas = get_default_z_image_sigmas(p.num_inference_steps)
-            sampler = FlowMatchSampler(self.pipe.scheduler, p.num_inference_steps, self.device, sigmas=sigmas, mu=mu)
+            sampler = self._sampler(p, sigmas=sigmas, mu=mu)
             # Rows (positive, negative) per request; a batch interleaves them.
             rows = [text[p.prompt][0]]
             cond = {}

@@ -10,7 +10,7 @@ import asyncio
 import numpy as np
 
 from diffusiond.engine.engine import Engine
-from diffusiond.engine.outputs import Completed
+from diffusiond.engine.outputs import Completed, Progress
 from diffusiond.engine.request import SamplingParams
 
 
@@ -34,3 +34,30 @@ def generate(adapter, seeds=(1, 2), steps: int = 3) -> list[np.ndarray]:
         return [r.image for r in results]
 
     return asyncio.run(run())
+
+
+async def run_staggered(adapter, requests):
+    """Submit each request once the previous one has made progress, so later ones join a running batch."""
+    engine = Engine(adapter, max_batch=8)
+    plans = []
+    execute = engine.executor.execute
+
+    def recording_execute(plan):
+        plans.append(plan)
+        return execute(plan)
+
+    engine.executor.execute = recording_execute
+    await engine.start()
+    try:
+        handles = []
+        for params in requests:
+            handle = engine.add_request(params)
+            handles.append(handle)
+            if len(handles) < len(requests):
+                async for event in handle.events():
+                    if isinstance(event, Progress):
+                        break
+        results = await asyncio.gather(*(h.result() for h in handles))
+    finally:
+        await engine.stop()
+    return handles, results, plans

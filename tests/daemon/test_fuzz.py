@@ -13,6 +13,7 @@ Two layers:
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import random
 
@@ -21,6 +22,7 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pictures import picture
 
 from diffusiond.daemon.api import ApiError, GenerationRequest, ImageGenerationRequest
 from diffusiond.daemon.app import request_limits
@@ -66,6 +68,9 @@ valid = {
     "skip_layer_guidance_start": st.floats(min_value=0, max_value=1),
     "skip_layer_guidance_stop": st.floats(min_value=0, max_value=1),
     "output_format": st.sampled_from(["png", "jpeg", "webp"]),
+    "image": st.none() | st.just(base64.b64encode(picture(32, 48)).decode()) | st.just("aGVsbG8="),
+    "strength": st.none() | st.floats(min_value=0, max_value=1),
+    "input_fidelity": st.sampled_from(["high", "low"]),
     "n": st.integers(min_value=1, max_value=10),
     "size": st.sampled_from(["64x64", "auto", "32x48"]),
     "stream": st.booleans(),

@@ -17,6 +17,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
+from pictures import picture
 
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Completed
@@ -52,6 +53,17 @@ REQUESTS = {
         SamplingParams(
             prompt="a red circle " * 500, seed=5, width=64, height=64, num_inference_steps=2, guidance_scale=5.0
         ),
+        # An edit: its file crosses the wire once and every rank encodes it the same.
+        SamplingParams(
+            prompt="an edit",
+            image=picture(80, 64, seed=1),
+            strength=0.7,
+            seed=6,
+            width=64,
+            height=64,
+            num_inference_steps=4,
+            guidance_scale=5.0,
+        ),
     ],
     "flux": [
         SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=4, guidance_scale=3.5),
@@ -81,6 +93,18 @@ REQUESTS = {
                 prompt=f"plain {i}", seed=10 + i, width=64, height=64, num_inference_steps=2, guidance_scale=3.5
             )
             for i in range(2)
+        ),
+        SamplingParams(
+            prompt="an edit",
+            negative_prompt="dark",
+            image=picture(64, 96, seed=2, fmt="JPEG"),
+            strength=0.8,
+            seed=6,
+            width=64,
+            height=64,
+            num_inference_steps=4,
+            guidance_scale=3.5,
+            true_cfg_scale=2.0,
         ),
     ],
     "z-image": [

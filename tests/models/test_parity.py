@@ -11,9 +11,9 @@ import diffusers
 import numpy as np
 import pytest
 import torch
+from engines import run_staggered
 
-from diffusiond.engine.engine import Engine
-from diffusiond.engine.outputs import Completed, Progress
+from diffusiond.engine.outputs import Completed
 from diffusiond.engine.request import SamplingParams
 from diffusiond.models.loader import load_adapter
 
@@ -189,33 +189,6 @@ REQUESTS = {
         SamplingParams(prompt="white dog on the grass", seed=6, width=64, height=64, num_inference_steps=4),
     ],
 }
-
-
-async def run_staggered(adapter, requests):
-    """Submit each request once the previous one has made progress, so later ones join a running batch."""
-    engine = Engine(adapter, max_batch=8)
-    plans = []
-    execute = engine.executor.execute
-
-    def recording_execute(plan):
-        plans.append(plan)
-        return execute(plan)
-
-    engine.executor.execute = recording_execute
-    await engine.start()
-    try:
-        handles = []
-        for params in requests:
-            handle = engine.add_request(params)
-            handles.append(handle)
-            if len(handles) < len(requests):
-                async for event in handle.events():
-                    if isinstance(event, Progress):
-                        break
-        results = await asyncio.gather(*(h.result() for h in handles))
-    finally:
-        await engine.stop()
-    return handles, results, plans
 
 
 def reference(pipe, family: str, params: SamplingParams) -> np.ndarray:

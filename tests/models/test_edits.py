@@ -1,0 +1,150 @@
+"""Image to image: step-batched edits equal diffusers' Img2Img pipelines `__call__`, per request.
+
+Edit requests of different images, strengths, seeds, step counts and guidance join running batches, mixed with
+text-to-image requests of the same size (they share forwards: the input image only changes where a request starts).
+Float32 on CPU; tolerance as the text-to-image oracle (tests/models/test_parity.py): max abs diff <= 1e-4.
+"""
+
+import asyncio
+
+import diffusers
+import msgspec
+import numpy as np
+import pytest
+import torch
+from engines import run_staggered
+from pictures import decoded, picture
+
+from diffusiond.engine.outputs import Completed
+from diffusiond.engine.request import SamplingParams
+from diffusiond.models.base import ParamError
+from diffusiond.models.loader import load_adapter
+
+TOLERANCE = 1e-4
+IMAGES = [picture(80, 64, seed=1), picture(64, 64, seed=2, fmt="JPEG"), picture(48, 96, seed=3, mode="RGBA")]
+
+
+def requests(family: str) -> list[SamplingParams]:
+    guidance = {"sd3": 5.0, "flux": 3.5}[family]
+    return [
+        SamplingParams(
+            prompt="a red circle",
+            image=IMAGES[0],
+            strength=0.8,
+            seed=1,
+            width=64,
+            height=64,
+            num_inference_steps=8,
+            guidance_scale=guidance,
+        ),
+        SamplingParams(
+            prompt="a blue square", seed=2, width=64, height=64, num_inference_steps=4, guidance_scale=guidance
+        ),
+        SamplingParams(
+            prompt="a small green triangle",
+            image=IMAGES[1],
+            strength=0.5,
+            seed=3,
+            width=64,
+            height=64,
+            num_inference_steps=6,
+            guidance_scale=guidance + 1,
+            preview_every=1,
+        ),
+        SamplingParams(
+            prompt="a photo of a cat",
+            image=IMAGES[2],
+            seed=4,
+            width=64,
+            height=64,
+            num_inference_steps=5,
+            guidance_scale=guidance - 1,
+        ),  # the family's default strength (0.6)
+        SamplingParams(
+            prompt="yellow dog", image=IMAGES[0], strength=1.0, seed=5, width=64, height=64, num_inference_steps=3
+        ),
+    ]
+
+
+def reference(pipes, family: str, params: SamplingParams) -> np.ndarray:
+    text_to_image, image_to_image = pipes
+    kwargs = dict(
+        prompt=params.prompt,
+        negative_prompt=params.negative_prompt,
+        width=params.width,
+        height=params.height,
+        num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale,
+        generator=torch.Generator().manual_seed(params.seed),
+        output_type="np",
+    )
+    if family == "flux":
+        kwargs["true_cfg_scale"] = params.true_cfg_scale
+    if params.image is None:
+        return text_to_image(**kwargs).images[0]
+    return image_to_image(image=decoded(params.image), strength=params.strength, **kwargs).images[0]
+
+
+FAMILIES = {"sd3": ("tiny_sd3", "StableDiffusion3Img2ImgPipeline"), "flux": ("tiny_flux", "FluxImg2ImgPipeline")}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_edits_match_diffusers_img2img(family, request):
+    fixture, img2img = FAMILIES[family]
+    checkpoint = request.getfixturevalue(fixture)
+    adapter = load_adapter(checkpoint)
+    sent = requests(family)
+    handles, results, plans = asyncio.run(run_staggered(adapter, sent))
+    joined = [p for p in plans if p.new and set(p.advance) - {n.request_id for n in p.new}]
+    assert joined, "no request joined a running batch"
+    assert max(len(p.advance) for p in plans) >= 3
+
+    pipe = getattr(diffusers, adapter.pipeline_class).from_pretrained(checkpoint)
+    pipes = (pipe, getattr(diffusers, img2img).from_pipe(pipe))
+    for p in pipes:
+        p.set_progress_bar_config(disable=True)
+    for handle, result in zip(handles, results, strict=True):
+        assert isinstance(result, Completed), result
+        params = handle.params
+        # The forwards the pipeline runs: with an image, the last `strength` of the schedule.
+        forwards = sum(handle.request_id in p.advance for p in plans)
+        assert forwards == params.steps_to_run
+        if params.image is not None and params.strength < 1:
+            assert forwards < params.num_inference_steps
+        expected = reference(pipes, family, params)
+        diff = float(np.abs(result.image - expected).max())
+        print(f"{family} {params.prompt!r} strength {params.strength}: max abs diff {diff:.2e}")
+        assert diff <= TOLERANCE, f"{params.prompt!r}: max abs diff {diff}"
+    # Not vacuous: another image or strength gives a clearly different image.
+    first = handles[0].params
+    for change in ({"image": IMAGES[1]}, {"strength": 0.6}):
+        other = reference(pipes, family, msgspec.structs.replace(first, **change))
+        assert float(np.abs(other - results[0].image).max()) > 100 * TOLERANCE, change
+
+
+def test_edit_requests_are_checked(tiny_sd3, tiny_zimage):
+    adapter = load_adapter(tiny_sd3)
+
+    def refused(**fields) -> str:
+        with pytest.raises(ParamError) as info:
+            adapter.resolve(SamplingParams(prompt="a dog", **fields))
+        return info.value.param
+
+    assert refused(image=b"not an image") == "image"
+    assert refused(strength=0.5) == "strength"  # without an image
+    assert refused(image=IMAGES[0], strength=0.0, num_inference_steps=10) == "strength"  # no step left
+    assert refused(image=IMAGES[0], skip_guidance_layers=(1,)) == "skip_guidance_layers"
+    truncated = picture(64, 64)[:200]
+    from diffusiond.models.inputs import check_image
+
+    with pytest.raises(ParamError):
+        check_image(truncated)
+    # A size not given: the image's aspect ratio at the model's default area, sides on the size multiple.
+    caps = adapter.capabilities
+    wide = adapter.resolve(SamplingParams(prompt="a dog", image=picture(200, 100)))
+    assert wide.width > wide.height and wide.width % caps.size_multiple == 0
+    assert abs(wide.width * wide.height / (caps.default_width * caps.default_height) - 1) < 0.2
+    assert wide.strength == 0.6 and wide.steps_to_run < wide.num_inference_steps
+    with pytest.raises(ParamError) as info:
+        load_adapter(tiny_zimage).resolve(SamplingParams(prompt="a dog", image=IMAGES[0]))
+    assert info.value.param == "image"

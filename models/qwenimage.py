@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import QwenImagePipeline
+from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 
 from diffusiond.engine.request import SamplingParams
 from diffusiond.engine.wire import NewRequest
@@ -34,6 +35,7 @@ class QwenImageAdapter(FlowMatchAdapter):
     max_sequence_length = 512
     TEXT_ENCODERS = ("text_encoder",)
     cache_methods = ("fbcache", "teacache")
+    image_inputs = ("img2img",)
 
     def _default_size(self) -> tuple[int, int]:
         side = self.pipe.default_sample_size * self.vae_scale_factor
@@ -53,14 +55,25 @@ class QwenImageAdapter(FlowMatchAdapter):
         # [B, seq, C * 4] -> [B, C, 1, h, w] -> one frame [B, C, h, w]
         return QwenImagePipeline._unpack_latents(latents, params.height, params.width, self.vae_scale_factor)[:, :, 0]
 
+    def _normalisation(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The video VAE's per-channel latent mean and 1 / std, [1, C, 1, 1, 1], as the pipelines build them."""
+        config = self.vae.config
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(like.device, like.dtype)
+        std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(like.device, like.dtype)
+        return mean, std
+
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         """[B, C, h, w] -> the VAE's output [B, 3, H, W], the pipeline's de-normalisation step for step."""
-        config = self.vae.config
         latents = latents.unsqueeze(2).to(self.vae.dtype)  # [B, C, 1, h, w]: the video VAE's one frame
-        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
-        std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
-        latents = latents / std + mean
-        return self.vae.decode(latents, return_dict=False)[0][:, :, 0]
+        mean, std = self._normalisation(latents)
+        return self.vae.decode(latents / std + mean, return_dict=False)[0][:, :, 0]
+
+    def _encode_image(self, image: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """[B, 3, H, W] -> normalised latents [B, 1, C, h, w] (frame first), as QwenImageImg2ImgPipeline has them
+        when it draws the noise."""
+        latents = retrieve_latents(self.vae.encode(image.unsqueeze(2).to(self.vae.dtype)), generator=generator)
+        mean, std = self._normalisation(latents)
+        return ((latents - mean) * std).transpose(1, 2)
 
     @torch.inference_mode()
     def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
@@ -70,12 +83,17 @@ class QwenImageAdapter(FlowMatchAdapter):
         states = []
         for i, (req, p) in enumerate(zip(new, params, strict=True)):
             embeds = text[p.prompt][0]
-            latents = self.pipe.prepare_latents(
-                1, channels, p.height, p.width, embeds.dtype, self.device, self._generator(p)
-            )  # [1, seq, C * 4]
-            mu = self._shift_mu(latents.shape[1])
+            h, w = 2 * (p.height // (self.vae_scale_factor * 2)), 2 * (p.width // (self.vae_scale_factor * 2))
             sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
-            sampler = self._sampler(p, sigmas=sigmas, mu=mu)
+            sampler = self._sampler(p, sigmas=sigmas, mu=self._shift_mu((h // 2) * (w // 2)))
+            generator = self._generator(p)
+            if p.image is None:
+                latents = self.pipe.prepare_latents(
+                    1, channels, p.height, p.width, embeds.dtype, self.device, generator
+                )  # [1, seq, C * 4]
+            else:
+                noised = self._noised_image(p, sampler, generator, embeds.dtype)  # [1, 1, C, h, w]
+                latents = QwenImagePipeline._pack_latents(noised, 1, channels, h, w)
             rows = [embeds]  # (positive, negative) per request; a batch interleaves them
             cond = {"guidance": torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)}
             if cfg[i]:

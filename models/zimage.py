@@ -28,6 +28,7 @@ class ZImageAdapter(FlowMatchAdapter):
     default_steps = 50
     default_guidance = 5.0
     guidance_styles = ("cfg",)
+    image_inputs = ("img2img",)
     max_sequence_length = 512
     TEXT_ENCODERS = ("text_encoder",)
 
@@ -47,13 +48,18 @@ class ZImageAdapter(FlowMatchAdapter):
         cfg, text = self._lookup_prompts(params)  # text -> ([L, D],)
         states = []
         for i, (req, p) in enumerate(zip(new, params, strict=True)):
-            # float32 whatever the transformer's dtype, as the pipeline keeps them.
-            latents = self.pipe.prepare_latents(
-                1, self.transformer.in_channels, p.height, p.width, torch.float32, self.device, self._generator(p)
-            )  # [1, C, h, w]
-            mu = self._shift_mu((latents.shape[2] // 2) * (latents.shape[3] // 2))
+            h, w = 2 * (p.height // (self.vae_scale_factor * 2)), 2 * (p.width // (self.vae_scale_factor * 2))
             sigmas = get_default_z_image_sigmas(p.num_inference_steps)
-            sampler = self._sampler(p, sigmas=sigmas, mu=mu)
+            sampler = self._sampler(p, sigmas=sigmas, mu=self._shift_mu((h // 2) * (w // 2)))
+            generator = self._generator(p)
+            if p.image is None:
+                # float32 whatever the transformer's dtype, as the pipeline keeps them.
+                latents = self.pipe.prepare_latents(
+                    1, self.transformer.in_channels, p.height, p.width, torch.float32, self.device, generator
+                )  # [1, C, h, w]
+            else:
+                # The text features' dtype, as ZImageImg2ImgPipeline draws them.
+                latents = self._noised_image(p, sampler, generator, text[p.prompt][0].dtype)
             # Rows (positive, negative) per request; a batch interleaves them.
             rows = [text[p.prompt][0]]
             cond = {}

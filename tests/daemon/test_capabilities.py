@@ -11,6 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from pictures import picture
 
 from diffusiond.bench.serve import sse_events
 from diffusiond.daemon import cli
@@ -142,6 +143,21 @@ def test_generate_reports_unknown_words(capsys, tmp_path):
     captured = capsys.readouterr()
     assert code == 0 and out.stat().st_size > 0, captured.err
     assert "does not know: cat" in captured.err
+
+
+def test_generate_edits_an_image(capsys, tmp_path):
+    (tmp_path / "in.png").write_bytes(picture(96, 64))
+    (tmp_path / "bad.png").write_bytes(b"not a picture")
+    out = tmp_path / "edit.png"
+    args = ["generate", "a red circle", "--seed", "1", "--strength", "0.5", "--out", str(out)]
+    code = cli.main([*args, "--image", str(tmp_path / "in.png")])
+    captured = capsys.readouterr()
+    assert code == 0 and out.stat().st_size > 0, captured.err
+    code = cli.main([*args, "--image", str(tmp_path / "bad.png")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--image" in err and "Traceback" not in err, err
+    code = cli.main(["generate", "a red circle", "--strength", "0.5", "--out", str(out)])
+    assert code == 2 and "--strength" in capsys.readouterr().err
 
 
 def test_help_describes_every_flag():

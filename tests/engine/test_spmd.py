@@ -126,6 +126,16 @@ REQUESTS = {
             )
             for i in range(3)
         ),
+        SamplingParams(
+            prompt="an edit",
+            image=picture(80, 64, seed=1),
+            strength=0.7,
+            seed=6,
+            width=64,
+            height=64,
+            num_inference_steps=4,
+            guidance_scale=4.0,
+        ),
     ],
     "qwen-image": [
         SamplingParams(
@@ -147,6 +157,16 @@ REQUESTS = {
         *(
             SamplingParams(prompt=f"plain {i}", seed=10 + i, width=64, height=64, num_inference_steps=2)
             for i in range(3)
+        ),
+        SamplingParams(
+            prompt="an edit",
+            negative_prompt="dark",
+            image=picture(80, 64, seed=1),
+            strength=0.7,
+            seed=6,
+            width=64,
+            height=64,
+            num_inference_steps=4,
         ),
     ],
 }

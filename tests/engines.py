@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import torch
 
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Completed, Progress
@@ -61,3 +62,27 @@ async def run_staggered(adapter, requests):
     finally:
         await engine.stop()
     return handles, results, plans
+
+
+def reference(pipe, family: str, params: SamplingParams, **extra) -> np.ndarray:
+    """The pipeline's own `__call__` with the parameters each family's pipeline takes (`params` resolved), and
+    `extra` (an Img2Img pipeline's image and strength)."""
+    kwargs = dict(
+        prompt=params.prompt,
+        negative_prompt=params.negative_prompt,
+        width=params.width,
+        height=params.height,
+        num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale,
+        generator=torch.Generator().manual_seed(params.seed),
+        output_type="np",
+    )
+    if family in ("flux", "qwen-image"):
+        kwargs["true_cfg_scale"] = params.true_cfg_scale
+    if family == "qwen-image" and not pipe.transformer.config.guidance_embeds:
+        kwargs["guidance_scale"] = None
+    if params.skip_guidance_layers is not None:
+        kwargs["skip_guidance_layers"] = list(params.skip_guidance_layers)
+        for name in ("skip_layer_guidance_scale", "skip_layer_guidance_start", "skip_layer_guidance_stop"):
+            kwargs[name] = getattr(params, name)
+    return pipe(**kwargs, **extra).images[0]

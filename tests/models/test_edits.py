@@ -11,8 +11,7 @@ import diffusers
 import msgspec
 import numpy as np
 import pytest
-import torch
-from engines import run_staggered
+from engines import reference, run_staggered
 from pictures import decoded, picture
 
 from diffusiond.engine.outputs import Completed
@@ -72,30 +71,16 @@ def requests(family: str) -> list[SamplingParams]:
     ]
 
 
-def reference(pipes, family: str, params: SamplingParams) -> np.ndarray:
+def reference_edit(pipes, family: str, params: SamplingParams) -> np.ndarray:
     text_to_image, image_to_image = pipes
-    kwargs = dict(
-        prompt=params.prompt,
-        negative_prompt=params.negative_prompt,
-        width=params.width,
-        height=params.height,
-        num_inference_steps=params.num_inference_steps,
-        guidance_scale=params.guidance_scale,
-        generator=torch.Generator().manual_seed(params.seed),
-        output_type="np",
-    )
-    if family in ("flux", "qwen-image"):
-        kwargs["true_cfg_scale"] = params.true_cfg_scale
-    if family == "qwen-image" and not text_to_image.transformer.config.guidance_embeds:
-        kwargs["guidance_scale"] = None
     if params.image is None:
-        return text_to_image(**kwargs).images[0]
+        return reference(text_to_image, family, params)
     image = decoded(params.image)
     if family == "z-image":
         # ZImageImg2ImgPipeline encodes the image at its own size (it must be the output's); every other
         # Img2Img pipeline resizes it first with its image processor, as we do for all: hand it that image.
         image = image_to_image.image_processor.resize(image, params.height, params.width)
-    return image_to_image(image=image, strength=params.strength, **kwargs).images[0]
+    return reference(image_to_image, family, params, image=image, strength=params.strength)
 
 
 FAMILIES = {
@@ -129,7 +114,7 @@ def test_edits_match_diffusers_img2img(family, request):
         assert forwards == params.steps_to_run
         if params.image is not None and params.strength < 1:
             assert forwards < params.num_inference_steps
-        expected = reference(pipes, family, params)
+        expected = reference_edit(pipes, family, params)
         diff = float(np.abs(result.image - expected).max())
         print(f"{family} {params.prompt!r} strength {params.strength}: max abs diff {diff:.2e}")
         assert diff <= TOLERANCE, f"{params.prompt!r}: max abs diff {diff}"
@@ -137,7 +122,7 @@ def test_edits_match_diffusers_img2img(family, request):
     # measured differences: the tiny Qwen-Image VAE passes little of its input through, 0.009 at strength 0.8).
     first = handles[0].params
     for change in ({"image": IMAGES[1]}, {"strength": 0.65}):
-        other = reference(pipes, family, msgspec.structs.replace(first, **change))
+        other = reference_edit(pipes, family, msgspec.structs.replace(first, **change))
         assert float(np.abs(other - results[0].image).max()) > 10 * TOLERANCE, change
 
 

@@ -10,8 +10,7 @@ import asyncio
 import diffusers
 import numpy as np
 import pytest
-import torch
-from engines import run_staggered
+from engines import reference, run_staggered
 
 from diffusiond.engine.outputs import Completed
 from diffusiond.engine.request import SamplingParams
@@ -189,29 +188,6 @@ REQUESTS = {
         SamplingParams(prompt="white dog on the grass", seed=6, width=64, height=64, num_inference_steps=4),
     ],
 }
-
-
-def reference(pipe, family: str, params: SamplingParams) -> np.ndarray:
-    """The pipeline's own `__call__` with the parameters each family's pipeline takes (`params` resolved)."""
-    kwargs = dict(
-        prompt=params.prompt,
-        negative_prompt=params.negative_prompt,
-        width=params.width,
-        height=params.height,
-        num_inference_steps=params.num_inference_steps,
-        guidance_scale=params.guidance_scale,
-        generator=torch.Generator().manual_seed(params.seed),
-        output_type="np",
-    )
-    if family in ("flux", "qwen-image"):
-        kwargs["true_cfg_scale"] = params.true_cfg_scale
-    if family == "qwen-image" and not pipe.transformer.config.guidance_embeds:
-        kwargs["guidance_scale"] = None
-    if params.skip_guidance_layers is not None:
-        kwargs["skip_guidance_layers"] = list(params.skip_guidance_layers)
-        for name in ("skip_layer_guidance_scale", "skip_layer_guidance_start", "skip_layer_guidance_stop"):
-            kwargs[name] = getattr(params, name)
-    return pipe(**kwargs).images[0]
 
 
 FIXTURES = {

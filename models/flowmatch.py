@@ -415,6 +415,12 @@ class FlowMatchAdapter(ModelAdapter):
             config.get("max_shift", max_shift),
         )
 
+    def _packed_latent_size(self, params: SamplingParams) -> tuple[int, int]:
+        """Latent height and width of a family that packs 2x2 latent patches: even, as its pipelines'
+        `prepare_latents` round them."""
+        m = self.vae_scale_factor * 2
+        return 2 * (params.height // m), 2 * (params.width // m)
+
     def _sampler(self, params: SamplingParams, **kwargs: Any) -> FlowMatchSampler:
         """The request's own copy of the scheduler, at the request's first step."""
         return FlowMatchSampler(

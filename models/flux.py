@@ -55,7 +55,7 @@ class FluxAdapter(FlowMatchAdapter):
             sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
             if getattr(config, "use_flow_sigmas", False):
                 sigmas = None
-            h, w = 2 * (p.height // (self.vae_scale_factor * 2)), 2 * (p.width // (self.vae_scale_factor * 2))
+            h, w = self._packed_latent_size(p)
             sampler = self._sampler(p, sigmas=sigmas, mu=self._shift_mu((h // 2) * (w // 2)))
             generator = self._generator(p)
             if p.image is None:

@@ -83,7 +83,7 @@ class QwenImageAdapter(FlowMatchAdapter):
         states = []
         for i, (req, p) in enumerate(zip(new, params, strict=True)):
             embeds = text[p.prompt][0]
-            h, w = 2 * (p.height // (self.vae_scale_factor * 2)), 2 * (p.width // (self.vae_scale_factor * 2))
+            h, w = self._packed_latent_size(p)
             sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
             sampler = self._sampler(p, sigmas=sigmas, mu=self._shift_mu((h // 2) * (w // 2)))
             generator = self._generator(p)

@@ -48,7 +48,7 @@ class ZImageAdapter(FlowMatchAdapter):
         cfg, text = self._lookup_prompts(params)  # text -> ([L, D],)
         states = []
         for i, (req, p) in enumerate(zip(new, params, strict=True)):
-            h, w = 2 * (p.height // (self.vae_scale_factor * 2)), 2 * (p.width // (self.vae_scale_factor * 2))
+            h, w = self._packed_latent_size(p)
             sigmas = get_default_z_image_sigmas(p.num_inference_steps)
             sampler = self._sampler(p, sigmas=sigmas, mu=self._shift_mu((h // 2) * (w // 2)))
             generator = self._generator(p)

@@ -27,6 +27,13 @@ from diffusiond.models.loader import load_adapter
 TOLERANCE = 1e-4
 WORKER = Path(__file__).with_name("spmd_worker.py")
 
+
+def edit(**fields) -> SamplingParams:
+    """An edit, one per family: its file crosses the wire once and every rank encodes it the same."""
+    base = {"image": picture(80, 64, seed=1), "strength": 0.7, "seed": 6, "width": 64, "height": 64}
+    return SamplingParams(prompt="an edit", num_inference_steps=4, **{**base, **fields})
+
+
 REQUESTS = {
     "sd3": [
         SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=4, guidance_scale=5.0),
@@ -53,17 +60,7 @@ REQUESTS = {
         SamplingParams(
             prompt="a red circle " * 500, seed=5, width=64, height=64, num_inference_steps=2, guidance_scale=5.0
         ),
-        # An edit: its file crosses the wire once and every rank encodes it the same.
-        SamplingParams(
-            prompt="an edit",
-            image=picture(80, 64, seed=1),
-            strength=0.7,
-            seed=6,
-            width=64,
-            height=64,
-            num_inference_steps=4,
-            guidance_scale=5.0,
-        ),
+        edit(guidance_scale=5.0),
     ],
     "flux": [
         SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=4, guidance_scale=3.5),
@@ -94,15 +91,10 @@ REQUESTS = {
             )
             for i in range(2)
         ),
-        SamplingParams(
-            prompt="an edit",
+        edit(
             negative_prompt="dark",
             image=picture(64, 96, seed=2, fmt="JPEG"),
             strength=0.8,
-            seed=6,
-            width=64,
-            height=64,
-            num_inference_steps=4,
             guidance_scale=3.5,
             true_cfg_scale=2.0,
         ),
@@ -126,16 +118,7 @@ REQUESTS = {
             )
             for i in range(3)
         ),
-        SamplingParams(
-            prompt="an edit",
-            image=picture(80, 64, seed=1),
-            strength=0.7,
-            seed=6,
-            width=64,
-            height=64,
-            num_inference_steps=4,
-            guidance_scale=4.0,
-        ),
+        edit(guidance_scale=4.0),
     ],
     "qwen-image": [
         SamplingParams(
@@ -158,16 +141,7 @@ REQUESTS = {
             SamplingParams(prompt=f"plain {i}", seed=10 + i, width=64, height=64, num_inference_steps=2)
             for i in range(3)
         ),
-        SamplingParams(
-            prompt="an edit",
-            negative_prompt="dark",
-            image=picture(80, 64, seed=1),
-            strength=0.7,
-            seed=6,
-            width=64,
-            height=64,
-            num_inference_steps=4,
-        ),
+        edit(negative_prompt="dark"),
     ],
 }
 FIXTURES = {"sd3": "tiny_sd3", "flux": "tiny_flux", "z-image": "tiny_zimage", "qwen-image": "tiny_qwenimage"}

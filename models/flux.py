@@ -58,14 +58,7 @@ class FluxAdapter(FlowMatchAdapter):
             h, w = self._packed_latent_size(p)
             sampler = self._sampler(p, sigmas=sigmas, mu=self._shift_mu((h // 2) * (w // 2)))
             generator = self._generator(p)
-            if p.image is None:
-                latents, image_ids = self.pipe.prepare_latents(
-                    1, channels, p.height, p.width, embeds.dtype, self.device, generator
-                )  # latents [1, seq, C * 4], image_ids [seq, 3]
-            else:
-                noised = self._noised_image(p, sampler, generator, embeds.dtype)  # [1, C, h, w]
-                latents = FluxPipeline._pack_latents(noised, 1, channels, h, w)
-                image_ids = FluxPipeline._prepare_latent_image_ids(1, h // 2, w // 2, self.device, embeds.dtype)
+            latents, image_ids, context = self._initial_latents(p, sampler, generator, channels, embeds.dtype)
             guidance = torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)
             if cfg[i]:
                 # Rows (positive, negative) per request; a batch interleaves them.
@@ -78,11 +71,26 @@ class FluxAdapter(FlowMatchAdapter):
                 }
             else:
                 cond = {"embeds": embeds, "pooled": pooled, "guidance": guidance}
+            if context is not None:
+                cond["context"] = context
             # Text position ids are zeros [L, 3] whatever the text (the pipeline's own `encode_prompt` builds them).
             text_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=embeds.dtype)
             shared = {"text_ids": text_ids, "image_ids": image_ids}
             states.append(RequestState(req.request_id, p, latents, sampler, cond=cond, shared=shared))
         return states
+
+    def _initial_latents(self, p: SamplingParams, sampler, generator, channels: int, dtype: torch.dtype):
+        """(packed latents [1, seq, C * 4], rotary ids of every image token [seq_all, 3], packed context tokens
+        [1, seq_ctx, C * 4] that follow the latents in the transformer's input, or None)."""
+        if p.image is None:
+            latents, image_ids = self.pipe.prepare_latents(
+                1, channels, p.height, p.width, dtype, self.device, generator
+            )
+            return latents, image_ids, None
+        h, w = self._packed_latent_size(p)
+        noised = self._noised_image(p, sampler, generator, dtype)  # [1, C, h, w]
+        latents = FluxPipeline._pack_latents(noised, 1, channels, h, w)
+        return latents, FluxPipeline._prepare_latent_image_ids(1, h // 2, w // 2, self.device, dtype), None
 
     def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         self._stage(*self.TEXT_ENCODERS)
@@ -98,10 +106,13 @@ class FluxAdapter(FlowMatchAdapter):
         cond = self._batched_cond(states)
         shared = states[0].shared  # same size and text length across the batch (batch key)
         latents = torch.cat([s.latents for s in states])  # [B, seq, C * 4]
+        seq = latents.shape[1]
         timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device, latents.dtype)  # [B]
         rows = cond["embeds"].shape[0] // len(states)  # 2 with true CFG: (positive, negative) per request
+        if "context" in cond:  # an edit's image tokens follow the latents (as FluxKontextPipeline's input)
+            latents = torch.cat([latents, cond["context"]], dim=1)
         batched = {
-            "hidden_states": latents.repeat_interleave(rows, dim=0),  # [B * rows, seq, C * 4]
+            "hidden_states": latents.repeat_interleave(rows, dim=0),  # [B * rows, seq (+ context), C * 4]
             "timestep": timestep.repeat_interleave(rows) / 1000,
             "pooled_projections": cond["pooled"],
             "encoder_hidden_states": cond["embeds"],
@@ -109,7 +120,7 @@ class FluxAdapter(FlowMatchAdapter):
         if self.transformer.config.guidance_embeds:
             batched["guidance"] = cond["guidance"]
         ids = {"txt_ids": shared["text_ids"], "img_ids": shared["image_ids"]}
-        out = self._transformer_rows(rows, batched, ids, states)  # [B, rows, seq, C * 4]
+        out = self._transformer_rows(rows, batched, ids, states)[:, :, :seq]  # [B, rows, seq, C * 4]
         if rows == 1:
             return out[:, 0]
         pos, neg = out[:, 0], out[:, 1]

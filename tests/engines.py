@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from diffusiond.engine.engine import Engine
-from diffusiond.engine.outputs import Completed, Progress
+from diffusiond.engine.outputs import TERMINAL, Completed, Progress
 from diffusiond.engine.request import SamplingParams
 
 
@@ -50,7 +50,7 @@ async def run_staggered(adapter, requests):
     engine.executor.execute = recording_execute
     await engine.start()
     try:
-        handles = []
+        handles, ended = [], {}
         for params in requests:
             handle = engine.add_request(params)
             handles.append(handle)
@@ -58,7 +58,11 @@ async def run_staggered(adapter, requests):
                 async for event in handle.events():
                     if isinstance(event, Progress):
                         break
-        results = await asyncio.gather(*(h.result() for h in handles))
+                    if isinstance(event, TERMINAL):  # failed before its first step: result() would wait forever
+                        ended[handle.request_id] = event
+        results = await asyncio.gather(
+            *(asyncio.sleep(0, ended[h.request_id]) if h.request_id in ended else h.result() for h in handles)
+        )
     finally:
         await engine.stop()
     return handles, results, plans

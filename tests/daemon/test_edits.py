@@ -172,3 +172,50 @@ async def test_native_api_takes_an_image(server):
             async with session.post(f"{server.base_url}/v1/generations", json={**body, **bad}) as resp:
                 assert resp.status == 400 and (await resp.json())["error"]["param"] == param
     await asyncio.sleep(0)
+
+
+@pytest.mark.asyncio
+async def test_openai_client_edits_by_instruction(serve, tiny_kontext):
+    """An instruction-edit family (FLUX.1 Kontext): `images.edit` without strength, plain and streamed, is
+    FluxKontextPipeline's image; strength is refused naming the field."""
+    server = serve(model=tiny_kontext)
+    async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        model = (await client.models.list()).data[0].id
+        kwargs = dict(
+            model=model,
+            image=("in.png", IMAGE, "image/png"),
+            prompt="make it red",
+            size="64x64",
+            extra_body={"num_inference_steps": 6, "seed": 3},
+        )
+        result = await client.images.edit(**kwargs)
+        stream = await client.images.edit(**kwargs, stream=True, partial_images=2)
+        async with stream:
+            events = [event async for event in stream]
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.images.edit(**{**kwargs, "extra_body": {"strength": 0.5}})
+        assert bad.value.param == "strength"
+    image = png(result.data[0].b64_json)
+    assert [e.type for e in events] == ["image_edit.partial_image"] * 2 + ["image_edit.completed"]
+    assert np.array_equal(png(events[-1].b64_json), image)  # the same seed streamed
+
+    from diffusiond.engine.request import SamplingParams
+    from diffusiond.models.loader import load_adapter
+
+    pipe = diffusers.FluxKontextPipeline.from_pretrained(tiny_kontext)
+    pipe.set_progress_bar_config(disable=True)
+    params = SamplingParams(prompt="x", image=IMAGE, width=64, height=64)
+    width, height = load_adapter(tiny_kontext).context_size(params)
+    out = pipe(
+        prompt="make it red",
+        image=pipe.image_processor.resize(decoded(IMAGE), height, width),
+        _auto_resize=False,
+        width=64,
+        height=64,
+        max_area=64 * 64,
+        num_inference_steps=6,
+        guidance_scale=3.5,
+        generator=torch.Generator().manual_seed(3),
+        output_type="np",
+    )
+    assert np.abs(image.astype(int) - to_uint8(out.images[0]).astype(int)).max() <= 1

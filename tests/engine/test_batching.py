@@ -8,6 +8,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from pictures import picture
 
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Completed
@@ -111,10 +112,13 @@ async def test_clients_of_a_finished_batch_come_back_as_one(adapter, returning):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("fixture", ["tiny_sd3", "tiny_sd35", "tiny_flux", "tiny_zimage", "tiny_qwenimage"])
+@pytest.mark.parametrize(
+    "fixture", ["tiny_sd3", "tiny_sd35", "tiny_flux", "tiny_kontext", "tiny_zimage", "tiny_qwenimage"]
+)
 async def test_every_family_batches_its_forward(fixture, request):
     """Three requests with CFG (each family's own: guidance, or true CFG with a negative prompt) share every forward:
-    3 x 2 rows per call. One forward per request would give calls of 2 rows."""
+    3 x 2 rows per call. One forward per request would give calls of 2 rows. Instruction-edit families get an
+    image to edit with each request."""
     adapter = load_adapter(request.getfixturevalue(fixture))
     calls: list[int] = []
 
@@ -122,13 +126,18 @@ async def test_every_family_batches_its_forward(fixture, request):
         rows = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # Z-Image takes a list
         calls.append(len(rows))
 
+    def edit(seed: int) -> dict:
+        return {"image": picture(64, 64, seed=seed)} if "edit" in adapter.capabilities.image_inputs else {}
+
     hook = adapter.transformer.register_forward_pre_hook(count, with_kwargs=True)
     engine = Engine(adapter, max_batch=3, batch_wait=0.5)
     await engine.start()
     try:
         cfg = dict(negative_prompt="blurry", guidance_scale=4.0, true_cfg_scale=4.0, width=64, height=64)
         handles = [
-            engine.add_request(SamplingParams(prompt=f"a red circle {seed}", seed=seed, num_inference_steps=2, **cfg))
+            engine.add_request(
+                SamplingParams(prompt=f"a red circle {seed}", seed=seed, num_inference_steps=2, **cfg, **edit(seed))
+            )
             for seed in range(3)
         ]
         results = [await h.result() for h in handles]

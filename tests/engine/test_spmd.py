@@ -30,8 +30,16 @@ WORKER = Path(__file__).with_name("spmd_worker.py")
 
 def edit(**fields) -> SamplingParams:
     """An edit, one per family: its file crosses the wire once and every rank encodes it the same."""
-    base = {"image": picture(80, 64, seed=1), "strength": 0.7, "seed": 6, "width": 64, "height": 64}
-    return SamplingParams(prompt="an edit", num_inference_steps=4, **{**base, **fields})
+    base = {
+        "prompt": "an edit",
+        "image": picture(80, 64, seed=1),
+        "strength": 0.7,
+        "seed": 6,
+        "width": 64,
+        "height": 64,
+        "num_inference_steps": 4,
+    }
+    return SamplingParams(**{**base, **fields})
 
 
 REQUESTS = {
@@ -99,6 +107,37 @@ REQUESTS = {
             true_cfg_scale=2.0,
         ),
     ],
+    # Instruction edits: the image's tokens join every forward's sequence (CFG rows; Ulysses shards them too).
+    "flux-kontext": [
+        SamplingParams(
+            prompt="a dog",
+            negative_prompt="blurry",
+            seed=2,
+            width=64,
+            height=64,
+            num_inference_steps=3,
+            true_cfg_scale=3.0,
+        ),
+        edit(
+            prompt="make it dark",
+            negative_prompt="bright",
+            image=picture(64, 96, seed=2, fmt="JPEG"),
+            strength=None,
+            num_inference_steps=3,
+            true_cfg_scale=2.0,
+        ),
+        # Without true CFG, finishing together: split between the ranks and decoded by both.
+        *(
+            edit(
+                prompt=f"plain edit {i}",
+                image=picture(80, 64, seed=i),
+                strength=None,
+                seed=10 + i,
+                num_inference_steps=2,
+            )
+            for i in range(2)
+        ),
+    ],
     "z-image": [
         SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=4, guidance_scale=4.0),
         SamplingParams(
@@ -144,7 +183,13 @@ REQUESTS = {
         edit(negative_prompt="dark"),
     ],
 }
-FIXTURES = {"sd3": "tiny_sd3", "flux": "tiny_flux", "z-image": "tiny_zimage", "qwen-image": "tiny_qwenimage"}
+FIXTURES = {
+    "sd3": "tiny_sd3",
+    "flux": "tiny_flux",
+    "flux-kontext": "tiny_kontext",
+    "z-image": "tiny_zimage",
+    "qwen-image": "tiny_qwenimage",
+}
 
 
 def free_port() -> int:
@@ -248,6 +293,8 @@ def check_split(strategy: str, forwards: list[list[dict]]) -> int:
         ("sd3", "ulysses"),
         ("flux", "cfg"),
         ("flux", "ulysses"),
+        ("flux-kontext", "cfg"),
+        ("flux-kontext", "ulysses"),
         ("z-image", "cfg"),
         ("qwen-image", "cfg"),
     ],

@@ -151,3 +151,95 @@ def test_edit_requests_are_checked(tiny_sd3):
     assert wide.strength == 0.6 and wide.steps_to_run < wide.num_inference_steps
     adapter.image_inputs = ()  # a family that declares no image input refuses one
     assert refused(image=IMAGES[0]) == "image"
+
+
+def kontext_requests() -> list[SamplingParams]:
+    """Edits of images of three aspect ratios (three context sizes at 64x64: 64x48, 64x64, 32x96), two of them
+    with the same context size so that they share forwards, a text-to-image request, and true CFG on one."""
+    same_aspect = picture(80, 64, seed=7)
+    return [
+        SamplingParams(prompt="make it red", image=IMAGES[0], seed=1, width=64, height=64, num_inference_steps=8),
+        SamplingParams(prompt="a blue square", seed=2, width=64, height=64, num_inference_steps=4),
+        SamplingParams(
+            prompt="add a cat",
+            image=same_aspect,
+            seed=3,
+            width=64,
+            height=64,
+            num_inference_steps=6,
+            guidance_scale=5.0,
+            preview_every=1,
+        ),
+        SamplingParams(
+            prompt="turn the sky green",
+            negative_prompt="blurry",
+            true_cfg_scale=2.0,
+            image=IMAGES[1],
+            seed=4,
+            width=64,
+            height=64,
+            num_inference_steps=5,
+        ),
+        SamplingParams(prompt="remove the dog", image=IMAGES[2], seed=5, width=48, height=96, num_inference_steps=3),
+    ]
+
+
+def reference_kontext(pipe, adapter, params: SamplingParams) -> np.ndarray:
+    """FluxKontextPipeline's `__call__` at the request's size (`max_area` its area, else it scales the output to
+    1024x1024), handed the image at the context size we chose (`_auto_resize` off, else it picks a 1024x1024-area
+    one), resized by its own image processor."""
+    extra = {"max_area": params.width * params.height}
+    if params.image is not None:
+        width, height = adapter.context_size(params)
+        image = pipe.image_processor.resize(decoded(params.image), height, width)
+        extra.update(image=image, _auto_resize=False)
+    return reference(pipe, "flux", params, **extra)
+
+
+def test_instruction_edits_match_diffusers_kontext(tiny_kontext):
+    adapter = load_adapter(tiny_kontext)
+    sent = kontext_requests()
+    handles, results, plans = asyncio.run(run_staggered(adapter, sent))
+    ids = [h.request_id for h in handles]
+    # The two edits with the same context size share forwards; a different context size never joins them.
+    assert any({ids[0], ids[2]} <= set(p.advance) for p in plans)
+    for plan in plans:
+        assert not ({ids[0], ids[3]} <= set(plan.advance) or {ids[0], ids[1]} <= set(plan.advance))
+
+    pipe = diffusers.FluxKontextPipeline.from_pretrained(tiny_kontext)
+    pipe.set_progress_bar_config(disable=True)
+    for handle, result in zip(handles, results, strict=True):
+        assert isinstance(result, Completed), result
+        params = handle.params
+        assert sum(handle.request_id in p.advance for p in plans) == params.num_inference_steps
+        expected = reference_kontext(pipe, adapter, params)
+        assert result.image.shape == expected.shape == (params.height, params.width, 3)
+        diff = float(np.abs(result.image - expected).max())
+        print(f"kontext {params.prompt!r} context {adapter.context_size(params)}: max abs diff {diff:.2e}")
+        assert diff <= TOLERANCE, f"{params.prompt!r}: max abs diff {diff}"
+    # Not vacuous: another input image gives a clearly different image.
+    first = handles[0].params
+    other = reference_kontext(pipe, adapter, msgspec.structs.replace(first, image=picture(80, 64, seed=9)))
+    change = float(np.abs(other - results[0].image).max())
+    print(f"kontext: another image changes the output by {change:.3f}")
+    assert change > 10 * TOLERANCE
+
+
+def test_kontext_context_size_is_diffusers_choice_at_its_area(tiny_kontext):
+    """At 1024x1024 the context is the resolution `FluxKontextPipeline(_auto_resize=True)` picks; smaller outputs
+    scale it down; edits refuse `strength`."""
+    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
+    adapter = load_adapter(tiny_kontext)
+    for width, height in ((1000, 1000), (1600, 700), (700, 1600), (1300, 900)):
+        params = SamplingParams(prompt="x", image=picture(width, height), width=1024, height=1024)
+        _, w, h = min((abs(width / height - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
+        assert adapter.context_size(params) == (w // 16 * 16, h // 16 * 16)
+    small = SamplingParams(prompt="x", image=picture(1000, 1000), width=256, height=256)
+    assert adapter.context_size(small) == (256, 256)
+    with pytest.raises(ParamError) as info:
+        adapter.resolve(SamplingParams(prompt="x", image=IMAGES[0], strength=0.5))
+    assert info.value.param == "strength"
+    with pytest.raises(ParamError) as info:
+        adapter.resolve(SamplingParams(prompt="x", image=b"not an image", width=64, height=64))
+    assert info.value.param == "image"

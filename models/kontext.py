@@ -1,0 +1,69 @@
+"""FLUX.1 Kontext (`FluxKontextPipeline` checkpoints): instruction editing. The input image is encoded once, when
+the request is prepared, into packed latent tokens that follow the noisy latents in every forward (rotary ids with
+their first axis set to 1); the transformer's output for them is dropped. Without an image it generates as FLUX.1.
+
+The image is conditioned at the preferred Kontext resolution closest to its aspect ratio (the sizes Kontext was
+trained on, all about 1024x1024), scaled to the output's area: for a 1024x1024 output exactly the resolution
+diffusers' `_auto_resize` picks, and a smaller output pays for a smaller context.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from typing import ClassVar
+
+import torch
+from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
+from diffusiond.engine.request import SamplingParams
+from diffusiond.models.base import ParamError
+from diffusiond.models.flux import FluxAdapter
+from diffusiond.models.inputs import image_size, open_rgb
+
+
+class FluxKontextAdapter(FluxAdapter):
+    pipeline_class = "FluxKontextPipeline"
+    family = "flux-kontext"
+    image_inputs = ("edit",)
+    # The area PREFERRED_KONTEXT_RESOLUTIONS are made for.
+    preferred_area: ClassVar[int] = 1024 * 1024
+
+    def _strength(self, params: SamplingParams) -> float | None:
+        if params.strength is not None:
+            raise ParamError("strength", f"the {self.family} family edits by instruction; strength does not apply")
+        if params.image is not None:
+            image_size(params.image)  # a file that is not an image is refused here, naming the field
+        return None
+
+    def context_size(self, params: SamplingParams) -> tuple[int, int] | None:
+        """(width, height) the request's input image is conditioned at (resolved `params`); None without one."""
+        if params.image is None:
+            return None
+        image_width, image_height = image_size(params.image)
+        ratio = image_width / image_height
+        _, width, height = min((abs(ratio - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
+        scale = math.sqrt(params.width * params.height / self.preferred_area)
+        m = self._size_multiple()
+        return max(m, int(width * scale) // m * m), max(m, int(height * scale) // m * m)
+
+    def batch_key(self, params: SamplingParams) -> Hashable:
+        # The context's tokens are part of every forward's sequence: edits batch with edits of the same context size.
+        return (*super().batch_key(params), self.context_size(params))
+
+    def _initial_latents(self, p: SamplingParams, sampler, generator, channels: int, dtype: torch.dtype):
+        size = self.context_size(p)
+        image = None
+        if size is not None:
+            self._stage("vae")
+            width, height = size
+            # As the pipeline: resize with its image processor, then normalise at that size.
+            resized = self.pipe.image_processor.resize(open_rgb(p.image), height, width)
+            image = self.pipe.image_processor.preprocess(resized, height, width)
+        # The pipeline's own: the image's latent mode (no draw), then the noise from the request's generator.
+        latents, context, latent_ids, context_ids = self.pipe.prepare_latents(
+            image, 1, channels, p.height, p.width, dtype, self.device, generator
+        )
+        if context_ids is None:
+            return latents, latent_ids, None
+        return latents, torch.cat([latent_ids, context_ids]), context

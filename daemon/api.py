@@ -129,6 +129,8 @@ class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     # Image to image: the input file (PNG, JPEG, WebP...) in base64, and how much of the schedule runs from it.
     image: ImageFile | None = None
     strength: Fraction | None = None
+    # Inpainting: only where this file (base64) is white, or transparent in a file with alpha, is the image repainted.
+    mask: ImageFile | None = None
 
 
 _PARAM_PATTERNS = (

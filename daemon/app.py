@@ -60,9 +60,9 @@ def create_app(config: ServeConfig, *, load: Loader | None = None) -> web.Applic
 
 
 def json_limit(config: ServeConfig) -> int:
-    """aiohttp's bound on any body read whole: the native route's, which may carry an image in base64. Routes
-    without images check their own, smaller limit."""
-    return body_limit(config.max_body_bytes, config.max_image_bytes, 1)
+    """aiohttp's bound on any body read whole: the native route's, which may carry an image and its mask in
+    base64. Routes without images check their own, smaller limit."""
+    return body_limit(config.max_body_bytes, config.max_image_bytes, 2)
 
 
 async def engine_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -103,21 +103,25 @@ async def _generate(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     fmt = {".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}.get(Path(args.out).suffix.lower(), "png")
     width, height = args.size or (None, None)
-    image = None
-    if args.image is not None:
+    files: dict[str, bytes | None] = {"image": None, "mask": None}
+    for name in files:
+        path = getattr(args, name)
+        if path is None:
+            continue
         from diffusiond.models.inputs import check_image
 
         try:
-            image = Path(args.image).read_bytes()  # noqa: ASYNC240 - before any work
-            check_image(image)
+            files[name] = Path(path).read_bytes()  # noqa: ASYNC240 - before any work
+            check_image(files[name], name)
         except OSError as exc:
-            print(f"diffusiond generate: error: --image: {exc}", file=sys.stderr)
+            print(f"diffusiond generate: error: --{name}: {exc}", file=sys.stderr)
             return EXIT_USAGE
         except ParamError as exc:
             return _refused(exc)
     params = SamplingParams(
         prompt=args.prompt,
-        image=image,
+        image=files["image"],
+        mask=files["mask"],
         strength=args.strength,
         negative_prompt=args.negative_prompt,
         seed=args.seed,
@@ -508,6 +512,9 @@ def build_parser(*, with_load_tools: bool = True) -> argparse.ArgumentParser:
     gen.add_argument("--guidance-scale", type=float, help="classifier-free guidance (default: the model's)")
     gen.add_argument("--image", metavar="FILE", help="start from this image (image to image; families that take one)")
     gen.add_argument("--strength", type=float, help="with --image: the share of the steps run from it (default: 0.6)")
+    gen.add_argument(
+        "--mask", metavar="FILE", help="with --image: repaint only where this is white (transparent, with alpha)"
+    )
     gen.add_argument("--previews", metavar="DIR", help="write intermediate previews into DIR")
     gen.add_argument("--preview-every", type=int, default=1, help="a preview every N steps (default: 1)")
     gen.set_defaults(func=cmd_generate)

@@ -57,6 +57,7 @@ def parse_generation(data: bytes) -> tuple[GenerationRequest, SamplingParams]:
         cache_threshold=body.cache_threshold,
         image=body.image,
         strength=body.strength,
+        mask=body.mask,
     )
     return body, params
 
@@ -65,7 +66,7 @@ async def generations(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body, params = parse_generation(await request.read())
     engine = state.require_engine()
-    await check_images(request, {"image": body.image})
+    await check_images(request, {"image": body.image, "mask": body.mask})
     (handle,) = queue_requests(engine, state, [params])  # add_request checks it (Engine.check)
     unknown = unknown_words(engine, params.prompt)
     headers = {"X-Request-Id": handle.request_id}

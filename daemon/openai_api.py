@@ -166,15 +166,19 @@ async def images_generations(request: web.Request) -> web.StreamResponse:
 
 
 async def images_edits(request: web.Request) -> web.StreamResponse:
-    """OpenAI edits: the request starts from its image (img2img), with `strength` (ours) of the schedule."""
+    """OpenAI edits: the request starts from its image (img2img), with `strength` (ours) of the schedule; with a
+    `mask`, only its transparent pixels are repainted (inpainting); families that edit by instruction take no
+    strength."""
     state = request.app[STATE]
     body, files = await read_image_edit(request, state.config.max_n, state.config.max_image_bytes)
     engine = state.require_engine()
     if files["mask"] and "mask" not in engine.adapter.capabilities.image_inputs:
         raise ApiError(400, "this model edits whole images; it takes no mask", param="mask")
     (image,) = files["image"]
-    await check_images(request, {"image": image})
-    return await _images(request, state, body, _params(body, image=image, strength=body.strength), "image_edit")
+    mask = files["mask"][0] if files["mask"] else None
+    await check_images(request, {"image": image, "mask": mask})
+    params = _params(body, image=image, mask=mask, strength=body.strength)
+    return await _images(request, state, body, params, "image_edit")
 
 
 async def _images(

@@ -94,6 +94,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     # (`steps_to_run`), as in diffusers' Img2Img pipelines. At `strength` 1 only the image's aspect is kept.
     image: ImageFile | None = None
     strength: Fraction | None = None
+    # Inpainting (families that declare "mask"): only where this file is white (or, in a file with alpha, transparent:
+    # OpenAI's convention) is the image repainted; elsewhere each step pins it to the input noised to that step.
+    mask: ImageFile | None = None
 
     @property
     def first_step(self) -> int:

@@ -98,6 +98,8 @@ class RequestState:
     shared: dict[str, Any] = field(default_factory=dict)
     # Step cache state of this request (models/stepcache.py), freed with it.
     cache: Any = None
+    # Inpainting: what pins the region outside the mask after each step (models/flowmatch.Inpaint).
+    inpaint: Any = None
 
     @property
     def total_steps(self) -> int:
@@ -126,7 +128,8 @@ class ModelAdapter(abc.ABC):
     parallel: ClassVar[tuple[str, ...]] = ("cfg-parallel",)
     # Step caches it implements (models/stepcache.py), besides "none".
     cache_methods: ClassVar[tuple[str, ...]] = ()
-    # Images a request may bring (edits, img2img, masks); none yet.
+    # Images a request may bring: "img2img" (starts from it, `strength`), "mask" (inpainting, with img2img), "edit"
+    # (instruction editing).
     image_inputs: ClassVar[tuple[str, ...]] = ()
     # Packages its pipeline needs beyond diffusiond's own dependencies.
     needs: ClassVar[tuple[str, ...]] = ()

@@ -29,7 +29,7 @@ from diffusiond.models import preview as preview_maps
 from diffusiond.models import stepcache
 from diffusiond.models.base import Capabilities, ModelAdapter, ParamError, RequestState
 from diffusiond.models.declared import check_declared, read_declared
-from diffusiond.models.inputs import image_size, open_rgb
+from diffusiond.models.inputs import image_size, open_mask, open_rgb
 from diffusiond.models.sampler import FlowMatchSampler, step_batch
 
 MAX_PROMPT_CHARS = 10_000
@@ -93,6 +93,27 @@ class PromptCache:
 # Encoded prompts kept per model: 64 MiB is ~12 prompts of real SD3 (T5 at 4096 x 333 floats) and thousands of a
 # small model's.
 PROMPT_CACHE_BYTES = 64 << 20
+
+
+class Inpaint:
+    """One inpainting request's image latents, the noise it started from and its latent mask (1: repainted), in
+    the family's latent layout."""
+
+    __slots__ = ("image", "mask", "noise")
+
+    def __init__(self, image: torch.Tensor, noise: torch.Tensor, mask: torch.Tensor) -> None:
+        self.image, self.noise, self.mask = image, noise, mask
+
+    def map(self, fn) -> Inpaint:
+        """The same with each tensor mapped (a family's packing)."""
+        return Inpaint(fn(self.image), fn(self.noise), fn(self.mask))
+
+    def blend(self, latents: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        """After a step to `sigma`, as the Inpaint pipelines: outside the mask, the image noised to `sigma` (the
+        scheduler's `scale_noise`; at the last step, sigma 0, the image itself)."""
+        sigma = sigma.to(self.image.dtype)
+        proper = sigma * self.noise + (1.0 - sigma) * self.image
+        return (1 - self.mask) * proper + self.mask * latents
 
 
 class FlowMatchAdapter(ModelAdapter):
@@ -247,6 +268,7 @@ class FlowMatchAdapter(ModelAdapter):
             **self._skip_layer_guidance(params),
             image=params.image,
             strength=strength,
+            mask=self._mask(params),
         )
         if resolved.steps_to_run < 1:
             raise ParamError(
@@ -269,6 +291,16 @@ class FlowMatchAdapter(ModelAdapter):
         if not 0 <= strength <= 1:
             raise ParamError("strength", f"strength must be between 0 and 1, got {strength}")
         return float(strength)
+
+    def _mask(self, params: SamplingParams) -> bytes | None:
+        if params.mask is None:
+            return None
+        if "mask" not in self.image_inputs:
+            raise ParamError("mask", f"the {self.family} family edits whole images; it takes no mask")
+        if params.image is None:
+            raise ParamError("mask", "a mask needs the image it masks (image)")
+        image_size(params.mask, "mask")
+        return params.mask
 
     def _size(self, params: SamplingParams) -> tuple[int, int]:
         """The requested size; a side not given is the model's default, or with an input image, the image's aspect
@@ -427,15 +459,36 @@ class FlowMatchAdapter(ModelAdapter):
             self.pipe.scheduler, params.num_inference_steps, self.device, start=params.first_step, **kwargs
         )
 
-    def _noised_image(self, p: SamplingParams, sampler: FlowMatchSampler, generator: torch.Generator, dtype):
-        """Img2img's first latents, VAE-shaped [1, C, h, w], as the Img2Img pipelines' `prepare_latents` makes them:
-        the image resized by the pipeline's image processor, its latent distribution sampled with the request's
-        generator, then the noise drawn from the same generator and mixed in at the starting sigma."""
+    def _noised_image(
+        self, p: SamplingParams, sampler: FlowMatchSampler, generator: torch.Generator, dtype
+    ) -> tuple[torch.Tensor, Inpaint | None]:
+        """Img2img's first latents, VAE-shaped [1, C, h, w], as the Img2Img and Inpaint pipelines' `prepare_latents`
+        make them: the image resized by the pipeline's image processor, its latent distribution sampled with the
+        request's generator, then the noise drawn from the same generator and mixed in at the starting sigma. With a
+        mask, also what pins the unmasked region (VAE-shaped too; the family maps it to its layout)."""
         self._stage("vae")
         image = self.pipe.image_processor.preprocess(open_rgb(p.image), height=p.height, width=p.width)
         latents = self._encode_image(image.to(self.device, dtype), generator)
         noise = randn_tensor(latents.shape, generator=generator, device=self.device, dtype=dtype)
-        return sampler.noise_image(latents, noise)
+        noised = sampler.noise_image(latents, noise)
+        if p.mask is None:
+            return noised, None
+        # The Inpaint pipelines' mask: binarized at the output size, then nearest-resized to the latents'.
+        mask = self._mask_processor().preprocess(open_mask(p.mask), height=p.height, width=p.width)
+        mask = torch.nn.functional.interpolate(mask, size=latents.shape[-2:], mode="nearest")
+        mask = mask.view([1] * (latents.dim() - 2) + list(latents.shape[-2:])).expand_as(latents)
+        return noised, Inpaint(latents, noise, mask.to(self.device, dtype).contiguous())
+
+    def _mask_processor(self) -> Any:
+        """The Inpaint pipelines' `mask_processor` (the text-to-image pipeline we load has none)."""
+        from diffusers.image_processor import VaeImageProcessor
+
+        return VaeImageProcessor(
+            vae_scale_factor=self.capabilities.size_multiple,
+            do_normalize=False,
+            do_binarize=True,
+            do_convert_grayscale=True,
+        )
 
     def _encode_image(self, image: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """Preprocessed images [B, 3, H, W] in [-1, 1] -> model-space latents [B, C, h, w] (`_decode`'s inverse)."""
@@ -533,6 +586,9 @@ class FlowMatchAdapter(ModelAdapter):
         out = step_batch([s.sampler for s in states], sample, model_output)
         for i, state in enumerate(states):
             state.latents = out[i : i + 1]
+            if state.inpaint is not None:
+                sampler = state.sampler  # its index is the step just reached
+                state.latents = state.inpaint.blend(state.latents, sampler.device_sigmas[sampler.index])
             state.step_index += 1
 
     def predicted_x0(self, state: RequestState, model_output: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ class FluxAdapter(FlowMatchAdapter):
     guidance_styles = ("distilled", "true-cfg")
     parallel = ("cfg-parallel", "ulysses")
     cache_methods = ("fbcache", "teacache")
-    image_inputs = ("img2img",)
+    image_inputs = ("img2img", "mask")
     max_sequence_length = 512
     teacache_coefficients = stepcache.FLUX_TEACACHE  # published for FLUX.1; a calibration beside the weights wins
 
@@ -58,7 +58,7 @@ class FluxAdapter(FlowMatchAdapter):
             h, w = self._packed_latent_size(p)
             sampler = self._sampler(p, sigmas=sigmas, mu=self._shift_mu((h // 2) * (w // 2)))
             generator = self._generator(p)
-            latents, image_ids, context = self._initial_latents(p, sampler, generator, channels, embeds.dtype)
+            latents, image_ids, context, inpaint = self._initial_latents(p, sampler, generator, channels, embeds.dtype)
             guidance = torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)
             if cfg[i]:
                 # Rows (positive, negative) per request; a batch interleaves them.
@@ -76,21 +76,26 @@ class FluxAdapter(FlowMatchAdapter):
             # Text position ids are zeros [L, 3] whatever the text (the pipeline's own `encode_prompt` builds them).
             text_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=embeds.dtype)
             shared = {"text_ids": text_ids, "image_ids": image_ids}
-            states.append(RequestState(req.request_id, p, latents, sampler, cond=cond, shared=shared))
+            states.append(RequestState(req.request_id, p, latents, sampler, cond=cond, shared=shared, inpaint=inpaint))
         return states
 
     def _initial_latents(self, p: SamplingParams, sampler, generator, channels: int, dtype: torch.dtype):
         """(packed latents [1, seq, C * 4], rotary ids of every image token [seq_all, 3], packed context tokens
-        [1, seq_ctx, C * 4] that follow the latents in the transformer's input, or None)."""
+        [1, seq_ctx, C * 4] that follow the latents in the transformer's input or None, inpainting's Inpaint (packed)
+        or None)."""
         if p.image is None:
             latents, image_ids = self.pipe.prepare_latents(
                 1, channels, p.height, p.width, dtype, self.device, generator
             )
-            return latents, image_ids, None
+            return latents, image_ids, None, None
         h, w = self._packed_latent_size(p)
-        noised = self._noised_image(p, sampler, generator, dtype)  # [1, C, h, w]
-        latents = FluxPipeline._pack_latents(noised, 1, channels, h, w)
-        return latents, FluxPipeline._prepare_latent_image_ids(1, h // 2, w // 2, self.device, dtype), None
+        noised, inpaint = self._noised_image(p, sampler, generator, dtype)  # [1, C, h, w]
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            return FluxPipeline._pack_latents(x, 1, channels, h, w)
+
+        ids = FluxPipeline._prepare_latent_image_ids(1, h // 2, w // 2, self.device, dtype)
+        return pack(noised), ids, None, inpaint.map(pack) if inpaint is not None else None
 
     def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         self._stage(*self.TEXT_ENCODERS)

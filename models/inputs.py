@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import warnings
 
-from PIL import Image
+from PIL import Image, ImageOps
 
 from diffusiond.models.base import ParamError
 
@@ -59,3 +59,12 @@ def open_rgb(data: bytes) -> Image.Image:
     """The decoded image in RGB, as the pipelines expect it (alpha dropped)."""
     image = _open(data, "image")
     return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def open_mask(data: bytes) -> Image.Image:
+    """An inpainting mask in "L", white where the image is repainted. A file with alpha follows OpenAI's edits
+    convention (transparent pixels are repainted); one without, diffusers' (white pixels are)."""
+    image = _open(data, "mask")
+    if "A" in image.getbands() or "transparency" in image.info:
+        return ImageOps.invert(image.convert("RGBA").getchannel("A"))
+    return image.convert("L")

@@ -65,5 +65,5 @@ class FluxKontextAdapter(FluxAdapter):
             image, 1, channels, p.height, p.width, dtype, self.device, generator
         )
         if context_ids is None:
-            return latents, latent_ids, None
-        return latents, torch.cat([latent_ids, context_ids]), context
+            return latents, latent_ids, None, None
+        return latents, torch.cat([latent_ids, context_ids]), context, None

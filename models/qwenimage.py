@@ -35,7 +35,7 @@ class QwenImageAdapter(FlowMatchAdapter):
     max_sequence_length = 512
     TEXT_ENCODERS = ("text_encoder",)
     cache_methods = ("fbcache", "teacache")
-    image_inputs = ("img2img",)
+    image_inputs = ("img2img", "mask")
 
     def _default_size(self) -> tuple[int, int]:
         side = self.pipe.default_sample_size * self.vae_scale_factor
@@ -87,13 +87,19 @@ class QwenImageAdapter(FlowMatchAdapter):
             sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
             sampler = self._sampler(p, sigmas=sigmas, mu=self._shift_mu((h // 2) * (w // 2)))
             generator = self._generator(p)
+            inpaint = None
             if p.image is None:
                 latents = self.pipe.prepare_latents(
                     1, channels, p.height, p.width, embeds.dtype, self.device, generator
                 )  # [1, seq, C * 4]
             else:
-                noised = self._noised_image(p, sampler, generator, embeds.dtype)  # [1, 1, C, h, w]
-                latents = QwenImagePipeline._pack_latents(noised, 1, channels, h, w)
+                noised, inpaint = self._noised_image(p, sampler, generator, embeds.dtype)  # [1, 1, C, h, w]
+
+                def pack(x: torch.Tensor, h=h, w=w) -> torch.Tensor:
+                    return QwenImagePipeline._pack_latents(x, 1, channels, h, w)
+
+                latents = pack(noised)
+                inpaint = inpaint.map(pack) if inpaint is not None else None
             rows = [embeds]  # (positive, negative) per request; a batch interleaves them
             cond = {"guidance": torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)}
             if cfg[i]:
@@ -102,7 +108,9 @@ class QwenImageAdapter(FlowMatchAdapter):
                 cond["true_cfg"] = torch.full([1], p.true_cfg_scale, device=self.device, dtype=torch.float32)
             patches = (1, p.height // self.vae_scale_factor // 2, p.width // self.vae_scale_factor // 2)
             shared = {"img_shapes": [[patches]]}  # the transformer reads the first entry only
-            states.append(RequestState(req.request_id, p, latents, sampler, cond=cond, rows=rows, shared=shared))
+            states.append(
+                RequestState(req.request_id, p, latents, sampler, cond=cond, rows=rows, shared=shared, inpaint=inpaint)
+            )
         return states
 
     def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor]]:

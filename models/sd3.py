@@ -24,7 +24,7 @@ class SD3Adapter(FlowMatchAdapter):
     guidance_styles = ("cfg", "skip-layer")
     parallel = ("cfg-parallel", "ulysses")
     cache_methods = ("fbcache", "teacache")
-    image_inputs = ("img2img",)
+    image_inputs = ("img2img", "mask")
     repeated_blocks = ("JointTransformerBlock",)  # diffusers 0.42's SD3 transformer names none
     # The pipeline's default T5 length; the text context length is fixed, so any prompts can share a batch.
     max_sequence_length = 256
@@ -70,10 +70,11 @@ class SD3Adapter(FlowMatchAdapter):
                 kwargs["mu"] = self._shift_mu((shape[2] // patch) * (shape[3] // patch), max_shift=1.16)
             sampler = self._sampler(p, **kwargs)
             generator = self._generator(p)
+            inpaint = None
             if p.image is None:
                 latents = randn_tensor(shape, generator=generator, device=self.device, dtype=embeds.dtype)
             else:
-                latents = self._noised_image(p, sampler, generator, embeds.dtype)
+                latents, inpaint = self._noised_image(p, sampler, generator, embeds.dtype)
             if cfg[i]:
                 # Rows (negative, positive) per request: a batch of them interleaves, one concatenation per batch.
                 neg_embeds, neg_pooled = text[p.negative_prompt or ""]
@@ -87,7 +88,7 @@ class SD3Adapter(FlowMatchAdapter):
                 }
             else:
                 cond = {"embeds": embeds, "pooled": pooled}
-            states.append(RequestState(req.request_id, p, latents, sampler, cond=cond))
+            states.append(RequestState(req.request_id, p, latents, sampler, cond=cond, inpaint=inpaint))
         return states
 
     def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -28,7 +28,7 @@ class ZImageAdapter(FlowMatchAdapter):
     default_steps = 50
     default_guidance = 5.0
     guidance_styles = ("cfg",)
-    image_inputs = ("img2img",)
+    image_inputs = ("img2img", "mask")
     max_sequence_length = 512
     TEXT_ENCODERS = ("text_encoder",)
 
@@ -52,6 +52,7 @@ class ZImageAdapter(FlowMatchAdapter):
             sigmas = get_default_z_image_sigmas(p.num_inference_steps)
             sampler = self._sampler(p, sigmas=sigmas, mu=self._shift_mu((h // 2) * (w // 2)))
             generator = self._generator(p)
+            inpaint = None
             if p.image is None:
                 # float32 whatever the transformer's dtype, as the pipeline keeps them.
                 latents = self.pipe.prepare_latents(
@@ -59,14 +60,14 @@ class ZImageAdapter(FlowMatchAdapter):
                 )  # [1, C, h, w]
             else:
                 # The text features' dtype, as ZImageImg2ImgPipeline draws them.
-                latents = self._noised_image(p, sampler, generator, text[p.prompt][0].dtype)
+                latents, inpaint = self._noised_image(p, sampler, generator, text[p.prompt][0].dtype)
             # Rows (positive, negative) per request; a batch interleaves them.
             rows = [text[p.prompt][0]]
             cond = {}
             if cfg[i]:
                 rows.append(text[p.negative_prompt or ""][0])
                 cond["scale"] = torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)
-            states.append(RequestState(req.request_id, p, latents, sampler, cond=cond, rows=rows))
+            states.append(RequestState(req.request_id, p, latents, sampler, cond=cond, rows=rows, inpaint=inpaint))
         return states
 
     def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor]]:

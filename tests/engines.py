@@ -89,4 +89,4 @@ def reference(pipe, family: str, params: SamplingParams, **extra) -> np.ndarray:
         kwargs["skip_guidance_layers"] = list(params.skip_guidance_layers)
         for name in ("skip_layer_guidance_scale", "skip_layer_guidance_start", "skip_layer_guidance_stop"):
             kwargs[name] = getattr(params, name)
-    return pipe(**kwargs, **extra).images[0]
+    return pipe(**{**kwargs, **extra}).images[0]

@@ -30,3 +30,19 @@ def picture(width: int, height: int, seed: int = 0, fmt: str = "PNG", mode: str 
 def decoded(data: bytes) -> Image.Image:
     """What a pipeline is handed for the same file: PIL's decode, in RGB."""
     return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+def mask(width: int, height: int, box: tuple[int, int, int, int], alpha: bool = False) -> tuple[bytes, Image.Image]:
+    """An inpainting mask repainting `box` (x0, y0, x1, y1), as a PNG file and as the "L" image diffusers takes (white:
+    repaint). `alpha`: the file in OpenAI's convention instead: RGBA, transparent where repainted."""
+    white = Image.new("L", (width, height), 0)
+    white.paste(255, box)
+    if alpha:
+        rgba = Image.new("RGBA", (width, height), (40, 90, 200, 255))
+        rgba.putalpha(Image.eval(white, lambda v: 255 - v))
+        image = rgba
+    else:
+        image = white
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue(), white

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from pictures import picture
+from pictures import mask, picture
 
 from diffusiond.bench.serve import sse_events
 from diffusiond.daemon import cli
@@ -58,7 +58,7 @@ async def test_models_lists_what_the_model_serves(demo):
     assert "circle" in caps["draws"]
     # What its family declares (models/base.py), narrowed to the checkpoint: 4 heads, so Ulysses over 2 or 4 ranks.
     assert caps["guidance_styles"] == ["cfg", "skip-layer"] and caps["parallel"] == ["cfg-parallel", "ulysses"]
-    assert caps["cache_methods"] == ["fbcache", "teacache"] and caps["image_inputs"] == ["img2img"]
+    assert caps["cache_methods"] == ["fbcache", "teacache"] and caps["image_inputs"] == ["img2img", "mask"]
     assert caps["ulysses_degrees"] and all(d > 1 for d in caps["ulysses_degrees"])
 
 
@@ -158,6 +158,13 @@ def test_generate_edits_an_image(capsys, tmp_path):
     assert code == 2 and "--image" in err and "Traceback" not in err, err
     code = cli.main(["generate", "a red circle", "--strength", "0.5", "--out", str(out)])
     assert code == 2 and "--strength" in capsys.readouterr().err
+    # Inpainting: repaint the left half only.
+    (tmp_path / "mask.png").write_bytes(mask(96, 64, (0, 0, 48, 64))[0])
+    code = cli.main([*args, "--image", str(tmp_path / "in.png"), "--mask", str(tmp_path / "mask.png")])
+    assert code == 0, capsys.readouterr().err
+    code = cli.main(["generate", "a red circle", "--mask", str(tmp_path / "mask.png"), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "--mask" in err and "needs the image" in err, err
 
 
 def test_help_describes_every_flag():

@@ -14,7 +14,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from pictures import decoded, picture
+from pictures import decoded, mask, picture
 from PIL import Image
 
 from diffusiond.daemon.images import to_uint8
@@ -96,7 +96,7 @@ def test_openai_client_edit_errors(server, model_id):
             (edit_kwargs(model_id, image=picture(32, 32, mode="I;16")), "image"),  # 16-bit pixels
             (edit_kwargs(model_id, strength=0), "strength"),
             (edit_kwargs(model_id, strength=1.5), "strength"),
-            ({**edit_kwargs(model_id), "mask": ("mask.png", IMAGE, "image/png")}, "mask"),
+            ({**edit_kwargs(model_id), "mask": ("mask.png", b"not an image", "image/png")}, "mask"),
             ({**edit_kwargs(model_id), "image": [("a.png", IMAGE), ("b.png", OTHER)]}, "image"),
             ({**edit_kwargs(model_id), "n": 11}, "n"),
             ({**edit_kwargs(model_id), "input_fidelity": "max"}, "input_fidelity"),
@@ -192,9 +192,10 @@ async def test_openai_client_edits_by_instruction(serve, tiny_kontext):
         stream = await client.images.edit(**kwargs, stream=True, partial_images=2)
         async with stream:
             events = [event async for event in stream]
-        with pytest.raises(openai.BadRequestError) as bad:
-            await client.images.edit(**{**kwargs, "extra_body": {"strength": 0.5}})
-        assert bad.value.param == "strength"
+        for extra, param in (({"extra_body": {"strength": 0.5}}, "strength"), ({"mask": ("m.png", IMAGE)}, "mask")):
+            with pytest.raises(openai.BadRequestError) as bad:
+                await client.images.edit(**{**kwargs, **extra})
+            assert bad.value.param == param
     image = png(result.data[0].b64_json)
     assert [e.type for e in events] == ["image_edit.partial_image"] * 2 + ["image_edit.completed"]
     assert np.array_equal(png(events[-1].b64_json), image)  # the same seed streamed
@@ -219,3 +220,44 @@ async def test_openai_client_edits_by_instruction(serve, tiny_kontext):
         output_type="np",
     )
     assert np.abs(image.astype(int) - to_uint8(out.images[0]).astype(int)).max() <= 1
+
+
+@pytest.mark.asyncio
+async def test_masks_reach_the_engine_in_either_convention(server, model_id):
+    """An OpenAI edit with an RGBA mask (transparent: repainted) gives the native API's image for the same request
+    with the "L" mask diffusers takes (white: repainted); without a mask, or with another, the image differs."""
+    openai_mask, white = mask(80, 64, (0, 0, 40, 64), alpha=True)
+    buf = io.BytesIO()
+    white.save(buf, format="PNG")
+    native = {
+        "prompt": PROMPT,
+        "image": base64.b64encode(IMAGE).decode(),
+        "strength": 0.75,
+        "width": 64,
+        "height": 64,
+        "num_inference_steps": 8,
+        "seed": 3,
+    }
+
+    async def native_image(**fields) -> np.ndarray:
+        url = f"{server.base_url}/v1/generations"
+        async with (
+            aiohttp.ClientSession(timeout=TIMEOUT) as session,
+            session.post(url, json={**native, **fields}) as resp,
+        ):
+            assert resp.status == 200, await resp.text()
+            lines = (await resp.text()).splitlines()
+        events = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+        return png(events[-1]["images"][0]["b64"])
+
+    async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        result = await client.images.edit(**edit_kwargs(model_id), mask=("mask.png", openai_mask, "image/png"))
+    masked = png(result.data[0].b64_json)
+    assert np.array_equal(masked, await native_image(mask=base64.b64encode(buf.getvalue()).decode()))
+    other_mask, _ = mask(80, 64, (40, 0, 80, 64))
+    for other in (await native_image(), await native_image(mask=base64.b64encode(other_mask).decode())):
+        assert np.abs(masked.astype(int) - other.astype(int)).mean() > 2
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        for bad in ({"mask": base64.b64encode(other_mask).decode(), "image": None, "strength": None}, {"mask": "aGk="}):
+            async with session.post(f"{server.base_url}/v1/generations", json={**native, **bad}) as resp:
+                assert resp.status == 400 and (await resp.json())["error"]["param"] == "mask"

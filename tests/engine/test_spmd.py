@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
-from pictures import picture
+from pictures import mask, picture
 
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Completed
@@ -68,7 +68,8 @@ REQUESTS = {
         SamplingParams(
             prompt="a red circle " * 500, seed=5, width=64, height=64, num_inference_steps=2, guidance_scale=5.0
         ),
-        edit(guidance_scale=5.0),
+        # Inpainting: the mask crosses the wire with its image; every rank pins the same region.
+        edit(guidance_scale=5.0, mask=mask(80, 64, (0, 0, 40, 32), alpha=True)[0]),
     ],
     "flux": [
         SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=4, guidance_scale=3.5),
@@ -102,6 +103,7 @@ REQUESTS = {
         edit(
             negative_prompt="dark",
             image=picture(64, 96, seed=2, fmt="JPEG"),
+            mask=mask(64, 96, (16, 16, 48, 80))[0],
             strength=0.8,
             guidance_scale=3.5,
             true_cfg_scale=2.0,

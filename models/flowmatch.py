@@ -124,11 +124,13 @@ class FlowMatchAdapter(ModelAdapter):
     default_guidance: ClassVar[float]
     # `true_cfg_scale` when a request sends none (families with true CFG beside a guidance embedding).
     default_true_cfg: ClassVar[float] = 1.0
+    # The pipeline component that denoises.
+    denoiser: ClassVar[str] = "transformer"
 
     def __init__(self, pipe: Any, *, source: str) -> None:
         self.pipe = pipe
         self.source = source
-        self.transformer = pipe.transformer
+        self.transformer = getattr(pipe, self.denoiser)  # named so whatever it is (a UNet for UNet families)
         self.vae = pipe.vae
         self.device = self.transformer.device
         self.dtype = self.transformer.dtype
@@ -381,7 +383,7 @@ class FlowMatchAdapter(ModelAdapter):
             self._stages = offload.StageOffload(self.pipe.components, device)
         elif mode == "group":
             for name, module in self.pipe.components.items():
-                if isinstance(module, torch.nn.Module) and name != "transformer":
+                if isinstance(module, torch.nn.Module) and name != self.denoiser:
                     module.to(device)
             offload.group_offload(self.transformer, device)
         elif mode != "none":

@@ -7,10 +7,12 @@ from diffusiond.models.flux import FluxAdapter
 from diffusiond.models.kontext import FluxKontextAdapter
 from diffusiond.models.qwenimage import QwenImageAdapter
 from diffusiond.models.sd3 import SD3Adapter
+from diffusiond.models.sdxl import SDXLAdapter
 from diffusiond.models.zimage import ZImageAdapter
 
 ADAPTERS: dict[str, type[ModelAdapter]] = {
-    cls.pipeline_class: cls for cls in (SD3Adapter, FluxAdapter, FluxKontextAdapter, ZImageAdapter, QwenImageAdapter)
+    cls.pipeline_class: cls
+    for cls in (SD3Adapter, SDXLAdapter, FluxAdapter, FluxKontextAdapter, ZImageAdapter, QwenImageAdapter)
 }
 
 

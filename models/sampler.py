@@ -8,6 +8,7 @@ pipeline runs it (same helper, same arguments), so shifts, dynamic shifting and 
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,3 +72,65 @@ def step_batch(samplers: Sequence[FlowMatchSampler], sample: torch.Tensor, model
         rows.append(s.scheduler.step(model_output[i : i + 1], s.timestep, sample[i : i + 1], return_dict=False)[0])
         s.index += 1
     return torch.cat(rows)
+
+
+class SchedulerSampler:
+    """Any diffusers scheduler (Euler, Euler ancestral, DPM++ 2M, UniPC...), one copy per request, advanced by its
+    own `step`: multi-step schedulers keep history on `self` (DPM++ 2M its previous outputs), and ancestral ones draw
+    noise from the request's generator at every step, as the pipeline hands them its generator."""
+
+    __slots__ = ("index", "scheduler", "step_kwargs", "timesteps")
+
+    def __init__(
+        self,
+        template: Any,
+        num_inference_steps: int,
+        device: torch.device | str,
+        *,
+        start: int = 0,
+        generator: torch.Generator | None = None,
+        eta: float = 0.0,
+    ) -> None:
+        self.scheduler = copy.deepcopy(template)
+        self.timesteps, _ = retrieve_timesteps(self.scheduler, num_inference_steps, device)
+        if hasattr(self.scheduler, "set_begin_index"):  # as the pipelines, so step indices never search timesteps
+            self.scheduler.set_begin_index(start)
+        self.index = start
+        # As the pipelines' `prepare_extra_step_kwargs`: what this scheduler's `step` accepts.
+        accepts = inspect.signature(self.scheduler.step).parameters
+        self.step_kwargs: dict[str, Any] = {}
+        if "eta" in accepts:
+            self.step_kwargs["eta"] = eta
+        if "generator" in accepts:
+            self.step_kwargs["generator"] = generator
+
+    @property
+    def timestep(self) -> torch.Tensor:
+        return self.timesteps[self.index]
+
+    @property
+    def init_noise_sigma(self) -> Any:
+        return self.scheduler.init_noise_sigma
+
+    def scale_model_input(self, sample: torch.Tensor) -> torch.Tensor:
+        return self.scheduler.scale_model_input(sample, self.timestep)
+
+    def step(self, model_output: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+        out = self.scheduler.step(model_output, self.timestep, sample, **self.step_kwargs, return_dict=False)[0]
+        self.index += 1
+        return out
+
+    def predicted_x0(self, sample: torch.Tensor, model_output: torch.Tensor) -> torch.Tensor:
+        """The clean sample the model predicts now (previews), float32. Karras-style schedulers (initial noise sigma
+        above 1: Euler, Heun, ...) keep `x0 + sigma * noise`; the others `sqrt(a) x0 + sqrt(1 - a) noise`."""
+        config = self.scheduler.config
+        x, out = sample.to(torch.float32), model_output.to(torch.float32)
+        if float(self.scheduler.init_noise_sigma) > 1:
+            sigma = self.scheduler.sigmas[self.index].to(x.device, torch.float32)
+            if config.prediction_type == "v_prediction":
+                return out * (-sigma / (sigma**2 + 1) ** 0.5) + x / (sigma**2 + 1)
+            return x - sigma * out
+        alpha = self.scheduler.alphas_cumprod[int(self.timestep)].to(x.device, torch.float32)
+        if config.prediction_type == "v_prediction":
+            return alpha.sqrt() * x - (1 - alpha).sqrt() * out
+        return (x - (1 - alpha).sqrt() * out) / alpha.sqrt()

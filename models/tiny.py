@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-FAMILIES: tuple[str, ...] = ("sd3", "sd35", "flux", "flux-kontext", "z-image", "qwen-image")
+FAMILIES: tuple[str, ...] = ("sd3", "sd35", "sdxl", "flux", "flux-kontext", "z-image", "qwen-image")
 
 # Common English words, plus colours, shapes, animals and photo vocabulary; each becomes a single token in both the
 # CLIP and the T5 tokenizer. Lower case ASCII letters only (CLIP lower-cases its input).
@@ -324,6 +324,65 @@ def _build_flux(pipeline: str = "FluxPipeline") -> Any:
     )
 
 
+def _build_sdxl() -> Any:
+    """SDXL's layout at toy size: a two-level UNet with cross-attention and "text_time" added conditioning (6 size
+    ids x 8 + the 32-dim pooled projection of the second CLIP), two CLIP encoders whose hidden states concatenate to
+    the UNet's 64-dim cross-attention, a 4-channel VAE with SDXL's scaling factor, and SDXL base's Euler scheduler."""
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    unet = UNet2DConditionModel(
+        sample_size=8,  # the pipeline's default size: 8 x vae_scale_factor = 64
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        transformer_layers_per_block=(1, 2),
+        projection_class_embeddings_input_dim=6 * 8 + 32,
+        cross_attention_dim=64,
+        norm_num_groups=8,
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 16, 16, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=256,
+        scaling_factor=0.13025,
+        force_upcast=False,
+    )
+    tokenizer = make_clip_tokenizer()
+    tokenizer_2 = make_clip_tokenizer()
+    text_encoder = CLIPTextModel(_clip_config(tokenizer))
+    text_encoder_2 = CLIPTextModelWithProjection(_clip_config(tokenizer_2, projection_dim=32))
+    scheduler = EulerDiscreteScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+    return StableDiffusionXLPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer_2,
+        unet=unet,
+        scheduler=scheduler,
+    )
+
+
 def _build_kontext() -> Any:
     """FLUX's tiny components as a FluxKontextPipeline, with sharper attention: with plain random weights the image
     tokens reach the output through near-uniform attention only (another input image moved pixels by 0.002 of 1;
@@ -349,6 +408,7 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
         "sd3": _build_sd3,
         # SD3.5 Medium's layout: RMS-normed q/k and a second (self-only) attention in the first layers.
         "sd35": lambda: _build_sd3(qk_norm="rms_norm", dual_attention_layers=(0,)),
+        "sdxl": _build_sdxl,
         "flux": _build_flux,
         "flux-kontext": _build_kontext,
         "z-image": tiny_qwen.build_zimage,

@@ -54,6 +54,11 @@ def tiny_flux(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_sdxl(tmp_path_factory) -> str:
+    return str(build_tiny("sdxl", tmp_path_factory.mktemp("tiny") / "sdxl"))
+
+
+@pytest.fixture(scope="session")
 def tiny_kontext(tmp_path_factory) -> str:
     return str(build_tiny("flux-kontext", tmp_path_factory.mktemp("tiny") / "flux-kontext"))
 

@@ -72,8 +72,10 @@ def record_forwards(adapter) -> list[dict]:
     adapter.decode_latents = decode_latents
     # prepend: before the Ulysses hook that shards FLUX inputs, so that "tokens" counts the whole image.
     adapter.transformer.register_forward_pre_hook(on_transformer, with_kwargs=True, prepend=True)
-    blocks = getattr(adapter.transformer, "transformer_blocks", None) or adapter.transformer.layers  # Z-Image's
-    blocks[0].register_forward_pre_hook(on_block, with_kwargs=True)
+    # Z-Image's are `layers`; a UNet has no token blocks (and no Ulysses to check).
+    blocks = getattr(adapter.transformer, "transformer_blocks", None) or getattr(adapter.transformer, "layers", None)
+    if blocks:
+        blocks[0].register_forward_pre_hook(on_block, with_kwargs=True)
     return forwards
 
 

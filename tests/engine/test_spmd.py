@@ -109,6 +109,26 @@ REQUESTS = {
             true_cfg_scale=2.0,
         ),
     ],
+    "sdxl": [
+        SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=4, guidance_scale=5.0),
+        SamplingParams(
+            prompt="a blue square",
+            negative_prompt="blurry",
+            seed=2,
+            width=64,
+            height=64,
+            num_inference_steps=3,
+            guidance_scale=3.0,
+        ),
+        SamplingParams(prompt="a cat", seed=3, width=56, height=72, num_inference_steps=3, guidance_scale=4.0),
+        # Without CFG, finishing together: split between the ranks and decoded by both.
+        *(
+            SamplingParams(
+                prompt=f"plain {i}", seed=10 + i, width=64, height=64, num_inference_steps=2, guidance_scale=1.0
+            )
+            for i in range(3)
+        ),
+    ],
     # Instruction edits: the image's tokens join every forward's sequence (CFG rows; Ulysses shards them too).
     "flux-kontext": [
         SamplingParams(
@@ -187,6 +207,7 @@ REQUESTS = {
 }
 FIXTURES = {
     "sd3": "tiny_sd3",
+    "sdxl": "tiny_sdxl",
     "flux": "tiny_flux",
     "flux-kontext": "tiny_kontext",
     "z-image": "tiny_zimage",
@@ -293,6 +314,7 @@ def check_split(strategy: str, forwards: list[list[dict]]) -> int:
     [
         ("sd3", "cfg"),
         ("sd3", "ulysses"),
+        ("sdxl", "cfg"),
         ("flux", "cfg"),
         ("flux", "ulysses"),
         ("flux-kontext", "cfg"),

@@ -151,6 +151,29 @@ REQUESTS = {
         SamplingParams(prompt="yellow dog", seed=5, width=64, height=64, num_inference_steps=3, guidance_scale=0.0),
         SamplingParams(prompt="white dog", seed=6, width=64, height=64, num_inference_steps=4, guidance_scale=0.0),
     ],
+    # A UNet family stepped by its scheduler's own `step` per request (Euler here; more schedulers in test_sdxl.py).
+    "sdxl": [
+        SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=6, guidance_scale=5.0),
+        SamplingParams(
+            prompt="a blue square",
+            negative_prompt="blurry",
+            seed=2,
+            width=64,
+            height=64,
+            num_inference_steps=4,
+            guidance_scale=7.0,
+            preview_every=1,
+        ),
+        # An explicit "" is encoded; no negative prompt is zeros (`force_zeros_for_empty_prompt`).
+        SamplingParams(
+            prompt="green", negative_prompt="", seed=3, width=64, height=64, num_inference_steps=5, guidance_scale=4.0
+        ),
+        # Latents of 9 x 7: the UNet's upsampling follows its skip connections' sizes.
+        SamplingParams(
+            prompt="a photo of a cat", seed=4, width=72, height=56, num_inference_steps=3, guidance_scale=3.0
+        ),
+        SamplingParams(prompt="yellow dog", seed=5, width=64, height=64, num_inference_steps=3, guidance_scale=1.0),
+    ],
     "qwen-image": [
         SamplingParams(
             prompt="a red circle",
@@ -193,6 +216,7 @@ REQUESTS = {
 FIXTURES = {
     "sd3": "tiny_sd3",
     "sd35": "tiny_sd35",
+    "sdxl": "tiny_sdxl",
     "flux": "tiny_flux",
     "z-image": "tiny_zimage",
     "qwen-image": "tiny_qwenimage",

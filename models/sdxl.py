@@ -1,0 +1,142 @@
+"""Stable Diffusion XL (`StableDiffusionXLPipeline` checkpoints): a UNet with two CLIP text encoders, pooled text
+and size conditioning ("time ids"), classifier-free guidance, and whatever scheduler the checkpoint names.
+
+Requests share each UNet forward; each keeps its own copy of the scheduler and is advanced by that scheduler's own
+`step` (Euler, Euler ancestral, DPM++ 2M... keep per-request state: step index, previous outputs, the request's
+generator), since their updates are not one formula across a batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+from diffusiond.engine.request import SamplingParams
+from diffusiond.engine.wire import NewRequest
+from diffusiond.models.base import RequestState
+from diffusiond.models.flowmatch import FlowMatchAdapter
+from diffusiond.models.sampler import SchedulerSampler
+
+
+class SDXLAdapter(FlowMatchAdapter):
+    pipeline_class = "StableDiffusionXLPipeline"
+    family = "sdxl"
+    denoiser = "unet"
+    default_steps = 50
+    default_guidance = 5.0
+    guidance_styles = ("cfg",)
+    parallel = ("cfg-parallel",)
+    TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+
+    def _default_size(self) -> tuple[int, int]:
+        side = self.pipe.default_sample_size * self.vae_scale_factor
+        return side, side
+
+    def _size_multiple(self) -> int:
+        return self.vae_scale_factor
+
+    def _uses_cfg(self, params: SamplingParams) -> bool:
+        # As the pipeline's `do_classifier_free_guidance` (its UNets with a guidance embedding are LCM distillations).
+        return (params.guidance_scale or 0.0) > 1 and self.transformer.config.time_cond_proj_dim is None
+
+    @torch.inference_mode()
+    def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
+        params = [n.params for n in new]
+        cfg, text = self._lookup_prompts(params)  # text -> (embeds [1, L, D], pooled [1, P])
+        zeros_for_none = self.pipe.config.get("force_zeros_for_empty_prompt", False)
+        states = []
+        for i, (req, p) in enumerate(zip(new, params, strict=True)):
+            embeds, pooled = text[p.prompt]
+            generator = self._generator(p)
+            sampler = SchedulerSampler(
+                self.pipe.scheduler, p.num_inference_steps, self.device, start=p.first_step, generator=generator
+            )
+            shape = (
+                1,
+                self.transformer.config.in_channels,
+                p.height // self.vae_scale_factor,
+                p.width // self.vae_scale_factor,
+            )
+            latents = randn_tensor(shape, generator=generator, device=self.device, dtype=embeds.dtype)
+            latents = latents * sampler.init_noise_sigma
+            # `_get_add_time_ids`: original size, crop top-left, target size.
+            time_ids = torch.tensor(
+                [[p.height, p.width, 0, 0, p.height, p.width]], dtype=embeds.dtype, device=self.device
+            )
+            cond: dict[str, Any] = {"embeds": embeds, "pooled": pooled, "time_ids": time_ids}
+            if cfg[i]:
+                if p.negative_prompt is None and zeros_for_none:
+                    # As `encode_prompt`: no negative prompt is zeros, not the encoding of "".
+                    neg_embeds, neg_pooled = torch.zeros_like(embeds), torch.zeros_like(pooled)
+                else:
+                    neg_embeds, neg_pooled = text[p.negative_prompt or ""]
+                # Rows (negative, positive) per request; a batch interleaves them.
+                cond = {
+                    "embeds": torch.cat([neg_embeds, embeds]),
+                    "pooled": torch.cat([neg_pooled, pooled]),
+                    "time_ids": time_ids.expand(2, -1),
+                    "scale": torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32),
+                }
+            states.append(RequestState(req.request_id, p, latents, sampler, cond=cond))
+        return states
+
+    def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self._stage(*self.TEXT_ENCODERS)
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=texts, device=self.device, num_images_per_prompt=1, do_classifier_free_guidance=False
+        )
+        return [(embeds[i : i + 1].clone(), pooled[i : i + 1].clone()) for i in range(len(texts))]
+
+    @torch.inference_mode()
+    def denoise(self, states: Sequence[RequestState]) -> torch.Tensor:
+        self._stage(self.denoiser)
+        cond = self._batched_cond(states)
+        rows = cond["embeds"].shape[0] // len(states)  # 2 with CFG: (negative, positive) per request
+        # Each request's input scaled by its own scheduler at its own step.
+        latents = torch.cat([s.sampler.scale_model_input(s.latents) for s in states])  # [B, C, h, w]
+        timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device)  # [B]
+        batched = {
+            "hidden_states": latents.repeat_interleave(rows, dim=0),
+            "timestep": timestep.repeat_interleave(rows),
+            "encoder_hidden_states": cond["embeds"],
+            "text_embeds": cond["pooled"],
+            "time_ids": cond["time_ids"],
+        }
+        out = self._transformer_rows(rows, batched, {}, states)  # [B, rows, C, h, w]
+        if rows == 1:
+            return out[:, 0]
+        uncond, text = out[:, 0], out[:, 1]
+        return uncond + cond["scale"].to(out.dtype).view(-1, 1, 1, 1) * (text - uncond)
+
+    def _call(self, batched: dict[str, Any], shared: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.transformer(
+            batched["hidden_states"],
+            batched["timestep"],
+            encoder_hidden_states=batched["encoder_hidden_states"],
+            added_cond_kwargs={"text_embeds": batched["text_embeds"], "time_ids": batched["time_ids"]},
+            return_dict=False,
+        )[0]
+
+    def step(self, states: Sequence[RequestState], model_output: torch.Tensor) -> None:
+        for i, state in enumerate(states):
+            state.latents = state.sampler.step(model_output[i : i + 1], state.latents)
+            state.step_index += 1
+
+    def predicted_x0(self, state: RequestState, model_output: torch.Tensor) -> torch.Tensor:
+        return state.sampler.predicted_x0(state.latents, model_output)[0]
+
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """As the pipeline: the VAE's latent mean and std when its config has them, else its scaling factor only."""
+        config = self.vae.config
+        mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
+        if mean is not None and std is not None:
+            shape = (1, len(mean), 1, 1)
+            mean = torch.tensor(mean).view(shape).to(latents.device, latents.dtype)
+            std = torch.tensor(std).view(shape).to(latents.device, latents.dtype)
+            latents = latents * std / config.scaling_factor + mean
+        else:
+            latents = latents / config.scaling_factor
+        return self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]

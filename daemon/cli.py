@@ -511,7 +511,11 @@ def build_parser(*, with_load_tools: bool = True) -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="the same seed and parameters give the same image (default: random)")
     gen.add_argument("--guidance-scale", type=float, help="classifier-free guidance (default: the model's)")
     gen.add_argument("--image", metavar="FILE", help="start from this image (image to image; families that take one)")
-    gen.add_argument("--strength", type=float, help="with --image: the share of the steps run from it (default: 0.6)")
+    gen.add_argument(
+        "--strength",
+        type=float,
+        help="with --image: the share of the steps run from it (default: the family's, 0.6 or 0.3)",
+    )
     gen.add_argument(
         "--mask", metavar="FILE", help="with --image: repaint only where this is white (transparent, with alpha)"
     )

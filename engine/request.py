@@ -98,19 +98,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     # OpenAI's convention) is the image repainted; elsewhere each step pins it to the input noised to that step.
     mask: ImageFile | None = None
 
-    @property
-    def first_step(self) -> int:
-        """The schedule position the request starts at: 0, or with `strength` the Img2Img pipelines' `t_start`
-        (the same float arithmetic, so the same count: 50 steps at strength 0.56 run 29, not 28)."""
-        n = self.num_inference_steps or 0
-        if self.strength is None:
-            return 0
-        return int(max(n - min(n * self.strength, n), 0))
+    # The schedule position the request starts at: 0, or with `strength` its family's Img2Img pipeline's `t_start`
+    # (each family's arithmetic: 50 steps at strength 0.56 run 29 in the flow-matching ones, 28 in SDXL's). Set by
+    # `ModelAdapter.resolve`, never by clients.
+    start_step: Annotated[int, msgspec.Meta(ge=0, le=MAX_STEPS)] = 0
 
     @property
     def steps_to_run(self) -> int:
         """Denoising steps the request runs (its forwards, progress total and preview spacing)."""
-        return (self.num_inference_steps or 0) - self.first_step
+        return (self.num_inference_steps or 0) - self.start_step
 
 
 class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):

@@ -23,7 +23,7 @@ class FlowMatchSampler:
     def __init__(
         self, template: Any, num_inference_steps: int, device: torch.device | str, *, start: int = 0, **kwargs: Any
     ) -> None:
-        """`start`: the schedule position to begin at (img2img's `SamplingParams.first_step`)."""
+        """`start`: the schedule position to begin at (img2img's `SamplingParams.start_step`)."""
         self.scheduler = copy.deepcopy(template)
         self.timesteps, _ = retrieve_timesteps(self.scheduler, num_inference_steps, device, **kwargs)
         self.sigmas = self.scheduler.sigmas  # on the CPU, as diffusers keeps them
@@ -111,6 +111,11 @@ class SchedulerSampler:
     @property
     def init_noise_sigma(self) -> Any:
         return self.scheduler.init_noise_sigma
+
+    def noise_image(self, image_latents: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """Img2img's first latents: the image's latents noised to the starting step (the scheduler's own
+        `add_noise`, which reads the begin index as the Img2Img pipelines set it)."""
+        return self.scheduler.add_noise(image_latents, noise, self.timesteps[self.index : self.index + 1])
 
     def scale_model_input(self, sample: torch.Tensor) -> torch.Tensor:
         return self.scheduler.scale_model_input(sample, self.timestep)

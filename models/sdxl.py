@@ -29,7 +29,26 @@ class SDXLAdapter(FlowMatchAdapter):
     default_guidance = 5.0
     guidance_styles = ("cfg",)
     parallel = ("cfg-parallel",)
+    image_inputs = ("img2img",)
+    default_strength = 0.3  # StableDiffusionXLImg2ImgPipeline's
     TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+
+    def __init__(self, pipe: Any, *, source: str) -> None:
+        super().__init__(pipe, source=source)
+        order = getattr(pipe.scheduler, "order", 1)
+        if order != 1:
+            # Heun, KDPM2: 2 forwards per step over duplicated timesteps; every step count here is one forward.
+            raise ValueError(
+                f"{type(pipe.scheduler).__name__} is a second-order scheduler (two UNet forwards per step), which "
+                "diffusiond does not run yet; pick Euler, Euler ancestral, DPM++ 2M or UniPC in scheduler_config.json"
+            )
+
+    def _start_step(self, steps: int, strength: float | None) -> int:
+        """StableDiffusionXLImg2ImgPipeline's `get_timesteps`: the kept steps rounded down first (50 steps at
+        strength 0.56 run 28)."""
+        if strength is None:
+            return 0
+        return max(steps - min(int(steps * strength), steps), 0)
 
     def _default_size(self) -> tuple[int, int]:
         side = self.pipe.default_sample_size * self.vae_scale_factor
@@ -52,7 +71,7 @@ class SDXLAdapter(FlowMatchAdapter):
             embeds, pooled = text[p.prompt]
             generator = self._generator(p)
             sampler = SchedulerSampler(
-                self.pipe.scheduler, p.num_inference_steps, self.device, start=p.first_step, generator=generator
+                self.pipe.scheduler, p.num_inference_steps, self.device, start=p.start_step, generator=generator
             )
             shape = (
                 1,
@@ -60,8 +79,11 @@ class SDXLAdapter(FlowMatchAdapter):
                 p.height // self.vae_scale_factor,
                 p.width // self.vae_scale_factor,
             )
-            latents = randn_tensor(shape, generator=generator, device=self.device, dtype=embeds.dtype)
-            latents = latents * sampler.init_noise_sigma
+            if p.image is None:
+                latents = randn_tensor(shape, generator=generator, device=self.device, dtype=embeds.dtype)
+                latents = latents * sampler.init_noise_sigma
+            else:
+                latents, _ = self._noised_image(p, sampler, generator, embeds.dtype)  # resolve refuses masks
             # `_get_add_time_ids`: original size, crop top-left, target size.
             time_ids = torch.tensor(
                 [[p.height, p.width, 0, 0, p.height, p.width]], dtype=embeds.dtype, device=self.device
@@ -128,15 +150,28 @@ class SDXLAdapter(FlowMatchAdapter):
     def predicted_x0(self, state: RequestState, model_output: torch.Tensor) -> torch.Tensor:
         return state.sampler.predicted_x0(state.latents, model_output)[0]
 
-    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """As the pipeline: the VAE's latent mean and std when its config has them, else its scaling factor only."""
+    def _statistics(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The VAE's per-channel latent mean and std, when its config has them (then they normalise latents)."""
         config = self.vae.config
         mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
-        if mean is not None and std is not None:
-            shape = (1, len(mean), 1, 1)
-            mean = torch.tensor(mean).view(shape).to(latents.device, latents.dtype)
-            std = torch.tensor(std).view(shape).to(latents.device, latents.dtype)
-            latents = latents * std / config.scaling_factor + mean
-        else:
-            latents = latents / config.scaling_factor
+        if mean is None or std is None:
+            return None
+        shape = (1, len(mean), 1, 1)
+        return torch.tensor(mean).view(shape).to(like.device, like.dtype), torch.tensor(std).view(shape).to(
+            like.device, like.dtype
+        )
+
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """As the pipeline: with the latent statistics when the VAE has them, else its scaling factor only."""
+        stats, scale = self._statistics(latents), self.vae.config.scaling_factor
+        latents = latents * stats[1] / scale + stats[0] if stats is not None else latents / scale
         return self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+
+    def _encode_image(self, image: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """`_decode`'s inverse, as StableDiffusionXLImg2ImgPipeline's `prepare_latents` (the sample drawn with the
+        request's generator)."""
+        from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl_img2img import retrieve_latents
+
+        latents = retrieve_latents(self.vae.encode(image.to(self.vae.dtype)), generator=generator).to(image.dtype)
+        stats, scale = self._statistics(latents), self.vae.config.scaling_factor
+        return (latents - stats[0]) * scale / stats[1] if stats is not None else scale * latents

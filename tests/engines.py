@@ -6,6 +6,7 @@ On the test path through `pythonpath = ["tests"]` in pyproject.toml: `from engin
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import numpy as np
 import torch
@@ -89,4 +90,6 @@ def reference(pipe, family: str, params: SamplingParams, **extra) -> np.ndarray:
         kwargs["skip_guidance_layers"] = list(params.skip_guidance_layers)
         for name in ("skip_layer_guidance_scale", "skip_layer_guidance_start", "skip_layer_guidance_stop"):
             kwargs[name] = getattr(params, name)
+    if "width" not in inspect.signature(pipe.__call__).parameters:  # sized by its input image (SDXL's Img2Img)
+        del kwargs["width"], kwargs["height"]
     return pipe(**{**kwargs, **extra}).images[0]

@@ -27,7 +27,7 @@ IMAGES = [picture(80, 64, seed=1), picture(64, 64, seed=2, fmt="JPEG"), picture(
 def requests(family: str) -> list[SamplingParams]:
     """Five requests; each family's main guidance knob differs between them (Qwen-Image: true CFG, with a negative
     prompt on all but one)."""
-    base = {"sd3": 5.0, "flux": 3.5, "z-image": 4.0, "qwen-image": 4.0}[family]
+    base = {"sd3": 5.0, "sdxl": 5.0, "flux": 3.5, "z-image": 4.0, "qwen-image": 4.0}[family]
 
     def guided(scale: float, negative: str | None = "blurry") -> dict:
         if family == "qwen-image":
@@ -77,15 +77,17 @@ def reference_edit(pipes, family: str, params: SamplingParams) -> np.ndarray:
     if params.image is None:
         return reference(text_to_image, family, params)
     image = decoded(params.image)
-    if family == "z-image":
-        # ZImageImg2ImgPipeline encodes the image at its own size (it must be the output's); every other
-        # Img2Img pipeline resizes it first with its image processor, as we do for all: hand it that image.
+    if family in ("z-image", "sdxl"):
+        # ZImageImg2ImgPipeline and StableDiffusionXLImg2ImgPipeline encode the image at its own size (it is the
+        # output's); every other Img2Img pipeline resizes it first with its image processor, as we do for all:
+        # hand them that image.
         image = image_to_image.image_processor.resize(image, params.height, params.width)
     return reference(image_to_image, family, params, image=image, strength=params.strength)
 
 
 FAMILIES = {
     "sd3": ("tiny_sd3", "StableDiffusion3Img2ImgPipeline"),
+    "sdxl": ("tiny_sdxl", "StableDiffusionXLImg2ImgPipeline"),
     "flux": ("tiny_flux", "FluxImg2ImgPipeline"),
     "z-image": ("tiny_zimage", "ZImageImg2ImgPipeline"),
     "qwen-image": ("tiny_qwenimage", "QwenImageImg2ImgPipeline"),

@@ -9,6 +9,7 @@ import diffusers
 import numpy as np
 import pytest
 from engines import reference, run_staggered
+from pictures import picture
 
 from diffusiond.engine.outputs import Completed
 from diffusiond.engine.request import SamplingParams
@@ -65,3 +66,26 @@ def test_every_scheduler_matches_the_pipeline(scheduler, checkpoints):
         diff = float(np.abs(result.image - reference(pipe, "sdxl", handle.params)).max())
         print(f"sdxl/{scheduler} {handle.params.prompt!r}: max abs diff {diff:.2e}")
         assert diff <= TOLERANCE, f"{scheduler} {handle.params.prompt!r}: max abs diff {diff}"
+
+
+def test_img2img_runs_the_steps_each_pipeline_runs(tiny_sdxl, tiny_sd3):
+    """50 steps at strength 0.56: SDXL's Img2Img pipeline runs 28, the flow-matching ones 29 (`get_timesteps`
+    rounds differently); each family resolves its own pipeline's count."""
+    params = SamplingParams(prompt="x", image=picture(64, 64), strength=0.56, num_inference_steps=50)
+    for checkpoint, img2img in (
+        (tiny_sdxl, "StableDiffusionXLImg2ImgPipeline"),
+        (tiny_sd3, "StableDiffusion3Img2ImgPipeline"),
+    ):
+        pipe = getattr(diffusers, img2img).from_pretrained(checkpoint)
+        pipe.scheduler.set_timesteps(50)
+        _, runs = pipe.get_timesteps(50, 0.56, "cpu")
+        assert load_adapter(checkpoint).resolve(params).steps_to_run == runs
+    assert runs == 29 and load_adapter(tiny_sdxl).resolve(params).steps_to_run == 28
+
+
+def test_second_order_schedulers_are_refused_at_load(tiny_sdxl, tmp_path):
+    pipe = diffusers.StableDiffusionXLPipeline.from_pretrained(tiny_sdxl)
+    pipe.scheduler = diffusers.HeunDiscreteScheduler.from_config(pipe.scheduler.config)
+    pipe.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="HeunDiscreteScheduler is a second-order scheduler"):
+        load_adapter(str(tmp_path))

@@ -108,11 +108,10 @@ class Inpaint:
         """The same with each tensor mapped (a family's packing)."""
         return Inpaint(fn(self.image), fn(self.noise), fn(self.mask))
 
-    def blend(self, latents: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-        """After a step to `sigma`, as the Inpaint pipelines: outside the mask, the image noised to `sigma` (the
-        scheduler's `scale_noise`; at the last step, sigma 0, the image itself)."""
-        sigma = sigma.to(self.image.dtype)
-        proper = sigma * self.noise + (1.0 - sigma) * self.image
+    def blend(self, latents: torch.Tensor, sampler: Any) -> torch.Tensor:
+        """After a step, as the Inpaint pipelines: outside the mask, the image noised to the step the sampler
+        reached (`renoise`; after the last step, the image itself)."""
+        proper = sampler.renoise(self.image, self.noise)
         return (1 - self.mask) * proper + self.mask * latents
 
 
@@ -279,8 +278,10 @@ class FlowMatchAdapter(ModelAdapter):
             )
         return resolved
 
-    # Img2img's strength when a request with an image sends none (the Img2Img pipelines' default).
+    # Img2img's strength when a request with an image sends none (the Img2Img pipelines' default), and with a mask
+    # (the Inpaint pipelines').
     default_strength: ClassVar[float] = 0.6
+    default_inpaint_strength: ClassVar[float] = 0.6
 
     def _start_step(self, steps: int, strength: float | None) -> int:
         """Img2img's first schedule position, as the flow-matching Img2Img pipelines' `get_timesteps` computes
@@ -297,7 +298,8 @@ class FlowMatchAdapter(ModelAdapter):
             return None
         if "img2img" not in self.image_inputs:
             raise ParamError("image", f"the {self.family} family takes no input image")
-        strength = params.strength if params.strength is not None else self.default_strength
+        default = self.default_inpaint_strength if params.mask is not None else self.default_strength
+        strength = params.strength if params.strength is not None else default
         if not 0 <= strength <= 1:
             raise ParamError("strength", f"strength must be between 0 and 1, got {strength}")
         return float(strength)
@@ -480,7 +482,7 @@ class FlowMatchAdapter(ModelAdapter):
         image = self.pipe.image_processor.preprocess(open_rgb(p.image), height=p.height, width=p.width)
         latents = self._encode_image(image.to(self.device, dtype), generator)
         noise = randn_tensor(latents.shape, generator=generator, device=self.device, dtype=dtype)
-        noised = sampler.noise_image(latents, noise)
+        noised = self._start_latents(p, sampler, latents, noise)
         if p.mask is None:
             return noised, None
         # The Inpaint pipelines' mask: binarized at the output size, then nearest-resized to the latents'.
@@ -488,6 +490,10 @@ class FlowMatchAdapter(ModelAdapter):
         mask = torch.nn.functional.interpolate(mask, size=latents.shape[-2:], mode="nearest")
         mask = mask.view([1] * (latents.dim() - 2) + list(latents.shape[-2:])).expand_as(latents)
         return noised, Inpaint(latents, noise, mask.to(self.device, dtype).contiguous())
+
+    def _start_latents(self, p: SamplingParams, sampler: Any, image_latents: torch.Tensor, noise: torch.Tensor):
+        """The image's latents noised to the request's first step (the scheduler's own noising)."""
+        return sampler.noise_image(image_latents, noise)
 
     def _mask_processor(self) -> Any:
         """The Inpaint pipelines' `mask_processor` (the text-to-image pipeline we load has none)."""
@@ -597,8 +603,7 @@ class FlowMatchAdapter(ModelAdapter):
         for i, state in enumerate(states):
             state.latents = out[i : i + 1]
             if state.inpaint is not None:
-                sampler = state.sampler  # its index is the step just reached
-                state.latents = state.inpaint.blend(state.latents, sampler.device_sigmas[sampler.index])
+                state.latents = state.inpaint.blend(state.latents, state.sampler)
             state.step_index += 1
 
     def predicted_x0(self, state: RequestState, model_output: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,12 @@ class FlowMatchSampler:
     def timestep(self) -> torch.Tensor:
         return self.timesteps[self.index]
 
+    def renoise(self, image_latents: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """Inpainting, after a step: the image's latents at the sigma just reached (the scheduler's `scale_noise`
+        formula; after the last step sigma is 0: the image itself)."""
+        sigma = self.device_sigmas[self.index].to(image_latents.dtype)
+        return sigma * noise + (1.0 - sigma) * image_latents
+
     @property
     def sigma(self) -> torch.Tensor:
         return self.sigmas[self.index]
@@ -115,6 +121,13 @@ class SchedulerSampler:
     def noise_image(self, image_latents: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """Img2img's first latents: the image's latents noised to the starting step (the scheduler's own
         `add_noise`, which reads the begin index as the Img2Img pipelines set it)."""
+        return self.scheduler.add_noise(image_latents, noise, self.timesteps[self.index : self.index + 1])
+
+    def renoise(self, image_latents: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """Inpainting, after a step: the image's latents noised to the step just reached (the scheduler's own
+        `add_noise`, at its step index); after the last step, the image itself."""
+        if self.index >= len(self.timesteps):
+            return image_latents
         return self.scheduler.add_noise(image_latents, noise, self.timesteps[self.index : self.index + 1])
 
     def scale_model_input(self, sample: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,9 @@ class SDXLAdapter(FlowMatchAdapter):
     default_guidance = 5.0
     guidance_styles = ("cfg",)
     parallel = ("cfg-parallel",)
-    image_inputs = ("img2img",)
+    image_inputs = ("img2img", "mask")
     default_strength = 0.3  # StableDiffusionXLImg2ImgPipeline's
+    default_inpaint_strength = 0.9999  # StableDiffusionXLInpaintPipeline's
     TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 
     def __init__(self, pipe: Any, *, source: str) -> None:
@@ -79,11 +80,17 @@ class SDXLAdapter(FlowMatchAdapter):
                 p.height // self.vae_scale_factor,
                 p.width // self.vae_scale_factor,
             )
+            inpaint = None
             if p.image is None:
                 latents = randn_tensor(shape, generator=generator, device=self.device, dtype=embeds.dtype)
                 latents = latents * sampler.init_noise_sigma
             else:
-                latents, _ = self._noised_image(p, sampler, generator, embeds.dtype)  # resolve refuses masks
+                latents, inpaint = self._noised_image(p, sampler, generator, embeds.dtype)
+                if inpaint is not None:
+                    # The Inpaint pipeline also samples the masked image's latents (which a 4-channel UNet never
+                    # reads) with the request's generator: draw as much, so that schedulers drawing noise at every
+                    # step (Euler ancestral) go on from the same generator state.
+                    randn_tensor(latents.shape, generator=generator, device=self.device, dtype=self.vae.dtype)
             # `_get_add_time_ids`: original size, crop top-left, target size.
             time_ids = torch.tensor(
                 [[p.height, p.width, 0, 0, p.height, p.width]], dtype=embeds.dtype, device=self.device
@@ -102,7 +109,7 @@ class SDXLAdapter(FlowMatchAdapter):
                     "time_ids": time_ids.expand(2, -1),
                     "scale": torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32),
                 }
-            states.append(RequestState(req.request_id, p, latents, sampler, cond=cond))
+            states.append(RequestState(req.request_id, p, latents, sampler, cond=cond, inpaint=inpaint))
         return states
 
     def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -145,7 +152,15 @@ class SDXLAdapter(FlowMatchAdapter):
     def step(self, states: Sequence[RequestState], model_output: torch.Tensor) -> None:
         for i, state in enumerate(states):
             state.latents = state.sampler.step(model_output[i : i + 1], state.latents)
+            if state.inpaint is not None:
+                state.latents = state.inpaint.blend(state.latents, state.sampler)
             state.step_index += 1
+
+    def _start_latents(self, p: SamplingParams, sampler: Any, image_latents: torch.Tensor, noise: torch.Tensor):
+        if p.mask is not None and p.strength == 1.0:
+            # StableDiffusionXLInpaintPipeline at full strength: pure noise at the scheduler's initial sigma.
+            return noise * sampler.init_noise_sigma
+        return sampler.noise_image(image_latents, noise)
 
     def predicted_x0(self, state: RequestState, model_output: torch.Tensor) -> torch.Tensor:
         return state.sampler.predicted_x0(state.latents, model_output)[0]

@@ -29,6 +29,7 @@ class ZImageAdapter(FlowMatchAdapter):
     default_guidance = 5.0
     guidance_styles = ("cfg",)
     image_inputs = ("img2img", "mask")
+    default_inpaint_strength = 1.0  # ZImageInpaintPipeline's
     max_sequence_length = 512
     TEXT_ENCODERS = ("text_encoder",)
 

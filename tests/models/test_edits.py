@@ -162,6 +162,7 @@ def test_edit_requests_are_checked(tiny_sd3):
 
 INPAINT = {
     "sd3": "StableDiffusion3InpaintPipeline",
+    "sdxl": "StableDiffusionXLInpaintPipeline",
     "flux": "FluxInpaintPipeline",
     "z-image": "ZImageInpaintPipeline",
     "qwen-image": "QwenImageInpaintPipeline",

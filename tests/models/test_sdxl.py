@@ -6,10 +6,11 @@ requests share every UNet forward. Parity with StableDiffusionXLPipeline `__call
 import asyncio
 
 import diffusers
+import msgspec
 import numpy as np
 import pytest
 from engines import reference, run_staggered
-from pictures import picture
+from pictures import decoded, mask, picture
 
 from diffusiond.engine.outputs import Completed
 from diffusiond.engine.request import SamplingParams
@@ -36,6 +37,18 @@ REQUESTS = [
     ),
     SamplingParams(prompt="a green tree", seed=3, width=64, height=64, num_inference_steps=6, guidance_scale=3.0),
     SamplingParams(prompt="a cat", seed=4, width=64, height=64, num_inference_steps=4, guidance_scale=5.0),
+    # Inpainting: after every step the kept region is the image noised by the scheduler's own `add_noise`.
+    SamplingParams(
+        prompt="a red cat",
+        image=picture(80, 64, seed=1),
+        mask=mask(80, 64, (0, 0, 40, 64))[0],
+        strength=0.7,
+        seed=5,
+        width=64,
+        height=64,
+        num_inference_steps=7,
+        guidance_scale=5.0,
+    ),
 ]
 
 
@@ -61,9 +74,17 @@ def test_every_scheduler_matches_the_pipeline(scheduler, checkpoints):
     pipe = diffusers.StableDiffusionXLPipeline.from_pretrained(checkpoint)
     pipe.set_progress_bar_config(disable=True)
     assert type(pipe.scheduler).__name__ == SCHEDULERS[scheduler][0]
+    inpaint = diffusers.StableDiffusionXLInpaintPipeline.from_pipe(pipe)
     for handle, result in zip(handles, results, strict=True):
         assert isinstance(result, Completed), result
-        diff = float(np.abs(result.image - reference(pipe, "sdxl", handle.params)).max())
+        params = handle.params
+        if params.mask is None:
+            expected = reference(pipe, "sdxl", params)
+        else:
+            white = mask(80, 64, (0, 0, 40, 64))[1]
+            extra = dict(image=decoded(params.image), mask_image=white, strength=params.strength)
+            expected = reference(inpaint, "sdxl", params, **extra)
+        diff = float(np.abs(result.image - expected).max())
         print(f"sdxl/{scheduler} {handle.params.prompt!r}: max abs diff {diff:.2e}")
         assert diff <= TOLERANCE, f"{scheduler} {handle.params.prompt!r}: max abs diff {diff}"
 
@@ -81,6 +102,11 @@ def test_img2img_runs_the_steps_each_pipeline_runs(tiny_sdxl, tiny_sd3):
         _, runs = pipe.get_timesteps(50, 0.56, "cpu")
         assert load_adapter(checkpoint).resolve(params).steps_to_run == runs
     assert runs == 29 and load_adapter(tiny_sdxl).resolve(params).steps_to_run == 28
+    # Without a strength: the Img2Img pipeline's default, or with a mask the Inpaint pipeline's.
+    sdxl = load_adapter(tiny_sdxl)
+    plain = SamplingParams(prompt="x", image=picture(64, 64))
+    assert sdxl.resolve(plain).strength == 0.3
+    assert sdxl.resolve(msgspec.structs.replace(plain, mask=mask(64, 64, (0, 0, 8, 8))[0])).strength == 0.9999
 
 
 def test_second_order_schedulers_are_refused_at_load(tiny_sdxl, tmp_path):

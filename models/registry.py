@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from diffusiond.models.base import ModelAdapter
 from diffusiond.models.flux import FluxAdapter
+from diffusiond.models.flux2 import Flux2KleinAdapter
 from diffusiond.models.kontext import FluxKontextAdapter
 from diffusiond.models.qwenimage import QwenImageAdapter
 from diffusiond.models.sd3 import SD3Adapter
@@ -12,7 +13,15 @@ from diffusiond.models.zimage import ZImageAdapter
 
 ADAPTERS: dict[str, type[ModelAdapter]] = {
     cls.pipeline_class: cls
-    for cls in (SD3Adapter, SDXLAdapter, FluxAdapter, FluxKontextAdapter, ZImageAdapter, QwenImageAdapter)
+    for cls in (
+        SD3Adapter,
+        SDXLAdapter,
+        FluxAdapter,
+        FluxKontextAdapter,
+        Flux2KleinAdapter,
+        ZImageAdapter,
+        QwenImageAdapter,
+    )
 }
 
 

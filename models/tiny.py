@@ -17,7 +17,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-FAMILIES: tuple[str, ...] = ("sd3", "sd35", "sdxl", "flux", "flux-kontext", "z-image", "qwen-image")
+FAMILIES: tuple[str, ...] = (
+    "sd3",
+    "sd35",
+    "sdxl",
+    "flux",
+    "flux-kontext",
+    "flux2-klein",
+    "z-image",
+    "qwen-image",
+)
 
 # Common English words, plus colours, shapes, animals and photo vocabulary; each becomes a single token in both the
 # CLIP and the T5 tokenizer. Lower case ASCII letters only (CLIP lower-cases its input).
@@ -413,6 +422,7 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
         "flux-kontext": _build_kontext,
         "z-image": tiny_qwen.build_zimage,
         "qwen-image": tiny_qwen.build_qwenimage,
+        "flux2-klein": tiny_qwen.build_flux2klein,
     }
     if family not in builders:
         raise ValueError(f"unknown model family {family!r}; valid families: {', '.join(FAMILIES)}")

@@ -225,3 +225,65 @@ def build_qwenimage() -> Any:
     if n != drop:
         raise RuntimeError(f"the Qwen-Image prompt template prefix is {n} tokens, the pipeline drops {drop}")
     return pipe
+
+
+def build_flux2klein() -> Any:
+    """A tiny `Flux2KleinPipeline` (FLUX.2 [klein]): a 27-layer Qwen3 causal LM (the pipeline reads hidden layers 9,
+    18 and 27), a FLUX.2 double- and single-stream block with 4-axis rotary ids, a 32-channel FLUX.2 VAE with its
+    batch-norm statistics, CFG enabled (not distilled)."""
+    import torch
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        Flux2Transformer2DModel,
+    )
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = make_qwen_tokenizer()
+    text_encoder = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=27,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=1024,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    )
+    transformer = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=128,  # 32 latent channels in 2x2 patches
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=48,  # 3 hidden layers x 16
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),  # sums to the head dim
+        guidance_embeds=False,
+    )
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(8, 16, 16, 16), layers_per_block=1, latent_channels=32, norm_num_groups=4, sample_size=256
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+    )
+    # With plain random weights a prompt moves a 64x64 image by 0.02 of 1 (512 padded text tokens dilute the
+    # attention); sharper attention makes a wrong prompt or guidance clearly visible.
+    with torch.no_grad():
+        for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
+            block.attn.norm_q.weight.mul_(3.0)
+            block.attn.norm_k.weight.mul_(3.0)
+    return Flux2KleinPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        is_distilled=False,
+    )

@@ -59,6 +59,11 @@ def tiny_sdxl(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux2klein(tmp_path_factory) -> str:
+    return str(build_tiny("flux2-klein", tmp_path_factory.mktemp("tiny") / "flux2-klein"))
+
+
+@pytest.fixture(scope="session")
 def tiny_kontext(tmp_path_factory) -> str:
     return str(build_tiny("flux-kontext", tmp_path_factory.mktemp("tiny") / "flux-kontext"))
 

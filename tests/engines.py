@@ -90,6 +90,11 @@ def reference(pipe, family: str, params: SamplingParams, **extra) -> np.ndarray:
         kwargs["skip_guidance_layers"] = list(params.skip_guidance_layers)
         for name in ("skip_layer_guidance_scale", "skip_layer_guidance_start", "skip_layer_guidance_stop"):
             kwargs[name] = getattr(params, name)
-    if "width" not in inspect.signature(pipe.__call__).parameters:  # sized by its input image (SDXL's Img2Img)
+    accepted = inspect.signature(pipe.__call__).parameters
+    if "width" not in accepted:  # sized by its input image (SDXL's Img2Img)
         del kwargs["width"], kwargs["height"]
+    if "negative_prompt" not in accepted:  # FLUX.2 [klein]: its negative is "" unless handed as embeddings
+        negative = kwargs.pop("negative_prompt")
+        if negative is not None:
+            kwargs["negative_prompt_embeds"] = pipe.encode_prompt(prompt=negative)[0]
     return pipe(**{**kwargs, **extra}).images[0]

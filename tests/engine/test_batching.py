@@ -113,7 +113,17 @@ async def test_clients_of_a_finished_batch_come_back_as_one(adapter, returning):
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
-    "fixture", ["tiny_sd3", "tiny_sd35", "tiny_sdxl", "tiny_flux", "tiny_kontext", "tiny_zimage", "tiny_qwenimage"]
+    "fixture",
+    [
+        "tiny_sd3",
+        "tiny_sd35",
+        "tiny_sdxl",
+        "tiny_flux",
+        "tiny_kontext",
+        "tiny_flux2klein",
+        "tiny_zimage",
+        "tiny_qwenimage",
+    ],
 )
 async def test_every_family_batches_its_forward(fixture, request):
     """Three requests with CFG (each family's own: guidance, or true CFG with a negative prompt) share every forward:

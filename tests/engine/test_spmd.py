@@ -129,6 +129,26 @@ REQUESTS = {
             for i in range(3)
         ),
     ],
+    "flux2-klein": [
+        SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=4, guidance_scale=4.0),
+        SamplingParams(
+            prompt="a blue square",
+            negative_prompt="blurry",
+            seed=2,
+            width=64,
+            height=64,
+            num_inference_steps=3,
+            guidance_scale=3.0,
+        ),
+        SamplingParams(prompt="a cat", seed=3, width=48, height=48, num_inference_steps=3, guidance_scale=4.0),
+        # Without CFG, finishing together: split between the ranks and decoded by both.
+        *(
+            SamplingParams(
+                prompt=f"plain {i}", seed=10 + i, width=64, height=64, num_inference_steps=2, guidance_scale=1.0
+            )
+            for i in range(3)
+        ),
+    ],
     # Instruction edits: the image's tokens join every forward's sequence (CFG rows; Ulysses shards them too).
     "flux-kontext": [
         SamplingParams(
@@ -210,6 +230,7 @@ FIXTURES = {
     "sdxl": "tiny_sdxl",
     "flux": "tiny_flux",
     "flux-kontext": "tiny_kontext",
+    "flux2-klein": "tiny_flux2klein",
     "z-image": "tiny_zimage",
     "qwen-image": "tiny_qwenimage",
 }
@@ -319,6 +340,7 @@ def check_split(strategy: str, forwards: list[list[dict]]) -> int:
         ("flux", "ulysses"),
         ("flux-kontext", "cfg"),
         ("flux-kontext", "ulysses"),
+        ("flux2-klein", "cfg"),
         ("z-image", "cfg"),
         ("qwen-image", "cfg"),
     ],

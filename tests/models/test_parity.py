@@ -174,6 +174,23 @@ REQUESTS = {
         ),
         SamplingParams(prompt="yellow dog", seed=5, width=64, height=64, num_inference_steps=3, guidance_scale=1.0),
     ],
+    # The pipeline's negative is always ""; a request's own negative prompt is handed to it as embeddings.
+    "flux2-klein": [
+        SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=6, guidance_scale=4.0),
+        SamplingParams(
+            prompt="a blue square",
+            negative_prompt="blurry",
+            seed=2,
+            width=64,
+            height=64,
+            num_inference_steps=4,
+            guidance_scale=6.0,
+            preview_every=1,
+        ),
+        SamplingParams(prompt="green", seed=3, width=64, height=64, num_inference_steps=5, guidance_scale=3.0),
+        SamplingParams(prompt="yellow dog", seed=5, width=64, height=64, num_inference_steps=3, guidance_scale=1.0),
+        SamplingParams(prompt="white dog", seed=6, width=96, height=64, num_inference_steps=4, guidance_scale=1.0),
+    ],
     "qwen-image": [
         SamplingParams(
             prompt="a red circle",
@@ -218,6 +235,7 @@ FIXTURES = {
     "sd35": "tiny_sd35",
     "sdxl": "tiny_sdxl",
     "flux": "tiny_flux",
+    "flux2-klein": "tiny_flux2klein",
     "z-image": "tiny_zimage",
     "qwen-image": "tiny_qwenimage",
 }

@@ -1,0 +1,116 @@
+"""FLUX.2 [klein] (`Flux2KleinPipeline` checkpoints): a Qwen3 text encoder read at three of its layers, packed 2x2
+latent patches normalised by the VAE's batch-norm statistics, 4-axis rotary ids (time, height, width, layer), a step
+schedule whose shift depends on the step count, and classifier-free guidance unless the checkpoint is distilled.
+
+`Flux2Pipeline` (FLUX.2 [dev]) reads prompts with a Mistral/Pixtral processor that needs torchvision, which the CPU
+build of torch here cannot import beside it; it is not served yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline, compute_empirical_mu
+
+from diffusiond.engine.request import SamplingParams
+from diffusiond.engine.wire import NewRequest
+from diffusiond.models.base import RequestState
+from diffusiond.models.flowmatch import FlowMatchAdapter
+
+
+class Flux2KleinAdapter(FlowMatchAdapter):
+    pipeline_class = "Flux2KleinPipeline"
+    family = "flux2-klein"
+    vae_family = "flux2"
+    default_steps = 50
+    default_guidance = 4.0
+    guidance_styles = ("cfg",)
+    parallel = ("cfg-parallel",)
+    TEXT_ENCODERS = ("text_encoder",)
+
+    def _default_size(self) -> tuple[int, int]:
+        side = self.pipe.default_sample_size * self.vae_scale_factor
+        return side, side
+
+    def _size_multiple(self) -> int:
+        return self.vae_scale_factor * 2
+
+    def _uses_cfg(self, params: SamplingParams) -> bool:
+        # As the pipeline's `do_classifier_free_guidance`: distilled checkpoints never run a negative branch.
+        return (params.guidance_scale or 0.0) > 1 and not self.pipe.config.is_distilled
+
+    def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor]]:
+        """The pipeline's own encoder (chat template, padded to its 512 tokens, three hidden layers stacked)."""
+        self._stage(*self.TEXT_ENCODERS)
+        embeds, _ = self.pipe.encode_prompt(prompt=list(texts), device=self.device)
+        return [(embeds[i : i + 1].clone(),) for i in range(len(texts))]
+
+    @torch.inference_mode()
+    def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
+        params = [n.params for n in new]
+        cfg, text = self._lookup_prompts(params)  # text -> ([1, L, D],)
+        channels = self.transformer.config.in_channels // 4
+        states = []
+        for i, (req, p) in enumerate(zip(new, params, strict=True)):
+            (embeds,) = text[p.prompt]
+            generator = self._generator(p)
+            latents, latent_ids = self.pipe.prepare_latents(
+                1, channels, p.height, p.width, embeds.dtype, self.device, generator
+            )  # [1, seq, C * 4], [1, seq, 4]
+            sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
+            if getattr(self.pipe.scheduler.config, "use_flow_sigmas", False):
+                sigmas = None
+            mu = compute_empirical_mu(image_seq_len=latents.shape[1], num_steps=p.num_inference_steps)
+            sampler = self._sampler(p, sigmas=sigmas, mu=mu)
+            cond = {"embeds": embeds}
+            if cfg[i]:
+                # Rows (positive, negative) per request; the pipeline's negative is "" (a request may send its own).
+                (negative,) = text[p.negative_prompt or ""]
+                cond = {
+                    "embeds": torch.cat([embeds, negative]),
+                    "scale": torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32),
+                }
+            # Text ids depend on the text length only, which the pipeline pads to the same 512 for every prompt.
+            shared = {
+                "txt_ids": Flux2KleinPipeline._prepare_text_ids(embeds)[0].to(self.device),
+                "img_ids": latent_ids[0],
+            }
+            states.append(RequestState(req.request_id, p, latents, sampler, cond=cond, shared=shared))
+        return states
+
+    @torch.inference_mode()
+    def denoise(self, states: Sequence[RequestState]) -> torch.Tensor:
+        self._stage(self.denoiser)
+        cond = self._batched_cond(states)
+        shared = states[0].shared  # same size and text length across the batch (batch key)
+        latents = torch.cat([s.latents for s in states]).to(self.transformer.dtype)  # [B, seq, C * 4]
+        timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device, latents.dtype)  # [B]
+        rows = cond["embeds"].shape[0] // len(states)
+        batched = {
+            "hidden_states": latents.repeat_interleave(rows, dim=0),
+            "timestep": timestep.repeat_interleave(rows) / 1000,
+            "encoder_hidden_states": cond["embeds"],
+        }
+        out = self._transformer_rows(rows, batched, {"guidance": None, **shared}, states)  # [B, rows, seq, C * 4]
+        if rows == 1:
+            return out[:, 0]
+        pos, neg = out[:, 0], out[:, 1]
+        return neg + cond["scale"].to(out.dtype).view(-1, 1, 1) * (pos - neg)
+
+    def _unpack(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """Packed tokens [B, seq, C * 4] -> the VAE's own latents [B, C, h, w], as the pipeline: scattered by their
+        ids, the batch-norm statistics undone, the 2x2 patches unfolded."""
+        h, w = self._packed_latent_size(params)
+        ids = self.pipe._prepare_latent_ids(latents.new_empty(latents.shape[0], 1, h // 2, w // 2)).to(latents.device)
+        patches = Flux2KleinPipeline._unpack_latents_with_ids(latents, ids, h // 2, w // 2)
+        bn = self.vae.bn
+        mean = bn.running_mean.view(1, -1, 1, 1).to(patches.device, patches.dtype)
+        std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(
+            patches.device, patches.dtype
+        )
+        return Flux2KleinPipeline._unpatchify_latents(patches * std + mean)
+
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]

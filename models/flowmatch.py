@@ -296,6 +296,11 @@ class FlowMatchAdapter(ModelAdapter):
             if params.strength is not None:
                 raise ParamError("strength", "strength applies to requests with an input image")
             return None
+        if "edit" in self.image_inputs:  # instruction editing: the image conditions every step, no strength
+            if params.strength is not None:
+                raise ParamError("strength", f"the {self.family} family edits by instruction; strength does not apply")
+            self.context_size(params)  # a file that is not an image (or too small) is refused here, naming it
+            return None
         if "img2img" not in self.image_inputs:
             raise ParamError("image", f"the {self.family} family takes no input image")
         default = self.default_inpaint_strength if params.mask is not None else self.default_strength
@@ -433,7 +438,12 @@ class FlowMatchAdapter(ModelAdapter):
         return params.cache_threshold
 
     def batch_key(self, params: SamplingParams) -> Hashable:
-        return (params.width, params.height, self._uses_cfg(params))
+        # An edit's image tokens are part of every forward's sequence: edits batch with edits of the same context.
+        return (params.width, params.height, self._uses_cfg(params), self.context_size(params))
+
+    def context_size(self, params: SamplingParams) -> tuple[int, int] | None:
+        """Instruction-edit families: (width, height) the request's image is conditioned at; None without one."""
+        return None
 
     def _uses_cfg(self, params: SamplingParams) -> bool:
         raise NotImplementedError

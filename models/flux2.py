@@ -8,7 +8,9 @@ build of torch here cannot import beside it; it is not served yet.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -16,8 +18,9 @@ from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline, c
 
 from diffusiond.engine.request import SamplingParams
 from diffusiond.engine.wire import NewRequest
-from diffusiond.models.base import RequestState
+from diffusiond.models.base import ParamError, RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
+from diffusiond.models.inputs import image_size, open_rgb
 
 
 class Flux2KleinAdapter(FlowMatchAdapter):
@@ -28,7 +31,39 @@ class Flux2KleinAdapter(FlowMatchAdapter):
     default_guidance = 4.0
     guidance_styles = ("cfg",)
     parallel = ("cfg-parallel",)
+    image_inputs = ("edit",)
+    # Reference images above this area are scaled down to it (the pipeline's).
+    max_context_area: ClassVar[int] = 1024 * 1024
     TEXT_ENCODERS = ("text_encoder",)
+
+    def context_size(self, params: SamplingParams) -> tuple[int, int] | None:
+        """An edit's reference image: at its own size, scaled down to 1024x1024's area when larger, sides floored to
+        the packing multiple, as the pipeline conditions it."""
+        if params.image is None:
+            return None
+        width, height = image_size(params.image)
+        # The pipeline's `check_image_input`: sides of 64 or more, an aspect ratio up to 8.
+        if min(width, height) < 64 or max(width, height) > 8 * min(width, height):
+            raise ParamError(
+                "image", f"image must have sides of at least 64 and an aspect ratio up to 8, got {width}x{height}"
+            )
+        if width * height > self.max_context_area:  # `_resize_to_target_area`'s arithmetic
+            scale = math.sqrt(self.max_context_area / (width * height))
+            width, height = int(width * scale), int(height * scale)
+        m = self._size_multiple()
+        return width // m * m, height // m * m
+
+    def _context(self, p: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference image's packed tokens [1, ctx, C * 4] and their ids [ctx, 4] (time axis 10), by the
+        pipeline's own `prepare_image_latents` (the latent mode: no draw from the generator)."""
+        self._stage("vae")
+        image = open_rgb(p.image)
+        if image.width * image.height > self.max_context_area:
+            image = self.pipe.image_processor._resize_to_target_area(image, self.max_context_area)
+        width, height = self.context_size(p)
+        image = self.pipe.image_processor.preprocess(image, height=height, width=width, resize_mode="crop")
+        tokens, ids = self.pipe.prepare_image_latents([image], 1, generator, self.device, self.vae.dtype)
+        return tokens, ids[0].to(self.device)
 
     def _default_size(self) -> tuple[int, int]:
         side = self.pipe.default_sample_size * self.vae_scale_factor
@@ -65,6 +100,11 @@ class Flux2KleinAdapter(FlowMatchAdapter):
             mu = compute_empirical_mu(image_seq_len=latents.shape[1], num_steps=p.num_inference_steps)
             sampler = self._sampler(p, sigmas=sigmas, mu=mu)
             cond = {"embeds": embeds}
+            img_ids = latent_ids[0]
+            context = None
+            if p.image is not None:  # after the noise, as the pipeline draws them
+                context, context_ids = self._context(p, generator)
+                img_ids = torch.cat([img_ids, context_ids])
             if cfg[i]:
                 # Rows (positive, negative) per request; the pipeline's negative is "" (a request may send its own).
                 (negative,) = text[p.negative_prompt or ""]
@@ -73,10 +113,10 @@ class Flux2KleinAdapter(FlowMatchAdapter):
                     "scale": torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32),
                 }
             # Text ids depend on the text length only, which the pipeline pads to the same 512 for every prompt.
-            shared = {
-                "txt_ids": Flux2KleinPipeline._prepare_text_ids(embeds)[0].to(self.device),
-                "img_ids": latent_ids[0],
-            }
+            text_ids = Flux2KleinPipeline._prepare_text_ids(embeds)[0].to(self.device)
+            shared = {"txt_ids": text_ids, "img_ids": img_ids}
+            if context is not None:
+                cond["context"] = context.to(embeds.dtype)
             states.append(RequestState(req.request_id, p, latents, sampler, cond=cond, shared=shared))
         return states
 
@@ -85,7 +125,11 @@ class Flux2KleinAdapter(FlowMatchAdapter):
         self._stage(self.denoiser)
         cond = self._batched_cond(states)
         shared = states[0].shared  # same size and text length across the batch (batch key)
-        latents = torch.cat([s.latents for s in states]).to(self.transformer.dtype)  # [B, seq, C * 4]
+        latents = torch.cat([s.latents for s in states])  # [B, seq, C * 4]
+        seq = latents.shape[1]
+        if "context" in cond:  # an edit's reference tokens follow the latents (as the pipeline's input)
+            latents = torch.cat([latents, cond["context"]], dim=1)
+        latents = latents.to(self.transformer.dtype)
         timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device, latents.dtype)  # [B]
         rows = cond["embeds"].shape[0] // len(states)
         batched = {
@@ -93,7 +137,7 @@ class Flux2KleinAdapter(FlowMatchAdapter):
             "timestep": timestep.repeat_interleave(rows) / 1000,
             "encoder_hidden_states": cond["embeds"],
         }
-        out = self._transformer_rows(rows, batched, {"guidance": None, **shared}, states)  # [B, rows, seq, C * 4]
+        out = self._transformer_rows(rows, batched, {"guidance": None, **shared}, states)[:, :, :seq]
         if rows == 1:
             return out[:, 0]
         pos, neg = out[:, 0], out[:, 1]

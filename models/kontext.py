@@ -10,14 +10,12 @@ diffusers' `_auto_resize` picks, and a smaller output pays for a smaller context
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
 from typing import ClassVar
 
 import torch
 from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
 from diffusiond.engine.request import SamplingParams
-from diffusiond.models.base import ParamError
 from diffusiond.models.flux import FluxAdapter
 from diffusiond.models.inputs import image_size, open_rgb
 
@@ -29,13 +27,6 @@ class FluxKontextAdapter(FluxAdapter):
     # The area PREFERRED_KONTEXT_RESOLUTIONS are made for.
     preferred_area: ClassVar[int] = 1024 * 1024
 
-    def _strength(self, params: SamplingParams) -> float | None:
-        if params.strength is not None:
-            raise ParamError("strength", f"the {self.family} family edits by instruction; strength does not apply")
-        if params.image is not None:
-            image_size(params.image)  # a file that is not an image is refused here, naming the field
-        return None
-
     def context_size(self, params: SamplingParams) -> tuple[int, int] | None:
         """(width, height) the request's input image is conditioned at (resolved `params`); None without one."""
         if params.image is None:
@@ -46,10 +37,6 @@ class FluxKontextAdapter(FluxAdapter):
         scale = math.sqrt(params.width * params.height / self.preferred_area)
         m = self._size_multiple()
         return max(m, int(width * scale) // m * m), max(m, int(height * scale) // m * m)
-
-    def batch_key(self, params: SamplingParams) -> Hashable:
-        # The context's tokens are part of every forward's sequence: edits batch with edits of the same context size.
-        return (*super().batch_key(params), self.context_size(params))
 
     def _initial_latents(self, p: SamplingParams, sampler, generator, channels: int, dtype: torch.dtype):
         size = self.context_size(p)

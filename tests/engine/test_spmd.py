@@ -148,6 +148,7 @@ REQUESTS = {
             )
             for i in range(3)
         ),
+        edit(prompt="make it red", strength=None, guidance_scale=4.0),  # a reference edit, with CFG
     ],
     # Instruction edits: the image's tokens join every forward's sequence (CFG rows; Ulysses shards them too).
     "flux-kontext": [

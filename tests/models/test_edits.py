@@ -313,3 +313,55 @@ def test_kontext_context_size_is_diffusers_choice_at_its_area(tiny_kontext):
     with pytest.raises(ParamError) as info:
         adapter.resolve(SamplingParams(prompt="x", image=b"not an image", width=64, height=64))
     assert info.value.param == "image"
+
+
+def test_reference_edits_match_diffusers_flux2_klein(tiny_flux2klein):
+    """FLUX.2 [klein] edits: the reference image's tokens (at its own size, ids on time axis 10) join every step's
+    sequence; edits of the same context size share forwards; CFG on some."""
+    same = picture(80, 64, seed=7)
+    sent = [
+        SamplingParams(prompt="make it red", image=IMAGES[0], seed=1, width=64, height=64, num_inference_steps=6),
+        SamplingParams(prompt="a blue square", seed=2, width=64, height=64, num_inference_steps=4),
+        SamplingParams(
+            prompt="add a cat",
+            image=same,
+            seed=3,
+            width=64,
+            height=64,
+            num_inference_steps=5,
+            guidance_scale=6.0,
+            preview_every=1,
+        ),
+        SamplingParams(
+            prompt="remove the dog",
+            negative_prompt="blurry",
+            image=picture(64, 128, seed=4),
+            seed=4,
+            width=64,
+            height=96,
+            num_inference_steps=3,
+        ),
+    ]
+    adapter = load_adapter(tiny_flux2klein)
+    handles, results, plans = asyncio.run(run_staggered(adapter, sent))
+    ids = [h.request_id for h in handles]
+    assert any({ids[0], ids[2]} <= set(p.advance) for p in plans)
+    pipe = diffusers.Flux2KleinPipeline.from_pretrained(tiny_flux2klein)
+    pipe.set_progress_bar_config(disable=True)
+
+    def expected(params: SamplingParams) -> np.ndarray:
+        return reference(pipe, "flux2-klein", params, **({"image": decoded(params.image)} if params.image else {}))
+
+    for handle, result in zip(handles, results, strict=True):
+        assert isinstance(result, Completed), result
+        diff = float(np.abs(result.image - expected(handle.params)).max())
+        print(f"flux2-klein edit {handle.params.prompt!r}: max abs diff {diff:.2e}")
+        assert diff <= TOLERANCE, f"{handle.params.prompt!r}: max abs diff {diff}"
+    change = float(
+        np.abs(expected(msgspec.structs.replace(handles[0].params, image=IMAGES[1])) - results[0].image).max()
+    )
+    print(f"flux2-klein edit: another image changes the output by {change:.3f}")
+    assert change > 10 * TOLERANCE
+    with pytest.raises(ParamError) as info:
+        adapter.resolve(SamplingParams(prompt="x", image=picture(32, 64)))
+    assert info.value.param == "image"

@@ -80,15 +80,19 @@ def _diffusers_backend(name: str | None) -> Any:
     return AttentionBackendName(BACKENDS[name])
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Any = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Any = None, attn_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Attention over [B, H, S, d] tensors (SDPA's layout), with `backend` (a diffusers AttentionBackendName, as
-    processors carry it; None: SDPA)."""
+    processors carry it; None: SDPA) and an optional mask broadcastable to [B, H, S_q, S_k] (True: attend)."""
     if backend is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=False)
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     # dispatch_attention_fn takes and returns [B, S, H, d].
-    out = dispatch_attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend=backend)
+    out = dispatch_attention_fn(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, backend=backend
+    )
     return out.transpose(1, 2)
 
 

@@ -90,10 +90,12 @@ def ulysses_sdpa(
     replicated: int,
     replicated_first: bool,
     backend: object = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over the whole sequence from per-rank shards. q, k, v: [B, H, L_local, d] where `replicated` tokens
     (text, identical on every rank) sit before (`replicated_first`) or after this rank's image shard. `backend`: the
-    attention kernel (kernels/attention.py; None: SDPA)."""
+    attention kernel (kernels/attention.py; None: SDPA). `attn_mask`: over the whole joint sequence, in the same
+    order ([B, 1, 1, T + S] key padding: every rank attends over every key)."""
     h = q.shape[1]
     heads = slice(g.rank * h // g.size, (g.rank + 1) * h // g.size)
 
@@ -107,7 +109,7 @@ def ulysses_sdpa(
         rep, img = rep[:, heads], _seq_to_heads(img, g)
         return torch.cat([rep, img] if replicated_first else [img, rep], dim=2)  # [B, H/N, T + S, d]
 
-    out = attention(full(q), full(k), full(v), backend)
+    out = attention(full(q), full(k), full(v), backend, attn_mask)
     total_img = out.shape[2] - replicated
     if replicated_first:
         rep, img = out[:, :, :replicated], out[:, :, replicated:]

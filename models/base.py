@@ -126,8 +126,9 @@ class ModelAdapter(abc.ABC):
     # Parallel strategies over several ranks: "cfg-parallel" (the two CFG rows, or halves of a batch without CFG),
     # "ulysses" (sequence parallel attention; its degree must divide the transformer's heads).
     parallel: ClassVar[tuple[str, ...]] = ("cfg-parallel",)
-    # Step caches it implements (models/stepcache.py), besides "none".
+    # Step caches it implements (models/stepcache.py), besides "none", and whether they run with Ulysses.
     cache_methods: ClassVar[tuple[str, ...]] = ()
+    cache_with_ulysses: ClassVar[bool] = True
     # Images a request may bring: "img2img" (starts from it, `strength`), "mask" (inpainting, with img2img), "edit"
     # (instruction editing).
     image_inputs: ClassVar[tuple[str, ...]] = ()

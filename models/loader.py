@@ -70,6 +70,8 @@ def check_features(model: str, *, ulysses: int = 1, cache: str = "none") -> None
             from diffusiond.kernels.ulysses import check_heads
 
             check_heads(heads, ulysses)
+    if cache != "none" and ulysses > 1 and not cls.cache_with_ulysses:
+        raise ValueError(f"--cache {cache} with --ulysses {ulysses}: the {cls.family} family cannot combine them yet")
     if cache != "none" and cache not in cls.cache_methods:
         offered = ", ".join(cls.cache_methods) or "none"
         raise ValueError(f"--cache {cache}: the {cls.family} family implements {offered}")

@@ -19,6 +19,7 @@ from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 
 from diffusiond.engine.request import SamplingParams
 from diffusiond.engine.wire import NewRequest
+from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, ulysses_sdpa
 from diffusiond.models import stepcache
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
@@ -36,6 +37,9 @@ class QwenImageAdapter(FlowMatchAdapter):
     TEXT_ENCODERS = ("text_encoder",)
     cache_methods = ("fbcache", "teacache")
     image_inputs = ("img2img", "mask")
+    parallel = ("cfg-parallel", "ulysses")
+    # Its cached forward does not shard tokens yet: --cache with --ulysses is refused at start.
+    cache_with_ulysses = False
 
     def _default_size(self) -> tuple[int, int]:
         side = self.pipe.default_sample_size * self.vae_scale_factor
@@ -160,3 +164,72 @@ class QwenImageAdapter(FlowMatchAdapter):
 
     def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
         return stepcache.qwen_forward(self.cache_method, self.transformer, batched, shared, rows, states)
+
+    def enable_ulysses(self, group: UlyssesGroup) -> None:
+        if self.transformer.config.get("zero_cond_t", False):
+            # Edit checkpoints modulate each token by whether it is the image's or the reference's: not sharded yet.
+            raise ValueError("Ulysses is not supported for Qwen-Image checkpoints with zero_cond_t yet")
+        self.ulysses_group = group
+        check_heads(self.transformer.config.num_attention_heads, group.size)
+        self.transformer.set_attn_processor(UlyssesQwenAttnProcessor(group))
+
+        def shard_inputs(module, args, kwargs):
+            # Image tokens are sharded (their rotary angles in the processor); the text stays whole on every rank.
+            start, stop = group.split(kwargs["hidden_states"].shape[1])
+            return args, {**kwargs, "hidden_states": kwargs["hidden_states"][:, start:stop]}
+
+        self.transformer.register_forward_pre_hook(shard_inputs, with_kwargs=True)
+        gather_output(self.transformer.proj_out, group)
+
+
+class UlyssesQwenAttnProcessor:
+    """Qwen-Image's joint attention (diffusers `QwenDoubleStreamAttnProcessor2_0`) with the image tokens sharded
+    across `g`: each rank projects its shard, rotates it by its slice of the image's rotary angles, and attends over
+    the whole [text, image] sequence through the Ulysses all-to-all, text padding masked as on one rank."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, g: UlyssesGroup) -> None:
+        self.g = g
+
+    def __call__(
+        self,
+        attn,
+        hidden_states,
+        encoder_hidden_states=None,
+        encoder_hidden_states_mask=None,
+        attention_mask=None,
+        image_rotary_emb=None,
+    ):
+        from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+        img_freqs, txt_freqs = image_rotary_emb
+        total = img_freqs.shape[0]  # the whole image's tokens
+        start, stop = self.g.split(total)
+        head_dim = attn.inner_dim // attn.heads
+        img = [f(hidden_states).unflatten(-1, (-1, head_dim)) for f in (attn.to_q, attn.to_k, attn.to_v)]
+        txt = [
+            f(encoder_hidden_states).unflatten(-1, (-1, head_dim))
+            for f in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+        ]
+        img[0], img[1] = attn.norm_q(img[0]), attn.norm_k(img[1])
+        txt[0], txt[1] = attn.norm_added_q(txt[0]), attn.norm_added_k(txt[1])
+        for x in (img, txt):
+            freqs = img_freqs[start:stop] if x is img else txt_freqs
+            x[0], x[1] = (apply_rotary_emb_qwen(t, freqs, use_real=False) for t in x[:2])
+        mask = None
+        if encoder_hidden_states_mask is not None:
+            image_mask = encoder_hidden_states_mask.new_ones((encoder_hidden_states_mask.shape[0], total))
+            mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)[:, None, None, :]
+        seq_txt = encoder_hidden_states.shape[1]
+        q, k, v = (torch.cat([t, i], dim=1).transpose(1, 2) for t, i in zip(txt, img, strict=True))  # [B, H, L, d]
+        out = ulysses_sdpa(
+            q, k, v, self.g, replicated=seq_txt, replicated_first=True, backend=self._attention_backend, attn_mask=mask
+        )
+        out = out.transpose(1, 2).flatten(2, 3).to(q.dtype)  # [B, T + S_local, D]
+        txt_out, img_out = out[:, :seq_txt], out[:, seq_txt:]
+        img_out = attn.to_out[0](img_out.contiguous())
+        if len(attn.to_out) > 1:
+            img_out = attn.to_out[1](img_out)
+        return img_out, attn.to_add_out(txt_out.contiguous())

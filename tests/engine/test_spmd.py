@@ -344,6 +344,7 @@ def check_split(strategy: str, forwards: list[list[dict]]) -> int:
         ("flux2-klein", "cfg"),
         ("z-image", "cfg"),
         ("qwen-image", "cfg"),
+        ("qwen-image", "ulysses"),
     ],
 )
 def test_two_ranks_match_one(family, strategy, request, tmp_path):

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ("tiny_flux2klein", ("cfg",), (), ()),
         ("tiny_zimage", ("cfg",), (), ()),
         # The tiny Qwen-Image has no guidance embedding, so it drops "distilled" from its family's styles.
-        ("tiny_qwenimage", ("true-cfg",), (), ("fbcache", "teacache")),
+        ("tiny_qwenimage", ("true-cfg",), (2,), ("fbcache", "teacache")),
     ],
 )
 def test_loaded_checkpoints_declare_what_they_support(fixture, guidance, ulysses, cache, request):
@@ -52,6 +52,11 @@ def test_loaded_checkpoints_declare_what_they_support(fixture, guidance, ulysses
         ),
         ("tiny_sd3", ["--nproc", "3", "--ulysses", "3"], "--ulysses 3 must divide the number of attention heads (4)"),
         ("tiny_zimage", ["--cache", "teacache"], "--cache teacache: the z-image family implements none"),
+        (
+            "tiny_qwenimage",
+            ["--nproc", "2", "--ulysses", "2", "--cache", "fbcache"],
+            "--cache fbcache with --ulysses 2: the qwen-image family cannot combine them yet",
+        ),
     ],
 )
 def test_serve_refuses_what_the_family_cannot_do_at_start(fixture, flags, message, request):

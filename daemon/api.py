@@ -18,6 +18,7 @@ from diffusiond.engine.request import (
     Layers,
     PreviewMode,
     Prompt,
+    References,
     Seed,
     Side,
     Steps,
@@ -131,6 +132,8 @@ class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     strength: Fraction | None = None
     # Inpainting: only where this file (base64) is white, or transparent in a file with alpha, is the image repainted.
     mask: ImageFile | None = None
+    # Multi-reference edits: more images (base64) after `image`, for families that declare "references".
+    reference_images: References | None = None
 
 
 _PARAM_PATTERNS = (

@@ -28,7 +28,7 @@ from diffusiond.daemon.state import ENCODERS, LOAD, METRICS, STATE, ServerState
 from diffusiond.daemon.streaming import ClientGone
 from diffusiond.engine.engine import Engine, Loader, QueueFullError
 from diffusiond.engine.outputs import Completed
-from diffusiond.engine.request import RequestLimits, SamplingParams
+from diffusiond.engine.request import MAX_REFERENCES, RequestLimits, SamplingParams
 from diffusiond.metrics.loop_lag import watch_loop_lag
 from diffusiond.metrics.observer import PrometheusObserver
 from diffusiond.metrics.registry import Metrics
@@ -60,9 +60,9 @@ def create_app(config: ServeConfig, *, load: Loader | None = None) -> web.Applic
 
 
 def json_limit(config: ServeConfig) -> int:
-    """aiohttp's bound on any body read whole: the native route's, which may carry an image and its mask in
-    base64. Routes without images check their own, smaller limit."""
-    return body_limit(config.max_body_bytes, config.max_image_bytes, 2)
+    """aiohttp's bound on any body read whole: the native route's, which may carry an image, its mask and its
+    reference images in base64. Routes without images check their own, smaller limit."""
+    return body_limit(config.max_body_bytes, config.max_image_bytes, 2 + MAX_REFERENCES)
 
 
 async def engine_ctx(app: web.Application) -> AsyncIterator[None]:

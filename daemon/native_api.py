@@ -58,6 +58,7 @@ def parse_generation(data: bytes) -> tuple[GenerationRequest, SamplingParams]:
         image=body.image,
         strength=body.strength,
         mask=body.mask,
+        reference_images=body.reference_images,
     )
     return body, params
 
@@ -66,7 +67,7 @@ async def generations(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body, params = parse_generation(await request.read())
     engine = state.require_engine()
-    await check_images(request, {"image": body.image, "mask": body.mask})
+    await check_images(request, {"image": body.image, "mask": body.mask, "reference_images": body.reference_images})
     (handle,) = queue_requests(engine, state, [params])  # add_request checks it (Engine.check)
     unknown = unknown_words(engine, params.prompt)
     headers = {"X-Request-Id": handle.request_id}

@@ -44,7 +44,7 @@ from diffusiond.daemon.streaming import (
 )
 from diffusiond.engine.engine import Engine, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Completed, Event, Failed, Preview
-from diffusiond.engine.request import MAX_SEED, SamplingParams
+from diffusiond.engine.request import MAX_REFERENCES, MAX_SEED, SamplingParams
 from diffusiond.models.base import ParamError
 
 Files = dict[str, list[bytes]]
@@ -79,7 +79,8 @@ def _params(body: ImageGenerationRequest, **image: Any) -> SamplingParams:
 
 
 # A multipart edit: its text fields are short (the longest, a prompt, is 10,000 characters), its files are the
-# image and an optional mask; anything more is refused as it arrives, so no body is read whole.
+# image (with up to MAX_REFERENCES more, for families that take references) and an optional mask; anything more is
+# refused as it arrives, so no body is read whole.
 MAX_FORM_PARTS = 64
 MAX_FIELD_BYTES = 64 << 10
 IMAGE_PARTS = ("image", "image[]")
@@ -108,8 +109,9 @@ async def read_image_edit(request: web.Request, max_n: int, max_image_bytes: int
             name = "image" if part.name in IMAGE_PARTS else part.name
             if name in files:
                 files[name].append(await _read_part(part, name, max_image_bytes))
-                if len(files[name]) > 1:
-                    raise ApiError(400, f"send one {name}; this server edits one image per request", param=name)
+                most = 1 + MAX_REFERENCES if name == "image" else 1
+                if len(files[name]) > most:
+                    raise ApiError(400, f"send at most {most} {name} file(s) per request", param=name)
             elif name in fields:
                 raise ApiError(400, f"{name} is sent twice", param=name)
             else:
@@ -174,10 +176,12 @@ async def images_edits(request: web.Request) -> web.StreamResponse:
     engine = state.require_engine()
     if files["mask"] and "mask" not in engine.adapter.capabilities.image_inputs:
         raise ApiError(400, "this model edits whole images; it takes no mask", param="mask")
-    (image,) = files["image"]
+    image, *references = files["image"]
+    if references and "references" not in engine.adapter.capabilities.image_inputs:
+        raise ApiError(400, "this model edits one image per request; send one image", param="image")
     mask = files["mask"][0] if files["mask"] else None
-    await check_images(request, {"image": image, "mask": mask})
-    params = _params(body, image=image, mask=mask, strength=body.strength)
+    await check_images(request, {"image": image, "mask": mask, "reference_images": references})
+    params = _params(body, image=image, mask=mask, reference_images=tuple(references) or None, strength=body.strength)
     return await _images(request, state, body, params, "image_edit")
 
 

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TypeVar
 
 import msgspec
@@ -87,13 +87,13 @@ async def encode_off_loop(request: web.Request, fn, *args) -> bytes:
     return data
 
 
-async def check_images(request: web.Request, images: dict[str, bytes | None]) -> None:
-    """Each input image decoded once in the encoder pool, off the event loop: a file too large, broken or of a
-    mode we do not take is a 400 naming its field (ParamError), before anything is queued."""
+async def check_images(request: web.Request, images: dict[str, bytes | Sequence[bytes] | None]) -> None:
+    """Each input image (a field's file, or its list of files) decoded once in the encoder pool, off the event loop:
+    a file too large, broken or of a mode we do not take is a 400 naming its field (ParamError), before anything is
+    queued."""
     limit = request.app[STATE].config.max_image_bytes
-    for param, data in images.items():
-        if data is None:
-            continue
+    files = [(p, d) for p, v in images.items() if v is not None for d in ([v] if isinstance(v, bytes) else v)]
+    for param, data in files:
         if len(data) > limit:
             message = f"{param} is {len(data)} bytes; this server takes at most {limit} (--max-image-bytes)"
             raise ParamError(param, message)

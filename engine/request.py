@@ -35,6 +35,8 @@ MAX_PROMPT_CHARS = 10_000
 # An input image (edits, img2img) as its client sent the file: PNG, JPEG, WebP... The operator's --max-image-bytes is
 # narrower.
 MAX_IMAGE_BYTES = 64 << 20
+# Reference images a request may add after its `image` (families that declare "references" may take fewer).
+MAX_REFERENCES = 4
 
 Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)]
 Side = Annotated[int, msgspec.Meta(ge=1, le=MAX_SIDE)]
@@ -45,6 +47,7 @@ Guidance = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_GUIDANCE)]
 Prompt = Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 ImageFile = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_IMAGE_BYTES)]
+References = Annotated[tuple[ImageFile, ...], msgspec.Meta(min_length=1, max_length=MAX_REFERENCES)]
 Layers = Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=1000)], ...], msgspec.Meta(min_length=1, max_length=64)]
 
 
@@ -97,6 +100,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     # Inpainting (families that declare "mask"): only where this file is white (or, in a file with alpha, transparent:
     # OpenAI's convention) is the image repainted; elsewhere each step pins it to the input noised to that step.
     mask: ImageFile | None = None
+    # Multi-reference editing (families that declare "references"): more images after `image`, each conditioning
+    # every step ("put the cat of the second image on the sofa of the first").
+    reference_images: References | None = None
 
     # The schedule position the request starts at: 0, or with `strength` its family's Img2Img pipeline's `t_start`
     # (each family's arithmetic: 50 steps at strength 0.56 run 29 in the flow-matching ones, 28 in SDXL's). Set by

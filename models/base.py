@@ -130,7 +130,7 @@ class ModelAdapter(abc.ABC):
     cache_methods: ClassVar[tuple[str, ...]] = ()
     cache_with_ulysses: ClassVar[bool] = True
     # Images a request may bring: "img2img" (starts from it, `strength`), "mask" (inpainting, with img2img), "edit"
-    # (instruction editing).
+    # (instruction editing), "references" (edits with more images: `reference_images`).
     image_inputs: ClassVar[tuple[str, ...]] = ()
     # Packages its pipeline needs beyond diffusiond's own dependencies.
     needs: ClassVar[tuple[str, ...]] = ()

@@ -270,6 +270,7 @@ class FlowMatchAdapter(ModelAdapter):
             image=params.image,
             strength=strength,
             mask=self._mask(params),
+            reference_images=self._references(params),
             start_step=self._start_step(steps, strength),
         )
         if resolved.steps_to_run < 1:
@@ -308,6 +309,17 @@ class FlowMatchAdapter(ModelAdapter):
         if not 0 <= strength <= 1:
             raise ParamError("strength", f"strength must be between 0 and 1, got {strength}")
         return float(strength)
+
+    def _references(self, params: SamplingParams) -> tuple[bytes, ...] | None:
+        if not params.reference_images:
+            return None
+        if "references" not in self.image_inputs:
+            raise ParamError("reference_images", f"the {self.family} family edits one image; it takes no references")
+        if params.image is None:
+            raise ParamError("reference_images", "reference images follow the image to edit (image)")
+        for data in params.reference_images:
+            image_size(data, "reference_images")
+        return tuple(params.reference_images)
 
     def _mask(self, params: SamplingParams) -> bytes | None:
         if params.mask is None:
@@ -441,8 +453,8 @@ class FlowMatchAdapter(ModelAdapter):
         # An edit's image tokens are part of every forward's sequence: edits batch with edits of the same context.
         return (params.width, params.height, self._uses_cfg(params), self.context_size(params))
 
-    def context_size(self, params: SamplingParams) -> tuple[int, int] | None:
-        """Instruction-edit families: (width, height) the request's image is conditioned at; None without one."""
+    def context_size(self, params: SamplingParams) -> Hashable:
+        """Instruction-edit families: the size(s) the request's image(s) are conditioned at; None without one."""
         return None
 
     def _uses_cfg(self, params: SamplingParams) -> bool:

@@ -31,21 +31,26 @@ class Flux2KleinAdapter(FlowMatchAdapter):
     default_guidance = 4.0
     guidance_styles = ("cfg",)
     parallel = ("cfg-parallel",)
-    image_inputs = ("edit",)
+    image_inputs = ("edit", "references")
     # Reference images above this area are scaled down to it (the pipeline's).
     max_context_area: ClassVar[int] = 1024 * 1024
     TEXT_ENCODERS = ("text_encoder",)
 
-    def context_size(self, params: SamplingParams) -> tuple[int, int] | None:
-        """An edit's reference image: at its own size, scaled down to 1024x1024's area when larger, sides floored to
-        the packing multiple, as the pipeline conditions it."""
+    def context_size(self, params: SamplingParams) -> tuple[tuple[int, int], ...] | None:
+        """(width, height) of each image an edit is conditioned on (`image`, then `reference_images`): at its own
+        size, scaled down to 1024x1024's area when larger, sides floored to the packing multiple, as the pipeline
+        conditions them."""
         if params.image is None:
             return None
-        width, height = image_size(params.image)
+        files = [("image", params.image)] + [("reference_images", data) for data in params.reference_images or ()]
+        return tuple(self._conditioned_size(data, param) for param, data in files)
+
+    def _conditioned_size(self, data: bytes, param: str) -> tuple[int, int]:
+        width, height = image_size(data, param)
         # The pipeline's `check_image_input`: sides of 64 or more, an aspect ratio up to 8.
         if min(width, height) < 64 or max(width, height) > 8 * min(width, height):
             raise ParamError(
-                "image", f"image must have sides of at least 64 and an aspect ratio up to 8, got {width}x{height}"
+                param, f"{param} must have sides of at least 64 and an aspect ratio up to 8, got {width}x{height}"
             )
         if width * height > self.max_context_area:  # `_resize_to_target_area`'s arithmetic
             scale = math.sqrt(self.max_context_area / (width * height))
@@ -54,15 +59,16 @@ class Flux2KleinAdapter(FlowMatchAdapter):
         return width // m * m, height // m * m
 
     def _context(self, p: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference image's packed tokens [1, ctx, C * 4] and their ids [ctx, 4] (time axis 10), by the
-        pipeline's own `prepare_image_latents` (the latent mode: no draw from the generator)."""
+        """The edit's images as packed tokens [1, ctx, C * 4] and their ids [ctx, 4] (time axis 10, 20, ... one per
+        image), by the pipeline's own `prepare_image_latents` (the latent mode: no draw from the generator)."""
         self._stage("vae")
-        image = open_rgb(p.image)
-        if image.width * image.height > self.max_context_area:
-            image = self.pipe.image_processor._resize_to_target_area(image, self.max_context_area)
-        width, height = self.context_size(p)
-        image = self.pipe.image_processor.preprocess(image, height=height, width=width, resize_mode="crop")
-        tokens, ids = self.pipe.prepare_image_latents([image], 1, generator, self.device, self.vae.dtype)
+        images = []
+        for data, (width, height) in zip((p.image, *(p.reference_images or ())), self.context_size(p), strict=True):
+            image = open_rgb(data)
+            if image.width * image.height > self.max_context_area:
+                image = self.pipe.image_processor._resize_to_target_area(image, self.max_context_area)
+            images.append(self.pipe.image_processor.preprocess(image, height=height, width=width, resize_mode="crop"))
+        tokens, ids = self.pipe.prepare_image_latents(images, 1, generator, self.device, self.vae.dtype)
         return tokens, ids[0].to(self.device)
 
     def _default_size(self) -> tuple[int, int]:

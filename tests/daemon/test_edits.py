@@ -261,3 +261,50 @@ async def test_masks_reach_the_engine_in_either_convention(server, model_id):
         for bad in ({"mask": base64.b64encode(other_mask).decode(), "image": None, "strength": None}, {"mask": "aGk="}):
             async with session.post(f"{server.base_url}/v1/generations", json={**native, **bad}) as resp:
                 assert resp.status == 400 and (await resp.json())["error"]["param"] == "mask"
+
+
+@pytest.mark.asyncio
+async def test_openai_client_sends_reference_images(serve, tiny_flux2klein):
+    """`images.edit(image=[...])` (multipart `image[]`) on a multi-reference family: the first file is the image to
+    edit, the others its references, as Flux2KleinPipeline(image=[...]); the native API's `reference_images` gives
+    the same image."""
+    server = serve(model=tiny_flux2klein)
+    files = [picture(80, 64, seed=1), picture(64, 64, seed=2)]
+    async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        model = (await client.models.list()).data[0].id
+        result = await client.images.edit(
+            model=model,
+            image=[(f"{i}.png", f, "image/png") for i, f in enumerate(files)],
+            prompt="put them together",
+            size="64x64",
+            extra_body={"num_inference_steps": 4, "seed": 3},
+        )
+    image = png(result.data[0].b64_json)
+    body = {
+        "prompt": "put them together",
+        "image": base64.b64encode(files[0]).decode(),
+        "reference_images": [base64.b64encode(files[1]).decode()],
+        "width": 64,
+        "height": 64,
+        "num_inference_steps": 4,
+        "seed": 3,
+    }
+    url = f"{server.base_url}/v1/generations"
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session, session.post(url, json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        lines = (await resp.text()).splitlines()
+    events = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+    assert np.array_equal(png(events[-1]["images"][0]["b64"]), image)
+
+    pipe = diffusers.Flux2KleinPipeline.from_pretrained(tiny_flux2klein)
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(
+        prompt="put them together",
+        image=[decoded(f) for f in files],
+        width=64,
+        height=64,
+        num_inference_steps=4,
+        generator=torch.Generator().manual_seed(3),
+        output_type="np",
+    )
+    assert np.abs(image.astype(int) - to_uint8(out.images[0]).astype(int)).max() <= 1

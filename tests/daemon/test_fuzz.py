@@ -71,6 +71,7 @@ valid = {
     "image": st.none() | st.just(base64.b64encode(picture(32, 48)).decode()) | st.just("aGVsbG8="),
     "strength": st.none() | st.floats(min_value=0, max_value=1),
     "mask": st.none() | st.just(base64.b64encode(picture(16, 16, mode="L")).decode()) | st.just("aGVsbG8="),
+    "reference_images": st.none() | st.just([base64.b64encode(picture(64, 64)).decode()]) | st.just(["aGk="]),
     "input_fidelity": st.sampled_from(["high", "low"]),
     "n": st.integers(min_value=1, max_value=10),
     "size": st.sampled_from(["64x64", "auto", "32x48"]),

@@ -142,6 +142,7 @@ def test_edit_requests_are_checked(tiny_sd3):
     assert refused(image=IMAGES[0], strength=0.0, num_inference_steps=10) == "strength"  # no step left
     assert refused(image=IMAGES[0], skip_guidance_layers=(1,)) == "skip_guidance_layers"
     assert refused(mask=MASKS[0][0]) == "mask"  # without an image
+    assert refused(image=IMAGES[0], reference_images=(IMAGES[1],)) == "reference_images"  # one-image family
     assert refused(image=IMAGES[0], mask=b"not a mask") == "mask"
     truncated = picture(64, 64)[:200]
     from diffusiond.models.inputs import check_image
@@ -341,6 +342,16 @@ def test_reference_edits_match_diffusers_flux2_klein(tiny_flux2klein):
             height=96,
             num_inference_steps=3,
         ),
+        # Two more references: three images' tokens (time ids 10, 20, 30) join the sequence.
+        SamplingParams(
+            prompt="put the cat on the sofa",
+            image=IMAGES[1],
+            reference_images=(picture(96, 64, seed=8), picture(64, 64, seed=9, fmt="JPEG")),
+            seed=5,
+            width=64,
+            height=64,
+            num_inference_steps=4,
+        ),
     ]
     adapter = load_adapter(tiny_flux2klein)
     handles, results, plans = asyncio.run(run_staggered(adapter, sent))
@@ -350,7 +361,10 @@ def test_reference_edits_match_diffusers_flux2_klein(tiny_flux2klein):
     pipe.set_progress_bar_config(disable=True)
 
     def expected(params: SamplingParams) -> np.ndarray:
-        return reference(pipe, "flux2-klein", params, **({"image": decoded(params.image)} if params.image else {}))
+        if params.image is None:
+            return reference(pipe, "flux2-klein", params)
+        images = [decoded(f) for f in (params.image, *(params.reference_images or ()))]
+        return reference(pipe, "flux2-klein", params, image=images if len(images) > 1 else images[0])
 
     for handle, result in zip(handles, results, strict=True):
         assert isinstance(result, Completed), result
@@ -362,6 +376,15 @@ def test_reference_edits_match_diffusers_flux2_klein(tiny_flux2klein):
     )
     print(f"flux2-klein edit: another image changes the output by {change:.3f}")
     assert change > 10 * TOLERANCE
-    with pytest.raises(ParamError) as info:
-        adapter.resolve(SamplingParams(prompt="x", image=picture(32, 64)))
-    assert info.value.param == "image"
+    last = handles[-1].params  # without its references, another image
+    change = float(np.abs(expected(msgspec.structs.replace(last, reference_images=None)) - results[-1].image).max())
+    print(f"flux2-klein edit: dropping the references changes the output by {change:.3f}")
+    assert change > 10 * TOLERANCE
+    for fields, param in (
+        ({"image": picture(32, 64)}, "image"),
+        ({"image": IMAGES[1], "reference_images": (picture(600, 64),)}, "reference_images"),  # 9:1
+        ({"reference_images": (IMAGES[1],)}, "reference_images"),  # without an image
+    ):
+        with pytest.raises(ParamError) as info:
+            adapter.resolve(SamplingParams(prompt="x", **fields))
+        assert info.value.param == param

@@ -116,11 +116,12 @@ def ulysses_sdpa(
     else:
         rep, img = out[:, :, total_img:], out[:, :, :total_img]
     img = _heads_to_seq(img.contiguous(), g)  # [B, H, S_local, d]
-    if replicated:
-        gathered = [torch.empty_like(rep) for _ in range(g.size)]
-        with collective("ulysses all_gather"):
-            dist.all_gather(gathered, rep.contiguous(), group=g.group)
-        rep = torch.cat(gathered, dim=1)  # [B, H, T, d]
+    if not replicated:  # the whole sequence is sharded (Z-Image's unified stream)
+        return img
+    gathered = [torch.empty_like(rep) for _ in range(g.size)]
+    with collective("ulysses all_gather"):
+        dist.all_gather(gathered, rep.contiguous(), group=g.group)
+    rep = torch.cat(gathered, dim=1)  # [B, H, T, d]
     return torch.cat([rep, img] if replicated_first else [img, rep], dim=2)
 
 

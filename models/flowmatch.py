@@ -154,7 +154,9 @@ class FlowMatchAdapter(ModelAdapter):
     # ---- family hooks ----
 
     def _default_size(self) -> tuple[int, int]:
-        raise NotImplementedError
+        """The pipeline's own default: its `default_sample_size` latents, square."""
+        side = self.pipe.default_sample_size * self.vae_scale_factor
+        return side, side
 
     def _size_multiple(self) -> int:
         raise NotImplementedError

@@ -29,10 +29,6 @@ class FluxAdapter(FlowMatchAdapter):
     max_sequence_length = 512
     teacache_coefficients = stepcache.FLUX_TEACACHE  # published for FLUX.1; a calibration beside the weights wins
 
-    def _default_size(self) -> tuple[int, int]:
-        side = self.pipe.default_sample_size * self.vae_scale_factor
-        return side, side
-
     def _size_multiple(self) -> int:
         return self.vae_scale_factor * 2
 

@@ -71,10 +71,6 @@ class Flux2KleinAdapter(FlowMatchAdapter):
         tokens, ids = self.pipe.prepare_image_latents(images, 1, generator, self.device, self.vae.dtype)
         return tokens, ids[0].to(self.device)
 
-    def _default_size(self) -> tuple[int, int]:
-        side = self.pipe.default_sample_size * self.vae_scale_factor
-        return side, side
-
     def _size_multiple(self) -> int:
         return self.vae_scale_factor * 2
 

@@ -65,7 +65,8 @@ def check_features(model: str, *, ulysses: int = 1, cache: str = "none") -> None
                 f"sequence parallelism; it supports: {', '.join(cls.parallel)}"
             )
         config = Path(model) / "transformer" / "config.json"
-        heads = json.loads(config.read_text()).get("num_attention_heads") if config.is_file() else None
+        fields = json.loads(config.read_text()) if config.is_file() else {}
+        heads = fields.get("num_attention_heads") or fields.get("n_heads")  # Z-Image's name
         if heads:
             from diffusiond.kernels.ulysses import check_heads
 

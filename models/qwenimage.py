@@ -41,10 +41,6 @@ class QwenImageAdapter(FlowMatchAdapter):
     # Its cached forward does not shard tokens yet: --cache with --ulysses is refused at start.
     cache_with_ulysses = False
 
-    def _default_size(self) -> tuple[int, int]:
-        side = self.pipe.default_sample_size * self.vae_scale_factor
-        return side, side
-
     def _size_multiple(self) -> int:
         return self.vae_scale_factor * 2
 

@@ -51,10 +51,6 @@ class SDXLAdapter(FlowMatchAdapter):
             return 0
         return max(steps - min(int(steps * strength), steps), 0)
 
-    def _default_size(self) -> tuple[int, int]:
-        side = self.pipe.default_sample_size * self.vae_scale_factor
-        return side, side
-
     def _size_multiple(self) -> int:
         return self.vae_scale_factor
 

@@ -16,6 +16,7 @@ from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sig
 
 from diffusiond.engine.request import SamplingParams
 from diffusiond.engine.wire import NewRequest
+from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, ulysses_sdpa
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 
@@ -28,6 +29,7 @@ class ZImageAdapter(FlowMatchAdapter):
     default_steps = 50
     default_guidance = 5.0
     guidance_styles = ("cfg",)
+    parallel = ("cfg-parallel", "ulysses")
     image_inputs = ("img2img", "mask")
     default_inpaint_strength = 1.0  # ZImageInpaintPipeline's
     max_sequence_length = 512
@@ -38,6 +40,31 @@ class ZImageAdapter(FlowMatchAdapter):
 
     def _size_multiple(self) -> int:
         return self.vae_scale_factor * 2
+
+    def _ulysses_degrees(self) -> tuple[int, ...]:
+        heads = self.transformer.config.n_heads
+        return tuple(d for d in range(2, heads + 1) if heads % d == 0)
+
+    def enable_ulysses(self, group: UlyssesGroup) -> None:
+        """The main layers' unified sequence ([image, caption], padded per batch) is sharded across `group`, with its
+        rotary angles; each attention all-to-alls to whole sequences of its heads, the padding mask kept whole. The
+        refiners before (image and caption apart) run whole on every rank."""
+        self.ulysses_group = group
+        check_heads(self.transformer.config.n_heads, group.size)
+        layers = self.transformer.layers
+        span: dict[str, int] = {}
+
+        def shard(module, args):
+            x, mask, freqs, *rest = args  # the layers are called positionally
+            if module is layers[0]:
+                span["start"], span["stop"] = group.split(x.shape[1])
+                x = x[:, span["start"] : span["stop"]]
+            return (x, mask, freqs[:, span["start"] : span["stop"]], *rest)
+
+        for layer in layers:
+            layer.attention.set_processor(UlyssesZImageAttnProcessor(group))
+            layer.register_forward_pre_hook(shard)
+        gather_output(layers[-1], group)
 
     def _uses_cfg(self, params: SamplingParams) -> bool:
         # As the pipeline's `do_classifier_free_guidance` (the truncation it may apply is off by default).
@@ -104,3 +131,44 @@ class ZImageAdapter(FlowMatchAdapter):
             list(batched["hidden_states"].unbind(0)), batched["timestep"], batched["cap_feats"], return_dict=False
         )[0]  # a list of [C, 1, h, w]
         return torch.stack(out)  # [rows, C, 1, h, w]
+
+
+class UlyssesZImageAttnProcessor:
+    """Z-Image's single-stream attention (diffusers `ZSingleStreamAttnProcessor`) over a sequence sharded across `g`:
+    each rank projects and rotates its tokens, then attends over the whole sequence of its heads."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, g: UlyssesGroup) -> None:
+        self.g = g
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, freqs_cis=None):
+        q, k, v = (f(hidden_states).unflatten(-1, (attn.heads, -1)) for f in (attn.to_q, attn.to_k, attn.to_v))
+        if attn.norm_q is not None:
+            q = attn.norm_q(q)
+        if attn.norm_k is not None:
+            k = attn.norm_k(k)
+        if freqs_cis is not None:
+            q, k = _rotate(q, freqs_cis), _rotate(k, freqs_cis)
+        if attention_mask is not None and attention_mask.ndim == 2:
+            attention_mask = attention_mask[:, None, None, :]  # [B, 1, 1, S]: keys, the whole sequence
+        out = ulysses_sdpa(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            self.g,
+            replicated=0,
+            replicated_first=True,
+            backend=self._attention_backend,
+            attn_mask=attention_mask,
+        ).transpose(1, 2)  # [B, S_local, H, d]
+        out = attn.to_out[0](out.flatten(2, 3).to(q.dtype))
+        return attn.to_out[1](out) if len(attn.to_out) > 1 else out
+
+
+def _rotate(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Z-Image's rotary embedding, as its processor applies it (complex product in float32)."""
+    with torch.amp.autocast("cuda", enabled=False):
+        z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(z * freqs_cis.unsqueeze(2)).flatten(3).type_as(x)

@@ -61,6 +61,9 @@ def record_forwards(adapter) -> list[dict]:
         if not forwards[-1]["calls"]:  # the step cache's forward calls the blocks, not the transformer's forward
             forwards[-1]["calls"].append({"rows": hs.shape[0], "tokens": None})
         forwards[-1]["calls"][-1].setdefault("block_tokens", hs.shape[1])
+        group = getattr(adapter, "ulysses_group", None)
+        if group is not None:  # the whole sequence the shards make (Z-Image's: image and caption tokens)
+            forwards[-1]["calls"][-1].setdefault("block_total", sum(group.shards))
 
     real_decode = adapter.decode_latents
 

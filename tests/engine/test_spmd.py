@@ -310,8 +310,10 @@ def check_split(strategy: str, forwards: list[list[dict]]) -> int:
                 # No CFG: the ranks split the requests (the first takes the odd one).
                 assert (c0["rows"], c1["rows"]) == ((n + 1) // 2, n // 2), (f0, f1)
         else:
-            # Each rank's blocks see its own slice of the image tokens (shards may differ by one token).
-            full = c0["tokens"]
+            # Each rank's blocks see its own slice of the sequence (shards may differ by one token): the image
+            # tokens, or with them what shares the sharded sequence (Z-Image: the caption).
+            full = c0["block_total"]
+            assert c0["tokens"] is None or full >= c0["tokens"], (c0, c1)
             assert c0["block_tokens"] + c1["block_tokens"] == full and abs(c0["block_tokens"] - c1["block_tokens"]) <= 1
             assert c0["rows"] == f0["requests"] * (2 if f0["cfg"] else 1)
     if strategy == "cfg":
@@ -343,6 +345,7 @@ def check_split(strategy: str, forwards: list[list[dict]]) -> int:
         ("flux-kontext", "ulysses"),
         ("flux2-klein", "cfg"),
         ("z-image", "cfg"),
+        ("z-image", "ulysses"),
         ("qwen-image", "cfg"),
         ("qwen-image", "ulysses"),
     ],

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ("tiny_kontext", ("distilled", "true-cfg"), (2,), ("fbcache", "teacache")),
         ("tiny_sdxl", ("cfg",), (), ()),
         ("tiny_flux2klein", ("cfg",), (), ()),
-        ("tiny_zimage", ("cfg",), (), ()),
+        ("tiny_zimage", ("cfg",), (2,), ()),
         # The tiny Qwen-Image has no guidance embedding, so it drops "distilled" from its family's styles.
         ("tiny_qwenimage", ("true-cfg",), (2,), ("fbcache", "teacache")),
     ],
@@ -46,9 +46,14 @@ def test_loaded_checkpoints_declare_what_they_support(fixture, guidance, ulysses
     ("fixture", "flags", "message"),
     [
         (
-            "tiny_zimage",
+            "tiny_sdxl",
             ["--nproc", "2", "--ulysses", "2"],
-            "the z-image family (ZImagePipeline) does not support Ulysses",
+            "the sdxl family (StableDiffusionXLPipeline) does not support Ulysses",
+        ),
+        (
+            "tiny_zimage",
+            ["--nproc", "3", "--ulysses", "3"],
+            "--ulysses 3 must divide the number of attention heads (2)",
         ),
         ("tiny_sd3", ["--nproc", "3", "--ulysses", "3"], "--ulysses 3 must divide the number of attention heads (4)"),
         ("tiny_zimage", ["--cache", "teacache"], "--cache teacache: the z-image family implements none"),

@@ -18,6 +18,7 @@ from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline, c
 
 from diffusiond.engine.request import SamplingParams
 from diffusiond.engine.wire import NewRequest
+from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, ulysses_sdpa
 from diffusiond.models.base import ParamError, RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.inputs import image_size, open_rgb
@@ -30,7 +31,7 @@ class Flux2KleinAdapter(FlowMatchAdapter):
     default_steps = 50
     default_guidance = 4.0
     guidance_styles = ("cfg",)
-    parallel = ("cfg-parallel",)
+    parallel = ("cfg-parallel", "ulysses")
     image_inputs = ("edit", "references")
     # Reference images above this area are scaled down to it (the pipeline's).
     max_context_area: ClassVar[int] = 1024 * 1024
@@ -160,3 +161,89 @@ class Flux2KleinAdapter(FlowMatchAdapter):
 
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         return self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+
+    def enable_ulysses(self, group: UlyssesGroup) -> None:
+        """Image tokens (with an edit's reference tokens) and their rotary ids sharded across `group`; the text stays
+        whole on every rank, the replicated prefix of each joint attention (as FLUX.1's)."""
+        self.ulysses_group = group
+        check_heads(self.transformer.config.num_attention_heads, group.size)
+        for block in self.transformer.transformer_blocks:
+            block.attn.set_processor(UlyssesFlux2AttnProcessor(group))
+        for block in self.transformer.single_transformer_blocks:
+            block.attn.set_processor(UlyssesFlux2SingleAttnProcessor(group))
+
+        def shard_inputs(module, args, kwargs):
+            hidden_states, img_ids = kwargs["hidden_states"], kwargs["img_ids"]
+            start, stop = group.split(hidden_states.shape[1])
+            group.text_len = kwargs["encoder_hidden_states"].shape[1]
+            return args, {**kwargs, "hidden_states": hidden_states[:, start:stop], "img_ids": img_ids[start:stop]}
+
+        self.transformer.register_forward_pre_hook(shard_inputs, with_kwargs=True)
+        gather_output(self.transformer.proj_out, group)
+
+
+class UlyssesFlux2AttnProcessor:
+    """FLUX.2's double-stream attention (diffusers `Flux2AttnProcessor`) with this rank's image shard: [text, image
+    shard] attend over the whole sequence through the Ulysses all-to-all. Layout [B, L, H, d]."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, g: UlyssesGroup) -> None:
+        self.g = g
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        from diffusers.models.transformers.transformer_flux2 import _get_qkv_projections
+
+        q, k, v, eq, ek, ev = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        q, k, v = (x.unflatten(-1, (-1, attn.head_dim)) for x in (q, k, v))
+        eq, ek, ev = (x.unflatten(-1, (-1, attn.head_dim)) for x in (eq, ek, ev))
+        q = torch.cat([attn.norm_added_q(eq), attn.norm_q(q)], dim=1)
+        k = torch.cat([attn.norm_added_k(ek), attn.norm_k(k)], dim=1)
+        v = torch.cat([ev, v], dim=1)
+        out = _attend(self.g, q, k, v, image_rotary_emb, self._attention_backend)  # [B, T + S_local, H * d]
+        text, image = out.split_with_sizes(
+            [encoder_hidden_states.shape[1], out.shape[1] - encoder_hidden_states.shape[1]], dim=1
+        )
+        return attn.to_out[1](attn.to_out[0](image)), attn.to_add_out(text)
+
+
+class UlyssesFlux2SingleAttnProcessor:
+    """FLUX.2's single-stream block (diffusers `Flux2ParallelSelfAttnProcessor`: fused QKV + MLP in, one projection
+    out) over [text, this rank's image shard]; only the attention crosses ranks."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, g: UlyssesGroup) -> None:
+        self.g = g
+
+    def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None):
+        hidden_states = attn.to_qkv_mlp_proj(hidden_states)
+        qkv_dim = 3 * attn.inner_dim
+        mlp_dim = attn.mlp_hidden_dim * attn.mlp_mult_factor
+        local_qkv = hidden_states.shape[-1] * qkv_dim // (qkv_dim + mlp_dim)
+        qkv, mlp = torch.split(hidden_states, [local_qkv, hidden_states.shape[-1] - local_qkv], dim=-1)
+        q, k, v = (x.unflatten(-1, (-1, attn.head_dim)) for x in qkv.chunk(3, dim=-1))
+        out = _attend(self.g, attn.norm_q(q), attn.norm_k(k), v, image_rotary_emb, self._attention_backend)
+        return attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
+
+
+def _attend(g: UlyssesGroup, q, k, v, rotary, backend) -> torch.Tensor:
+    """[B, T + S_local, H, d] with the text first -> rotated, attended over the whole sequence -> [B, T + S_local,
+    H * d] in the queries' dtype."""
+    from diffusers.models.transformers.transformer_flux2 import apply_rotary_emb
+
+    if rotary is not None:  # the text's angles and this rank's image angles (the ids were sharded)
+        q = apply_rotary_emb(q, rotary, sequence_dim=1)
+        k = apply_rotary_emb(k, rotary, sequence_dim=1)
+    out = ulysses_sdpa(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        g,
+        replicated=g.text_len,
+        replicated_first=True,
+        backend=backend,
+    )
+    return out.transpose(1, 2).flatten(2, 3).to(q.dtype)

@@ -344,6 +344,7 @@ def check_split(strategy: str, forwards: list[list[dict]]) -> int:
         ("flux-kontext", "cfg"),
         ("flux-kontext", "ulysses"),
         ("flux2-klein", "cfg"),
+        ("flux2-klein", "ulysses"),
         ("z-image", "cfg"),
         ("z-image", "ulysses"),
         ("qwen-image", "cfg"),

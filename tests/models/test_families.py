@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ("tiny_flux", ("distilled", "true-cfg"), (2,), ("fbcache", "teacache")),
         ("tiny_kontext", ("distilled", "true-cfg"), (2,), ("fbcache", "teacache")),
         ("tiny_sdxl", ("cfg",), (), ()),
-        ("tiny_flux2klein", ("cfg",), (), ()),
+        ("tiny_flux2klein", ("cfg",), (2,), ()),
         ("tiny_zimage", ("cfg",), (2,), ()),
         # The tiny Qwen-Image has no guidance embedding, so it drops "distilled" from its family's styles.
         ("tiny_qwenimage", ("true-cfg",), (2,), ("fbcache", "teacache")),

@@ -197,8 +197,8 @@ def test_build_is_deterministic(tmp_path: Path) -> None:
 
 
 def test_unknown_family() -> None:
-    with pytest.raises(ValueError, match="sd3, sd35, flux"):
-        build_tiny("sdxl", "/nonexistent/never-written")
+    with pytest.raises(ValueError, match="sd3, sd35, sdxl, flux"):
+        build_tiny("no-such-family", "/nonexistent/never-written")
 
 
 # ------------------------------------------------------------------------------------------------------ previews

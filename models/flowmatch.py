@@ -1,5 +1,7 @@
-"""What SD3 and FLUX share: loading through the diffusers pipeline class, request validation, per-request
-flow-matching samplers, the batched Euler step, x0 prediction, decoding and previews.
+"""What every family shares: loading through the diffusers pipeline class, request validation (sizes, strengths,
+masks, edit images), per-request samplers, the batched Euler step, inpainting's blend, CFG-parallel rows, x0
+prediction, decoding and previews. Families override what their pipelines do differently (SDXL: a UNet and its
+scheduler's own step).
 
 The pipeline object is only a holder for the components and their helpers (`encode_prompt`, `prepare_latents`);
 its `__call__` never runs while serving.

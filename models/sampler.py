@@ -1,4 +1,5 @@
-"""Per-request flow-matching sampler state.
+"""Per-request sampler state: `FlowMatchSampler` (flow-matching families, one batched Euler step for the whole
+batch) and `SchedulerSampler` (any diffusers scheduler, each request stepped by the scheduler's own `step`).
 
 diffusers schedulers keep `_step_index` and `sigmas` on `self`, so one shared scheduler object would corrupt a mixed
 batch. Each request gets its own copy of the checkpoint's scheduler, whose `set_timesteps` runs exactly as the

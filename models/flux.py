@@ -143,16 +143,22 @@ class FluxAdapter(FlowMatchAdapter):
         self.ulysses_group = group
         check_heads(self.transformer.config.num_attention_heads, group.size)
         self.transformer.set_attn_processor(UlyssesFluxAttnProcessor(group))
+        shard_image_tokens(self.transformer, group)
 
-        def shard_inputs(module, args, kwargs):
-            # Image tokens and their rotary ids are sharded; text stays whole (the replicated prefix).
-            hidden_states, img_ids = kwargs["hidden_states"], kwargs["img_ids"]
-            start, stop = group.split(hidden_states.shape[1])
-            group.text_len = kwargs["encoder_hidden_states"].shape[1]
-            return args, {**kwargs, "hidden_states": hidden_states[:, start:stop], "img_ids": img_ids[start:stop]}
 
-        self.transformer.register_forward_pre_hook(shard_inputs, with_kwargs=True)
-        gather_output(self.transformer.proj_out, group)
+def shard_image_tokens(transformer: torch.nn.Module, group: UlyssesGroup) -> None:
+    """FLUX-style transformers (FLUX.1, FLUX.2: `hidden_states`, `img_ids`, `encoder_hidden_states` keywords, a
+    `proj_out`): image tokens and their rotary ids are sharded across `group` as the forward starts, the text stays
+    whole (its length is the attention's replicated prefix), and the output is gathered after `proj_out`."""
+
+    def shard_inputs(module, args, kwargs):
+        hidden_states, img_ids = kwargs["hidden_states"], kwargs["img_ids"]
+        start, stop = group.split(hidden_states.shape[1])
+        group.text_len = kwargs["encoder_hidden_states"].shape[1]
+        return args, {**kwargs, "hidden_states": hidden_states[:, start:stop], "img_ids": img_ids[start:stop]}
+
+    transformer.register_forward_pre_hook(shard_inputs, with_kwargs=True)
+    gather_output(transformer.proj_out, group)
 
 
 class UlyssesFluxAttnProcessor:

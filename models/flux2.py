@@ -18,9 +18,10 @@ from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline, c
 
 from diffusiond.engine.request import SamplingParams
 from diffusiond.engine.wire import NewRequest
-from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, ulysses_sdpa
+from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, ulysses_sdpa
 from diffusiond.models.base import ParamError, RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
+from diffusiond.models.flux import shard_image_tokens
 from diffusiond.models.inputs import image_size, open_rgb
 
 
@@ -171,15 +172,7 @@ class Flux2KleinAdapter(FlowMatchAdapter):
             block.attn.set_processor(UlyssesFlux2AttnProcessor(group))
         for block in self.transformer.single_transformer_blocks:
             block.attn.set_processor(UlyssesFlux2SingleAttnProcessor(group))
-
-        def shard_inputs(module, args, kwargs):
-            hidden_states, img_ids = kwargs["hidden_states"], kwargs["img_ids"]
-            start, stop = group.split(hidden_states.shape[1])
-            group.text_len = kwargs["encoder_hidden_states"].shape[1]
-            return args, {**kwargs, "hidden_states": hidden_states[:, start:stop], "img_ids": img_ids[start:stop]}
-
-        self.transformer.register_forward_pre_hook(shard_inputs, with_kwargs=True)
-        gather_output(self.transformer.proj_out, group)
+        shard_image_tokens(self.transformer, group)
 
 
 class UlyssesFlux2AttnProcessor:

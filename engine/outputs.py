@@ -26,7 +26,8 @@ class Preview:
     request_id: str
     step: int
     total: int
-    # uint8 [h, w, 3] at latent resolution: the predicted clean image after `step` steps.
+    # uint8 [h, w, 3] at latent resolution: the predicted clean image after `step` steps (a video: its frames side
+    # by side, a strip).
     image: np.ndarray
 
 
@@ -43,7 +44,8 @@ class Latent:
 class Completed:
     request_id: str
     seed: int
-    # float32 [H, W, 3] in [0, 1], exactly what diffusers' `output_type="np"` gives.
+    # float32 [H, W, 3] in [0, 1], exactly what diffusers' `output_type="np"` gives; a video family's clip:
+    # float32 [F, H, W, 3] (its pipeline's `output_type="np"` frames of one video).
     image: np.ndarray
     timings: dict[str, float] = field(default_factory=dict)
 

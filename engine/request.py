@@ -48,6 +48,10 @@ Prompt = Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 ImageFile = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_IMAGE_BYTES)]
 References = Annotated[tuple[ImageFile, ...], msgspec.Meta(min_length=1, max_length=MAX_REFERENCES)]
+# Video: frames per clip and frames per second of its file.
+MAX_FRAMES = 1024
+Frames = Annotated[int, msgspec.Meta(ge=1, le=MAX_FRAMES)]
+Fps = Annotated[int, msgspec.Meta(ge=1, le=240)]
 Layers = Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=1000)], ...], msgspec.Meta(min_length=1, max_length=64)]
 
 
@@ -103,6 +107,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     # Multi-reference editing (families that declare "references"): more images after `image`, each conditioning
     # every step ("put the cat of the second image on the sofa of the first").
     reference_images: References | None = None
+    # Video families ("video" in the adapter's capabilities `modality`): frames of the clip (each family's rule, Wan's
+    # 4k + 1) and the frame rate its file plays at (changes no pixel). Refused by image families.
+    num_frames: Frames | None = None
+    fps: Fps | None = None
 
     # The schedule position the request starts at: 0, or with `strength` its family's Img2Img pipeline's `t_start`
     # (each family's arithmetic: 50 steps at strength 0.56 run 29 in the flow-matching ones, 28 in SDXL's). Set by

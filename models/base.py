@@ -54,6 +54,13 @@ class Capabilities:
     ulysses_degrees: tuple[int, ...] = ()
     cache_methods: tuple[str, ...] = ()
     image_inputs: tuple[str, ...] = ()
+    # "image", or "video": then requests are clips of `num_frames` frames (1 + frame_step * k, at most max_frames),
+    # decoded to float32 [F, H, W, 3] and played at `fps`.
+    modality: str = "image"
+    default_num_frames: int | None = None
+    max_num_frames: int | None = None
+    frame_step: int | None = None
+    default_fps: int | None = None
 
     def public(self) -> dict:
         """What `/v1/models` and the playground show (not the vocabulary's every word: its size)."""
@@ -76,6 +83,17 @@ class Capabilities:
             "ulysses_degrees": list(self.ulysses_degrees),
             "cache_methods": list(self.cache_methods),
             "image_inputs": list(self.image_inputs),
+            "modality": self.modality,
+            **(
+                {
+                    "default_num_frames": self.default_num_frames,
+                    "max_num_frames": self.max_num_frames,
+                    "frame_step": self.frame_step,
+                    "default_fps": self.default_fps,
+                }
+                if self.modality == "video"
+                else {}
+            ),
         }
 
 

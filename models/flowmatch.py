@@ -276,12 +276,20 @@ class FlowMatchAdapter(ModelAdapter):
             mask=self._mask(params),
             reference_images=self._references(params),
             start_step=self._start_step(steps, strength),
+            **self._video(params),
         )
         if resolved.steps_to_run < 1:
             raise ParamError(
                 "strength", f"strength {strength} leaves none of the {steps} steps to run; raise either of them"
             )
         return resolved
+
+    def _video(self, params: SamplingParams) -> dict[str, Any]:
+        """The resolved video fields (`num_frames`, `fps`); image families refuse them."""
+        for name in ("num_frames", "fps"):
+            if getattr(params, name) is not None:
+                raise ParamError(name, f"the {self.family} family makes images; {name} is for video models")
+        return {}
 
     # Img2img's strength when a request with an image sends none (the Img2Img pipelines' default), and with a mask
     # (the Inpaint pipelines').

@@ -26,6 +26,8 @@ FAMILIES: tuple[str, ...] = (
     "flux2-klein",
     "z-image",
     "qwen-image",
+    "wan",
+    "wan-i2v",
 )
 
 # Common English words, plus colours, shapes, animals and photo vocabulary; each becomes a single token in both the
@@ -411,7 +413,7 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
     """The tiny pipeline for `family`, in memory (fp32, CPU). Same weights as `build_tiny` writes."""
     import torch
 
-    from diffusiond.models import tiny_qwen  # it builds on this module's helpers
+    from diffusiond.models import tiny_qwen, tiny_video  # they build on this module's helpers
 
     builders = {
         "sd3": _build_sd3,
@@ -423,6 +425,8 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
         "z-image": tiny_qwen.build_zimage,
         "qwen-image": tiny_qwen.build_qwenimage,
         "flux2-klein": tiny_qwen.build_flux2klein,
+        "wan": tiny_video.build_wan,
+        "wan-i2v": tiny_video.build_wan_i2v,
     }
     if family not in builders:
         raise ValueError(f"unknown model family {family!r}; valid families: {', '.join(FAMILIES)}")

@@ -135,7 +135,7 @@ class FlowMatchAdapter(ModelAdapter):
         self.vae = pipe.vae
         self.device = self.transformer.device
         self.dtype = self.transformer.dtype
-        self.vae_scale_factor: int = pipe.vae_scale_factor
+        self.vae_scale_factor: int = self._vae_scale_factor(pipe)
         self.latent_rgb = self._load_preview_map(source)
         self.capabilities = self._capabilities()
         self._cond_cache: tuple[tuple[str, ...], dict[str, Any]] | None = None
@@ -154,6 +154,10 @@ class FlowMatchAdapter(ModelAdapter):
         return cls(pipe, source=path)
 
     # ---- family hooks ----
+
+    def _vae_scale_factor(self, pipe: Any) -> int:
+        """Pixels per latent along each side."""
+        return pipe.vae_scale_factor
 
     def _default_size(self) -> tuple[int, int]:
         """The pipeline's own default: its `default_sample_size` latents, square."""

@@ -9,6 +9,7 @@ from diffusiond.models.kontext import FluxKontextAdapter
 from diffusiond.models.qwenimage import QwenImageAdapter
 from diffusiond.models.sd3 import SD3Adapter
 from diffusiond.models.sdxl import SDXLAdapter
+from diffusiond.models.wan import WanAdapter, WanI2VAdapter
 from diffusiond.models.zimage import ZImageAdapter
 
 ADAPTERS: dict[str, type[ModelAdapter]] = {
@@ -21,6 +22,8 @@ ADAPTERS: dict[str, type[ModelAdapter]] = {
         Flux2KleinAdapter,
         ZImageAdapter,
         QwenImageAdapter,
+        WanAdapter,
+        WanI2VAdapter,
     )
 }
 

@@ -140,10 +140,14 @@ class SchedulerSampler:
         return out
 
     def predicted_x0(self, sample: torch.Tensor, model_output: torch.Tensor) -> torch.Tensor:
-        """The clean sample the model predicts now (previews), float32. Karras-style schedulers (initial noise sigma
+        """The clean sample the model predicts now (previews), float32. Flow prediction: `x - sigma * v`.
+        Karras-style schedulers (initial noise sigma
         above 1: Euler, Heun, ...) keep `x0 + sigma * noise`; the others `sqrt(a) x0 + sqrt(1 - a) noise`."""
         config = self.scheduler.config
         x, out = sample.to(torch.float32), model_output.to(torch.float32)
+        if config.get("prediction_type") == "flow_prediction":  # UniPC and DPM++ on flow sigmas (Wan): x - sigma v
+            sigma = self.scheduler.sigmas[self.index].to(x.device, torch.float32)
+            return x - sigma * out
         if float(self.scheduler.init_noise_sigma) > 1:
             sigma = self.scheduler.sigmas[self.index].to(x.device, torch.float32)
             if config.prediction_type == "v_prediction":

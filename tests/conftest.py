@@ -64,6 +64,16 @@ def tiny_flux2klein(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_wan(tmp_path_factory) -> str:
+    return str(build_tiny("wan", tmp_path_factory.mktemp("tiny") / "wan"))
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_i2v(tmp_path_factory) -> str:
+    return str(build_tiny("wan-i2v", tmp_path_factory.mktemp("tiny") / "wan-i2v"))
+
+
+@pytest.fixture(scope="session")
 def tiny_kontext(tmp_path_factory) -> str:
     return str(build_tiny("flux-kontext", tmp_path_factory.mktemp("tiny") / "flux-kontext"))
 

@@ -9,6 +9,7 @@ transformer's blocks (kernels/compile.py) and writes OUT/graphs<rank>.json, how 
 
 import asyncio
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -53,7 +54,10 @@ def record_forwards(adapter) -> list[dict]:
         # SD3: [B, C, H, W] latents; FLUX, Qwen-Image: [B, S, C] packed tokens; Z-Image: a list of [C, 1, H, W]
         hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         first = hs[0]
-        tokens = first.shape[0] if first.dim() == 2 else (first.shape[-2] // patch) * (first.shape[-1] // patch)
+        if first.dim() == 4:  # Wan: [C, T, H, W] and a (t, h, w) patch
+            tokens = math.prod(n // p for n, p in zip(first.shape[1:], patch, strict=True))
+        else:
+            tokens = first.shape[0] if first.dim() == 2 else (first.shape[-2] // patch) * (first.shape[-1] // patch)
         forwards[-1]["calls"].append({"rows": len(hs), "tokens": tokens})
 
     def on_block(module, args, kwargs):
@@ -75,8 +79,15 @@ def record_forwards(adapter) -> list[dict]:
     adapter.decode_latents = decode_latents
     # prepend: before the Ulysses hook that shards FLUX inputs, so that "tokens" counts the whole image.
     adapter.transformer.register_forward_pre_hook(on_transformer, with_kwargs=True, prepend=True)
-    # Z-Image's are `layers`; a UNet has no token blocks (and no Ulysses to check).
-    blocks = getattr(adapter.transformer, "transformer_blocks", None) or getattr(adapter.transformer, "layers", None)
+    # Z-Image's are `layers`, Wan's `blocks`; a UNet has no token blocks (and no Ulysses to check).
+    blocks = next(
+        (
+            getattr(adapter.transformer, name)
+            for name in ("transformer_blocks", "layers", "blocks")
+            if hasattr(adapter.transformer, name)
+        ),
+        None,
+    )
     if blocks:
         blocks[0].register_forward_pre_hook(on_block, with_kwargs=True)
     return forwards

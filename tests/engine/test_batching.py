@@ -123,6 +123,8 @@ async def test_clients_of_a_finished_batch_come_back_as_one(adapter, returning):
         "tiny_flux2klein",
         "tiny_zimage",
         "tiny_qwenimage",
+        "tiny_wan",
+        "tiny_wan_i2v",
     ],
 )
 async def test_every_family_batches_its_forward(fixture, request):
@@ -137,7 +139,9 @@ async def test_every_family_batches_its_forward(fixture, request):
         calls.append(len(rows))
 
     def edit(seed: int) -> dict:
-        return {"image": picture(64, 64, seed=seed)} if "edit" in adapter.capabilities.image_inputs else {}
+        inputs = {"edit", "first-frame"} & set(adapter.capabilities.image_inputs)  # an image to edit or animate
+        more = {"image": picture(64, 64, seed=seed)} if inputs else {}
+        return {**more, "num_frames": 5} if adapter.capabilities.modality == "video" else more
 
     hook = adapter.transformer.register_forward_pre_hook(count, with_kwargs=True)
     engine = Engine(adapter, max_batch=3, batch_wait=0.5)

@@ -225,6 +225,59 @@ REQUESTS = {
         ),
         edit(negative_prompt="dark"),
     ],
+    # 80x48 with 9 frames: 3 x 3 x 5 = 45 tokens, which Ulysses shards unevenly.
+    "wan": [
+        SamplingParams(
+            prompt="a red cat", seed=1, width=80, height=48, num_frames=9, num_inference_steps=4, guidance_scale=5.0
+        ),
+        SamplingParams(
+            prompt="a blue dog",
+            negative_prompt="blurry",
+            seed=2,
+            width=48,
+            height=32,
+            num_frames=5,
+            num_inference_steps=3,
+            guidance_scale=3.0,
+        ),
+        *(
+            SamplingParams(
+                prompt=f"plain {i}",
+                seed=10 + i,
+                width=48,
+                height=32,
+                num_frames=5,
+                num_inference_steps=2,
+                guidance_scale=1.0,
+            )
+            for i in range(3)
+        ),
+    ],
+    "wan-i2v": [
+        SamplingParams(
+            prompt="a red cat",
+            seed=1,
+            width=80,
+            height=48,
+            num_frames=9,
+            num_inference_steps=3,
+            guidance_scale=5.0,
+            image=picture(80, 48, seed=1),
+        ),
+        *(
+            SamplingParams(
+                prompt=f"plain {i}",
+                seed=10 + i,
+                width=48,
+                height=32,
+                num_frames=5,
+                num_inference_steps=2,
+                guidance_scale=1.0,
+                image=picture(48, 32, seed=i),
+            )
+            for i in range(3)
+        ),
+    ],
 }
 FIXTURES = {
     "sd3": "tiny_sd3",
@@ -234,6 +287,8 @@ FIXTURES = {
     "flux2-klein": "tiny_flux2klein",
     "z-image": "tiny_zimage",
     "qwen-image": "tiny_qwenimage",
+    "wan": "tiny_wan",
+    "wan-i2v": "tiny_wan_i2v",
 }
 
 
@@ -349,6 +404,9 @@ def check_split(strategy: str, forwards: list[list[dict]]) -> int:
         ("z-image", "ulysses"),
         ("qwen-image", "cfg"),
         ("qwen-image", "ulysses"),
+        ("wan", "cfg"),
+        ("wan", "ulysses"),
+        ("wan-i2v", "ulysses"),
     ],
 )
 def test_two_ranks_match_one(family, strategy, request, tmp_path):

@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
         ("tiny_zimage", ("cfg",), (2,), ()),
         # The tiny Qwen-Image has no guidance embedding, so it drops "distilled" from its family's styles.
         ("tiny_qwenimage", ("true-cfg",), (2,), ("fbcache", "teacache")),
+        ("tiny_wan", ("cfg",), (2,), ()),
+        ("tiny_wan_i2v", ("cfg",), (2,), ()),
     ],
 )
 def test_loaded_checkpoints_declare_what_they_support(fixture, guidance, ulysses, cache, request):
@@ -79,7 +81,7 @@ def test_readme_table_is_generated_from_the_declarations():
 
 
 # What names a family in code: its pipeline classes and family names, as identifiers or inside string literals.
-FAMILY_NAMES = re.compile(r"sd3|flux|z[-_]?image|qwen|sdxl|stablediffusion", re.I)
+FAMILY_NAMES = re.compile(r"sd3|flux|z[-_]?image|qwen|sdxl|stablediffusion|(?-i:\bwan\b|Wan[A-Z]|wan[-_])", re.I)
 
 
 def code_names(path: Path):

@@ -1,0 +1,465 @@
+"""Wan 2.1 video (`WanPipeline` text-to-video, `WanImageToVideoPipeline` image-to-video): a 3D transformer over
+frames x height x width latent tokens, a UMT5 text encoder, a causal video VAE (8x spatial, 4x temporal: a clip of
+1 + 4k frames has 1 + k latent frames), and the checkpoint's scheduler (UniPC in flow-prediction mode) per request.
+
+Requests of one size and frame count share each transformer forward (CFG rows interleaved). Every block's
+cross-attention key/value projections of a request's text (and image) context are computed once, when the request
+is admitted, and reused at every step (models/projections.py); `WanCrossAttnProcessor` reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Hashable, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.utils.torch_utils import randn_tensor
+
+from diffusiond.engine.request import MAX_FRAMES, SamplingParams
+from diffusiond.engine.wire import NewRequest
+from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, ulysses_sdpa
+from diffusiond.models import preview as preview_maps
+from diffusiond.models.base import Capabilities, ParamError, RequestState
+from diffusiond.models.flowmatch import FlowMatchAdapter
+from diffusiond.models.inputs import open_rgb
+from diffusiond.models.projections import ProjectionCache, tensor_digest, weights_version
+from diffusiond.models.sampler import SchedulerSampler
+
+# The pipelines' `max_sequence_length`: every prompt is padded to it (the image-to-video transformer splits its
+# context at 512 text tokens).
+TEXT_TOKENS = 512
+
+
+class WanCrossAttnProcessor:
+    """`WanAttnProcessor` for a block's cross-attention, with the batch's key/value rows taken from the projection
+    plan where it has them (the same operations in the same order as the stock processor, so a reused row is
+    bit-identical to one projected now)."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, block: int, plan: ProjectionPlan) -> None:
+        self.block = block
+        self.plan = plan
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        image_ctx = None
+        if attn.add_k_proj is not None:
+            split = encoder_hidden_states.shape[1] - TEXT_TOKENS
+            image_ctx, encoder_hidden_states = encoder_hidden_states[:, :split], encoder_hidden_states[:, split:]
+        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))  # [B, S, H, Dh]
+        key, value = self.plan.text_kv(self.block, attn, encoder_hidden_states)  # [B, L, H, Dh] each
+        extra = None
+        if image_ctx is not None:
+            key_img, value_img = self.plan.image_kv(self.block, attn, image_ctx)
+            extra = dispatch_attention_fn(
+                query, key_img, value_img, attn_mask=None, dropout_p=0.0, is_causal=False,
+                backend=self._attention_backend, parallel_config=None,
+            )  # fmt: skip
+            extra = extra.flatten(2, 3).type_as(query)
+        out = dispatch_attention_fn(
+            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+            backend=self._attention_backend, parallel_config=None,
+        )  # fmt: skip
+        out = out.flatten(2, 3).type_as(query)
+        if extra is not None:
+            out = out + extra
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def apply_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """`WanAttnProcessor`'s rotary embedding of x [B, S, H, Dh] (interleaved pairs)."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class UlyssesWanSelfAttnProcessor:
+    """A block's self-attention (`WanAttnProcessor` without image context) over tokens sharded across `g`: q/k norms
+    and rotary angles are per token, so each rank applies them to its shard; the attention itself all-to-alls to the
+    whole sequence for H/N heads and back."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, g: UlyssesGroup) -> None:
+        self.g = g
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))  # [B, S_local, H, Dh]
+        key = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
+        value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+        if rotary_emb is not None:
+            query, key = apply_rotary(query, *rotary_emb), apply_rotary(key, *rotary_emb)
+        out = ulysses_sdpa(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), self.g,
+            replicated=0, replicated_first=True, backend=self._attention_backend,
+        ).transpose(1, 2)  # fmt: skip
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def project_text(attn, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cross-attention's key and value of text context rows [B, L, D] -> [B, L, H, Dh] each."""
+    key = attn.norm_k(attn.to_k(ctx)).unflatten(2, (attn.heads, -1))
+    return key, attn.to_v(ctx).unflatten(2, (attn.heads, -1))
+
+
+def project_image(attn, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    key = attn.norm_added_k(attn.add_k_proj(ctx)).unflatten(2, (attn.heads, -1))
+    return key, attn.add_v_proj(ctx).unflatten(2, (attn.heads, -1))
+
+
+class ProjectionPlan:
+    """For the forward running now: per row, its reused text and image projections (`projections.Entry`, tensors
+    (key, value) per block in block order), or None where the row is projected in the forward."""
+
+    def __init__(self) -> None:
+        self.text: list[Any] = []
+        self.image: list[Any] = []
+
+    def text_kv(self, block: int, attn, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rows(self.text, block, ctx, lambda c: project_text(attn, c))
+
+    def image_kv(self, block: int, attn, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rows(self.image, block, ctx, lambda c: project_image(attn, c))
+
+    @staticmethod
+    def _rows(entries: list[Any], block: int, ctx: torch.Tensor, project) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(entries) != ctx.shape[0] or all(e is None for e in entries):
+            return project(ctx)
+        missing = [r for r, e in enumerate(entries) if e is None]
+        fresh = dict(zip(missing, zip(*project(ctx[missing]), strict=True), strict=True)) if missing else {}
+        keys, values = [], []
+        for r, entry in enumerate(entries):
+            if entry is None:
+                key, value = fresh[r]
+                keys.append(key[None])
+                values.append(value[None])
+            else:
+                keys.append(entry.tensors[2 * block])
+                values.append(entry.tensors[2 * block + 1])
+        return torch.cat(keys), torch.cat(values)
+
+
+class WanAdapter(FlowMatchAdapter):
+    pipeline_class = "WanPipeline"
+    family = "wan"
+    default_steps = 50
+    default_guidance = 5.0
+    guidance_styles = ("cfg",)
+    parallel = ("cfg-parallel", "ulysses")
+    # The pipelines' defaults: 81 frames at 832x480, played at 16 frames per second (Wan 2.1's rate).
+    default_num_frames: ClassVar[int] = 81
+    default_fps: ClassVar[int] = 16
+    TEXT_ENCODERS = ("text_encoder",)
+
+    def __init__(self, pipe: Any, *, source: str) -> None:
+        self.frame_step = pipe.vae_scale_factor_temporal
+        super().__init__(pipe, source=source)
+        self.projections: ProjectionCache | None = ProjectionCache()
+        self.plan = ProjectionPlan()
+        for i, block in enumerate(self.transformer.blocks):
+            block.attn2.set_processor(WanCrossAttnProcessor(i, self.plan))
+
+    def enable_ulysses(self, group: UlyssesGroup) -> None:
+        """The frames x height x width tokens are sharded across `group` from the first block on (with their rotary
+        angles); self-attention all-to-alls, cross-attention needs nothing (each rank's queries attend to the whole
+        text), and the last block's output is gathered for the output projection."""
+        self.ulysses_group = group
+        check_heads(self.transformer.config.num_attention_heads, group.size)
+        blocks = self.transformer.blocks
+        span: dict[str, int] = {}
+
+        def shard(module, args):
+            x, context, timestep_proj, (cos, sin) = args  # the blocks are called positionally
+            if module is blocks[0]:
+                span["start"], span["stop"] = group.split(x.shape[1])
+                x = x[:, span["start"] : span["stop"]]
+            local = slice(span["start"], span["stop"])
+            return (x, context, timestep_proj, (cos[:, local], sin[:, local]))
+
+        for block in blocks:
+            block.attn1.set_processor(UlyssesWanSelfAttnProcessor(group))
+            block.register_forward_pre_hook(shard)
+        gather_output(blocks[-1], group)
+
+    # ---- family hooks ----
+
+    def _vae_scale_factor(self, pipe: Any) -> int:
+        return pipe.vae_scale_factor_spatial
+
+    def _default_size(self) -> tuple[int, int]:
+        """The pipelines' 832x480, scaled down to fit a transformer with fewer rotary positions."""
+        width, height, m = 832, 480, self._size_multiple()
+        if width > self._max_side():
+            width, height = self._max_side(), max(m, round(height * self._max_side() / width / m) * m)
+        return width, height
+
+    def _size_multiple(self) -> int:
+        return self.vae_scale_factor * self.transformer.config.patch_size[1]
+
+    def _max_side(self) -> int:
+        # Rotary positions exist for `rope_max_seq_len` patches per axis.
+        return min(4096, self.transformer.config.rope_max_seq_len * self._size_multiple())
+
+    def _max_frames(self) -> int:
+        latent = self.transformer.config.rope_max_seq_len // self.transformer.config.patch_size[0]
+        return min(MAX_FRAMES, (latent - 1) * self.frame_step + 1)
+
+    def _latent_channels(self) -> int:
+        return self.vae.config.z_dim
+
+    def _capabilities(self) -> Capabilities:
+        return dataclasses.replace(
+            super()._capabilities(),
+            modality="video",
+            default_num_frames=min(self.default_num_frames, self._max_frames()),
+            max_num_frames=self._max_frames(),
+            frame_step=self.frame_step,
+            default_fps=self.default_fps,
+        )
+
+    def _video(self, params: SamplingParams) -> dict[str, Any]:
+        caps = self.capabilities
+        frames = params.num_frames if params.num_frames is not None else caps.default_num_frames
+        assert caps.max_num_frames is not None and caps.frame_step is not None
+        if frames > caps.max_num_frames or (frames - 1) % caps.frame_step:
+            raise ParamError(
+                "num_frames",
+                f"num_frames must be 1 + {caps.frame_step}k (1, {1 + caps.frame_step}, {1 + 2 * caps.frame_step}, "
+                f"...) up to {caps.max_num_frames} for this model, got {frames}",
+            )
+        return {"num_frames": frames, "fps": params.fps if params.fps is not None else caps.default_fps}
+
+    def batch_key(self, params: SamplingParams) -> Hashable:
+        return (params.width, params.height, params.num_frames, self._uses_cfg(params), self.context_size(params))
+
+    def _uses_cfg(self, params: SamplingParams) -> bool:
+        return (params.guidance_scale or 0.0) > 1.0  # the pipeline's `do_classifier_free_guidance`
+
+    # ---- prepare ----
+
+    def _latent_shape(self, p: SamplingParams) -> tuple[int, ...]:
+        assert p.num_frames is not None and p.height is not None and p.width is not None
+        frames = (p.num_frames - 1) // self.frame_step + 1
+        s = self.vae_scale_factor
+        return (1, self.vae.config.z_dim, frames, p.height // s, p.width // s)
+
+    @torch.inference_mode()
+    def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
+        params = [n.params for n in new]
+        cfg, text = self._lookup_prompts(params)  # text -> (embeds [1, 512, D],)
+        states = []
+        for i, (req, p) in enumerate(zip(new, params, strict=True)):
+            generator = self._generator(p)
+            sampler = SchedulerSampler(self.pipe.scheduler, p.num_inference_steps, self.device, generator=generator)
+            # float32 latents, as the pipeline draws and steps them (the transformer sees its own dtype).
+            latents = randn_tensor(self._latent_shape(p), generator=generator, device=self.device, dtype=torch.float32)
+            (embeds,) = text[p.prompt]
+            rows = [text[p.negative_prompt or ""][0], embeds] if cfg[i] else [embeds]
+            cond: dict[str, Any] = {"embeds": torch.cat(rows).to(self.dtype)}
+            if cfg[i]:
+                cond["scale"] = torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)
+            state = RequestState(req.request_id, p, latents, sampler, cond=cond)
+            self._prepare_image(state, len(rows))
+            state.rows = [self._acquire_text(r.to(self.dtype)) for r in rows]
+            # The state's projections go back to the cache when the state is freed, whichever way it ends.
+            entries = [e for e in [*state.rows, state.shared.get("image_entry")] if e is not None]
+            if entries and self.projections is not None:
+                weakref.finalize(state, _release, self.projections, entries)
+            states.append(state)
+        return states
+
+    def _prepare_image(self, state: RequestState, rows: int) -> None:
+        """Image-to-video: the first frame's conditioning (`WanI2VAdapter`)."""
+
+    def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor]]:
+        self._stage(*self.TEXT_ENCODERS)
+        embeds, _ = self.pipe.encode_prompt(
+            prompt=texts, do_classifier_free_guidance=False, max_sequence_length=TEXT_TOKENS, device=self.device
+        )
+        return [(embeds[i : i + 1].clone(),) for i in range(len(texts))]
+
+    # ---- projection reuse ----
+
+    def _acquire_text(self, embeds: torch.Tensor) -> Any:
+        """The text row's cross-attention projections for every block, from the cache (None: over budget, or
+        reuse is off)."""
+        if self.projections is None:
+            return None
+        embedder = self.transformer.condition_embedder.text_embedder
+        attns = [b.attn2 for b in self.transformer.blocks]
+        modules = [m for a in attns for m in (a.to_k, a.to_v, a.norm_k)]
+        weights = [*embedder.parameters(), *(p for m in modules for p in m.parameters())]
+        key = ("text", tensor_digest(embeds), weights_version(weights))
+
+        def compute() -> tuple[torch.Tensor, ...]:
+            ctx = embedder(embeds)  # [1, 512, D], as the transformer's condition embedder makes it
+            return tuple(t for a in attns for t in project_text(a, ctx))
+
+        return self.projections.acquire(key, compute)
+
+    # ---- denoise ----
+
+    def _batched_rows(self, states: Sequence[RequestState]) -> dict[str, Any]:
+        return {"text_entries": [e for s in states for e in s.rows]}
+
+    @torch.inference_mode()
+    def denoise(self, states: Sequence[RequestState]) -> torch.Tensor:
+        self._stage(self.denoiser)
+        cond = self._batched_cond(states)
+        rows = cond["embeds"].shape[0] // len(states)  # 2 with CFG: (negative, positive) per request
+        latents = torch.cat([s.latents for s in states]).to(self.dtype)  # [B, C, T, h, w]
+        if "condition" in cond:  # image-to-video: [B, C + 4 + C, T, h, w]
+            latents = torch.cat([latents, cond["condition"].to(self.dtype)], dim=1)
+        timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device)  # [B]
+        batched: dict[str, Any] = {
+            "hidden_states": latents.repeat_interleave(rows, dim=0),
+            "timestep": timestep.repeat_interleave(rows),
+            "encoder_hidden_states": cond["embeds"],
+            "text_entries": cond["text_entries"],
+            **self._image_inputs(cond, rows),
+        }
+        out = self._transformer_rows(rows, batched, {}, states).float()  # [B, rows, C, T, h, w]
+        if rows == 1:
+            return out[:, 0]
+        uncond, text = out[:, 0], out[:, 1]
+        return uncond + cond["scale"].view(-1, 1, 1, 1, 1) * (text - uncond)
+
+    def _image_inputs(self, cond: dict[str, Any], rows: int) -> dict[str, Any]:
+        return {}
+
+    def _call(self, batched: dict[str, Any], shared: dict[str, torch.Tensor]) -> torch.Tensor:
+        batched = dict(batched)
+        self.plan.text = batched.pop("text_entries")
+        self.plan.image = batched.pop("image_entries", [])
+        try:
+            return self.transformer(**batched, return_dict=False)[0]
+        finally:
+            self.plan.text, self.plan.image = [], []
+
+    def step(self, states: Sequence[RequestState], model_output: torch.Tensor) -> None:
+        for i, state in enumerate(states):
+            state.latents = state.sampler.step(model_output[i : i + 1], state.latents)
+            state.step_index += 1
+
+    def predicted_x0(self, state: RequestState, model_output: torch.Tensor) -> torch.Tensor:
+        return state.sampler.predicted_x0(state.latents, model_output)[0]  # [C, T, h, w]
+
+    # ---- decode and previews ----
+
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """[B, C, T, h, w] model-space latents -> the VAE's video [B, 3, F, H, W] in [-1, 1]."""
+        config = self.vae.config
+        latents = latents.to(self.vae.dtype)
+        shape = (1, config.z_dim, 1, 1, 1)
+        mean = torch.tensor(config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        inverse_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(latents.device, latents.dtype)
+        latents = latents / inverse_std + mean  # the pipeline's arithmetic, rounding included
+        return self.vae.decode(latents, return_dict=False)[0]
+
+    def postprocess(self, images: torch.Tensor) -> list[np.ndarray]:
+        video = self.pipe.video_processor.postprocess_video(images, output_type="np")  # [B, F, H, W, 3]
+        return list(video)
+
+    def preview(self, x0: torch.Tensor) -> np.ndarray:
+        """[C, T, h, w] -> the latent frames' fast previews side by side: uint8 [h, T * w, 3]."""
+        frames = self.latent_rgb.to_uint8_batch(x0.detach().transpose(0, 1))  # [T, h, w, 3]
+        return torch.cat(list(frames), dim=1).cpu().numpy()
+
+    @torch.inference_mode()
+    def preview_vae(self, x0: torch.Tensor) -> list[np.ndarray]:
+        """[B, C, T, h, w] decoded by the VAE; the frames at latent-frame positions (0, 4, 8, ...) side by side."""
+        self._stage("vae")
+        strips = []
+        for video in self.postprocess(self._decode(x0)):  # [F, H, W, 3]
+            frames = (video[:: self.frame_step] * 255).round().astype(np.uint8)
+            strips.append(np.concatenate(list(frames), axis=1))
+        return strips
+
+    def _load_preview_map(self, source: str) -> preview_maps.LatentRGB:
+        import os
+
+        if os.path.isdir(source):
+            fitted = preview_maps.load_preview_factors(source)
+            if fitted is not None:
+                return fitted
+
+        def decode_first_frame(z: torch.Tensor) -> torch.Tensor:  # [N, C, h, w] -> [N, 3, H, W]
+            return self._decode(z[:, :, None])[:, :, 0]
+
+        return preview_maps.fit_decoder(decode_first_frame, self._latent_channels(), self.vae_scale_factor)
+
+
+class WanI2VAdapter(WanAdapter):
+    """Image-to-video: the first frame is given. Its VAE latents (with a mask of the given frames) join the noise
+    as extra input channels at every step, and its CLIP image embedding is a second context for every block."""
+
+    pipeline_class = "WanImageToVideoPipeline"
+    family = "wan-i2v"
+    image_inputs = ("first-frame",)
+    needs = ("ftfy",)
+
+    def context_size(self, params: SamplingParams) -> Hashable:
+        return None
+
+    def _strength(self, params: SamplingParams) -> float | None:
+        if params.image is None:
+            raise ParamError("image", "the wan-i2v family animates an image: send the first frame (image)")
+        if params.strength is not None:
+            raise ParamError("strength", "the wan-i2v family starts from its image at every strength; drop strength")
+        return None
+
+    def _prepare_image(self, state: RequestState, rows: int) -> None:
+        """As WanImageToVideoPipeline: the image resized to the clip's size, encoded by the VAE (its mode, no
+        noise drawn), concatenated after a zero video and masked; and its CLIP embedding."""
+        p = state.params
+        image = open_rgb(p.image)
+        self._stage("image_encoder")
+        embeds = self.pipe.encode_image(image, self.device).to(self.dtype)  # [1, 257, D_img]
+        self._stage("vae")
+        pixels = self.pipe.video_processor.preprocess(image, height=p.height, width=p.width)
+        pixels = pixels.to(self.device, torch.float32)
+        _, condition = self.pipe.prepare_latents(
+            pixels, 1, self.vae.config.z_dim, p.height, p.width, p.num_frames, torch.float32, self.device,
+            None, state.latents,
+        )  # fmt: skip
+        state.cond["condition"] = condition  # [1, 4 + C, T, h, w]
+        state.cond["image_embeds"] = embeds.expand(rows, -1, -1)
+        state.shared["image_entry"] = self._acquire_image(embeds)  # one for the request's rows
+
+    def _acquire_image(self, embeds: torch.Tensor) -> Any:
+        if self.projections is None:
+            return None
+        embedder = self.transformer.condition_embedder.image_embedder
+        attns = [b.attn2 for b in self.transformer.blocks]
+        modules = [m for a in attns for m in (a.add_k_proj, a.add_v_proj, a.norm_added_k)]
+        weights = [*embedder.parameters(), *(p for m in modules for p in m.parameters())]
+        key = ("image", tensor_digest(embeds), weights_version(weights))
+
+        def compute() -> tuple[torch.Tensor, ...]:
+            ctx = embedder(embeds)  # [1, 257, D]
+            return tuple(t for a in attns for t in project_image(a, ctx))
+
+        return self.projections.acquire(key, compute)
+
+    def _batched_rows(self, states: Sequence[RequestState]) -> dict[str, Any]:
+        rows = super()._batched_rows(states)
+        rows["image_entries"] = [s.shared["image_entry"] for s in states for _ in range(len(s.rows))]
+        return rows
+
+    def _image_inputs(self, cond: dict[str, Any], rows: int) -> dict[str, Any]:
+        return {"encoder_hidden_states_image": cond["image_embeds"], "image_entries": cond["image_entries"]}
+
+
+def _release(cache: ProjectionCache, entries: list[Any]) -> None:
+    for entry in entries:
+        cache.release(entry)

@@ -1,0 +1,235 @@
+"""Wan video families against diffusers' own `WanPipeline` / `WanImageToVideoPipeline.__call__`, and the exact
+reuse of conditioning projections.
+
+Requests differ in prompt, seed, steps, guidance (one without CFG) and frame count (two batch keys interleave), and
+join running batches. Float32 on CPU. Tolerance: max abs diff <= 1e-4 on the decoded float frames (measured: below
+1e-6). UniPC multistep per request: each request's scheduler keeps its own history.
+"""
+
+import asyncio
+import io
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+from engines import run_staggered
+from pictures import picture
+from PIL import Image
+
+from diffusiond.engine.outputs import Completed
+from diffusiond.engine.request import SamplingParams
+from diffusiond.models.base import ParamError
+from diffusiond.models.loader import load_adapter
+
+TOLERANCE = 1e-4
+
+
+def clip(prompt: str, seed: int, frames: int = 9, steps: int = 4, guidance: float = 5.0, **more) -> SamplingParams:
+    return SamplingParams(
+        prompt=prompt,
+        seed=seed,
+        width=48,
+        height=32,
+        num_frames=frames,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        **more,
+    )
+
+
+def reference(pipe, params: SamplingParams, **extra) -> np.ndarray:
+    return pipe(
+        prompt=params.prompt,
+        negative_prompt=params.negative_prompt,
+        width=params.width,
+        height=params.height,
+        num_frames=params.num_frames,
+        num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale,
+        generator=torch.Generator().manual_seed(params.seed),
+        output_type="np",
+        **extra,
+    ).frames[0]
+
+
+def load_pipe(adapter, checkpoint):
+    pipe = getattr(diffusers, adapter.pipeline_class).from_pretrained(checkpoint)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def check_staggered(adapter, pipe, requests, extra=lambda p: {}):
+    handles, results, plans = asyncio.run(run_staggered(adapter, requests))
+    joined = [p for p in plans if p.new and set(p.advance) - {n.request_id for n in p.new}]
+    assert joined, "no request joined a running batch"
+    assert max(len(p.advance) for p in plans) >= 2
+    for handle, result in zip(handles, results, strict=True):
+        assert isinstance(result, Completed), result
+        expected = reference(pipe, handle.params, **extra(handle.params))
+        assert result.image.shape == expected.shape == (handle.params.num_frames, 32, 48, 3)
+        diff = float(np.abs(result.image - expected).max())
+        print(f"{handle.params.prompt!r} ({handle.params.num_frames} frames): max abs diff {diff:.2e}")
+        assert diff <= TOLERANCE, f"{handle.params.prompt!r}: max abs diff {diff}"
+    return handles, results
+
+
+def test_text_to_video_matches_the_pipeline(tiny_wan):
+    adapter = load_adapter(tiny_wan)
+    assert adapter.capabilities.modality == "video"
+    pipe = load_pipe(adapter, tiny_wan)
+    requests = [
+        clip("a red cat", 1, steps=6),
+        clip("a blue dog on the grass", 2, negative_prompt="blurry", steps=4, guidance=3.0, preview_every=1),
+        clip("a green bird", 3, frames=5, steps=5),
+        clip("a yellow fish", 4, steps=3, guidance=1.0),  # no CFG: a batch key of its own
+        clip("a white horse", 5, frames=5, steps=3, guidance=6.0),
+    ]
+    handles, results = check_staggered(adapter, pipe, requests)
+    # Not vacuous: another seed, prompt or guidance changes the frames clearly.
+    first = handles[0].params
+    for change in ({"seed": 99}, {"prompt": "a drawing of a black car"}, {"guidance_scale": 8.0}):
+        fields = {f: getattr(first, f) for f in first.__struct_fields__}
+        other = reference(pipe, SamplingParams(**{**fields, **change}))
+        assert float(np.abs(other - results[0].image).max()) > 100 * TOLERANCE, change
+
+
+def test_image_to_video_matches_the_pipeline(tiny_wan_i2v):
+    adapter = load_adapter(tiny_wan_i2v)
+    pipe = load_pipe(adapter, tiny_wan_i2v)
+    requests = [
+        clip("a red cat", 1, steps=5, image=picture(48, 32, seed=1)),
+        clip("a blue dog", 2, steps=4, guidance=3.0, image=picture(96, 64, seed=2)),
+        clip("a green bird", 3, frames=5, steps=4, image=picture(48, 32, seed=3)),
+    ]
+
+    def first_frame(params):
+        return {"image": Image.open(io.BytesIO(params.image)).convert("RGB")}
+
+    handles, results = check_staggered(adapter, pipe, requests, first_frame)
+    # Not vacuous: another first frame changes the clip.
+    other = reference(pipe, handles[0].params, image=first_frame(requests[1])["image"])
+    assert float(np.abs(other - results[0].image).max()) > 100 * TOLERANCE
+
+
+def test_projections_are_reused_exactly(tiny_wan):
+    """Two requests with different prompts, admitted together and stepped in the same forwards: each equals its
+    pipeline clip (a cache keyed on the step alone would hand the second the first's projections), the frames are
+    identical with reuse off, and with reuse on the cross-attention key projection runs at admission only."""
+    adapter = load_adapter(tiny_wan)
+    pipe = load_pipe(adapter, tiny_wan)
+    requests = [clip("a red cat", 1, steps=4), clip("a blue dog", 1, steps=4)]
+    projected: list[int] = []  # rows of every cross-attention key projection
+    hook = adapter.transformer.blocks[0].attn2.to_k.register_forward_hook(
+        lambda module, args, out: projected.append(out.shape[0])
+    )
+    try:
+        reused = asyncio.run(_together(adapter, requests))
+        with_reuse = list(projected)
+        projected.clear()
+        cache, adapter.projections = adapter.projections, None
+        try:
+            plain = asyncio.run(_together(adapter, requests))
+        finally:
+            adapter.projections = cache
+    finally:
+        hook.remove()
+    for params, result in zip(requests, reused, strict=True):
+        diff = float(np.abs(result.image - reference(pipe, adapter.resolve(params))).max())
+        assert diff <= TOLERANCE, (params.prompt, diff)
+    for a, b in zip(reused, plain, strict=True):
+        assert np.array_equal(a.image, b.image)
+    assert float(np.abs(reused[0].image - reused[1].image).max()) > 100 * TOLERANCE
+    # Reuse: three texts ("a red cat", "a blue dog", the negative "") projected once each, never in a step. Without
+    # it: every one of the 4 steps projects 2 requests x 2 CFG rows.
+    assert with_reuse == [1, 1, 1], with_reuse
+    assert projected == [4] * 4, projected
+    # Every request gave its entries back; the shared "" entry was found, not recomputed.
+    assert all(entry.users == 0 for entry in cache._entries.values())
+    assert cache.hits >= 1
+
+
+async def _together(adapter, requests):
+    from diffusiond.engine.engine import Engine
+
+    engine = Engine(adapter, max_batch=4, batch_wait=0.5)
+    await engine.start()
+    try:
+        handles = [engine.add_request(p) for p in requests]
+        return [await h.result() for h in handles]
+    finally:
+        await engine.stop()
+
+
+def test_changed_weights_are_not_served_from_the_cache(tiny_wan):
+    """Entries are keyed on the weights' in-place version too: a weight changed in place (a fused LoRA) projects
+    anew."""
+    adapter = load_adapter(tiny_wan)
+    embeds = torch.randn(1, 512, adapter.transformer.config.text_dim)
+    first = adapter._acquire_text(embeds)
+    assert adapter._acquire_text(embeds.clone()) is first  # the same content: the same entry
+    with torch.no_grad():
+        adapter.transformer.blocks[1].attn2.to_k.weight.mul_(1.5)
+    second = adapter._acquire_text(embeds)
+    assert second is not first
+    assert not torch.equal(second.tensors[2], first.tensors[2])  # block 1's key
+    assert torch.equal(second.tensors[0], first.tensors[0])  # block 0 unchanged
+
+
+def test_projection_budget_is_held(tiny_wan):
+    """Over the budget: entries not in use go first; an entry that cannot fit is not kept and its request runs
+    without reuse (still exact)."""
+    adapter = load_adapter(tiny_wan)
+    one = adapter._acquire_text(torch.randn(1, 512, 32))
+    adapter.projections.budget = int(one.nbytes * 1.5)
+    assert adapter._acquire_text(torch.randn(1, 512, 32)) is None  # `one` is in use: no room
+    adapter.projections.release(one)
+    other = adapter._acquire_text(torch.randn(1, 512, 32))
+    assert other is not None and len(adapter.projections) == 1 and adapter.projections.bytes <= 1.5 * one.nbytes
+
+
+def test_video_previews_are_strips_of_frames(tiny_wan):
+    adapter = load_adapter(tiny_wan)
+    params = adapter.resolve(clip("a red cat", 1, frames=9, steps=3, preview_every=1))
+    from diffusiond.engine.wire import NewRequest
+
+    (state,) = adapter.prepare([NewRequest("a", params)])
+    out = adapter.denoise([state])
+    x0 = adapter.predicted_x0(state, out)  # [C, T, h, w]: 3 latent frames of 4 x 6
+    assert tuple(x0.shape) == (16, 3, 4, 6)
+    strip = adapter.preview(x0)
+    assert strip.shape == (4, 18, 3) and strip.dtype == np.uint8
+    # Each tile is its own latent frame's preview.
+    for t in range(3):
+        assert np.array_equal(strip[:, 6 * t : 6 * t + 6], adapter.latent_rgb.to_uint8(x0[:, t]))
+    (full,) = adapter.preview_vae(x0[None])
+    assert full.shape == (32, 48 * 3, 3)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"num_frames": 8}, "num_frames"),
+        ({"num_frames": 1001}, "num_frames"),
+        ({"image": picture(32, 32)}, "image"),
+    ],
+)
+def test_bad_video_requests_name_the_field(tiny_wan, fields, param):
+    adapter = load_adapter(tiny_wan)
+    with pytest.raises(ParamError) as info:
+        adapter.resolve(SamplingParams(prompt="a cat", width=48, height=32, **fields))
+    assert info.value.param == param
+
+
+def test_defaults_and_image_families_refuse_frames(tiny_wan, tiny_sd3):
+    resolved = load_adapter(tiny_wan).resolve(SamplingParams(prompt="a cat", width=48, height=32))
+    assert (resolved.num_frames, resolved.fps) == (81, 16)
+    with pytest.raises(ParamError) as info:
+        load_adapter(tiny_sd3).resolve(SamplingParams(prompt="a cat", num_frames=9))
+    assert info.value.param == "num_frames"
+
+
+def test_image_to_video_needs_its_first_frame(tiny_wan_i2v):
+    with pytest.raises(ParamError) as info:
+        load_adapter(tiny_wan_i2v).resolve(SamplingParams(prompt="a cat"))
+    assert info.value.param == "image"

@@ -22,7 +22,6 @@ from diffusers.utils.torch_utils import randn_tensor
 from diffusiond.engine.request import MAX_FRAMES, SamplingParams
 from diffusiond.engine.wire import NewRequest
 from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, ulysses_sdpa
-from diffusiond.models import preview as preview_maps
 from diffusiond.models.base import Capabilities, ParamError, RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.inputs import open_rgb
@@ -357,7 +356,10 @@ class WanAdapter(FlowMatchAdapter):
     # ---- decode and previews ----
 
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """[B, C, T, h, w] model-space latents -> the VAE's video [B, 3, F, H, W] in [-1, 1]."""
+        """[B, C, T, h, w] model-space latents -> the VAE's video [B, 3, F, H, W] in [-1, 1]. Single images
+        [B, C, h, w] (preview map fitting) decode as one-frame clips, to [B, 3, H, W]."""
+        if latents.dim() == 4:
+            return self._decode(latents[:, :, None])[:, :, 0]
         config = self.vae.config
         latents = latents.to(self.vae.dtype)
         shape = (1, config.z_dim, 1, 1, 1)
@@ -384,19 +386,6 @@ class WanAdapter(FlowMatchAdapter):
             frames = (video[:: self.frame_step] * 255).round().astype(np.uint8)
             strips.append(np.concatenate(list(frames), axis=1))
         return strips
-
-    def _load_preview_map(self, source: str) -> preview_maps.LatentRGB:
-        import os
-
-        if os.path.isdir(source):
-            fitted = preview_maps.load_preview_factors(source)
-            if fitted is not None:
-                return fitted
-
-        def decode_first_frame(z: torch.Tensor) -> torch.Tensor:  # [N, C, h, w] -> [N, 3, H, W]
-            return self._decode(z[:, :, None])[:, :, 0]
-
-        return preview_maps.fit_decoder(decode_first_frame, self._latent_channels(), self.vae_scale_factor)
 
 
 class WanI2VAdapter(WanAdapter):

@@ -233,3 +233,19 @@ def test_image_to_video_needs_its_first_frame(tiny_wan_i2v):
     with pytest.raises(ParamError) as info:
         load_adapter(tiny_wan_i2v).resolve(SamplingParams(prompt="a cat"))
     assert info.value.param == "image"
+
+
+@pytest.mark.parametrize("family", ["wan", "wan-i2v"])
+def test_make_tiny_writes_a_video_checkpoint(family, tmp_path):
+    """`diffusiond make-tiny --family wan|wan-i2v`: the pipeline's own `from_pretrained` loads it, and its preview
+    map is fitted through the family's decode (a one-frame clip per latent image)."""
+    from diffusiond.daemon.cli import main
+    from diffusiond.models.preview import load_preview_factors
+
+    assert main(["make-tiny", "--family", family, "--out", str(tmp_path)]) == 0
+    fitted = load_preview_factors(tmp_path)
+    assert fitted is not None and fitted.source == "fitted" and len(fitted.factors) == 16
+    pipe = getattr(diffusers, {"wan": "WanPipeline", "wan-i2v": "WanImageToVideoPipeline"}[family]).from_pretrained(
+        tmp_path
+    )
+    assert pipe.vae_scale_factor_temporal == 4 and pipe.vae_scale_factor_spatial == 8

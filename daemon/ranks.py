@@ -43,12 +43,13 @@ def join_group(
     dtype: str = "float32",
     cfg_parallel: int = 1,
     ulysses: int = 1,
+    ring: int = 1,
     quantize: str = "none",
     quantize_skip: str | None = None,
     offload: str = "none",
 ) -> Rank:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    layout = ParallelLayout(world_size, cfg_parallel, ulysses)
+    layout = ParallelLayout(world_size, cfg_parallel, ulysses, ring)
     layout.validate()
     if device.startswith("cuda"):
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -65,6 +66,8 @@ def join_group(
     cfg_group, ulysses_group = build_groups(layout, rank)
     if cfg_group is not None:
         adapter.enable_cfg_parallel(cfg_group)
+    if ring > 1 and "ring" not in adapter.parallel:
+        raise ValueError(f"--ring {ring}: the {adapter.family} family does not support ring attention")
     if ulysses_group is not None:
         adapter.enable_ulysses(ulysses_group)
     return Rank(rank, world_size, adapter, TorchComm(device=device, faults=FaultBoard.from_env(attempt)))

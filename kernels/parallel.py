@@ -1,8 +1,17 @@
-"""How ranks split the work: the SPMD layout (CFG-parallel x Ulysses) and its process groups.
+"""How ranks split the work: the SPMD layout (CFG-parallel x ring x Ulysses) and its process groups.
 
-rank = cfg_rank * ulysses_degree + ulysses_rank. Ranks with the same cfg_rank form a Ulysses group (they shard one
-CFG branch's sequence); ranks with the same ulysses_rank form a CFG group (they hold the two branches of the same
-sequence shard). Every rank creates every group in the same order, as torch.distributed requires.
+rank = cfg_rank * (R * U) + ring_rank * U + ulysses_rank. Ranks with the same cfg_rank form a sequence group (they
+shard one CFG branch's sequence, R * U shards); within it, ranks with the same ring_rank form a Ulysses subgroup
+(all-to-all of heads over one contiguous block of shards) and ranks with the same ulysses_rank a ring (blocks pass
+round it, kernels/ring.py). Ranks with the same position in their sequence group form a CFG group (they hold the two
+branches of the same sequence shard). Every rank creates every group in the same order, as torch.distributed
+requires.
+
+| strategy     | flag             | group                          | per step                              |
+|--------------|------------------|--------------------------------|---------------------------------------|
+| CFG-parallel | --cfg-parallel 2 | same shard, other branch       | all_gather of the outputs             |
+| Ulysses      | --ulysses U      | same ring block                | 2 all_to_all per attention            |
+| ring         | --ring R         | same Ulysses position          | R - 1 send/recv of K, V per attention |
 """
 
 from __future__ import annotations
@@ -19,16 +28,24 @@ class ParallelLayout:
     world_size: int
     cfg_degree: int = 1
     ulysses_degree: int = 1
+    ring_degree: int = 1
+
+    @property
+    def sequence_degree(self) -> int:
+        return self.ulysses_degree * self.ring_degree
 
     def validate(self) -> None:
         if self.cfg_degree not in (1, 2):
             raise ValueError(f"--cfg-parallel must be 1 or 2 (two CFG branches), got {self.cfg_degree}")
         if self.ulysses_degree < 1:
             raise ValueError(f"--ulysses must be >= 1, got {self.ulysses_degree}")
-        if self.cfg_degree * self.ulysses_degree != self.world_size:
+        if self.ring_degree < 1:
+            raise ValueError(f"--ring must be >= 1, got {self.ring_degree}")
+        if self.cfg_degree * self.sequence_degree != self.world_size:
             raise ValueError(
-                f"--cfg-parallel ({self.cfg_degree}) x --ulysses ({self.ulysses_degree}) must equal the number of "
-                f"ranks ({self.world_size}: --nproc x --nnodes)"
+                f"--cfg-parallel ({self.cfg_degree}) x --ulysses ({self.ulysses_degree}) x --ring "
+                f"({self.ring_degree}) = {self.cfg_degree * self.sequence_degree} must equal the number of ranks "
+                f"({self.world_size}: --nproc x --nnodes)"
             )
 
 
@@ -40,19 +57,31 @@ class CFGGroup:
 
 
 def build_groups(layout: ParallelLayout, rank: int) -> tuple[CFGGroup | None, UlyssesGroup | None]:
+    """This rank's CFG group and sequence group (Ulysses and ring subgroups inside), None where the degree is 1."""
     layout.validate()
-    u = layout.ulysses_degree
-    cfg = ulysses = None
+    u, r, n = layout.ulysses_degree, layout.ring_degree, layout.sequence_degree
+    cfg = sequence = None
     if layout.cfg_degree > 1:
-        for ulysses_rank in range(u):
-            ranks = [c * u + ulysses_rank for c in range(layout.cfg_degree)]
+        for position in range(n):
+            ranks = [c * n + position for c in range(layout.cfg_degree)]
             group = dist.new_group(ranks)
             if rank in ranks:
                 cfg = CFGGroup(group, ranks.index(rank))
-    if u > 1:
+    if n > 1:
         for cfg_rank in range(layout.cfg_degree):
-            ranks = [cfg_rank * u + j for j in range(u)]
+            base = cfg_rank * n
+            ranks = list(range(base, base + n))
             group = dist.new_group(ranks)
+            rings = [dist.new_group([base + i * u + j for i in range(r)]) for j in range(u)] if r > 1 else []
+            blocks = [dist.new_group([base + i * u + j for j in range(u)]) for i in range(r)] if r > 1 and u > 1 else []
             if rank in ranks:
-                ulysses = UlyssesGroup(group, ranks.index(rank), u)
-    return cfg, ulysses
+                position = ranks.index(rank)
+                sequence = UlyssesGroup(
+                    group,
+                    position,
+                    n,
+                    ring=rings[position % u] if rings else None,
+                    ring_size=r,
+                    ulysses=blocks[position // u] if blocks else None,
+                )
+    return cfg, sequence

@@ -20,10 +20,15 @@ import torch.distributed as dist
 
 from diffusiond.kernels.attention import attention
 from diffusiond.kernels.collectives import collective
+from diffusiond.kernels.ring import ring_attention
 
 
 @dataclass
 class UlyssesGroup:
+    """The ranks that shard one sequence: U (Ulysses degree) x R (ring degree). Rank i of the group holds shard i of
+    the sequence; i = ring_rank * U + ulysses_rank, so each Ulysses subgroup's shards are contiguous (one ring block)
+    and the ring passes blocks in sequence order. Without a ring (R = 1) `group` is the Ulysses group."""
+
     group: dist.ProcessGroup
     rank: int
     size: int
@@ -31,6 +36,31 @@ class UlyssesGroup:
     text_len: int = 0
     # Shard sizes of the current forward's image sequence, per rank.
     shards: list[int] = field(default_factory=list)
+    # Ring attention (kernels/ring.py): the subgroups of this rank (None without a ring).
+    ring: dist.ProcessGroup | None = None
+    ring_size: int = 1
+    ulysses: dist.ProcessGroup | None = None
+
+    @property
+    def ulysses_size(self) -> int:
+        return self.size // self.ring_size
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self.rank % self.ulysses_size
+
+    @property
+    def ring_rank(self) -> int:
+        return self.rank // self.ulysses_size
+
+    @property
+    def ulysses_group(self) -> dist.ProcessGroup:
+        return self.ulysses if self.ulysses is not None else self.group
+
+    def block(self, ring_rank: int) -> list[int]:
+        """Shard sizes of ring rank `ring_rank`'s Ulysses subgroup (its block of the sequence)."""
+        u = self.ulysses_size
+        return self.shards[ring_rank * u : (ring_rank + 1) * u]
 
     def split(self, total: int) -> tuple[int, int]:
         """Set this forward's shard sizes; returns (start, stop) of this rank's slice."""
@@ -55,29 +85,35 @@ class UlyssesGroup:
 
 
 def _seq_to_heads(x: torch.Tensor, g: UlyssesGroup) -> torch.Tensor:
-    """[B, H, S_local, d] (my sequence shard, all heads) -> [B, H/N, S, d] (whole sequence, my heads)."""
+    """[B, H, S_local, d] (my sequence shard, all heads) -> [B, H/U, S_block, d] (my Ulysses subgroup's whole
+    block of the sequence: the whole sequence without a ring; my heads)."""
+    n = g.ulysses_size
+    if n == 1:
+        return x
     b, h, s_local, d = x.shape
-    n = g.size
+    shards = g.block(g.ring_rank)
     send = x.reshape(b, n, h // n, s_local, d).transpose(0, 1).contiguous()  # [N, B, H/N, S_local, d]
-    recv = [x.new_empty(b, h // n, s, d) for s in g.shards]
+    recv = [x.new_empty(b, h // n, s, d) for s in shards]
     sizes_out = [t.numel() for t in recv]
     out = x.new_empty(sum(sizes_out))
     with collective("ulysses all_to_all"):
-        dist.all_to_all_single(out, send.view(-1), sizes_out, [send[0].numel()] * n, group=g.group)
-    chunks = [c.view(b, h // n, s, d) for c, s in zip(out.split(sizes_out), g.shards, strict=True)]
+        dist.all_to_all_single(out, send.view(-1), sizes_out, [send[0].numel()] * n, group=g.ulysses_group)
+    chunks = [c.view(b, h // n, s, d) for c, s in zip(out.split(sizes_out), shards, strict=True)]
     return torch.cat(chunks, dim=2)
 
 
 def _heads_to_seq(x: torch.Tensor, g: UlyssesGroup) -> torch.Tensor:
-    """[B, H/N, S, d] -> [B, H, S_local, d]: the inverse of `_seq_to_heads`."""
+    """[B, H/U, S_block, d] -> [B, H, S_local, d]: the inverse of `_seq_to_heads`."""
+    n = g.ulysses_size
+    if n == 1:
+        return x
     b, hn, _, d = x.shape
-    n = g.size
-    parts = [p.contiguous() for p in x.split(g.shards, dim=2)]  # part j goes back to rank j
+    parts = [p.contiguous() for p in x.split(g.block(g.ring_rank), dim=2)]  # part j goes back to rank j
     send = torch.cat([p.view(-1) for p in parts])
     s_local = g.shards[g.rank]
     out = x.new_empty(n * b * hn * s_local * d)
     with collective("ulysses all_to_all"):
-        dist.all_to_all_single(out, send, [b * hn * s_local * d] * n, [p.numel() for p in parts], group=g.group)
+        dist.all_to_all_single(out, send, [b * hn * s_local * d] * n, [p.numel() for p in parts], group=g.ulysses_group)
     return out.view(n, b, hn, s_local, d).transpose(0, 1).reshape(b, n * hn, s_local, d)
 
 
@@ -96,8 +132,8 @@ def ulysses_sdpa(
     (text, identical on every rank) sit before (`replicated_first`) or after this rank's image shard. `backend`: the
     attention kernel (kernels/attention.py; None: SDPA). `attn_mask`: over the whole joint sequence, in the same
     order ([B, 1, 1, T + S] key padding: every rank attends over every key)."""
-    h = q.shape[1]
-    heads = slice(g.rank * h // g.size, (g.rank + 1) * h // g.size)
+    h, u = q.shape[1], g.ulysses_size
+    heads = slice(g.ulysses_rank * h // u, (g.ulysses_rank + 1) * h // u)
 
     def split(x):
         if replicated_first:
@@ -109,7 +145,16 @@ def ulysses_sdpa(
         rep, img = rep[:, heads], _seq_to_heads(img, g)
         return torch.cat([rep, img] if replicated_first else [img, rep], dim=2)  # [B, H/N, T + S, d]
 
-    out = attention(full(q), full(k), full(v), backend, attn_mask)
+    if g.ring_size > 1:
+        if attn_mask is not None:
+            raise ValueError("ring attention takes no attention mask")
+        out = ring_attention(
+            full(q), full(k), full(v), group=g.ring, rank=g.ring_rank, size=g.ring_size,
+            blocks=[sum(g.block(r)) for r in range(g.ring_size)], replicated=replicated,
+            replicated_first=replicated_first,
+        )  # fmt: skip
+    else:
+        out = attention(full(q), full(k), full(v), backend, attn_mask)
     total_img = out.shape[2] - replicated
     if replicated_first:
         rep, img = out[:, :, :replicated], out[:, :, replicated:]
@@ -118,10 +163,11 @@ def ulysses_sdpa(
     img = _heads_to_seq(img.contiguous(), g)  # [B, H, S_local, d]
     if not replicated:  # the whole sequence is sharded (Z-Image's unified stream)
         return img
-    gathered = [torch.empty_like(rep) for _ in range(g.size)]
-    with collective("ulysses all_gather"):
-        dist.all_gather(gathered, rep.contiguous(), group=g.group)
-    rep = torch.cat(gathered, dim=1)  # [B, H, T, d]
+    if u > 1:
+        gathered = [torch.empty_like(rep) for _ in range(u)]
+        with collective("ulysses all_gather"):
+            dist.all_gather(gathered, rep.contiguous(), group=g.ulysses_group)
+        rep = torch.cat(gathered, dim=1)  # [B, H, T, d]
     return torch.cat([rep, img] if replicated_first else [img, rep], dim=2)
 
 

@@ -142,7 +142,8 @@ class ModelAdapter(abc.ABC):
     family: ClassVar[str]
     guidance_styles: ClassVar[tuple[str, ...]]
     # Parallel strategies over several ranks: "cfg-parallel" (the two CFG rows, or halves of a batch without CFG),
-    # "ulysses" (sequence parallel attention; its degree must divide the transformer's heads).
+    # "ulysses" (sequence parallel attention; its degree must divide the transformer's heads), "ring" (ring attention
+    # over the sharded sequence, alone or with Ulysses; families whose attention takes no mask).
     parallel: ClassVar[tuple[str, ...]] = ("cfg-parallel",)
     # Step caches it implements (models/stepcache.py), besides "none", and whether they run with Ulysses.
     cache_methods: ClassVar[tuple[str, ...]] = ()
@@ -150,6 +151,8 @@ class ModelAdapter(abc.ABC):
     # Images a request may bring: "img2img" (starts from it, `strength`), "mask" (inpainting, with img2img), "edit"
     # (instruction editing), "references" (edits with more images: `reference_images`).
     image_inputs: ClassVar[tuple[str, ...]] = ()
+    # What it makes: "image" or "video" (clips of frames; `Capabilities` then carries the frame rules).
+    modality: ClassVar[str] = "image"
     # Packages its pipeline needs beyond diffusiond's own dependencies.
     needs: ClassVar[tuple[str, ...]] = ()
     capabilities: Capabilities

@@ -23,7 +23,7 @@ class FluxAdapter(FlowMatchAdapter):
     family = "flux"
     default_guidance = 3.5
     guidance_styles = ("distilled", "true-cfg")
-    parallel = ("cfg-parallel", "ulysses")
+    parallel = ("cfg-parallel", "ulysses", "ring")
     cache_methods = ("fbcache", "teacache")
     image_inputs = ("img2img", "mask")
     max_sequence_length = 512
@@ -141,7 +141,7 @@ class FluxAdapter(FlowMatchAdapter):
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:
         self.ulysses_group = group
-        check_heads(self.transformer.config.num_attention_heads, group.size)
+        check_heads(self.transformer.config.num_attention_heads, group.ulysses_size)
         self.transformer.set_attn_processor(UlyssesFluxAttnProcessor(group))
         shard_image_tokens(self.transformer, group)
 

@@ -32,7 +32,7 @@ class Flux2KleinAdapter(FlowMatchAdapter):
     default_steps = 50
     default_guidance = 4.0
     guidance_styles = ("cfg",)
-    parallel = ("cfg-parallel", "ulysses")
+    parallel = ("cfg-parallel", "ulysses", "ring")
     image_inputs = ("edit", "references")
     # Reference images above this area are scaled down to it (the pipeline's).
     max_context_area: ClassVar[int] = 1024 * 1024
@@ -167,7 +167,7 @@ class Flux2KleinAdapter(FlowMatchAdapter):
         """Image tokens (with an edit's reference tokens) and their rotary ids sharded across `group`; the text stays
         whole on every rank, the replicated prefix of each joint attention (as FLUX.1's)."""
         self.ulysses_group = group
-        check_heads(self.transformer.config.num_attention_heads, group.size)
+        check_heads(self.transformer.config.num_attention_heads, group.ulysses_size)
         for block in self.transformer.transformer_blocks:
             block.attn.set_processor(UlyssesFlux2AttnProcessor(group))
         for block in self.transformer.single_transformer_blocks:

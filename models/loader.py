@@ -54,7 +54,7 @@ def load_adapter(
     return adapter
 
 
-def check_features(model: str, *, ulysses: int = 1, cache: str = "none") -> None:
+def check_features(model: str, *, ulysses: int = 1, ring: int = 1, cache: str = "none") -> None:
     """Raises ValueError, saying why, when the family of `model` cannot run the parallel layout or step cache asked
     for: read from `model_index.json` and the family's declarations, before any rank starts or loads."""
     cls = adapter_for(read_model_index(model).get("_class_name", "<missing _class_name>"))
@@ -71,6 +71,13 @@ def check_features(model: str, *, ulysses: int = 1, cache: str = "none") -> None
             from diffusiond.kernels.ulysses import check_heads
 
             check_heads(heads, ulysses)
+    if ring > 1 and "ring" not in cls.parallel:
+        raise ValueError(
+            f"--ring {ring}: the {cls.family} family ({cls.pipeline_class}) does not support ring attention; it "
+            f"supports: {', '.join(cls.parallel)}"
+        )
+    if cache != "none" and ring > 1:
+        raise ValueError(f"--cache {cache} with --ring {ring}: step caching does not run with ring attention yet")
     if cache != "none" and ulysses > 1 and not cls.cache_with_ulysses:
         raise ValueError(f"--cache {cache} with --ulysses {ulysses}: the {cls.family} family cannot combine them yet")
     if cache != "none" and cache not in cls.cache_methods:

@@ -166,7 +166,7 @@ class QwenImageAdapter(FlowMatchAdapter):
             # Edit checkpoints modulate each token by whether it is the image's or the reference's: not sharded yet.
             raise ValueError("Ulysses is not supported for Qwen-Image checkpoints with zero_cond_t yet")
         self.ulysses_group = group
-        check_heads(self.transformer.config.num_attention_heads, group.size)
+        check_heads(self.transformer.config.num_attention_heads, group.ulysses_size)
         self.transformer.set_attn_processor(UlyssesQwenAttnProcessor(group))
 
         def shard_inputs(module, args, kwargs):

@@ -49,16 +49,19 @@ def families_table() -> str:
         return ", ".join(values) or "-"
 
     lines = [
-        "| `_class_name` | family | guidance | CFG-parallel | Ulysses | step cache | image inputs | needs |",
-        "|---|---|---|---|---|---|---|---|",
+        "| `_class_name` | family | output | guidance | CFG-parallel | Ulysses | ring | step cache | image inputs "
+        "| needs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, cls in ADAPTERS.items():
         cells = [
             f"`{name}`",
             cls.family,
+            cls.modality,
             listed(cls.guidance_styles),
             "yes" if "cfg-parallel" in cls.parallel else "no",
             "yes" if "ulysses" in cls.parallel else "no",
+            "yes" if "ring" in cls.parallel else "no",
             listed(cls.cache_methods),
             listed(cls.image_inputs),
             listed(cls.needs),

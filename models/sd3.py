@@ -22,7 +22,7 @@ class SD3Adapter(FlowMatchAdapter):
     family = "sd3"
     default_guidance = 7.0
     guidance_styles = ("cfg", "skip-layer")
-    parallel = ("cfg-parallel", "ulysses")
+    parallel = ("cfg-parallel", "ulysses", "ring")
     cache_methods = ("fbcache", "teacache")
     image_inputs = ("img2img", "mask")
     repeated_blocks = ("JointTransformerBlock",)  # diffusers 0.42's SD3 transformer names none
@@ -154,7 +154,7 @@ class SD3Adapter(FlowMatchAdapter):
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:
         self.ulysses_group = group
-        check_heads(self.transformer.config.num_attention_heads, group.size)
+        check_heads(self.transformer.config.num_attention_heads, group.ulysses_size)
         self.transformer.set_attn_processor(UlyssesJointAttnProcessor(group))
         shard_output(self.transformer.pos_embed, group)  # patch tokens [B, S, D] -> this rank's slice
         gather_output(self.transformer.proj_out, group)  # [B, S_local, p*p*C] -> [B, S, p*p*C] before unpatchify

@@ -151,10 +151,11 @@ class ProjectionPlan:
 class WanAdapter(FlowMatchAdapter):
     pipeline_class = "WanPipeline"
     family = "wan"
+    modality = "video"
     default_steps = 50
     default_guidance = 5.0
     guidance_styles = ("cfg",)
-    parallel = ("cfg-parallel", "ulysses")
+    parallel = ("cfg-parallel", "ulysses", "ring")
     # The pipelines' defaults: 81 frames at 832x480, played at 16 frames per second (Wan 2.1's rate).
     default_num_frames: ClassVar[int] = 81
     default_fps: ClassVar[int] = 16
@@ -173,7 +174,7 @@ class WanAdapter(FlowMatchAdapter):
         angles); self-attention all-to-alls, cross-attention needs nothing (each rank's queries attend to the whole
         text), and the last block's output is gathered for the output projection."""
         self.ulysses_group = group
-        check_heads(self.transformer.config.num_attention_heads, group.size)
+        check_heads(self.transformer.config.num_attention_heads, group.ulysses_size)
         blocks = self.transformer.blocks
         span: dict[str, int] = {}
 
@@ -219,7 +220,7 @@ class WanAdapter(FlowMatchAdapter):
     def _capabilities(self) -> Capabilities:
         return dataclasses.replace(
             super()._capabilities(),
-            modality="video",
+            modality=self.modality,
             default_num_frames=min(self.default_num_frames, self._max_frames()),
             max_num_frames=self._max_frames(),
             frame_step=self.frame_step,

@@ -50,7 +50,7 @@ class ZImageAdapter(FlowMatchAdapter):
         rotary angles; each attention all-to-alls to whole sequences of its heads, the padding mask kept whole. The
         refiners before (image and caption apart) run whole on every rank."""
         self.ulysses_group = group
-        check_heads(self.transformer.config.n_heads, group.size)
+        check_heads(self.transformer.config.n_heads, group.ulysses_size)
         layers = self.transformer.layers
         span: dict[str, int] = {}
 

@@ -54,7 +54,7 @@ def record_forwards(adapter) -> list[dict]:
         # SD3: [B, C, H, W] latents; FLUX, Qwen-Image: [B, S, C] packed tokens; Z-Image: a list of [C, 1, H, W]
         hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         first = hs[0]
-        if first.dim() == 4:  # Wan: [C, T, H, W] and a (t, h, w) patch
+        if isinstance(patch, (list, tuple)):  # Wan: [C, T, H, W] and a (t, h, w) patch
             tokens = math.prod(n // p for n, p in zip(first.shape[1:], patch, strict=True))
         else:
             tokens = first.shape[0] if first.dim() == 2 else (first.shape[-2] // patch) * (first.shape[-1] // patch)
@@ -93,12 +93,35 @@ def record_forwards(adapter) -> list[dict]:
     return forwards
 
 
+def record_ring_keys() -> list[list[int]]:
+    """Per ring attention kernel call on this rank: [keys it attended over, keys of the whole joint sequence] (a
+    ring that gathered everything everywhere would show them equal)."""
+    from diffusiond.kernels import ring, ulysses
+
+    calls: list[list[int]] = []
+    whole = [0]
+    real_kernel, real_ring = ring.attention_lse, ulysses.ring_attention
+
+    def counted(q, k, v):
+        calls.append([k.shape[2], whole[0]])
+        return real_kernel(q, k, v)
+
+    def ringed(q, k, v, **kwargs):
+        whole[0] = kwargs["replicated"] + sum(kwargs["blocks"])
+        return real_ring(q, k, v, **kwargs)
+
+    ring.attention_lse = counted
+    ulysses.ring_attention = ringed
+    return calls
+
+
 def main() -> None:
     torch.set_num_threads(1)
     model, out, cfg, ulysses, requests_json = sys.argv[1:6]
     requests = msgspec.json.decode(requests_json, type=list[SamplingParams])
-    rank = join_group(model, cfg_parallel=int(cfg), ulysses=int(ulysses))
+    rank = join_group(model, cfg_parallel=int(cfg), ulysses=int(ulysses), ring=int(os.environ.get("SPMD_RING", "1")))
     forwards = record_forwards(rank.adapter)
+    ring_keys = record_ring_keys() if os.environ.get("SPMD_RING", "1") != "1" else None
     decisions: list[list] = []
     attention_calls = None
     if backend := os.environ.get("SPMD_ATTENTION"):
@@ -136,6 +159,8 @@ def main() -> None:
     else:
         run_follower(rank.adapter, rank.comm)
     Path(out, f"forwards{rank.rank}.json").write_text(json.dumps(forwards))
+    if ring_keys is not None:
+        Path(out, f"ring{rank.rank}.json").write_text(json.dumps(ring_keys))
     if decisions:
         Path(out, f"reuse{rank.rank}.json").write_text(json.dumps(decisions))
     if attention_calls is not None:

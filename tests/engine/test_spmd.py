@@ -324,13 +324,16 @@ def two_ranks(
     cache: str | None = None,
     attention: str | None = None,
     compile: bool = False,
+    ring: int = 1,
 ) -> tuple[list[np.ndarray], list[list[dict]]]:
+    """The requests through a group of cfg x ulysses x ring ranks (2 unless a layout asks for more)."""
+    nproc = cfg * ulysses * ring
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
-        "2",
+        str(nproc),
         "--master-port",
         str(free_port()),
         str(WORKER),
@@ -341,50 +344,58 @@ def two_ranks(
         msgspec.json.encode(requests).decode(),
         *([cache] if cache else []),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"SPMD_ATTENTION": attention} if attention else {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPMD_RING": str(ring)}
+    if attention:
+        env["SPMD_ATTENTION"] = attention
     if compile:
         env["SPMD_COMPILE"] = "1"
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240 * (nproc // 2), env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     images = [np.load(out / f"{i}.npy") for i in range(len(requests))]
-    return images, [json.loads((out / f"forwards{r}.json").read_text()) for r in range(2)]
+    return images, [json.loads((out / f"forwards{r}.json").read_text()) for r in range(nproc)]
 
 
-def check_split(strategy: str, forwards: list[list[dict]]) -> int:
-    """Asserts the split; returns how many images the ranks decoded in all."""
-    assert forwards[0] and len(forwards[0]) == len(forwards[1]), "both ranks run the same forwards"
-    for f0, f1 in zip(*forwards, strict=True):
-        assert (f0["requests"], f0["cfg"]) == (f1["requests"], f1["cfg"])
-        (c0,), (c1,) = f0["calls"], f1["calls"]  # one transformer call per forward on each rank
+def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: bool = True) -> int:
+    """Asserts the split; returns how many images the ranks decoded in all. `strategy`: "cfg" (2 ranks), or
+    "sequence" (Ulysses, ring, or both: every rank shards the sequence)."""
+    world = len(forwards)
+    assert forwards[0] and all(len(f) == len(forwards[0]) for f in forwards), "every rank runs the same forwards"
+    for steps in zip(*forwards, strict=True):
+        f0 = steps[0]
+        assert all((f["requests"], f["cfg"]) == (f0["requests"], f0["cfg"]) for f in steps)
+        calls = [c for f in steps for c in f["calls"]]
+        assert len(calls) == world, "one transformer call per forward on each rank"
         if strategy == "cfg":
+            c0, c1 = calls
             n = f0["requests"]
             if f0["cfg"]:
                 # Each rank computes one branch: one row per request where one rank alone computes two.
-                assert c0["rows"] == c1["rows"] == n, (f0, f1)
+                assert c0["rows"] == c1["rows"] == n, steps
             elif n > 1:
                 # No CFG: the ranks split the requests (the first takes the odd one).
-                assert (c0["rows"], c1["rows"]) == ((n + 1) // 2, n // 2), (f0, f1)
+                assert (c0["rows"], c1["rows"]) == ((n + 1) // 2, n // 2), steps
         else:
             # Each rank's blocks see its own slice of the sequence (shards may differ by one token): the image
             # tokens, or with them what shares the sharded sequence (Z-Image: the caption).
-            full = c0["block_total"]
-            assert c0["tokens"] is None or full >= c0["tokens"], (c0, c1)
-            assert c0["block_tokens"] + c1["block_tokens"] == full and abs(c0["block_tokens"] - c1["block_tokens"]) <= 1
-            assert c0["rows"] == f0["requests"] * (2 if f0["cfg"] else 1)
+            full = calls[0]["block_total"]
+            assert calls[0]["tokens"] is None or full >= calls[0]["tokens"], calls
+            local = [c["block_tokens"] for c in calls]
+            assert sum(local) == full and max(local) - min(local) <= 1, calls
+            assert all(c["rows"] == f0["requests"] * (2 if f0["cfg"] else 1) for c in calls)
     if strategy == "cfg":
         assert any(f["cfg"] for f in forwards[0]), "the requests include CFG batches"
         assert any(not f["cfg"] and f["requests"] > 1 for f in forwards[0]), "and batches without CFG"
-    # Requests that finish together are decoded by both ranks, each its share; one finishing alone by rank 0 only.
+    # Requests that finish together are decoded by every rank, each its share; one finishing alone by rank 0 only.
     shared = 0
-    for f0, f1 in zip(*forwards, strict=True):
-        d0, d1 = f0.get("decoded", []), f1.get("decoded", [])
-        if d1:
-            n = d0[0] + d1[0]
-            assert (d0, d1) == ([(n + 1) // 2], [n // 2]), (f0, f1)
+    for steps in zip(*forwards, strict=True):
+        decoded = [f.get("decoded", []) for f in steps]
+        if any(decoded[1:]):
+            n = sum(d[0] for d in decoded)
+            assert decoded == [[len(range(r, n, world))] for r in range(world)], decoded
             shared += 1
-        else:
-            assert d0 in ([], [1]), f0
-    assert shared, "some requests finished together"
+        else:  # fewer finished than there are ranks: rank 0 decodes them
+            assert decoded[0] == [] or (len(decoded[0]) == 1 and decoded[0][0] < world), steps[0]
+    assert shared or not shared_decode, "some requests finished together"
     return sum(n for rank in forwards for f in rank for n in f.get("decoded", []))
 
 
@@ -415,12 +426,36 @@ def test_two_ranks_match_one(family, strategy, request, tmp_path):
     expected = one_rank(model, requests)
     cfg, ulysses = (2, 1) if strategy == "cfg" else (1, 2)
     got, forwards = two_ranks(model, tmp_path, cfg, ulysses, requests)
-    assert check_split(strategy, forwards) == len(requests)
+    assert check_split("cfg" if strategy == "cfg" else "sequence", forwards) == len(requests)
     for params, a, b in zip(requests, expected, got, strict=True):
         assert a.shape == b.shape
         diff = float(np.abs(a - b).max())
         print(f"{family}/{strategy} {params.prompt!r}: max abs diff {diff:.2e}")
         assert diff <= TOLERANCE, f"{family}/{strategy} {params.prompt!r}: max abs diff {diff}"
+
+
+@pytest.mark.parametrize(
+    ("family", "ulysses", "ring"),
+    [("sd3", 1, 2), ("flux", 1, 2), ("wan", 1, 2), ("flux2-klein", 1, 2), ("flux", 2, 2)],
+)
+def test_ring_attention_matches_one_rank(family, ulysses, ring, request, tmp_path):
+    """Ring attention (and Ulysses x ring on 4 ranks): the images of one rank, the sequence sharded over every rank,
+    and no rank's attention kernel ever sees the whole sequence's keys: each call gets one ring block (with the text
+    on one block) where one rank would attend over all of them."""
+    model = request.getfixturevalue(FIXTURES[family])
+    requests = REQUESTS[family]
+    expected = one_rank(model, requests)
+    got, forwards = two_ranks(model, tmp_path, 1, ulysses, requests, ring=ring)
+    # (Three requests finish together: shared decoding on 2 ranks, too few for 4.)
+    check_split("sequence", forwards, shared_decode=ulysses * ring <= 3)
+    for r in range(ulysses * ring):
+        calls = json.loads((tmp_path / f"ring{r}.json").read_text())
+        assert calls, "no ring attention ran"
+        assert all(keys < whole for keys, whole in calls), calls[:8]
+    for params, a, b in zip(requests, expected, got, strict=True):
+        diff = float(np.abs(a - b).max())
+        print(f"{family}/ring {ring} ulysses {ulysses} {params.prompt!r}: max abs diff {diff:.2e}")
+        assert diff <= TOLERANCE, f"{family}/ring {params.prompt!r}: max abs diff {diff}"
 
 
 @pytest.mark.parametrize("method", ["fbcache", "teacache"])

@@ -44,12 +44,13 @@ def join_group(
     cfg_parallel: int = 1,
     ulysses: int = 1,
     ring: int = 1,
+    tp: int = 1,
     quantize: str = "none",
     quantize_skip: str | None = None,
     offload: str = "none",
 ) -> Rank:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    layout = ParallelLayout(world_size, cfg_parallel, ulysses, ring)
+    layout = ParallelLayout(world_size, cfg_parallel, ulysses, ring, tp)
     layout.validate()
     if device.startswith("cuda"):
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -63,13 +64,16 @@ def join_group(
     adapter = load_adapter(
         model, device=device, dtype=dtype, quantize=quantize, quantize_skip=quantize_skip, offload=offload
     )
-    cfg_group, ulysses_group = build_groups(layout, rank)
-    if cfg_group is not None:
-        adapter.enable_cfg_parallel(cfg_group)
-    if ring > 1 and "ring" not in adapter.parallel:
-        raise ValueError(f"--ring {ring}: the {adapter.family} family does not support ring attention")
-    if ulysses_group is not None:
-        adapter.enable_ulysses(ulysses_group)
+    groups = build_groups(layout, rank, torch.device(device).type)
+    for degree, flag, strategy in ((ring, "--ring", "ring"), (tp, "--tp", "tp")):
+        if degree > 1 and strategy not in adapter.parallel:
+            raise ValueError(f"{flag} {degree}: the {adapter.family} family does not support {strategy}")
+    if groups.tp is not None:  # first: sharding replaces the linears the other strategies' processors call
+        adapter.enable_tp(groups.tp)
+    if groups.cfg is not None:
+        adapter.enable_cfg_parallel(groups.cfg)
+    if groups.sequence is not None:
+        adapter.enable_ulysses(groups.sequence)
     return Rank(rank, world_size, adapter, TorchComm(device=device, faults=FaultBoard.from_env(attempt)))
 
 

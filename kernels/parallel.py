@@ -1,22 +1,27 @@
-"""How ranks split the work: the SPMD layout (CFG-parallel x ring x Ulysses) and its process groups.
+"""How ranks split the work: the SPMD layout (CFG-parallel x ring x Ulysses x tensor parallel) and its process groups.
 
-rank = cfg_rank * (R * U) + ring_rank * U + ulysses_rank. Ranks with the same cfg_rank form a sequence group (they
-shard one CFG branch's sequence, R * U shards); within it, ranks with the same ring_rank form a Ulysses subgroup
-(all-to-all of heads over one contiguous block of shards) and ranks with the same ulysses_rank a ring (blocks pass
-round it, kernels/ring.py). Ranks with the same position in their sequence group form a CFG group (they hold the two
-branches of the same sequence shard). Every rank creates every group in the same order, as torch.distributed
-requires.
+Ranks form a grid (cfg, ring, ulysses, tp), row-major: rank = ((cfg_rank * R + ring_rank) * U + ulysses_rank) * T +
+tp_rank, tensor parallelism innermost (its all-reduces are the most frequent, so its ranks are neighbours: the same
+node, the fastest links). Ranks with the same cfg_rank and tp_rank form a sequence group (R * U shards of one CFG
+branch's sequence, ring-major); within it, ranks with the same ring_rank form a Ulysses subgroup (all-to-all of heads
+over one contiguous block of shards) and ranks with the same ulysses_rank a ring (blocks pass round it,
+kernels/ring.py). Ranks that differ only in cfg_rank form a CFG group (the two branches of the same shard), ranks that
+differ only in tp_rank a tensor-parallel group (a torch DeviceMesh: each holds 1/T of every block's linear weights).
+Every rank creates every group in the same order, as torch.distributed requires.
 
-| strategy     | flag             | group                          | per step                              |
-|--------------|------------------|--------------------------------|---------------------------------------|
-| CFG-parallel | --cfg-parallel 2 | same shard, other branch       | all_gather of the outputs             |
-| Ulysses      | --ulysses U      | same ring block                | 2 all_to_all per attention            |
-| ring         | --ring R         | same Ulysses position          | R - 1 send/recv of K, V per attention |
+| strategy        | flag             | group                       | per step                                      |
+|-----------------|------------------|-----------------------------|-----------------------------------------------|
+| CFG-parallel    | --cfg-parallel 2 | same shard, other branch    | all_gather of the outputs                     |
+| Ulysses         | --ulysses U      | same ring block             | 2 all_to_all per attention                    |
+| ring            | --ring R         | same Ulysses position       | R - 1 send/recv of K, V per attention         |
+| tensor parallel | --tp T           | same everything else        | 1 all_reduce per row-wise linear (block half) |
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
@@ -29,24 +34,42 @@ class ParallelLayout:
     cfg_degree: int = 1
     ulysses_degree: int = 1
     ring_degree: int = 1
+    tp_degree: int = 1
 
     @property
     def sequence_degree(self) -> int:
         return self.ulysses_degree * self.ring_degree
 
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.cfg_degree, self.ring_degree, self.ulysses_degree, self.tp_degree)
+
     def validate(self) -> None:
         if self.cfg_degree not in (1, 2):
             raise ValueError(f"--cfg-parallel must be 1 or 2 (two CFG branches), got {self.cfg_degree}")
-        if self.ulysses_degree < 1:
-            raise ValueError(f"--ulysses must be >= 1, got {self.ulysses_degree}")
-        if self.ring_degree < 1:
-            raise ValueError(f"--ring must be >= 1, got {self.ring_degree}")
-        if self.cfg_degree * self.sequence_degree != self.world_size:
+        for flag, degree in (
+            ("--ulysses", self.ulysses_degree),
+            ("--ring", self.ring_degree),
+            ("--tp", self.tp_degree),
+        ):
+            if degree < 1:
+                raise ValueError(f"{flag} must be >= 1, got {degree}")
+        product = self.cfg_degree * self.sequence_degree * self.tp_degree
+        if product != self.world_size:
             raise ValueError(
                 f"--cfg-parallel ({self.cfg_degree}) x --ulysses ({self.ulysses_degree}) x --ring "
-                f"({self.ring_degree}) = {self.cfg_degree * self.sequence_degree} must equal the number of ranks "
+                f"({self.ring_degree}) x --tp ({self.tp_degree}) = {product} must equal the number of ranks "
                 f"({self.world_size}: --nproc x --nnodes)"
             )
+
+    def rank_of(self, cfg: int, ring: int, ulysses: int, tp: int) -> int:
+        return ((cfg * self.ring_degree + ring) * self.ulysses_degree + ulysses) * self.tp_degree + tp
+
+    def coordinates(self, rank: int) -> tuple[int, int, int, int]:
+        """(cfg, ring, ulysses, tp) of `rank`."""
+        tp, rest = rank % self.tp_degree, rank // self.tp_degree
+        ulysses, rest = rest % self.ulysses_degree, rest // self.ulysses_degree
+        return rest // self.ring_degree, rest % self.ring_degree, ulysses, tp
 
 
 @dataclass(frozen=True)
@@ -56,32 +79,45 @@ class CFGGroup:
     rank: int
 
 
-def build_groups(layout: ParallelLayout, rank: int) -> tuple[CFGGroup | None, UlyssesGroup | None]:
-    """This rank's CFG group and sequence group (Ulysses and ring subgroups inside), None where the degree is 1."""
+@dataclass(frozen=True)
+class Groups:
+    """This rank's groups; None where the degree is 1."""
+
+    cfg: CFGGroup | None = None
+    sequence: UlyssesGroup | None = None
+    # A 1-D torch DeviceMesh over this rank's tensor-parallel group (torch.distributed.tensor.parallel takes meshes).
+    tp: Any = None
+
+
+def build_groups(layout: ParallelLayout, rank: int, device_type: str = "cpu") -> Groups:
     layout.validate()
-    u, r, n = layout.ulysses_degree, layout.ring_degree, layout.sequence_degree
-    cfg = sequence = None
-    if layout.cfg_degree > 1:
-        for position in range(n):
-            ranks = [c * n + position for c in range(layout.cfg_degree)]
+    c, r, u, t = layout.shape
+    cfg = sequence = tp = None
+    if c > 1:
+        for ring_rank, ulysses_rank, tp_rank in itertools.product(range(r), range(u), range(t)):
+            ranks = [layout.rank_of(i, ring_rank, ulysses_rank, tp_rank) for i in range(c)]
             group = dist.new_group(ranks)
             if rank in ranks:
                 cfg = CFGGroup(group, ranks.index(rank))
-    if n > 1:
-        for cfg_rank in range(layout.cfg_degree):
-            base = cfg_rank * n
-            ranks = list(range(base, base + n))
+    if r * u > 1:
+        for cfg_rank, tp_rank in itertools.product(range(c), range(t)):
+            ranks = [layout.rank_of(cfg_rank, i, j, tp_rank) for i in range(r) for j in range(u)]  # ring-major
             group = dist.new_group(ranks)
-            rings = [dist.new_group([base + i * u + j for i in range(r)]) for j in range(u)] if r > 1 else []
-            blocks = [dist.new_group([base + i * u + j for j in range(u)]) for i in range(r)] if r > 1 and u > 1 else []
+            rings = [dist.new_group(ranks[j::u]) for j in range(u)] if r > 1 else []
+            blocks = [dist.new_group(ranks[i * u : (i + 1) * u]) for i in range(r)] if r > 1 and u > 1 else []
             if rank in ranks:
                 position = ranks.index(rank)
                 sequence = UlyssesGroup(
                     group,
                     position,
-                    n,
+                    r * u,
                     ring=rings[position % u] if rings else None,
                     ring_size=r,
                     ulysses=blocks[position // u] if blocks else None,
                 )
-    return cfg, sequence
+    if t > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=("cfg", "ring", "ulysses", "tp"))
+        tp = mesh["tp"]
+    return Groups(cfg, sequence, tp)

@@ -221,6 +221,30 @@ class FlowMatchAdapter(ModelAdapter):
     def enable_ulysses(self, group: Any) -> None:
         raise ValueError(f"the {self.family} family does not support Ulysses sequence parallelism")
 
+    # (bytes of the transformer's parameters on this rank, before sharding) once tensor parallel.
+    tp_bytes: tuple[int, int] | None = None
+
+    def enable_tp(self, mesh: Any) -> None:
+        """Shard the transformer's block linears over the tensor-parallel `mesh` (kernels/tensor_parallel.py) by the
+        family's plan. The text encoders and the VAE stay whole on every rank (they run once per request)."""
+        from diffusiond.kernels.tensor_parallel import shard
+
+        plan = self._tp_plan()
+        if "tp" not in self.parallel or not plan:
+            raise ValueError(f"the {self.family} family does not support tensor parallelism")
+        heads = self.transformer.config.num_attention_heads
+        if heads % mesh.size():
+            raise ValueError(f"--tp {mesh.size()} must divide the number of attention heads ({heads})")
+        self.tp_bytes = shard(self.transformer, plan, mesh)
+        self._after_tp(mesh.size())
+
+    def _tp_plan(self) -> dict[str, Any]:
+        """The transformer's plan in diffusers' `_tp_plan` format (diffusers ships FLUX's, FLUX.2's, Qwen-Image's)."""
+        return dict(getattr(self.transformer, "_tp_plan", None) or {})
+
+    def _after_tp(self, degree: int) -> None:
+        """Attention processors that count heads from `attn.heads` now see 1/degree of them."""
+
     def resolve(self, params: SamplingParams) -> SamplingParams:
         caps = self.capabilities
         if not isinstance(params.prompt, str) or not params.prompt.strip():

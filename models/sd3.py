@@ -22,7 +22,7 @@ class SD3Adapter(FlowMatchAdapter):
     family = "sd3"
     default_guidance = 7.0
     guidance_styles = ("cfg", "skip-layer")
-    parallel = ("cfg-parallel", "ulysses", "ring")
+    parallel = ("cfg-parallel", "ulysses", "ring", "tp")
     cache_methods = ("fbcache", "teacache")
     image_inputs = ("img2img", "mask")
     repeated_blocks = ("JointTransformerBlock",)  # diffusers 0.42's SD3 transformer names none
@@ -151,6 +151,34 @@ class SD3Adapter(FlowMatchAdapter):
             scale = slg_scale[index].to(guided.dtype).view(-1, 1, 1, 1)
             guided[index] = guided[index] + (text[index] - skipped) * scale
         return guided
+
+    def _tp_plan(self) -> dict[str, str]:
+        """diffusers 0.42 has none for SD3: each joint block's attention projections (a second, self-only attention in
+        SD3.5's dual layers) and feed-forwards; the last block has no context output or context feed-forward."""
+        plan = {}
+        for i, block in enumerate(self.transformer.transformer_blocks):
+            for name in ("attn", "attn2"):
+                attn = getattr(block, name, None)
+                if attn is None:
+                    continue
+                for linear in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
+                    if getattr(attn, linear, None) is not None:
+                        plan[f"transformer_blocks.{i}.{name}.{linear}"] = "colwise"
+                plan[f"transformer_blocks.{i}.{name}.to_out.0"] = "rowwise"
+                if getattr(attn, "to_add_out", None) is not None:
+                    plan[f"transformer_blocks.{i}.{name}.to_add_out"] = "rowwise"
+            for ff in ("ff", "ff_context"):
+                if getattr(block, ff, None) is not None:
+                    plan[f"transformer_blocks.{i}.{ff}.net.0.proj"] = "colwise"
+                    plan[f"transformer_blocks.{i}.{ff}.net.2"] = "rowwise"
+        return plan
+
+    def _after_tp(self, degree: int) -> None:
+        from diffusers.models.attention_processor import Attention
+
+        for module in self.transformer.modules():
+            if isinstance(module, Attention):  # SD3's processors split heads by `attn.heads`
+                module.heads //= degree
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:
         self.ulysses_group = group

@@ -119,7 +119,13 @@ def main() -> None:
     torch.set_num_threads(1)
     model, out, cfg, ulysses, requests_json = sys.argv[1:6]
     requests = msgspec.json.decode(requests_json, type=list[SamplingParams])
-    rank = join_group(model, cfg_parallel=int(cfg), ulysses=int(ulysses), ring=int(os.environ.get("SPMD_RING", "1")))
+    rank = join_group(
+        model,
+        cfg_parallel=int(cfg),
+        ulysses=int(ulysses),
+        ring=int(os.environ.get("SPMD_RING", "1")),
+        tp=int(os.environ.get("SPMD_TP", "1")),
+    )
     forwards = record_forwards(rank.adapter)
     ring_keys = record_ring_keys() if os.environ.get("SPMD_RING", "1") != "1" else None
     decisions: list[list] = []
@@ -161,6 +167,8 @@ def main() -> None:
     Path(out, f"forwards{rank.rank}.json").write_text(json.dumps(forwards))
     if ring_keys is not None:
         Path(out, f"ring{rank.rank}.json").write_text(json.dumps(ring_keys))
+    if rank.adapter.tp_bytes is not None:
+        Path(out, f"tp{rank.rank}.json").write_text(json.dumps(rank.adapter.tp_bytes))
     if decisions:
         Path(out, f"reuse{rank.rank}.json").write_text(json.dumps(decisions))
     if attention_calls is not None:

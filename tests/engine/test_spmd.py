@@ -325,9 +325,10 @@ def two_ranks(
     attention: str | None = None,
     compile: bool = False,
     ring: int = 1,
+    tp: int = 1,
 ) -> tuple[list[np.ndarray], list[list[dict]]]:
-    """The requests through a group of cfg x ulysses x ring ranks (2 unless a layout asks for more)."""
-    nproc = cfg * ulysses * ring
+    """The requests through a group of cfg x ulysses x ring x tp ranks (2 unless a layout asks for more)."""
+    nproc = cfg * ulysses * ring * tp
     cmd = [
         sys.executable,
         "-m",
@@ -344,7 +345,7 @@ def two_ranks(
         msgspec.json.encode(requests).decode(),
         *([cache] if cache else []),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPMD_RING": str(ring)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPMD_RING": str(ring), "SPMD_TP": str(tp)}
     if attention:
         env["SPMD_ATTENTION"] = attention
     if compile:
@@ -456,6 +457,33 @@ def test_ring_attention_matches_one_rank(family, ulysses, ring, request, tmp_pat
         diff = float(np.abs(a - b).max())
         print(f"{family}/ring {ring} ulysses {ulysses} {params.prompt!r}: max abs diff {diff:.2e}")
         assert diff <= TOLERANCE, f"{family}/ring {params.prompt!r}: max abs diff {diff}"
+
+
+@pytest.mark.parametrize(
+    ("family", "cfg"), [("sd3", 1), ("sd35", 1), ("flux", 1), ("flux2-klein", 1), ("qwen-image", 1), ("flux", 2)]
+)
+def test_tensor_parallel_matches_one_rank(family, cfg, request, tmp_path):
+    """--tp 2 (and --cfg-parallel 2 x --tp 2 on 4 ranks): one rank's images, while each rank holds its shard of the
+    block linears (a TP that kept whole weights on every rank would show the bytes unchanged), and every rank of a
+    tensor-parallel group runs the same rows (the split is inside the linears, not across requests)."""
+    fixture = {"sd35": "tiny_sd35"}.get(family, FIXTURES.get(family))
+    model = request.getfixturevalue(fixture)
+    requests = REQUESTS[{"sd35": "sd3"}.get(family, family)][:4]
+    expected = one_rank(model, requests)
+    got, forwards = two_ranks(model, tmp_path, cfg, 1, requests, tp=2)
+    world = 2 * cfg
+    for r in range(world):
+        local, whole = json.loads((tmp_path / f"tp{r}.json").read_text())
+        assert local < 0.9 * whole, (r, local, whole)
+    for steps in zip(*forwards, strict=True):
+        rows = [[c["rows"] for c in f["calls"]] for f in steps]
+        assert rows[0] == rows[1] and rows[-2] == rows[-1], rows  # the two ranks of each TP group: the same rows
+        if cfg == 2 and steps[0]["cfg"]:
+            assert rows[0] == [steps[0]["requests"]], rows  # and the CFG split on top: one branch per rank
+    for params, a, b in zip(requests, expected, got, strict=True):
+        diff = float(np.abs(a - b).max())
+        print(f"{family}/tp 2 cfg {cfg} {params.prompt!r}: max abs diff {diff:.2e}")
+        assert diff <= TOLERANCE, f"{family}/tp {params.prompt!r}: max abs diff {diff}"
 
 
 @pytest.mark.parametrize("method", ["fbcache", "teacache"])

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
-from aiohttp import web
+from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from diffusiond.daemon.config import MAX_N
 from diffusiond.engine.request import (
+    MAX_IMAGE_BYTES,
     CacheThreshold,
     Every,
+    Fps,
     Fraction,
+    Frames,
     Guidance,
     ImageFile,
     Layers,
@@ -104,6 +108,37 @@ class ImageEditRequest(ImageGenerationRequest, kw_only=True):
     strength: Fraction | None = None
 
 
+VideoFormat = Literal["mp4", "webp"]
+# A base64 data URL of an image file (input_reference in JSON bodies): what base64 makes of the largest file, and more.
+DataUrl = Annotated[str, msgspec.Meta(max_length=4 * MAX_IMAGE_BYTES // 3 + 1024)]
+
+
+class InputReference(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """OpenAI's `input_reference` object (JSON bodies): an image as a data URL; files by id are not kept here."""
+
+    image_url: DataUrl | None = None
+    file_id: Short | None = None
+
+
+class VideoCreateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """OpenAI `POST /v1/videos` (multipart, as OpenAI's clients send it, or JSON), plus our extensions (from
+    `negative_prompt` on). `seconds`: a string as OpenAI's, or a number; `input_reference` arrives as a file part in
+    multipart bodies."""
+
+    prompt: Prompt
+    model: Short | None = None
+    seconds: Short | float | None = None
+    size: Short | None = None
+    input_reference: InputReference | None = None
+    user: Short | None = None
+    negative_prompt: Prompt | None = None
+    seed: Seed | None = None
+    num_inference_steps: Steps | None = None
+    guidance_scale: Guidance | None = None
+    num_frames: Frames | None = None
+    fps: Fps | None = None
+
+
 class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Native `POST /v1/generations`: an SSE stream of everything the engine knows about one request."""
 
@@ -134,6 +169,11 @@ class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     mask: ImageFile | None = None
     # Multi-reference edits: more images (base64) after `image`, for families that declare "references".
     reference_images: References | None = None
+    # Video models: frames of the clip (the family's rule, Wan's 4k + 1) and the frame rate of its file (default:
+    # the model's); the file's format ("mp4", H.264; "webp", lossless animated WebP: the exact frames).
+    num_frames: Frames | None = None
+    fps: Fps | None = None
+    video_format: VideoFormat | None = None
 
 
 _PARAM_PATTERNS = (
@@ -222,3 +262,54 @@ def validate_openai(req: ImageGenerationRequest, max_n: int = MAX_N) -> None:
         raise ApiError(400, "output_compression applies to jpeg and webp only", param="output_compression")
     if req.partial_images and not req.stream:
         raise ApiError(400, "partial_images needs stream=true", param="partial_images")
+
+
+# A multipart body: its text fields are short (the longest, a prompt, is 10,000 characters), its files few; anything
+# more is refused as it arrives, so no body is read whole.
+MAX_FORM_PARTS = 64
+MAX_FIELD_BYTES = 64 << 10
+
+
+async def read_form(
+    request: web.Request, files: dict[str, int], file_bytes: int, *, aliases: dict[str, str] | None = None
+) -> tuple[dict[str, str], dict[str, list[bytes]]]:
+    """A multipart/form-data body, part by part: its text fields, and its files by name (at most `files[name]` of
+    each, of at most `file_bytes` each; `aliases` maps other part names onto them, as `image[]` onto `image`).
+    ApiError (400) names the part that breaks a limit."""
+    fields: dict[str, str] = {}
+    found: dict[str, list[bytes]] = {name: [] for name in files}
+    aliases = aliases or {}
+    try:
+        reader = await request.multipart()
+        for _ in range(MAX_FORM_PARTS + 1):
+            part = await reader.next()
+            if part is None:
+                break
+            if not isinstance(part, BodyPartReader) or not part.name:
+                raise ApiError(400, "every multipart part must be a named field", code="invalid_multipart")
+            name = aliases.get(part.name, part.name)
+            if name in found:
+                found[name].append(await _read_part(part, name, file_bytes))
+                if len(found[name]) > files[name]:
+                    raise ApiError(400, f"send at most {files[name]} {name} file(s) per request", param=name)
+            elif name in fields:
+                raise ApiError(400, f"{name} is sent twice", param=name)
+            else:
+                try:
+                    fields[name] = (await _read_part(part, name, MAX_FIELD_BYTES)).decode()
+                except UnicodeDecodeError:
+                    raise ApiError(400, f"{name} is not UTF-8 text", param=name) from None
+        else:
+            raise ApiError(400, f"more than {MAX_FORM_PARTS} multipart parts", code="invalid_multipart")
+    except (ValueError, HttpProcessingError) as exc:  # aiohttp's words for a malformed multipart body
+        raise ApiError(400, f"malformed multipart body: {exc}", code="invalid_multipart") from None
+    return fields, found
+
+
+async def _read_part(part: BodyPartReader, name: str, limit: int) -> bytes:
+    data = bytearray()
+    while chunk := await part.read_chunk(1 << 16):
+        data += chunk
+        if len(data) > limit:
+            raise ApiError(400, f"{name} is larger than {limit} bytes", param=name, code="too_large")
+    return bytes(data)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import io
 import logging
 import os
 import time
@@ -17,10 +18,11 @@ from pathlib import Path
 
 import msgspec
 from aiohttp import web
+from PIL import Image
 from prometheus_client.exposition import choose_encoder
 
 from diffusiond import __version__
-from diffusiond.daemon import native_api, openai_api
+from diffusiond.daemon import native_api, openai_api, videos_api
 from diffusiond.daemon.api import ApiError, body_limit, too_large
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.images import encoder_pool
@@ -46,11 +48,17 @@ def create_app(config: ServeConfig, *, load: Loader | None = None) -> web.Applic
     app[METRICS] = Metrics()
     app[LOAD] = load or _default_loader(config)
     app.cleanup_ctx.append(engine_ctx)
+    app.cleanup_ctx.append(videos_api.videos_ctx)  # after the engine's: it ends first, while the engine runs
     app.router.add_post("/v1/images/generations", openai_api.images_generations)
     app.router.add_post("/v1/images/edits", openai_api.images_edits)
     app.router.add_post("/v1/generations", native_api.generations)
     app.router.add_get("/v1/generations/{id}", native_api.generation_status)
     app.router.add_delete("/v1/generations/{id}", native_api.generation_cancel)
+    app.router.add_post("/v1/videos", videos_api.create_video)
+    app.router.add_get("/v1/videos", videos_api.list_videos)
+    app.router.add_get("/v1/videos/{id}", videos_api.retrieve_video)
+    app.router.add_delete("/v1/videos/{id}", videos_api.delete_video)
+    app.router.add_get("/v1/videos/{id}/content", videos_api.video_content)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
@@ -166,6 +174,11 @@ def warm_up_params(caps: Capabilities, limits: RequestLimits | None = None) -> S
     width, height = caps.default_width, caps.default_height
     if limits is not None and width * height > limits.max_pixels:  # the operator allows less: the smallest size
         width, height = min(caps.sizes, key=lambda s: s[0] * s[1]) if caps.sizes else (caps.size_multiple * 2,) * 2
+    # Families that animate an image need one (a gray picture, encoded as a client would send it).
+    image = _gray_png(width, height) if videos_api.FIRST_FRAME in caps.image_inputs else None
+    # Video: the default size in the shortest clip past one frame (1 + frame_step frames), not the default clip,
+    # whose every step costs about a minute for Wan 14B at 81 frames on one GPU; it runs every kernel all the same.
+    frames = 1 + caps.frame_step if caps.modality == "video" and caps.frame_step else None
     return SamplingParams(
         prompt="warm-up",
         seed=0,
@@ -173,7 +186,15 @@ def warm_up_params(caps: Capabilities, limits: RequestLimits | None = None) -> S
         height=height,
         num_inference_steps=steps,
         guidance_scale=caps.default_guidance,
+        image=image,
+        num_frames=frames,
     )
+
+
+def _gray_png(width: int, height: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (128, 128, 128)).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def warm_up_requests(
@@ -192,11 +213,12 @@ def warm_up_requests(
 
 def request_limits(config: ServeConfig, caps: Capabilities) -> RequestLimits:
     """The operator's limits, or defaults from the model: 4x its default image area (capped by its largest
-    sides) and 4x its default step count (at least 50)."""
+    sides), 4x its default step count (at least 50) and, for video, the most frames it makes."""
     default_pixels = min(4 * caps.default_width * caps.default_height, caps.max_side * caps.max_side)
     return RequestLimits(
         max_pixels=config.max_pixels or default_pixels,
         max_steps=config.max_steps or max(50, 4 * caps.default_steps),
+        max_frames=(config.max_frames or caps.max_num_frames) if caps.modality == "video" else None,
     )
 
 

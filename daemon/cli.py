@@ -260,11 +260,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if config.compile and config.ulysses > 1:
             # Ulysses runs its all-to-alls inside the attention of the blocks --compile would trace.
             raise ConfigError("--compile does not run with --ulysses yet; drop one (CFG-parallel ranks compile)")
+        if config.ring > 1 and (config.compile or config.attention not in ("auto", "sdpa")):
+            # Ring attention merges blocks by the log-sum-exp that only its SDPA kernels return.
+            raise ConfigError("--ring runs its own SDPA kernels: drop --compile and --attention other than sdpa")
+        if config.tp > 1 and (config.compile or config.quantize != "none" or config.offload != "none"):
+            raise ConfigError("--tp shards plain weights: drop --compile, --quantize and --offload with it")
+        if config.video_dir is not None:
+            from diffusiond.daemon.video_store import folder_problem
+
+            if (problem := folder_problem(config.video_dir)) is not None:
+                raise ConfigError(f"--video-dir {config.video_dir}: {problem}")
         if config.model is not None and os.path.isdir(config.model):  # hub ids: at load; the bundled model: SD3
             from diffusiond.models.loader import check_features
 
             try:
-                check_features(config.model, ulysses=config.ulysses, cache=config.cache)
+                check_features(config.model, ulysses=config.ulysses, ring=config.ring, tp=config.tp, cache=config.cache)
             except (ValueError, FileNotFoundError) as exc:
                 raise ConfigError(str(exc)) from None
     except (ConfigError, AttentionUnavailable, quantize.QuantizationUnavailable, offload.OffloadUnavailable) as exc:
@@ -368,7 +378,32 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     add("--max-pixels", type=int, help="largest width x height of one image (default: 4x the model's default area)")
     add("--max-steps", type=int, help="most denoising steps per request (default: 4x the model's default, >= 50)")
+    add("--max-frames", type=int, help="video models: most frames per clip (default: the most the model makes)")
     add("--max-n", type=int, help=f"most images per OpenAI request (default: {d.max_n})")
+
+    add = parser.add_argument_group("video jobs (/v1/videos)").add_argument
+    add(
+        "--video-dir",
+        metavar="DIR",
+        help="folder finished videos are kept in, across restarts (default: a temporary folder removed at exit)",
+    )
+    add(
+        "--video-store-bytes",
+        type=int,
+        metavar="BYTES",
+        help=f"bytes the finished videos may take; the oldest finished go first (default: {d.video_store_bytes})",
+    )
+    add(
+        "--video-ttl",
+        type=float,
+        metavar="S",
+        help=f"seconds a finished video is kept, its expires_at (default: {d.video_ttl:g})",
+    )
+    add(
+        "--video-max-jobs",
+        type=int,
+        help=f"video jobs remembered, finished or not; a running job is never dropped (default: {d.video_max_jobs})",
+    )
 
     add = parser.add_argument_group("acceleration").add_argument
     add(
@@ -441,11 +476,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
     add = parser.add_argument_group(
         "several ranks (SPMD, under torch.distributed's elastic agent)",
-        "cfg-parallel x ulysses = nproc x nnodes; global rank 0 serves HTTP",
+        "cfg-parallel x ulysses x ring x tp = nproc x nnodes; global rank 0 serves HTTP",
     ).add_argument
     add("--nproc", type=int, help=f"ranks on this node, one per device (default: {d.nproc})")
     add("--cfg-parallel", type=int, help=f"CFG-parallel degree, 1 or 2 (default: {d.cfg_parallel})")
     add("--ulysses", type=int, help=f"Ulysses sequence-parallel degree (default: {d.ulysses})")
+    add("--ring", type=int, help=f"ring attention degree, composes with --ulysses (default: {d.ring})")
+    add("--tp", type=int, help=f"tensor-parallel degree: each rank holds 1/tp of the block weights (default: {d.tp})")
     add(
         "--max-restarts",
         type=int,

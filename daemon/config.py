@@ -53,6 +53,8 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # What one request may ask for. None: from the model (4x its default image area, up to its largest sides; 4x
     # its default step count, at least 50). max_n: images per OpenAI request.
     max_pixels: Positive | None = None
+    # Video models: the most frames one clip may have (default: the most the model makes).
+    max_frames: Positive | None = None
     max_steps: Annotated[int, msgspec.Meta(ge=1, le=MAX_STEPS)] | None = None
     max_n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 10
     # Seconds without an event after which an SSE stream gets a comment line, so proxies keep it open.
@@ -64,6 +66,14 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # The largest image file a request may bring (edits, img2img): multipart parts, or base64 in native JSON bodies,
     # whose limit grows by what the images take.
     max_image_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_IMAGE_BYTES)] = 16 << 20
+    # Video jobs (`/v1/videos`): the folder finished videos are kept in (default: a temporary folder of this process,
+    # removed when it exits; a folder given here keeps them across restarts), the bytes they may take there (the
+    # oldest finished go first), the seconds each is kept after it finishes (its `expires_at`), and how many jobs,
+    # finished or not, are remembered (a running job is never dropped).
+    video_dir: str | None = None
+    video_store_bytes: Positive = 1 << 30
+    video_ttl: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
+    video_max_jobs: Positive = 1024
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     log_format: Literal["text", "json"] = "text"
     # Seconds that running requests get to finish after SIGTERM/SIGINT before they are cancelled.
@@ -76,6 +86,10 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     nproc: Positive = 1
     cfg_parallel: Positive = 1
     ulysses: Positive = 1
+    # Ring attention over the sharded sequence (kernels/ring.py), alone or with Ulysses: U x R ranks per sequence.
+    ring: Positive = 1
+    # Tensor parallelism (kernels/tensor_parallel.py): each rank holds 1/tp of the transformer's block linears.
+    tp: Positive = 1
     max_restarts: NonNegative = 3
     # Step caching with a decision per request (models/stepcache.py): "fbcache" reuses a request's remaining
     # blocks while its first block's residual changes by less than cache_threshold; "teacache" reuses all blocks

@@ -55,7 +55,9 @@ def launch(config: ServeConfig) -> int:
         log.error("--nnodes %d needs --rdzv-endpoint HOST:PORT, the same on every node", config.nnodes)
         return EXIT_USAGE
     try:
-        ParallelLayout(config.nnodes * config.nproc, config.cfg_parallel, config.ulysses).validate()
+        ParallelLayout(
+            config.nnodes * config.nproc, config.cfg_parallel, config.ulysses, config.ring, config.tp
+        ).validate()
     except ValueError as exc:
         log.error("%s", exc)
         return EXIT_USAGE
@@ -92,11 +94,13 @@ def launch(config: ServeConfig) -> int:
         local_addr=config.node_addr,
     )
     log.info(
-        "launching %d ranks on this node, %d in all (cfg-parallel %d, ulysses %d, max restarts %d)%s",
+        "launching %d ranks on this node, %d in all (cfg-parallel %d, ulysses %d, ring %d, tp %d, max restarts %d)%s",
         config.nproc,
         config.nnodes * config.nproc,
         config.cfg_parallel,
         config.ulysses,
+        config.ring,
+        config.tp,
         config.max_restarts,
         f", rendezvous {config.rdzv_endpoint} ({config.rdzv_id})" if several else "",
     )
@@ -139,6 +143,8 @@ def run_rank(config: ServeConfig) -> int:
             dtype=config.dtype,
             cfg_parallel=config.cfg_parallel,
             ulysses=config.ulysses,
+            ring=config.ring,
+            tp=config.tp,
             quantize=config.quantize,
             quantize_skip=config.quantize_skip,
             offload=config.offload,

@@ -25,6 +25,7 @@ from diffusiond.daemon.streaming import (
     unknown_words,
     with_keepalive,
 )
+from diffusiond.daemon.video import EncodedVideo, encode_video
 from diffusiond.engine.outputs import Cancelled, Completed, Failed, Latent, Preview, Progress, Queued
 from diffusiond.engine.request import SamplingParams
 
@@ -59,6 +60,8 @@ def parse_generation(data: bytes) -> tuple[GenerationRequest, SamplingParams]:
         strength=body.strength,
         mask=body.mask,
         reference_images=body.reference_images,
+        num_frames=body.num_frames,
+        fps=body.fps,
     )
     return body, params
 
@@ -67,6 +70,9 @@ async def generations(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body, params = parse_generation(await request.read())
     engine = state.require_engine()
+    video = engine.adapter.capabilities.modality == "video"
+    if body.video_format is not None and not video:
+        raise ApiError(400, "video_format is for video models; this model makes images", param="video_format")
     await check_images(request, {"image": body.image, "mask": body.mask, "reference_images": body.reference_images})
     (handle,) = queue_requests(engine, state, [params])  # add_request checks it (Engine.check)
     unknown = unknown_words(engine, params.prompt)
@@ -109,6 +115,10 @@ async def generations(request: web.Request) -> web.StreamResponse:
                         "b64": base64.b64encode(event.latent.tobytes()).decode(),
                     },
                 )
+            elif isinstance(event, Completed) and video:
+                fps = handle.params.fps
+                clip = await encode_off_loop(request, encode_video, event.image, fps, body.video_format or "mp4")
+                out = ("completed", {"seed": event.seed, "video": video_payload(clip), **told})
             elif isinstance(event, Completed):
                 data = await encode_off_loop(request, encode_image, event.image, body.output_format)
                 out = (
@@ -127,6 +137,21 @@ async def generations(request: web.Request) -> web.StreamResponse:
             await send(response, sse_event(out[0], {"type": out[0], "id": rid, **out[1]}), [rid])
     await finish(response, [rid])
     return response
+
+
+def video_payload(clip: EncodedVideo) -> dict:
+    """The `video` of a completed event: the file in base64 and what it holds."""
+    out = {
+        "format": clip.format,
+        "b64": base64.b64encode(clip.data).decode(),
+        "fps": clip.fps,
+        "num_frames": clip.num_frames,
+        "width": clip.width,
+        "height": clip.height,
+    }
+    if clip.fallback is not None:
+        out["format_fallback"] = clip.fallback
+    return out
 
 
 def _get_record(request: web.Request) -> Record:

@@ -11,8 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-from aiohttp import BodyPartReader, web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp import web
 
 from diffusiond.daemon.api import (
     ApiError,
@@ -22,6 +21,7 @@ from diffusiond.daemon.api import (
     convert_fields,
     decode_body,
     parse_size,
+    read_form,
     too_large,
     validate_openai,
 )
@@ -78,11 +78,6 @@ def _params(body: ImageGenerationRequest, **image: Any) -> SamplingParams:
     )
 
 
-# A multipart edit: its text fields are short (the longest, a prompt, is 10,000 characters), its files are the
-# image (with up to MAX_REFERENCES more, for families that take references) and an optional mask; anything more is
-# refused as it arrives, so no body is read whole.
-MAX_FORM_PARTS = 64
-MAX_FIELD_BYTES = 64 << 10
 IMAGE_PARTS = ("image", "image[]")
 
 
@@ -96,33 +91,9 @@ async def read_image_edit(request: web.Request, max_n: int, max_image_bytes: int
             param="image",
             code="invalid_content_type",
         )
-    fields: dict[str, str] = {}
-    files: Files = {"image": [], "mask": []}
-    try:
-        reader = await request.multipart()
-        for _ in range(MAX_FORM_PARTS + 1):
-            part = await reader.next()
-            if part is None:
-                break
-            if not isinstance(part, BodyPartReader) or not part.name:
-                raise ApiError(400, "every multipart part must be a named field", code="invalid_multipart")
-            name = "image" if part.name in IMAGE_PARTS else part.name
-            if name in files:
-                files[name].append(await _read_part(part, name, max_image_bytes))
-                most = 1 + MAX_REFERENCES if name == "image" else 1
-                if len(files[name]) > most:
-                    raise ApiError(400, f"send at most {most} {name} file(s) per request", param=name)
-            elif name in fields:
-                raise ApiError(400, f"{name} is sent twice", param=name)
-            else:
-                try:
-                    fields[name] = (await _read_part(part, name, MAX_FIELD_BYTES)).decode()
-                except UnicodeDecodeError:
-                    raise ApiError(400, f"{name} is not UTF-8 text", param=name) from None
-        else:
-            raise ApiError(400, f"more than {MAX_FORM_PARTS} multipart parts", code="invalid_multipart")
-    except (ValueError, HttpProcessingError) as exc:  # aiohttp's words for a malformed multipart body
-        raise ApiError(400, f"malformed multipart body: {exc}", code="invalid_multipart") from None
+    # The image, with up to MAX_REFERENCES more (families that take references), and an optional mask.
+    limits = {"image": 1 + MAX_REFERENCES, "mask": 1}
+    fields, files = await read_form(request, limits, max_image_bytes, aliases=dict.fromkeys(IMAGE_PARTS, "image"))
     if not files["image"]:
         raise ApiError(400, "image is required: the file to edit", param="image")
     body = convert_fields(fields, ImageEditRequest)
@@ -131,13 +102,16 @@ async def read_image_edit(request: web.Request, max_n: int, max_image_bytes: int
     return body, files
 
 
-async def _read_part(part: BodyPartReader, name: str, limit: int) -> bytes:
-    data = bytearray()
-    while chunk := await part.read_chunk(1 << 16):
-        data += chunk
-        if len(data) > limit:
-            raise ApiError(400, f"{name} is larger than {limit} bytes", param=name, code="too_large")
-    return bytes(data)
+def refuse_video(engine: Engine) -> None:
+    """The Images API makes images; a video model's clips have routes of their own."""
+    if engine.adapter.capabilities.modality == "video":
+        raise ApiError(
+            400,
+            "this server serves a video model, and the Images API makes images: use POST /v1/videos (OpenAI's "
+            "Videos API) or POST /v1/generations (the native stream, with num_frames and fps)",
+            param="model",
+            code="unsupported_model",
+        )
 
 
 def expand(engine: Engine, body: ImageGenerationRequest, base: SamplingParams) -> list[SamplingParams]:
@@ -174,6 +148,7 @@ async def images_edits(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body, files = await read_image_edit(request, state.config.max_n, state.config.max_image_bytes)
     engine = state.require_engine()
+    refuse_video(engine)
     if files["mask"] and "mask" not in engine.adapter.capabilities.image_inputs:
         raise ApiError(400, "this model edits whole images; it takes no mask", param="mask")
     image, *references = files["image"]
@@ -191,6 +166,7 @@ async def _images(
     """Generations and edits alike: `n` requests, answered at once or streamed as `{kind}.partial_image` and
     `{kind}.completed` events."""
     engine = state.require_engine()
+    refuse_video(engine)
     if body.model is not None and body.model != state.model_id:
         raise ApiError(
             404,

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
 import msgspec
@@ -79,11 +79,16 @@ async def with_keepalive(events: AsyncIterator[T], every: float) -> AsyncIterato
             await aclose()
 
 
-async def encode_off_loop(request: web.Request, fn, *args) -> bytes:
+async def encode_off_loop(request: web.Request, fn: Callable[..., T], *args) -> T:
     """Image encoding in the encoder pool (`images.encoder_pool`), timed as the encode_response stage."""
+    return await run_encoder(request.app, fn, *args)
+
+
+async def run_encoder(app: web.Application, fn: Callable[..., T], *args) -> T:
+    """`encode_off_loop` for work that outlives its HTTP request (video jobs)."""
     t0 = time.perf_counter()
-    data = await asyncio.get_running_loop().run_in_executor(request.app[ENCODERS], fn, *args)
-    request.app[METRICS].stage_seconds.labels("encode_response").observe(time.perf_counter() - t0)
+    data = await asyncio.get_running_loop().run_in_executor(app[ENCODERS], fn, *args)
+    app[METRICS].stage_seconds.labels("encode_response").observe(time.perf_counter() - t0)
     return data
 
 

@@ -124,11 +124,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
 
 
 class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
-    """What the operator lets one request ask for (`--max-pixels`, `--max-steps`), resolved at start-up from the
-    configuration and the model's capabilities. `n` (images per HTTP request) is the HTTP layer's own limit."""
+    """What the operator lets one request ask for (`--max-pixels`, `--max-steps`, `--max-frames`), resolved at
+    start-up from the configuration and the model's capabilities. `n` (images per HTTP request) is the HTTP layer's
+    own limit."""
 
     max_pixels: int
     max_steps: int
+    # Frames per clip (video models; None: image models).
+    max_frames: int | None = None
 
     def check(self, params: SamplingParams) -> tuple[str, str] | None:
         """(field, message) for the first limit that resolved `params` exceed; None when within limits."""
@@ -142,5 +145,9 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
             return "num_inference_steps", (
                 f"num_inference_steps {params.num_inference_steps} is above this server's limit of {self.max_steps} "
                 f"(--max-steps)"
+            )
+        if self.max_frames is not None and (params.num_frames or 0) > self.max_frames:
+            return "num_frames", (
+                f"num_frames {params.num_frames} is above this server's limit of {self.max_frames} (--max-frames)"
             )
         return None

@@ -27,6 +27,8 @@ ELSEWHERE: list[tuple[str, str]] = [
     (r"pip install -c constraints/cpu\.txt -e '\.\[test\]'", "Makefile"),
     (r"diffusiond serve --nproc 2 --cfg-parallel 2", "tests/spmd/test_serve_ranks.py"),
     (r"diffusiond serve --nproc 2 --ulysses 2", "tests/engine/test_spmd.py"),
+    (r"diffusiond serve --nproc 2 --ring 2", "tests/engine/test_spmd.py"),
+    (r"diffusiond serve --nproc 2 --tp 2", "tests/engine/test_spmd.py"),
     (r"torchrun --nproc-per-node 2 -m diffusiond serve", "tests/spmd/test_serve_ranks.py"),
     (r"diffusiond bench compare", "tests/bench/test_compare.py"),
     (r"diffusiond bench serve", "tests/bench/test_serve.py"),
@@ -39,6 +41,7 @@ ELSEWHERE: list[tuple[str, str]] = [
     (r"pip install -c constraints/cpu\.txt -e '\.\[quant\]'", "tests/service/test_packaging.py"),
     (r"python -m diffusiond\.bench\.cache", "tests/test_readme.py"),
     (r"python -m diffusiond\.bench\.accel", "tests/test_readme.py"),
+    (r"python -m diffusiond\.bench\.projections", "tests/test_readme.py"),
     (r"diffusiond serve --attention math", "tests/kernels/test_attention.py"),
     (r"diffusiond serve --compile", "tests/kernels/test_compile.py"),
 ]
@@ -206,3 +209,16 @@ def test_bench_cache_example(tmp_path):
     assert result.returncode == 0, result.stderr.decode()[-2000:]
     assert b'"method":"fbcache","threshold":0.4' in result.stdout
     assert b'"method":"teacache","threshold":0.3' in result.stdout
+
+
+@pytest.mark.slow
+def test_bench_projections_example(tmp_path):
+    """README's projection-reuse benchmark, with a small transformer (the numbers are not checked)."""
+    readme_commands("python -m diffusiond.bench.projections")
+    cmd = (
+        f"{sys.executable} -m diffusiond.bench.projections --layers 1 --dim 96 --heads 2 --ffn 64 --text-dim 64 "
+        "--size 32x32 --frames 5 --steps 2 --batch 1"
+    )
+    result = run(cmd, tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    assert b"per step: projected every step" in result.stdout and b"ratio" in result.stdout

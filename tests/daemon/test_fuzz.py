@@ -24,11 +24,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pictures import picture
 
-from diffusiond.daemon.api import ApiError, GenerationRequest, ImageGenerationRequest
+from diffusiond.daemon.api import ApiError, GenerationRequest, ImageGenerationRequest, VideoCreateRequest
 from diffusiond.daemon.app import request_limits
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.native_api import parse_generation
 from diffusiond.daemon.openai_api import expand, parse_image_generation
+from diffusiond.daemon.videos_api import parse_video_create, resolve_video
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.wire import NewRequest, StepPlan, decode_plan, encode_plan
 from diffusiond.models.base import ParamError
@@ -38,6 +39,7 @@ EXAMPLES = 1500
 HTTP_INPUTS = 1000
 NATIVE_FIELDS = set(GenerationRequest.__struct_fields__)
 OPENAI_FIELDS = set(ImageGenerationRequest.__struct_fields__)
+VIDEO_FIELDS = set(VideoCreateRequest.__struct_fields__)
 
 junk = st.recursive(
     st.none()
@@ -72,6 +74,10 @@ valid = {
     "strength": st.none() | st.floats(min_value=0, max_value=1),
     "mask": st.none() | st.just(base64.b64encode(picture(16, 16, mode="L")).decode()) | st.just("aGVsbG8="),
     "reference_images": st.none() | st.just([base64.b64encode(picture(64, 64)).decode()]) | st.just(["aGk="]),
+    # Video fields (the image model refuses them, naming the field).
+    "num_frames": st.none() | st.sampled_from([1, 5, 9]),
+    "fps": st.none() | st.integers(min_value=1, max_value=240),
+    "video_format": st.none() | st.sampled_from(["mp4", "webp"]),
     "input_fidelity": st.sampled_from(["high", "low"]),
     "n": st.integers(min_value=1, max_value=10),
     "size": st.sampled_from(["64x64", "auto", "32x48"]),
@@ -86,6 +92,10 @@ valid = {
     "user": st.text(max_size=10),
     "safety_identifier": st.text(max_size=10),
     "model": st.none(),
+    "seconds": st.sampled_from(["1", "0.5", "2.25", 1, 7.5]),
+    "input_reference": st.none()
+    | st.just({"image_url": "data:image/png;base64," + base64.b64encode(picture(32, 48)).decode()})
+    | st.just({"image_url": "https://example.com/a.png"}),
 }
 edge = (
     st.integers(min_value=-(2**70), max_value=2**70)
@@ -119,6 +129,12 @@ def bodies(fields: set[str]) -> st.SearchStrategy[bytes]:
 def engine(tiny_sd3):
     adapter = load_adapter(tiny_sd3)
     # Not started: `check` needs only the adapter, the limits and the wire.
+    return Engine(adapter, limits=request_limits(ServeConfig(), adapter.capabilities))
+
+
+@pytest.fixture(scope="module")
+def video_engine(tiny_wan):
+    adapter = load_adapter(tiny_wan)
     return Engine(adapter, limits=request_limits(ServeConfig(), adapter.capabilities))
 
 
@@ -161,6 +177,21 @@ def test_openai_decoder(engine, data):
     else:
         assert len(many) == (body.n or 1)
         crosses_the_wire(many)
+
+
+@settings(max_examples=EXAMPLES, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=bodies(VIDEO_FIELDS))
+def test_video_decoder(video_engine, data):
+    try:
+        body, reference = parse_video_create(data)
+        resolved = resolve_video(video_engine, body, reference)
+    except ApiError as exc:
+        assert_client_error(exc, VIDEO_FIELDS, data)
+    except ParamError as exc:
+        assert exc.param in VIDEO_FIELDS, (exc.param, data)
+    else:
+        assert resolved.num_frames is not None and resolved.fps is not None
+        crosses_the_wire([resolved])
 
 
 # ---- over the socket ----

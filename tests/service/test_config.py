@@ -68,7 +68,8 @@ def test_every_serve_flag_maps_to_its_field():
     argv = [
         "--model", "m", "--host", "0.0.0.0", "--port", "9", "--api-key", "k", "--max-batch", "2", "--max-queue", "3",
         "--device", "cuda:1", "--dtype", "bfloat16", "--threads", "2", "--drain-timeout", "1.5", "--nproc", "4",
-        "--cfg-parallel", "2", "--ulysses", "2", "--max-restarts", "0", "--max-body-bytes", "100",
+        "--cfg-parallel", "2", "--ulysses", "2", "--ring", "2", "--tp", "2", "--max-restarts", "0",
+        "--max-body-bytes", "100", "--max-frames", "33",
         "--max-image-bytes", "2048",
         "--log-level", "debug", "--log-format", "json", "--allow-unauthenticated", "--max-pixels", "4096",
         "--max-steps", "20", "--max-n", "2", "--sse-keepalive", "0.5", "--batch-wait-ms", "0",
@@ -76,18 +77,21 @@ def test_every_serve_flag_maps_to_its_field():
         "--rdzv-timeout", "60", "--node-addr", "10.0.0.2", "--served-model-name", "shapes",
         "--cache", "fbcache", "--cache-threshold", "0.3", "--attention", "math", "--compile",
         "--compile-cache", "/var/cache/inductor", "--quantize", "int8", "--quantize-skip", "proj_out",
-        "--offload", "group",
+        "--offload", "group", "--video-dir", "/var/lib/videos", "--video-store-bytes", "5000", "--video-ttl", "60",
+        "--video-max-jobs", "7",
     ]  # fmt: skip
     config, sources = load_config(cli(*argv), {})
     assert config == ServeConfig(
         model="m", host="0.0.0.0", port=9, api_key="k", max_batch=2, max_queue=3, device="cuda:1", dtype="bfloat16",
-        threads=2, drain_timeout=1.5, nproc=4, cfg_parallel=2, ulysses=2, max_restarts=0, max_body_bytes=100,
+        threads=2, drain_timeout=1.5, nproc=4, cfg_parallel=2, ulysses=2, ring=2, tp=2, max_restarts=0,
+        max_body_bytes=100, max_frames=33,
         max_image_bytes=2048, log_level="DEBUG", log_format="json", allow_unauthenticated=True, max_pixels=4096,
         max_steps=20, max_n=2,
         sse_keepalive=0.5, batch_wait_ms=0.0, unready_delay=2.0, nnodes=2, rdzv_endpoint="head:29400", rdzv_id="g1",
         rdzv_timeout=60.0, node_addr="10.0.0.2", served_model_name="shapes",
         cache="fbcache", cache_threshold=0.3, attention="math", compile=True, compile_cache="/var/cache/inductor",
-        quantize="int8", quantize_skip="proj_out", offload="group",
+        quantize="int8", quantize_skip="proj_out", offload="group", video_dir="/var/lib/videos",
+        video_store_bytes=5000, video_ttl=60.0, video_max_jobs=7,
     )  # fmt: skip
     assert all(source.startswith("--") for source in sources.values()), sources
     # The global logging flags, before the subcommand, still work.
@@ -173,6 +177,13 @@ def test_serve_exits_2_on_a_bad_configuration(monkeypatch, capsys):
     assert (
         "diffusiond serve: error: bad value for max_batch from DIFFUSIOND_MAX_BATCH='many'" in capsys.readouterr().err
     )
+
+
+def test_serve_exits_2_on_a_video_dir_it_cannot_write(tmp_path, capsys):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    assert main(["serve", "--video-dir", str(blocked / "videos")]) == 2
+    assert f"diffusiond serve: error: --video-dir {blocked / 'videos'}: cannot create it" in capsys.readouterr().err
 
 
 def test_load_config_raises_config_error():

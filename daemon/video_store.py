@@ -1,0 +1,271 @@
+"""Video jobs and their files: a store bounded in bytes on disk, in age and in jobs remembered.
+
+A job is remembered from its creation. Once it finishes (completed, failed or cancelled) it expires `ttl` seconds
+later (its `expires_at`), with its file. Finished videos take at most `max_bytes` on disk: a new one makes room by
+evicting the videos that finished first; one larger than the whole budget fails. At most `max_jobs` jobs are
+remembered: a new one makes room by forgetting the job that finished first. A job still queued or running is never
+evicted, expired or forgotten (it has no file yet; the engine's queue bounds how many there are).
+
+Bookkeeping runs on the event loop and never awaits; files are written in the encoder pool (`write_video`), and
+removed here (an unlink each). In a folder the operator gives, every completed video has a JSON file beside it, so
+that a restarted daemon serves it again (`load`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+log = logging.getLogger(__name__)
+
+FINISHED = ("completed", "failed", "cancelled")
+# The files of a job: its video, the JSON beside it, and a video being written.
+_OURS = re.compile(r"video_[0-9a-f]{32}\.(mp4|webp|json|tmp)")
+
+
+class VideoJob(msgspec.Struct, kw_only=True):
+    """One `/v1/videos` job: OpenAI's video object, plus what the clip is (frames, fps, seed) and its file."""
+
+    id: str
+    # The engine's request id (`/v1/generations/{request_id}` reports its steps).
+    request_id: str
+    created_at: int
+    model: str
+    prompt: str
+    size: str
+    seconds: str
+    num_frames: int
+    fps: int
+    seed: int
+    # queued, in_progress, then one of FINISHED.
+    status: str = "queued"
+    progress: int = 0
+    completed_at: int | None = None
+    expires_at: int | None = None
+    error: dict[str, str] | None = None
+    # The file: "mp4", or "webp" (asked for, or `fallback` says why), and its size.
+    format: str | None = None
+    fallback: str | None = None
+    bytes: int = 0
+    # When it finished, on the store's clock: expiry and eviction order.
+    finished_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status in FINISHED
+
+    @property
+    def file_name(self) -> str | None:
+        return f"{self.id}.{self.format}" if self.format is not None and self.status == "completed" else None
+
+    def public(self) -> dict:
+        """OpenAI's video object, with our fields after its own."""
+        out = {
+            "id": self.id,
+            "object": "video",
+            "status": self.status,
+            "progress": self.progress,
+            "created_at": self.created_at,
+            "completed_at": self.completed_at,
+            "expires_at": self.expires_at,
+            "model": self.model,
+            "prompt": self.prompt,
+            "seconds": self.seconds,
+            "size": self.size,
+            "error": self.error,
+            "remixed_from_video_id": None,
+            "num_frames": self.num_frames,
+            "fps": self.fps,
+            "seed": self.seed,
+        }
+        if self.format is not None:
+            out["format"] = self.format
+        if self.fallback is not None:
+            out["format_fallback"] = self.fallback
+        return out
+
+
+class StoreFull(Exception):
+    """`max_jobs` jobs are remembered and none of them has finished."""
+
+
+class VideoTooLarge(Exception):
+    """A video that cannot fit in the byte budget."""
+
+
+class VideoStore:
+    def __init__(
+        self, directory: Path, *, max_bytes: int, ttl: float, max_jobs: int, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self.ttl = ttl
+        self.max_jobs = max_jobs
+        self.clock = clock
+        # In creation order.
+        self.jobs: dict[str, VideoJob] = {}
+        # Bytes of the videos on disk and of those being written.
+        self.used = 0
+
+    def path(self, job: VideoJob) -> Path | None:
+        name = job.file_name
+        return None if name is None else self.directory / name
+
+    # ---- jobs ----
+
+    def get(self, job_id: str) -> VideoJob | None:
+        self.sweep()
+        return self.jobs.get(job_id)
+
+    def listing(self) -> list[VideoJob]:
+        self.sweep()
+        return list(self.jobs.values())
+
+    def make_room(self) -> None:
+        """Room for one more job: forgets the jobs that finished first (StoreFull when none has)."""
+        self.sweep()
+        while len(self.jobs) >= self.max_jobs:
+            oldest = self._first_finished(with_file=False)
+            if oldest is None:
+                raise StoreFull(f"{len(self.jobs)} video jobs are queued or running (--video-max-jobs)")
+            self.remove(oldest.id)
+
+    def add(self, job: VideoJob) -> None:
+        self.make_room()
+        self.jobs[job.id] = job
+
+    def remove(self, job_id: str) -> VideoJob | None:
+        """Forgets a job and removes its files."""
+        job = self.jobs.pop(job_id, None)
+        if job is not None:
+            self.used -= job.bytes
+            self.discard_files(job)
+        return job
+
+    def discard_files(self, job: VideoJob) -> None:
+        for name in (job.file_name, f"{job.id}.json"):
+            if name is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.directory / name)
+
+    def sweep(self) -> list[str]:
+        """Forgets expired jobs, with their files; returns their ids."""
+        now = self.clock()
+        expired = [j.id for j in self.jobs.values() if j.finished_at is not None and j.finished_at + self.ttl <= now]
+        for job_id in expired:
+            self.remove(job_id)
+        return expired
+
+    def _first_finished(self, *, with_file: bool) -> VideoJob | None:
+        done = [j for j in self.jobs.values() if j.finished and (j.file_name is not None or not with_file)]
+        return min(done, key=lambda j: j.finished_at or 0.0, default=None)
+
+    # ---- a job's end ----
+
+    def reserve(self, job: VideoJob, size: int) -> None:
+        """Room for a job's video of `size` bytes, made by evicting the videos that finished first. VideoTooLarge
+        when it cannot fit; nothing is evicted then."""
+        if size > self.max_bytes:
+            raise VideoTooLarge(
+                f"the video is {size} bytes; this server keeps at most {self.max_bytes} (--video-store-bytes)"
+            )
+        evictable = sum(j.bytes for j in self.jobs.values() if j.finished and j.file_name is not None)
+        if self.used - evictable + size > self.max_bytes:  # the rest is being written
+            raise VideoTooLarge(f"no room for {size} more bytes while other videos are being written; retry")
+        while self.used + size > self.max_bytes:
+            oldest = self._first_finished(with_file=True)
+            assert oldest is not None
+            log.info("video store: evicting %s (%d bytes) to make room", oldest.id, oldest.bytes)
+            self.remove(oldest.id)
+        job.bytes = size
+        self.used += size
+
+    def completion(self, job: VideoJob, fmt: str, fallback: str | None) -> VideoJob:
+        """The job as it will be once its file is written (what `write_video` writes beside the file)."""
+        now = self.clock()
+        return msgspec.structs.replace(
+            job,
+            status="completed",
+            progress=100,
+            format=fmt,
+            fallback=fallback,
+            finished_at=now,
+            completed_at=int(now),
+            expires_at=int(now + self.ttl),
+        )
+
+    def complete(self, job: VideoJob, done: VideoJob) -> None:
+        """The job's file is written: it takes `done`'s state (from `completion`)."""
+        for field in ("status", "progress", "format", "fallback", "finished_at", "completed_at", "expires_at"):
+            setattr(job, field, getattr(done, field))
+
+    def end(self, job: VideoJob, status: str, code: str, message: str) -> None:
+        """A job that ends without a video (failed or cancelled); what it reserved is released."""
+        assert status in FINISHED and status != "completed"
+        if job.finished:
+            return
+        if job.id in self.jobs:
+            self.used -= job.bytes
+        job.bytes = 0
+        now = self.clock()
+        job.status, job.error = status, {"code": code, "message": message}
+        job.finished_at, job.completed_at, job.expires_at = now, int(now), int(now + self.ttl)
+
+    # ---- on disk ----
+
+    def load(self) -> int:
+        """Completed videos a previous run left in the folder, as jobs again (the expired and broken ones removed,
+        and the budgets applied). Blocking file I/O: at start-up, off the event loop. Returns how many."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        names = {p.name for p in self.directory.iterdir() if _OURS.fullmatch(p.name)}
+        kept: list[VideoJob] = []
+        for name in sorted(n for n in names if n.endswith(".json")):
+            try:
+                job = msgspec.json.decode((self.directory / name).read_bytes(), type=VideoJob)
+            except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            path = self.path(job)
+            if f"{job.id}.json" == name and path is not None and path.is_file() and path.stat().st_size == job.bytes:
+                kept.append(job)
+        keep = {n for job in kept for n in (job.file_name, f"{job.id}.json")}
+        for name in names - keep:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.directory / name)
+        for job in sorted(kept, key=lambda j: j.created_at):
+            self.jobs[job.id] = job
+            self.used += job.bytes
+        self.sweep()
+        while len(self.jobs) > self.max_jobs or self.used > self.max_bytes:
+            first = self._first_finished(with_file=False)
+            assert first is not None  # all loaded jobs are finished
+            self.remove(first.id)
+        return len(self.jobs)
+
+
+def write_video(directory: Path, job: VideoJob, data: bytes) -> None:
+    """A completed job's file and the JSON beside it (`job` from `VideoStore.completion`). Blocking file I/O: in the
+    encoder pool. Written to a temporary name and renamed, so that no reader sees half a file."""
+    name = job.file_name
+    assert name is not None
+    for target, content in ((name, data), (f"{job.id}.json", msgspec.json.encode(job))):
+        tmp = directory / f"{job.id}.tmp"
+        tmp.write_bytes(content)
+        os.replace(tmp, directory / target)
+
+
+def folder_problem(path: str) -> str | None:
+    """Why `path` cannot keep videos (`--video-dir`), or None: it is created if missing, and must be writable."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create it: {exc.strerror or exc}"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "it is not writable"
+    return None

@@ -1,0 +1,440 @@
+"""OpenAI's Videos API on a video model: `POST /v1/videos` queues a job that runs whatever its client does,
+`GET /v1/videos/{id}` reports it, `GET /v1/videos/{id}/content` serves its file, `GET /v1/videos` lists jobs and
+`DELETE /v1/videos/{id}` cancels one and removes its file.
+
+Each job is a task of its own (a strong reference in `VideoJobs.tasks`, cancelled at shutdown) that reads the engine
+request's events: its progress follows the steps (to 95; the encoding takes the rest), and once the clip is done it
+is encoded in the encoder pool and written to the store (`video_store.py`). Every admitted job ends in one of
+completed, failed or cancelled.
+
+`seconds` becomes frames at the request's fps (the model's by default): the shortest clip of the family's form
+(1 + frame_step * k frames) that plays for at least that long, refused when it has more frames than the model makes;
+the job's `seconds` is the clip's real length (65 frames at 16 fps: "4.0625").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import logging
+import math
+import re
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+from aiohttp import web
+
+from diffusiond.daemon.api import (
+    ApiError,
+    InputReference,
+    VideoCreateRequest,
+    body_limit,
+    convert_fields,
+    decode_body,
+    parse_size,
+    read_form,
+    too_large,
+)
+from diffusiond.daemon.state import ENCODERS, STATE
+from diffusiond.daemon.streaming import check_images, queue_requests, run_encoder
+from diffusiond.daemon.video import MEDIA_TYPES, encode_video
+from diffusiond.daemon.video_store import StoreFull, VideoJob, VideoStore, VideoTooLarge, write_video
+from diffusiond.engine.engine import Engine, RequestHandle
+from diffusiond.engine.outputs import Cancelled, Completed, Failed, Progress
+from diffusiond.engine.request import MAX_FRAMES, SamplingParams
+from diffusiond.models.base import Capabilities, ParamError
+
+log = logging.getLogger(__name__)
+
+# Progress the denoising steps take; encoding and writing the file take the rest.
+STEPS_SHARE = 95
+MAX_SECONDS = 3600.0
+LIST_LIMIT = (20, 100)  # default, most
+# How long DELETE waits for a running job to stop (at its next step boundary) before it answers.
+DELETE_WAIT_S = 30.0
+# At shutdown, jobs whose clip is done get this long to write their file before they are cancelled.
+STORE_GRACE_S = 10.0
+# Which `image_inputs` a family declares when its videos may start from an image (`input_reference`).
+FIRST_FRAME = "first-frame"
+
+
+class VideoJobs:
+    """The store and the tasks of the jobs still running."""
+
+    def __init__(self, store: VideoStore) -> None:
+        self.store = store
+        self.tasks: dict[str, asyncio.Task] = {}
+        # Jobs whose clip is done and is being encoded and written.
+        self.storing: set[str] = set()
+
+    def start(self, app: web.Application, job: VideoJob, handle: RequestHandle) -> None:
+        task = asyncio.create_task(self._run(app, job, handle), name=f"diffusiond-{job.id}")
+        self.tasks[job.id] = task
+        task.add_done_callback(lambda _: self.tasks.pop(job.id, None))
+
+    async def close(self) -> None:
+        """Shutdown: jobs whose clip is done get a moment to write it; the others are cancelled (which cancels
+        their engine requests)."""
+        storing = [self.tasks[i] for i in self.storing if i in self.tasks]
+        if storing:
+            await asyncio.wait(storing, timeout=STORE_GRACE_S)
+        tasks = list(self.tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self, app: web.Application, job: VideoJob, handle: RequestHandle) -> None:
+        store = self.store
+        try:
+            async for event in app[STATE].track(handle):
+                if isinstance(event, Progress):
+                    job.status = "in_progress"
+                    job.progress = max(job.progress, STEPS_SHARE * event.step // max(1, event.total))
+                elif isinstance(event, Completed):
+                    job.status, job.progress = "in_progress", max(job.progress, STEPS_SHARE)
+                    self.storing.add(job.id)
+                    await self._store(app, job, event)
+                elif isinstance(event, Cancelled):
+                    store.end(job, "cancelled", "cancelled", f"cancelled: {event.reason}")
+                elif isinstance(event, Failed):
+                    store.end(job, "failed", "generation_failed", event.error)
+        except asyncio.CancelledError:
+            store.end(job, "cancelled", "cancelled", "the server shut down before the video was done")
+            raise
+        except Exception:
+            log.exception("video job %s failed", job.id)
+            message = "internal error while storing the video; details are in the server log"
+            store.end(job, "failed", "internal_error", message)
+        finally:
+            self.storing.discard(job.id)
+
+    async def _store(self, app: web.Application, job: VideoJob, event: Completed) -> None:
+        store = self.store
+        clip = await run_encoder(app, encode_video, event.image, job.fps, "mp4")
+        if store.jobs.get(job.id) is not job:  # deleted meanwhile
+            return
+        try:
+            store.reserve(job, len(clip.data))
+        except VideoTooLarge as exc:
+            store.end(job, "failed", "video_too_large", str(exc))
+            return
+        done = store.completion(job, clip.format, clip.fallback)
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(app[ENCODERS], write_video, store.directory, done, clip.data)
+        except OSError as exc:
+            log.error("video job %s: cannot write its file to %s: %s", job.id, store.directory, exc)
+            store.end(job, "failed", "storage_error", "the server could not store the video")
+            store.discard_files(done)
+            return
+        if store.jobs.get(job.id) is not job:  # deleted while it was written
+            store.discard_files(done)
+            return
+        store.complete(job, done)
+
+
+VIDEOS = web.AppKey("videos", VideoJobs)
+
+
+async def videos_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The store (`--video-dir`, else a temporary folder removed at exit), its expiry sweep, and the jobs' tasks,
+    cancelled at shutdown. Registered after the engine's context, so it ends first, while the engine still runs."""
+    config = app[STATE].config
+    owned = config.video_dir is None
+    directory = Path(tempfile.mkdtemp(prefix="diffusiond-videos-") if owned else config.video_dir)
+    store = VideoStore(
+        directory, max_bytes=config.video_store_bytes, ttl=config.video_ttl, max_jobs=config.video_max_jobs
+    )
+    if not owned:
+        loaded = await asyncio.to_thread(store.load)
+        if loaded:
+            log.info("video store: %d videos kept in %s", loaded, directory)
+    jobs = app[VIDEOS] = VideoJobs(store)
+    sweeper = asyncio.create_task(_sweep(store, min(60.0, max(1.0, config.video_ttl / 4))))
+    try:
+        yield
+    finally:
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
+        await jobs.close()
+        if owned:
+            await asyncio.to_thread(shutil.rmtree, directory, True)
+
+
+async def _sweep(store: VideoStore, every: float) -> None:
+    while True:
+        await asyncio.sleep(every)
+        for job_id in store.sweep():
+            log.debug("video store: %s expired", job_id)
+
+
+# ---- routes ----
+
+
+async def create_video(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body, reference = await read_video_create(request)
+    engine = state.require_engine()
+    caps = engine.adapter.capabilities
+    if caps.modality != "video":
+        raise ApiError(
+            400,
+            f"the model served here ({state.model_id}) makes images: use POST /v1/images/generations",
+            param="model",
+            code="unsupported_model",
+        )
+    if body.model is not None and body.model != state.model_id:
+        raise ApiError(
+            404,
+            f"model {body.model!r} not found; this server serves {state.model_id!r}",
+            param="model",
+            code="model_not_found",
+        )
+    if reference is not None:
+        if FIRST_FRAME not in caps.image_inputs:
+            raise ApiError(
+                400, "this model makes videos from text only; it takes no input_reference", param="input_reference"
+            )
+        await check_images(request, {"input_reference": reference})
+    resolved = resolve_video(engine, body, reference)
+    jobs = request.app[VIDEOS]
+    try:
+        jobs.store.make_room()
+    except StoreFull as exc:
+        raise ApiError(
+            429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
+        ) from None
+    (handle,) = queue_requests(engine, state, [resolved])
+    assert resolved.num_frames is not None and resolved.fps is not None and resolved.seed is not None
+    job = VideoJob(
+        id=f"video_{handle.request_id}",
+        request_id=handle.request_id,
+        created_at=int(jobs.store.clock()),
+        model=state.model_id,
+        prompt=resolved.prompt,
+        size=f"{resolved.width}x{resolved.height}",
+        seconds=f"{resolved.num_frames / resolved.fps:g}",
+        num_frames=resolved.num_frames,
+        fps=resolved.fps,
+        seed=resolved.seed,
+    )
+    jobs.store.add(job)
+    jobs.start(request.app, job, handle)
+    return _json(job.public())
+
+
+async def read_video_create(request: web.Request) -> tuple[VideoCreateRequest, bytes | None]:
+    """The body of `POST /v1/videos`, multipart (OpenAI's clients) or JSON, and its input_reference image, if any,
+    unchecked (ApiError)."""
+    config = request.app[STATE].config
+    reference = None
+    if request.content_type == "multipart/form-data":
+        fields, files = await read_form(request, {"input_reference": 1}, config.max_image_bytes)
+        nested = {k[len("input_reference[") : -1]: fields.pop(k) for k in list(fields) if _NESTED.fullmatch(k)}
+        form: dict = {**fields, "input_reference": nested} if nested else fields
+        body = convert_fields(form, VideoCreateRequest)
+        if files["input_reference"]:
+            if body.input_reference is not None:
+                raise ApiError(400, "input_reference is sent twice", param="input_reference")
+            reference = files["input_reference"][0]
+    elif request.content_type == "application/x-www-form-urlencoded":
+        raise ApiError(
+            400,
+            "POST /v1/videos takes multipart/form-data (curl -F) or JSON, not a URL-encoded form",
+            code="invalid_content_type",
+        )
+    else:
+        data = await request.read()
+        limit = body_limit(config.max_body_bytes, config.max_image_bytes, 1)
+        if len(data) > limit:
+            raise too_large(limit)
+        return parse_video_create(data)
+    if body.input_reference is not None:
+        reference = _reference_image(body.input_reference)
+    return body, reference
+
+
+def parse_video_create(data: bytes) -> tuple[VideoCreateRequest, bytes | None]:
+    """A JSON body of `POST /v1/videos`, and its input_reference image (a data URL), if any, unchecked (ApiError)."""
+    body = decode_body(data, VideoCreateRequest)
+    return body, None if body.input_reference is None else _reference_image(body.input_reference)
+
+
+_NESTED = re.compile(r"input_reference\[\w+\]")
+_DATA_URL = re.compile(r"data:[\w.+-]+/[\w.+-]+(?:;[\w.+-]+=[\w.+-]+)*;base64,(.*)", re.DOTALL)
+
+
+def _reference_image(ref: InputReference) -> bytes:
+    if ref.file_id is not None:
+        raise ApiError(
+            400, "diffusiond keeps no files: send input_reference as a file, or as a data URL", param="input_reference"
+        )
+    match = _DATA_URL.fullmatch(ref.image_url or "")
+    if match is None:
+        raise ApiError(
+            400,
+            "input_reference.image_url must be a base64 data URL (data:image/png;base64,...); diffusiond fetches no "
+            "URLs",
+            param="input_reference",
+        )
+    try:
+        return base64.b64decode(match.group(1), validate=True)
+    except binascii.Error:
+        raise ApiError(400, "input_reference.image_url is not valid base64", param="input_reference") from None
+
+
+def resolve_video(engine: Engine, body: VideoCreateRequest, reference: bytes | None) -> SamplingParams:
+    """The request the job runs, checked against the model, the limits and the wire; errors name the fields the
+    client sent (`size`, not width; `seconds` when it chose the frames; `input_reference`, not image)."""
+    width, height = parse_size(body.size)
+    seconds = parse_seconds(body.seconds)
+    if seconds is not None and body.num_frames is not None:
+        raise ApiError(400, "send seconds or num_frames, not both", param="seconds")
+    params = SamplingParams(
+        prompt=body.prompt,
+        negative_prompt=body.negative_prompt,
+        seed=body.seed,
+        width=width,
+        height=height,
+        num_inference_steps=body.num_inference_steps,
+        guidance_scale=body.guidance_scale,
+        num_frames=body.num_frames,
+        fps=body.fps,
+        image=reference,
+    )
+    renames = {"width": "size", "height": "size", "image": "input_reference"}
+    try:
+        if seconds is not None:
+            fps = engine.check(params).fps  # the model's default unless the client chose one
+            assert fps is not None
+            num_frames = frames_for(seconds, fps, engine.adapter.capabilities)
+            params = msgspec.structs.replace(params, num_frames=num_frames)
+            renames["num_frames"] = "seconds"
+        return engine.check(params)
+    except ParamError as exc:
+        if exc.param in renames:
+            raise ParamError(renames[exc.param], str(exc)) from None
+        raise
+
+
+def parse_seconds(value: str | float | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= MAX_SECONDS:  # NaN too
+        raise ApiError(
+            400, f"seconds must be a number above 0 and at most {MAX_SECONDS:g}; got {value!r}", param="seconds"
+        )
+    return seconds
+
+
+def frames_for(seconds: float, fps: int, caps: Capabilities) -> int:
+    """The shortest clip of the family's form (1 + frame_step * k frames) that plays for at least `seconds` at
+    `fps` (N frames play for N / fps seconds). ApiError naming `seconds` when the model makes no clip that long."""
+    step = caps.frame_step or 1
+    wanted = max(1, math.ceil(seconds * fps - 1e-9))
+    frames = 1 + step * math.ceil((wanted - 1) / step)
+    most = min(caps.max_num_frames or MAX_FRAMES, MAX_FRAMES)
+    if frames > most:
+        longest = 1 + step * ((most - 1) // step)
+        raise ApiError(
+            400,
+            f"seconds {seconds:g} at {fps} fps is {frames} frames; this model makes at most {longest} "
+            f"({longest / fps:g} s at {fps} fps): ask for fewer seconds, or a lower fps",
+            param="seconds",
+        )
+    return frames
+
+
+def _get_job(request: web.Request) -> VideoJob:
+    job_id = request.match_info["id"]
+    job = request.app[VIDEOS].store.get(job_id)
+    if job is None:
+        raise ApiError(
+            404,
+            f"no video job {job_id!r} (unknown, deleted, expired or evicted)",
+            param="video_id",
+            code="not_found",
+        )
+    return job
+
+
+async def retrieve_video(request: web.Request) -> web.Response:
+    return _json(_get_job(request).public())
+
+
+async def video_content(request: web.Request) -> web.StreamResponse:
+    job = _get_job(request)
+    variant = request.query.get("variant", "video")
+    if variant != "video":
+        raise ApiError(400, f"variant {variant!r} is not made here; only 'video' is", param="variant")
+    path = request.app[VIDEOS].store.path(job)
+    if path is None:
+        raise ApiError(
+            409,
+            f"video {job.id} is {job.status}; its file exists once it is completed",
+            param="video_id",
+            code="video_not_ready" if not job.finished else "video_not_available",
+        )
+    assert job.format is not None
+    return web.FileResponse(path, headers={"Content-Type": MEDIA_TYPES[job.format]})
+
+
+async def list_videos(request: web.Request) -> web.Response:
+    query = request.query
+    try:
+        limit = int(query.get("limit", LIST_LIMIT[0]))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= LIST_LIMIT[1]:
+        raise ApiError(400, f"limit must be an integer from 1 to {LIST_LIMIT[1]}", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order must be asc or desc; got {order!r}", param="order")
+    jobs = request.app[VIDEOS].store.listing()  # in creation order
+    if order == "desc":
+        jobs.reverse()
+    start = 0
+    if "after" in query:
+        ids = [j.id for j in jobs]
+        if query["after"] not in ids:
+            raise ApiError(400, f"after: no video job {query['after']!r}", param="after")
+        start = ids.index(query["after"]) + 1
+    page = jobs[start : start + limit]
+    return _json(
+        {
+            "object": "list",
+            "data": [j.public() for j in page],
+            "first_id": page[0].id if page else None,
+            "last_id": page[-1].id if page else None,
+            "has_more": start + limit < len(jobs),
+        }
+    )
+
+
+async def delete_video(request: web.Request) -> web.Response:
+    """Forgets the job at once and removes its file; a job still running is cancelled, and the answer waits (up to
+    DELETE_WAIT_S) for it to stop at its next step boundary."""
+    job = _get_job(request)
+    videos = request.app[VIDEOS]
+    videos.store.remove(job.id)
+    task = videos.tasks.get(job.id)
+    engine = request.app[STATE].engine
+    if task is not None:
+        if engine is not None:
+            engine.cancel(job.request_id)
+        await asyncio.wait([task], timeout=DELETE_WAIT_S)  # never cancels the task itself
+    return _json({"id": job.id, "object": "video.deleted", "deleted": True})
+
+
+def _json(data: dict) -> web.Response:
+    return web.json_response(data, dumps=lambda o: msgspec.json.encode(o).decode())

@@ -1,0 +1,175 @@
+"""The video store's bounds (daemon/video_store.py), on a clock of the test's: bytes on disk (the videos that finished
+first go first), age (a finished job expires ttl seconds after it finished, with its file), jobs remembered; a job
+still queued or running is never dropped. And a folder the operator gives survives a restart."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from diffusiond.daemon.video_store import StoreFull, VideoJob, VideoStore, VideoTooLarge, write_video
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def make_store(tmp_path, clock, **limits) -> VideoStore:
+    options = {"max_bytes": 1000, "ttl": 60.0, "max_jobs": 100, **limits}
+    return VideoStore(tmp_path, clock=clock, **options)
+
+
+def new_job(store: VideoStore, n: int) -> VideoJob:
+    job = VideoJob(
+        id=f"video_{n:032x}",
+        request_id=f"{n:032x}",
+        created_at=int(store.clock()),
+        model="m",
+        prompt=f"clip {n}",
+        size="48x32",
+        seconds="0.5625",
+        num_frames=9,
+        fps=16,
+        seed=n,
+    )
+    store.add(job)
+    return job
+
+
+def finish(store: VideoStore, job: VideoJob, size: int) -> None:
+    """What a job's task does with its encoded clip."""
+    store.reserve(job, size)
+    done = store.completion(job, "mp4", None)
+    write_video(store.directory, done, b"v" * size)
+    store.complete(job, done)
+
+
+def files(store: VideoStore) -> set[str]:
+    return set(os.listdir(store.directory))
+
+
+def test_a_completed_video_is_a_file_with_its_json(tmp_path, clock):
+    store = make_store(tmp_path, clock)
+    job = new_job(store, 1)
+    assert store.path(job) is None and files(store) == set()
+    finish(store, job, 100)
+    assert (job.status, job.progress, job.format, job.bytes) == ("completed", 100, "mp4", 100)
+    assert (job.completed_at, job.expires_at) == (1000, 1060)
+    assert store.path(job).read_bytes() == b"v" * 100
+    assert files(store) == {f"{job.id}.mp4", f"{job.id}.json"}
+    assert store.used == 100
+
+
+def test_the_byte_budget_evicts_the_videos_that_finished_first(tmp_path, clock):
+    store = make_store(tmp_path, clock, max_bytes=250)
+    a, b, c, running = (new_job(store, n) for n in range(4))
+    # Created a, b, c; finished b (t=1001) before a (t=1002).
+    clock.now += 1
+    finish(store, b, 100)
+    clock.now += 1
+    finish(store, a, 100)
+    clock.now += 1
+    finish(store, c, 100)  # 300 bytes > 250: b goes, not a
+    assert store.get(b.id) is None and store.get(a.id) is a and store.get(c.id) is c
+    assert files(store) == {f"{j.id}.{ext}" for j in (a, c) for ext in ("mp4", "json")}
+    assert store.used == 200
+    store.reserve(running, 240)  # needs both finished videos gone; the running job itself stays
+    assert store.get(a.id) is None and store.get(c.id) is None and store.get(running.id) is running
+    assert store.used == 240 and files(store) == set()
+
+
+def test_a_video_larger_than_the_budget_fails_and_evicts_nothing(tmp_path, clock):
+    store = make_store(tmp_path, clock, max_bytes=250)
+    a, big = new_job(store, 1), new_job(store, 2)
+    finish(store, a, 200)
+    with pytest.raises(VideoTooLarge, match="--video-store-bytes"):
+        store.reserve(big, 251)
+    assert store.get(a.id) is a and store.used == 200
+    store.end(big, "failed", "video_too_large", "too large")
+    assert big.status == "failed" and big.error == {"code": "video_too_large", "message": "too large"}
+
+
+def test_videos_being_written_are_never_evicted(tmp_path, clock):
+    store = make_store(tmp_path, clock, max_bytes=250)
+    writing, other = new_job(store, 1), new_job(store, 2)
+    store.reserve(writing, 200)  # its file is being written
+    with pytest.raises(VideoTooLarge, match="being written"):
+        store.reserve(other, 100)
+    assert store.get(writing.id) is writing and writing.bytes == 200
+    # A job that ends without its video gives its reservation back.
+    store.end(writing, "failed", "storage_error", "disk full")
+    assert store.used == 0 and writing.bytes == 0
+    store.reserve(other, 100)
+
+
+def test_finished_jobs_expire_with_their_files_and_running_ones_never(tmp_path, clock):
+    store = make_store(tmp_path, clock, ttl=60.0)
+    running, done, failed = new_job(store, 1), new_job(store, 2), new_job(store, 3)
+    finish(store, done, 100)
+    clock.now += 10
+    store.end(failed, "failed", "generation_failed", "boom")
+    assert failed.expires_at == 1070
+    clock.now = 1059.9
+    assert [j.id for j in store.listing()] == [running.id, done.id, failed.id]
+    clock.now = 1060.0
+    assert store.get(done.id) is None and files(store) == set()
+    assert [j.id for j in store.listing()] == [running.id, failed.id]
+    assert store.used == 0
+    clock.now = 1070.0
+    assert store.sweep() == [failed.id]
+    clock.now += 10**6
+    assert store.get(running.id) is running
+
+
+def test_the_job_limit_forgets_finished_jobs_first_never_running_ones(tmp_path, clock):
+    store = make_store(tmp_path, clock, max_jobs=2)
+    running, done = new_job(store, 1), new_job(store, 2)
+    finish(store, done, 100)
+    third = new_job(store, 3)  # forgets `done` (and removes its file), keeps `running`
+    assert [j.id for j in store.listing()] == [running.id, third.id]
+    assert files(store) == set() and store.used == 0
+    with pytest.raises(StoreFull, match="--video-max-jobs"):
+        new_job(store, 4)
+    assert [j.id for j in store.listing()] == [running.id, third.id]
+
+
+def test_remove_deletes_the_files(tmp_path, clock):
+    store = make_store(tmp_path, clock)
+    job = new_job(store, 1)
+    finish(store, job, 100)
+    assert store.remove(job.id) is job
+    assert store.get(job.id) is None and files(store) == set() and store.used == 0
+    assert store.remove(job.id) is None
+
+
+def test_a_given_folder_is_served_again_after_a_restart(tmp_path, clock):
+    store = make_store(tmp_path, clock, ttl=60.0)
+    old, kept, newest, running = (new_job(store, n) for n in range(4))
+    finish(store, old, 100)
+    clock.now += 30
+    finish(store, kept, 100)
+    finish(store, newest, 100)
+    # Left behind too: a video without its JSON, a half-written file, and a file that is not ours.
+    (tmp_path / f"video_{9:032x}.mp4").write_bytes(b"orphan")
+    (tmp_path / f"video_{8:032x}.tmp").write_bytes(b"half")
+    (tmp_path / "notes.txt").write_text("the operator's")
+    clock.now += 40  # `old` expired meanwhile
+    again = make_store(tmp_path, clock, ttl=60.0, max_bytes=150)
+    assert again.load() == 1
+    # `old` expired, `kept` did not fit in the smaller budget (it finished before `newest`), `running` had no file.
+    assert [j.id for j in again.listing()] == [newest.id]
+    restored = again.get(newest.id)
+    assert restored.status == "completed" and restored.prompt == "clip 2" and restored.expires_at == newest.expires_at
+    assert again.path(restored).read_bytes() == b"v" * 100 and again.used == 100
+    assert files(again) == {f"{newest.id}.mp4", f"{newest.id}.json", "notes.txt"}
+    assert running.status == "queued"

@@ -130,6 +130,8 @@ async def _generate(args: argparse.Namespace) -> int:
         num_inference_steps=args.steps,
         guidance_scale=args.guidance_scale,
         preview_every=args.preview_every if args.previews else 0,
+        num_frames=args.num_frames,
+        fps=args.fps,
     )
     declared = read_declared(model) if Path(model).is_dir() else None  # noqa: ASYNC240 - before any work
     try:
@@ -170,6 +172,15 @@ async def _generate(args: argparse.Namespace) -> int:
             elif isinstance(event, Preview):
                 path = Path(args.previews, f"step{event.step:03d}.png")
                 await asyncio.to_thread(_write, path, encode_image(event.image))
+            elif isinstance(event, Completed) and event.image.ndim == 4:  # a video model's clip [F, H, W, 3]
+                from diffusiond.daemon.video import encode_video
+
+                video_fmt = "webp" if fmt == "webp" else "mp4"
+                clip = await asyncio.to_thread(encode_video, event.image, handle.params.fps or 16, video_fmt)
+                await asyncio.to_thread(_write, Path(args.out), clip.data)
+                note = f", {clip.format}: {clip.fallback}" if clip.fallback else ""
+                print(f"{args.out} (seed {event.seed}, {clip.num_frames} frames at {clip.fps} fps{note})")
+                return 0
             elif isinstance(event, Completed):
                 await asyncio.to_thread(_write, Path(args.out), encode_image(event.image, fmt))
                 print(f"{args.out} (seed {event.seed})")
@@ -542,9 +553,13 @@ def build_parser(*, with_load_tools: bool = True) -> argparse.ArgumentParser:
     add_model_args(gen)
     gen.add_argument("prompt", help="what to draw")
     gen.add_argument("--negative-prompt", help="what to steer away from (models that take one)")
-    gen.add_argument("--out", default="out.png", help="image file to write; .png, .jpg or .webp (default: out.png)")
+    gen.add_argument(
+        "--out", default="out.png", help="file to write: .png, .jpg or .webp; video models: .mp4 (default: out.png)"
+    )
     gen.add_argument("--size", type=parse_size, help="WIDTHxHEIGHT (default: the model's)")
     gen.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
+    gen.add_argument("--num-frames", type=int, help="video models: frames of the clip (default: the model's)")
+    gen.add_argument("--fps", type=int, help="video models: frames per second of the file (default: the model's)")
     gen.add_argument("--seed", type=int, help="the same seed and parameters give the same image (default: random)")
     gen.add_argument("--guidance-scale", type=float, help="classifier-free guidance (default: the model's)")
     gen.add_argument("--image", metavar="FILE", help="start from this image (image to image; families that take one)")

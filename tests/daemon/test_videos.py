@@ -555,3 +555,21 @@ def test_warm_up_and_limits_of_a_video_model(tiny_wan):
     clip = SamplingParams(prompt="a cat", width=48, height=32, num_frames=13, num_inference_steps=2)
     assert limits.check(clip)[0] == "num_frames"
     assert limits.check(SamplingParams(prompt="a cat", width=48, height=32, num_frames=9)) is None
+
+
+def test_generate_writes_a_clip(tiny_wan, tiny_sd3, tmp_path, capsys):
+    """`diffusiond generate` on a video model writes an MP4 of the asked frames and fps; an image model refuses
+    --num-frames naming the flag."""
+    from diffusiond.daemon import cli
+
+    out = tmp_path / "clip.mp4"
+    args = ["generate", "a red cat", "--model", tiny_wan, "--size", "48x32", "--steps", "2", "--seed", "1"]
+    code = cli.main([*args, "--num-frames", "9", "--fps", "8", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "9 frames at 8 fps" in captured.out
+    frames, fps = decode_video(out.read_bytes())
+    assert len(frames) == 9 and frames[0].shape == (32, 48, 3) and fps == 8
+    code = cli.main(["generate", "a red circle", "--model", tiny_sd3, "--num-frames", "9", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "--num-frames" in err and "Traceback" not in err, err

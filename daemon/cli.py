@@ -276,6 +276,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ConfigError("--ring runs its own SDPA kernels: drop --compile and --attention other than sdpa")
         if config.tp > 1 and (config.compile or config.quantize != "none" or config.offload != "none"):
             raise ConfigError("--tp shards plain weights: drop --compile, --quantize and --offload with it")
+        if config.shard_weights:
+            if config.nproc * config.nnodes < 2:
+                raise ConfigError("--shard-weights splits the weights over the ranks: it needs --nproc 2 or more")
+            if config.tp > 1 or config.compile or config.quantize != "none" or config.offload != "none":
+                raise ConfigError("--shard-weights: drop --tp, --compile, --quantize and --offload with it")
         if config.video_dir is not None:
             from diffusiond.daemon.video_store import folder_problem
 
@@ -285,7 +290,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             from diffusiond.models.loader import check_features
 
             try:
-                check_features(config.model, ulysses=config.ulysses, ring=config.ring, tp=config.tp, cache=config.cache)
+                check_features(
+                    config.model,
+                    ulysses=config.ulysses,
+                    ring=config.ring,
+                    tp=config.tp,
+                    shard_weights=config.shard_weights,
+                    cache=config.cache,
+                )
             except (ValueError, FileNotFoundError) as exc:
                 raise ConfigError(str(exc)) from None
     except (ConfigError, AttentionUnavailable, quantize.QuantizationUnavailable, offload.OffloadUnavailable) as exc:
@@ -494,6 +506,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--ulysses", type=int, help=f"Ulysses sequence-parallel degree (default: {d.ulysses})")
     add("--ring", type=int, help=f"ring attention degree, composes with --ulysses (default: {d.ring})")
     add("--tp", type=int, help=f"tensor-parallel degree: each rank holds 1/tp of the block weights (default: {d.tp})")
+    add(
+        "--shard-weights",
+        action="store_true",
+        help="FSDP2: each rank keeps 1/N of the transformer's weights, gathered block by block as it runs",
+    )
     add(
         "--max-restarts",
         type=int,

@@ -90,6 +90,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ring: Positive = 1
     # Tensor parallelism (kernels/tensor_parallel.py): each rank holds 1/tp of the transformer's block linears.
     tp: Positive = 1
+    # FSDP2 over every rank (kernels/tensor_parallel.py): each keeps 1/N of the transformer's weights and gathers a
+    # block's just before it runs. On top of a layout (CFG-parallel, Ulysses, ring), not a degree of its own.
+    shard_weights: bool = False
     max_restarts: NonNegative = 3
     # Step caching with a decision per request (models/stepcache.py): "fbcache" reuses a request's remaining
     # blocks while its first block's residual changes by less than cache_threshold; "teacache" reuses all blocks

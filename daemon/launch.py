@@ -145,6 +145,7 @@ def run_rank(config: ServeConfig) -> int:
             ulysses=config.ulysses,
             ring=config.ring,
             tp=config.tp,
+            shard_weights=config.shard_weights,
             quantize=config.quantize,
             quantize_skip=config.quantize_skip,
             offload=config.offload,

@@ -45,6 +45,7 @@ def join_group(
     ulysses: int = 1,
     ring: int = 1,
     tp: int = 1,
+    shard_weights: bool = False,
     quantize: str = "none",
     quantize_skip: str | None = None,
     offload: str = "none",
@@ -70,6 +71,12 @@ def join_group(
             raise ValueError(f"{flag} {degree}: the {adapter.family} family does not support {strategy}")
     if groups.tp is not None:  # first: sharding replaces the linears the other strategies' processors call
         adapter.enable_tp(groups.tp)
+    if shard_weights:
+        if groups.tp is not None:
+            raise ValueError("--shard-weights with --tp: shard over one of them (HSDP x TP is not built yet)")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        adapter.enable_shard_weights(init_device_mesh(torch.device(device).type, (world_size,)))
     if groups.cfg is not None:
         adapter.enable_cfg_parallel(groups.cfg)
     if groups.sequence is not None:

@@ -1,4 +1,7 @@
-"""Tensor parallelism with PyTorch's own API (`torch.distributed.tensor.parallel`): a transformer's linears sharded
+"""Weights split across ranks, with PyTorch's own APIs: tensor parallelism (`shard`) and FSDP2 sharding
+(`fully_shard_blocks`).
+
+Tensor parallelism with PyTorch's own API (`torch.distributed.tensor.parallel`): a transformer's linears sharded
 over a DeviceMesh by a plan in diffusers' `_tp_plan` format ({"blocks.*.attn.to_q": "colwise", ...}; diffusers 0.42
 ships plans for FLUX, FLUX.2 and Qwen-Image, and families in models/ write their own).
 
@@ -33,4 +36,20 @@ def shard(module: torch.nn.Module, plan: dict, mesh) -> tuple[int, int]:
     resolve_tp_shard_specs(module, plan, mesh.size())  # every planned split is even, checked before any is made
     for submodule, relative in _resolve_tp_plan(module, plan):
         parallelize_module(submodule, mesh, _styles(relative))
+    return param_bytes(module), before
+
+
+def fully_shard_blocks(module: torch.nn.Module, mesh) -> tuple[int, int]:
+    """FSDP2 (`torch.distributed.fsdp.fully_shard`) over `mesh`: every element of `module`'s block lists (its
+    ModuleList children) is a unit whose weights are all-gathered just before it runs and freed just after, the
+    rest (embedders, output layers) one more unit. Each rank keeps 1/N of the weights between forwards; all ranks
+    must run the same units in the same order, which SPMD steps do. Returns (bytes on this rank, bytes before)."""
+    from torch.distributed.fsdp import fully_shard
+
+    before = param_bytes(module)
+    for child in module.children():
+        if isinstance(child, torch.nn.ModuleList):
+            for block in child:
+                fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(module, mesh=mesh, reshard_after_forward=True)
     return param_bytes(module), before

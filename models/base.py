@@ -143,7 +143,8 @@ class ModelAdapter(abc.ABC):
     guidance_styles: ClassVar[tuple[str, ...]]
     # Parallel strategies over several ranks: "cfg-parallel" (the two CFG rows, or halves of a batch without CFG),
     # "ulysses" (sequence parallel attention; its degree must divide the transformer's heads), "ring" (ring attention
-    # over the sharded sequence, alone or with Ulysses; families whose attention takes no mask).
+    # over the sharded sequence, alone or with Ulysses; families whose attention takes no mask), "tp" (tensor
+    # parallel linears, by the family's plan), "shard-weights" (FSDP2: weights gathered block by block).
     parallel: ClassVar[tuple[str, ...]] = ("cfg-parallel",)
     # Step caches it implements (models/stepcache.py), besides "none", and whether they run with Ulysses.
     cache_methods: ClassVar[tuple[str, ...]] = ()

@@ -221,8 +221,8 @@ class FlowMatchAdapter(ModelAdapter):
     def enable_ulysses(self, group: Any) -> None:
         raise ValueError(f"the {self.family} family does not support Ulysses sequence parallelism")
 
-    # (bytes of the transformer's parameters on this rank, before sharding) once tensor parallel.
-    tp_bytes: tuple[int, int] | None = None
+    # (bytes of the transformer's parameters on this rank, before) once tensor parallel or sharded.
+    weight_bytes: tuple[int, int] | None = None
 
     def enable_tp(self, mesh: Any) -> None:
         """Shard the transformer's block linears over the tensor-parallel `mesh` (kernels/tensor_parallel.py) by the
@@ -235,8 +235,16 @@ class FlowMatchAdapter(ModelAdapter):
         heads = self.transformer.config.num_attention_heads
         if heads % mesh.size():
             raise ValueError(f"--tp {mesh.size()} must divide the number of attention heads ({heads})")
-        self.tp_bytes = shard(self.transformer, plan, mesh)
+        self.weight_bytes = shard(self.transformer, plan, mesh)
         self._after_tp(mesh.size())
+
+    def enable_shard_weights(self, mesh: Any) -> None:
+        """The transformer's (or UNet's) weights sharded over `mesh` with FSDP2, gathered block by block as each
+        runs (kernels/tensor_parallel.py): for a model that does not fit one device, at the cost of an all-gather of
+        every block's weights per forward. Text encoders and the VAE stay whole."""
+        from diffusiond.kernels.tensor_parallel import fully_shard_blocks
+
+        self.weight_bytes = fully_shard_blocks(self.transformer, mesh)
 
     def _tp_plan(self) -> dict[str, Any]:
         """The transformer's plan in diffusers' `_tp_plan` format (diffusers ships FLUX's, FLUX.2's, Qwen-Image's)."""

@@ -54,7 +54,9 @@ def load_adapter(
     return adapter
 
 
-def check_features(model: str, *, ulysses: int = 1, ring: int = 1, tp: int = 1, cache: str = "none") -> None:
+def check_features(
+    model: str, *, ulysses: int = 1, ring: int = 1, tp: int = 1, shard_weights: bool = False, cache: str = "none"
+) -> None:
     """Raises ValueError, saying why, when the family of `model` cannot run the parallel layout or step cache asked
     for: read from `model_index.json` and the family's declarations, before any rank starts or loads."""
     cls = adapter_for(read_model_index(model).get("_class_name", "<missing _class_name>"))
@@ -88,6 +90,11 @@ def check_features(model: str, *, ulysses: int = 1, ring: int = 1, tp: int = 1, 
             raise ValueError(f"--tp {tp} x --ulysses {ulysses} must divide the number of attention heads ({heads})")
         if cache != "none":
             raise ValueError(f"--cache {cache} with --tp {tp}: step caching does not run with tensor parallelism yet")
+    if shard_weights:
+        if "shard-weights" not in cls.parallel:
+            raise ValueError(f"--shard-weights: the {cls.family} family ({cls.pipeline_class}) does not support it")
+        if cache != "none":
+            raise ValueError(f"--cache {cache} with --shard-weights: step caching does not run on sharded weights yet")
     if cache != "none" and ring > 1:
         raise ValueError(f"--cache {cache} with --ring {ring}: step caching does not run with ring attention yet")
     if cache != "none" and ulysses > 1 and not cls.cache_with_ulysses:

@@ -37,7 +37,7 @@ class QwenImageAdapter(FlowMatchAdapter):
     TEXT_ENCODERS = ("text_encoder",)
     cache_methods = ("fbcache", "teacache")
     image_inputs = ("img2img", "mask")
-    parallel = ("cfg-parallel", "ulysses", "tp")
+    parallel = ("cfg-parallel", "ulysses", "tp", "shard-weights")
     # Its cached forward does not shard tokens yet: --cache with --ulysses is refused at start.
     cache_with_ulysses = False
 

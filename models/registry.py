@@ -49,9 +49,8 @@ def families_table() -> str:
         return ", ".join(values) or "-"
 
     lines = [
-        "| `_class_name` | family | output | guidance | CFG-parallel | Ulysses | ring | step cache | image inputs "
-        "| needs |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| `_class_name` | family | output | guidance | parallel | step cache | image inputs | needs |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, cls in ADAPTERS.items():
         cells = [
@@ -59,9 +58,7 @@ def families_table() -> str:
             cls.family,
             cls.modality,
             listed(cls.guidance_styles),
-            "yes" if "cfg-parallel" in cls.parallel else "no",
-            "yes" if "ulysses" in cls.parallel else "no",
-            "yes" if "ring" in cls.parallel else "no",
+            listed(cls.parallel),
             listed(cls.cache_methods),
             listed(cls.image_inputs),
             listed(cls.needs),

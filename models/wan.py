@@ -155,7 +155,7 @@ class WanAdapter(FlowMatchAdapter):
     default_steps = 50
     default_guidance = 5.0
     guidance_styles = ("cfg",)
-    parallel = ("cfg-parallel", "ulysses", "ring")
+    parallel = ("cfg-parallel", "ulysses", "ring", "shard-weights")
     # The pipelines' defaults: 81 frames at 832x480, played at 16 frames per second (Wan 2.1's rate).
     default_num_frames: ClassVar[int] = 81
     default_fps: ClassVar[int] = 16
@@ -190,6 +190,12 @@ class WanAdapter(FlowMatchAdapter):
             block.attn1.set_processor(UlyssesWanSelfAttnProcessor(group))
             block.register_forward_pre_hook(shard)
         gather_output(blocks[-1], group)
+
+    def enable_shard_weights(self, mesh: Any) -> None:
+        """Sharded weights exist whole only inside their block's forward: the projections are made there again (no
+        reuse), and still equal."""
+        super().enable_shard_weights(mesh)
+        self.projections = None
 
     # ---- family hooks ----
 

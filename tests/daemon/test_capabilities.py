@@ -58,7 +58,7 @@ async def test_models_lists_what_the_model_serves(demo):
     assert "circle" in caps["draws"]
     # What its family declares (models/base.py), narrowed to the checkpoint: 4 heads, so Ulysses over 2 or 4 ranks.
     assert caps["guidance_styles"] == ["cfg", "skip-layer"]
-    assert caps["parallel"] == ["cfg-parallel", "ulysses", "ring", "tp"]
+    assert caps["parallel"] == ["cfg-parallel", "ulysses", "ring", "tp", "shard-weights"]
     assert caps["cache_methods"] == ["fbcache", "teacache"] and caps["image_inputs"] == ["img2img", "mask"]
     assert caps["ulysses_degrees"] and all(d > 1 for d in caps["ulysses_degrees"])
 
@@ -177,7 +177,7 @@ def test_help_describes_every_flag():
     serve = parser._subparsers._group_actions[0].choices["serve"]
     groups = {group.title: [a.dest for a in group._group_actions] for group in serve._action_groups}
     ranks = next(dests for title, dests in groups.items() if title.startswith("several ranks"))
-    assert {"nproc", "cfg_parallel", "ulysses", "ring", "tp", "nnodes", "rdzv_endpoint", "max_restarts"} <= set(ranks)
+    assert {"nproc", "cfg_parallel", "ulysses", "ring", "tp", "shard_weights", "nnodes", "max_restarts"} <= set(ranks)
 
 
 def test_the_shipped_declaration_is_what_training_writes():

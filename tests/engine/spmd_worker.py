@@ -125,6 +125,7 @@ def main() -> None:
         ulysses=int(ulysses),
         ring=int(os.environ.get("SPMD_RING", "1")),
         tp=int(os.environ.get("SPMD_TP", "1")),
+        shard_weights=os.environ.get("SPMD_SHARD") == "1",
     )
     forwards = record_forwards(rank.adapter)
     ring_keys = record_ring_keys() if os.environ.get("SPMD_RING", "1") != "1" else None
@@ -167,8 +168,8 @@ def main() -> None:
     Path(out, f"forwards{rank.rank}.json").write_text(json.dumps(forwards))
     if ring_keys is not None:
         Path(out, f"ring{rank.rank}.json").write_text(json.dumps(ring_keys))
-    if rank.adapter.tp_bytes is not None:
-        Path(out, f"tp{rank.rank}.json").write_text(json.dumps(rank.adapter.tp_bytes))
+    if rank.adapter.weight_bytes is not None:
+        Path(out, f"weights{rank.rank}.json").write_text(json.dumps(rank.adapter.weight_bytes))
     if decisions:
         Path(out, f"reuse{rank.rank}.json").write_text(json.dumps(decisions))
     if attention_calls is not None:

@@ -326,6 +326,7 @@ def two_ranks(
     compile: bool = False,
     ring: int = 1,
     tp: int = 1,
+    shard: bool = False,
 ) -> tuple[list[np.ndarray], list[list[dict]]]:
     """The requests through a group of cfg x ulysses x ring x tp ranks (2 unless a layout asks for more)."""
     nproc = cfg * ulysses * ring * tp
@@ -346,6 +347,8 @@ def two_ranks(
         *([cache] if cache else []),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SPMD_RING": str(ring), "SPMD_TP": str(tp)}
+    if shard:
+        env["SPMD_SHARD"] = "1"
     if attention:
         env["SPMD_ATTENTION"] = attention
     if compile:
@@ -473,7 +476,7 @@ def test_tensor_parallel_matches_one_rank(family, cfg, request, tmp_path):
     got, forwards = two_ranks(model, tmp_path, cfg, 1, requests, tp=2)
     world = 2 * cfg
     for r in range(world):
-        local, whole = json.loads((tmp_path / f"tp{r}.json").read_text())
+        local, whole = json.loads((tmp_path / f"weights{r}.json").read_text())
         assert local < 0.9 * whole, (r, local, whole)
     for steps in zip(*forwards, strict=True):
         rows = [[c["rows"] for c in f["calls"]] for f in steps]
@@ -484,6 +487,37 @@ def test_tensor_parallel_matches_one_rank(family, cfg, request, tmp_path):
         diff = float(np.abs(a - b).max())
         print(f"{family}/tp 2 cfg {cfg} {params.prompt!r}: max abs diff {diff:.2e}")
         assert diff <= TOLERANCE, f"{family}/tp {params.prompt!r}: max abs diff {diff}"
+
+
+@pytest.mark.parametrize(
+    ("family", "strategy"),
+    [
+        ("sd3", "cfg"),
+        ("flux", "ulysses"),
+        ("flux-kontext", "cfg"),
+        ("flux2-klein", "cfg"),
+        ("sdxl", "cfg"),
+        ("z-image", "cfg"),
+        ("qwen-image", "ulysses"),
+        ("wan", "ulysses"),
+        ("wan-i2v", "cfg"),
+    ],
+)
+def test_sharded_weights_match_one_rank(family, strategy, request, tmp_path):
+    """--shard-weights (FSDP2) on top of CFG-parallel or Ulysses: one rank's images, while each rank keeps half of
+    the transformer's (or UNet's) weights between forwards (a no-op would show the bytes unchanged)."""
+    model = request.getfixturevalue(FIXTURES[family])
+    requests = REQUESTS[family][:4]
+    expected = one_rank(model, requests)
+    cfg, ulysses = (2, 1) if strategy == "cfg" else (1, 2)
+    got, _ = two_ranks(model, tmp_path, cfg, ulysses, requests, shard=True)
+    for r in range(2):
+        local, whole = json.loads((tmp_path / f"weights{r}.json").read_text())
+        assert local <= 0.51 * whole, (r, local, whole)
+    for params, a, b in zip(requests, expected, got, strict=True):
+        diff = float(np.abs(a - b).max())
+        print(f"{family}/shard-weights {strategy} {params.prompt!r}: max abs diff {diff:.2e}")
+        assert diff <= TOLERANCE, f"{family}/shard {params.prompt!r}: max abs diff {diff}"
 
 
 @pytest.mark.parametrize("method", ["fbcache", "teacache"])

@@ -59,6 +59,11 @@ def test_loaded_checkpoints_declare_what_they_support(fixture, guidance, ulysses
         ),
         ("tiny_sd3", ["--nproc", "3", "--ulysses", "3"], "--ulysses 3 must divide the number of attention heads (4)"),
         ("tiny_zimage", ["--cache", "teacache"], "--cache teacache: the z-image family implements none"),
+        ("tiny_zimage", ["--nproc", "2", "--ring", "2"], "--ring 2: the z-image family (ZImagePipeline) does not"),
+        ("tiny_sdxl", ["--nproc", "2", "--tp", "2"], "--tp 2: the sdxl family (StableDiffusionXLPipeline) does not"),
+        ("tiny_sd3", ["--nproc", "3", "--ulysses", "3", "--tp", "1"], "must divide the number of attention heads"),
+        ("tiny_sd3", ["--nproc", "2", "--cfg-parallel", "2", "--tp", "2"], "x --tp (2) = 4 must equal"),
+        ("tiny_sd3", ["--shard-weights"], "--shard-weights splits the weights over the ranks: it needs --nproc 2"),
         (
             "tiny_qwenimage",
             ["--nproc", "2", "--ulysses", "2", "--cache", "fbcache"],

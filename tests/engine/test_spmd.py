@@ -489,6 +489,24 @@ def test_tensor_parallel_matches_one_rank(family, cfg, request, tmp_path):
         assert diff <= TOLERANCE, f"{family}/tp {params.prompt!r}: max abs diff {diff}"
 
 
+def test_cfg_parallel_x_ulysses_on_four_ranks(request, tmp_path):
+    """--cfg-parallel 2 x --ulysses 2: one rank's images; in CFG batches each rank runs one branch of every request
+    (one row each) over its half of the image tokens."""
+    model = request.getfixturevalue(FIXTURES["sd3"])
+    requests = REQUESTS["sd3"][:4]
+    expected = one_rank(model, requests)
+    got, forwards = two_ranks(model, tmp_path, 2, 2, requests)
+    for steps in zip(*forwards, strict=True):
+        calls = [f["calls"][0] for f in steps]
+        if steps[0]["cfg"]:
+            assert all(c["rows"] == steps[0]["requests"] for c in calls), calls
+        for group in (calls[:2], calls[2:]):  # each CFG branch's Ulysses pair shards its sequence
+            assert sum(c["block_tokens"] for c in group) == group[0]["block_total"], group
+    for params, a, b in zip(requests, expected, got, strict=True):
+        diff = float(np.abs(a - b).max())
+        assert diff <= TOLERANCE, f"sd3/cfg x ulysses {params.prompt!r}: max abs diff {diff}"
+
+
 @pytest.mark.parametrize(
     ("family", "strategy"),
     [

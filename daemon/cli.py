@@ -276,6 +276,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ConfigError("--ring runs its own SDPA kernels: drop --compile and --attention other than sdpa")
         if config.tp > 1 and (config.compile or config.quantize != "none" or config.offload != "none"):
             raise ConfigError("--tp shards plain weights: drop --compile, --quantize and --offload with it")
+        if config.vae_parallel > config.nproc * config.nnodes:
+            raise ConfigError(
+                f"--vae-parallel {config.vae_parallel} decodes on that many ranks: it needs --nproc x --nnodes >= "
+                f"{config.vae_parallel}"
+            )
         if config.shard_weights:
             if config.nproc * config.nnodes < 2:
                 raise ConfigError("--shard-weights splits the weights over the ranks: it needs --nproc 2 or more")
@@ -296,6 +301,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     ring=config.ring,
                     tp=config.tp,
                     shard_weights=config.shard_weights,
+                    vae_parallel=config.vae_parallel,
                     cache=config.cache,
                 )
             except (ValueError, FileNotFoundError) as exc:
@@ -511,6 +517,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="FSDP2: each rank keeps 1/N of the transformer's weights, gathered block by block as it runs",
     )
+    add("--vae-parallel", type=int, help="ranks that decode one image together, in strips (default: 1)")
     add(
         "--max-restarts",
         type=int,

@@ -93,6 +93,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # FSDP2 over every rank (kernels/tensor_parallel.py): each keeps 1/N of the transformer's weights and gathers a
     # block's just before it runs. On top of a layout (CFG-parallel, Ulysses, ring), not a degree of its own.
     shard_weights: bool = False
+    # Patch-parallel decoding (kernels/patch_vae.py): an image that finishes with fewer others than there are ranks
+    # is decoded in horizontal strips by ranks 0..V-1 (several finishing together are spread over the ranks anyway).
+    vae_parallel: Positive = 1
     max_restarts: NonNegative = 3
     # Step caching with a decision per request (models/stepcache.py): "fbcache" reuses a request's remaining
     # blocks while its first block's residual changes by less than cache_threshold; "teacache" reuses all blocks

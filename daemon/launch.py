@@ -146,6 +146,7 @@ def run_rank(config: ServeConfig) -> int:
             ring=config.ring,
             tp=config.tp,
             shard_weights=config.shard_weights,
+            vae_parallel=config.vae_parallel,
             quantize=config.quantize,
             quantize_skip=config.quantize_skip,
             offload=config.offload,

@@ -46,6 +46,7 @@ def join_group(
     ring: int = 1,
     tp: int = 1,
     shard_weights: bool = False,
+    vae_parallel: int = 1,
     quantize: str = "none",
     quantize_skip: str | None = None,
     offload: str = "none",
@@ -65,8 +66,12 @@ def join_group(
     adapter = load_adapter(
         model, device=device, dtype=dtype, quantize=quantize, quantize_skip=quantize_skip, offload=offload
     )
-    groups = build_groups(layout, rank, torch.device(device).type)
-    for degree, flag, strategy in ((ring, "--ring", "ring"), (tp, "--tp", "tp")):
+    groups = build_groups(layout, rank, torch.device(device).type, vae_parallel)
+    for degree, flag, strategy in (
+        (ring, "--ring", "ring"),
+        (tp, "--tp", "tp"),
+        (vae_parallel, "--vae-parallel", "vae-parallel"),
+    ):
         if degree > 1 and strategy not in adapter.parallel:
             raise ValueError(f"{flag} {degree}: the {adapter.family} family does not support {strategy}")
     if groups.tp is not None:  # first: sharding replaces the linears the other strategies' processors call
@@ -77,6 +82,8 @@ def join_group(
         from torch.distributed.device_mesh import init_device_mesh
 
         adapter.enable_shard_weights(init_device_mesh(torch.device(device).type, (world_size,)))
+    if groups.vae is not None:
+        adapter.enable_vae_parallel(groups.vae)
     if groups.cfg is not None:
         adapter.enable_cfg_parallel(groups.cfg)
     if groups.sequence is not None:

@@ -134,10 +134,14 @@ class Executor:
         finished = [s for s in batch if s.finished]
         if finished:
             shared = self.group and len(finished) >= self.comm.world_size
-            if shared or self.driver:
+            # Fewer than the ranks: with patch-parallel decoding the strip group decodes each image together.
+            strips = getattr(self.adapter, "vae_strips", None) if self.group and not shared else None
+            if shared or self.driver or (strips is not None and self.rank < strips.size):
                 with stage("decode"):
                     if shared:
                         images = self._decode_shared(finished, result)
+                    elif strips is not None and self.rank < strips.size:
+                        images = self._decode_strips(finished)
                     else:
                         images = self._isolated(self._decode, finished, _state_id, "decoding", result)
                 for state, image in images:
@@ -191,6 +195,20 @@ class Executor:
 
     def _decode(self, states: list[RequestState]) -> list[tuple[RequestState, np.ndarray]]:
         return list(zip(states, self.adapter.decode(states), strict=True))
+
+    def _decode_strips(self, finished: list[RequestState]) -> list[tuple[RequestState, np.ndarray]]:
+        """Each image decoded in strips by the strip group's ranks (kernels/patch_vae.py); its collectives make a
+        failure fatal to the group. Only the driver keeps the images."""
+        try:
+            images = self.adapter.decode_strips(finished)
+        except FATAL:
+            raise
+        except Exception as exc:
+            log.error(
+                "rank %d: strip decoding failed for %s", self.rank, [s.request_id for s in finished], exc_info=exc
+            )
+            raise GroupFault(f"rank {self.rank} failed while decoding") from exc
+        return list(zip(finished, images, strict=True)) if self.driver else []
 
     def _decode_shared(self, finished: list[RequestState], result: ExecResult) -> list[tuple[RequestState, Any]]:
         """Several requests finished (every rank knows which): rank r decodes finished[r::W] and rank 0 gathers the

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from diffusiond.kernels.patch_vae import StripGroup
 from diffusiond.kernels.ulysses import UlyssesGroup
 
 
@@ -87,10 +88,14 @@ class Groups:
     sequence: UlyssesGroup | None = None
     # A 1-D torch DeviceMesh over this rank's tensor-parallel group (torch.distributed.tensor.parallel takes meshes).
     tp: Any = None
+    # Patch-parallel decoding (kernels/patch_vae.py): ranks 0..V-1 decode one image in strips.
+    vae: StripGroup | None = None
 
 
-def build_groups(layout: ParallelLayout, rank: int, device_type: str = "cpu") -> Groups:
+def build_groups(layout: ParallelLayout, rank: int, device_type: str = "cpu", vae_parallel: int = 1) -> Groups:
     layout.validate()
+    if not 1 <= vae_parallel <= layout.world_size:
+        raise ValueError(f"--vae-parallel must be between 1 and the number of ranks ({layout.world_size})")
     c, r, u, t = layout.shape
     cfg = sequence = tp = None
     if c > 1:
@@ -120,4 +125,9 @@ def build_groups(layout: ParallelLayout, rank: int, device_type: str = "cpu") ->
 
         mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=("cfg", "ring", "ulysses", "tp"))
         tp = mesh["tp"]
-    return Groups(cfg, sequence, tp)
+    vae = None
+    if vae_parallel > 1:
+        group = dist.new_group(list(range(vae_parallel)))
+        if rank < vae_parallel:
+            vae = StripGroup(group, rank, vae_parallel)
+    return Groups(cfg, sequence, tp, vae)

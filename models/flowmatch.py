@@ -246,6 +246,31 @@ class FlowMatchAdapter(ModelAdapter):
 
         self.weight_bytes = fully_shard_blocks(self.transformer, mesh)
 
+    # Patch-parallel decoding (kernels/patch_vae.py) once enabled.
+    vae_strips: Any = None
+
+    def enable_vae_parallel(self, group: Any) -> None:
+        """Decode one image in horizontal strips across `group`'s ranks (a 2D VAE decoder: AutoencoderKL's)."""
+        from diffusers.models.autoencoders.vae import Decoder
+
+        from diffusiond.kernels.patch_vae import make_strip_aware
+
+        if "vae-parallel" not in self.parallel or not isinstance(getattr(self.vae, "decoder", None), Decoder):
+            raise ValueError(f"the {self.family} family's VAE does not decode in strips")
+        make_strip_aware(self.vae.decoder, group)
+        self.vae_strips = group
+
+    @torch.inference_mode()
+    def decode_strips(self, states: Sequence[RequestState]) -> list[np.ndarray]:
+        """`decode`, every rank of the strip group decoding its strip of each image (all of them call it together);
+        every rank gets the images."""
+        from diffusiond.kernels.patch_vae import active
+
+        self._stage("vae")
+        latents = self._unpack(torch.cat([s.latents for s in states]), states[0].params)  # [B, C, h, w]
+        with active(self.vae_strips, latents.shape[-2]):
+            return self.postprocess(self._decode(latents))
+
     def _tp_plan(self) -> dict[str, Any]:
         """The transformer's plan in diffusers' `_tp_plan` format (diffusers ships FLUX's, FLUX.2's, Qwen-Image's)."""
         return dict(getattr(self.transformer, "_tp_plan", None) or {})

@@ -23,7 +23,7 @@ class FluxAdapter(FlowMatchAdapter):
     family = "flux"
     default_guidance = 3.5
     guidance_styles = ("distilled", "true-cfg")
-    parallel = ("cfg-parallel", "ulysses", "ring", "tp", "shard-weights")
+    parallel = ("cfg-parallel", "ulysses", "ring", "tp", "shard-weights", "vae-parallel")
     cache_methods = ("fbcache", "teacache")
     image_inputs = ("img2img", "mask")
     max_sequence_length = 512

@@ -32,7 +32,7 @@ class Flux2KleinAdapter(FlowMatchAdapter):
     default_steps = 50
     default_guidance = 4.0
     guidance_styles = ("cfg",)
-    parallel = ("cfg-parallel", "ulysses", "ring", "tp", "shard-weights")
+    parallel = ("cfg-parallel", "ulysses", "ring", "tp", "shard-weights", "vae-parallel")
     image_inputs = ("edit", "references")
     # Reference images above this area are scaled down to it (the pipeline's).
     max_context_area: ClassVar[int] = 1024 * 1024

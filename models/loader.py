@@ -55,7 +55,14 @@ def load_adapter(
 
 
 def check_features(
-    model: str, *, ulysses: int = 1, ring: int = 1, tp: int = 1, shard_weights: bool = False, cache: str = "none"
+    model: str,
+    *,
+    ulysses: int = 1,
+    ring: int = 1,
+    tp: int = 1,
+    shard_weights: bool = False,
+    vae_parallel: int = 1,
+    cache: str = "none",
 ) -> None:
     """Raises ValueError, saying why, when the family of `model` cannot run the parallel layout or step cache asked
     for: read from `model_index.json` and the family's declarations, before any rank starts or loads."""
@@ -90,6 +97,11 @@ def check_features(
             raise ValueError(f"--tp {tp} x --ulysses {ulysses} must divide the number of attention heads ({heads})")
         if cache != "none":
             raise ValueError(f"--cache {cache} with --tp {tp}: step caching does not run with tensor parallelism yet")
+    if vae_parallel > 1 and "vae-parallel" not in cls.parallel:
+        raise ValueError(
+            f"--vae-parallel {vae_parallel}: the {cls.family} family's VAE ({cls.pipeline_class}) does not decode "
+            "in strips (a video VAE)"
+        )
     if shard_weights:
         if "shard-weights" not in cls.parallel:
             raise ValueError(f"--shard-weights: the {cls.family} family ({cls.pipeline_class}) does not support it")

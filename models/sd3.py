@@ -22,7 +22,7 @@ class SD3Adapter(FlowMatchAdapter):
     family = "sd3"
     default_guidance = 7.0
     guidance_styles = ("cfg", "skip-layer")
-    parallel = ("cfg-parallel", "ulysses", "ring", "tp", "shard-weights")
+    parallel = ("cfg-parallel", "ulysses", "ring", "tp", "shard-weights", "vae-parallel")
     cache_methods = ("fbcache", "teacache")
     image_inputs = ("img2img", "mask")
     repeated_blocks = ("JointTransformerBlock",)  # diffusers 0.42's SD3 transformer names none

@@ -28,7 +28,7 @@ class SDXLAdapter(FlowMatchAdapter):
     default_steps = 50
     default_guidance = 5.0
     guidance_styles = ("cfg",)
-    parallel = ("cfg-parallel", "shard-weights")
+    parallel = ("cfg-parallel", "shard-weights", "vae-parallel")
     image_inputs = ("img2img", "mask")
     default_strength = 0.3  # StableDiffusionXLImg2ImgPipeline's
     default_inpaint_strength = 0.9999  # StableDiffusionXLInpaintPipeline's

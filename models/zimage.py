@@ -29,7 +29,7 @@ class ZImageAdapter(FlowMatchAdapter):
     default_steps = 50
     default_guidance = 5.0
     guidance_styles = ("cfg",)
-    parallel = ("cfg-parallel", "ulysses", "shard-weights")
+    parallel = ("cfg-parallel", "ulysses", "shard-weights", "vae-parallel")
     image_inputs = ("img2img", "mask")
     default_inpaint_strength = 1.0  # ZImageInpaintPipeline's
     max_sequence_length = 512

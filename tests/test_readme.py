@@ -30,6 +30,7 @@ ELSEWHERE: list[tuple[str, str]] = [
     (r"diffusiond serve --nproc 2 --ring 2", "tests/engine/test_spmd.py"),
     (r"diffusiond serve --nproc 2 --tp 2", "tests/engine/test_spmd.py"),
     (r"diffusiond serve --nproc 2 --cfg-parallel 2 --shard-weights", "tests/engine/test_spmd.py"),
+    (r"diffusiond serve --nproc 2 --cfg-parallel 2 --vae-parallel 2", "tests/engine/test_spmd.py"),
     (r"torchrun --nproc-per-node 2 -m diffusiond serve", "tests/spmd/test_serve_ranks.py"),
     (r"diffusiond bench compare", "tests/bench/test_compare.py"),
     (r"diffusiond bench serve", "tests/bench/test_serve.py"),

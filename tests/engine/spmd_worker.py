@@ -69,14 +69,20 @@ def record_forwards(adapter) -> list[dict]:
         if group is not None:  # the whole sequence the shards make (Z-Image's: image and caption tokens)
             forwards[-1]["calls"][-1].setdefault("block_total", sum(group.shards))
 
-    real_decode = adapter.decode_latents
+    real_decode, real_strips = adapter.decode_latents, adapter.decode_strips
 
     def decode_latents(states):
         forwards[-1].setdefault("decoded", []).append(len(states))
         return real_decode(states)
 
+    def decode_strips(states):  # the rows x columns of the strip this rank decoded
+        images = real_strips(states)
+        forwards[-1].setdefault("strips", []).append(list(adapter.vae_strips.last_strip))
+        return images
+
     adapter.denoise = denoise
     adapter.decode_latents = decode_latents
+    adapter.decode_strips = decode_strips
     # prepend: before the Ulysses hook that shards FLUX inputs, so that "tokens" counts the whole image.
     adapter.transformer.register_forward_pre_hook(on_transformer, with_kwargs=True, prepend=True)
     # Z-Image's are `layers`, Wan's `blocks`; a UNet has no token blocks (and no Ulysses to check).
@@ -126,6 +132,7 @@ def main() -> None:
         ring=int(os.environ.get("SPMD_RING", "1")),
         tp=int(os.environ.get("SPMD_TP", "1")),
         shard_weights=os.environ.get("SPMD_SHARD") == "1",
+        vae_parallel=int(os.environ.get("SPMD_VAE", "1")),
     )
     forwards = record_forwards(rank.adapter)
     ring_keys = record_ring_keys() if os.environ.get("SPMD_RING", "1") != "1" else None

@@ -327,6 +327,7 @@ def two_ranks(
     ring: int = 1,
     tp: int = 1,
     shard: bool = False,
+    vae: int = 1,
 ) -> tuple[list[np.ndarray], list[list[dict]]]:
     """The requests through a group of cfg x ulysses x ring x tp ranks (2 unless a layout asks for more)."""
     nproc = cfg * ulysses * ring * tp
@@ -349,6 +350,7 @@ def two_ranks(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SPMD_RING": str(ring), "SPMD_TP": str(tp)}
     if shard:
         env["SPMD_SHARD"] = "1"
+    env["SPMD_VAE"] = str(vae)
     if attention:
         env["SPMD_ATTENTION"] = attention
     if compile:
@@ -487,6 +489,35 @@ def test_tensor_parallel_matches_one_rank(family, cfg, request, tmp_path):
         diff = float(np.abs(a - b).max())
         print(f"{family}/tp 2 cfg {cfg} {params.prompt!r}: max abs diff {diff:.2e}")
         assert diff <= TOLERANCE, f"{family}/tp {params.prompt!r}: max abs diff {diff}"
+
+
+@pytest.mark.parametrize(
+    ("family", "strategy"),
+    [("sd3", "cfg"), ("flux", "ulysses"), ("sdxl", "cfg"), ("z-image", "cfg"), ("flux2-klein", "cfg")],
+)
+def test_vae_parallel_matches_one_rank(family, strategy, request, tmp_path):
+    """--vae-parallel 2: an image finishing alone is decoded in two strips, one per rank (each rank's decoded rows
+    are about half the image's: a decode done whole on every rank would show the whole height), and the images equal
+    one rank's."""
+    model = request.getfixturevalue(FIXTURES[family])
+    requests = REQUESTS[family]
+    expected = one_rank(model, requests)
+    cfg, ulysses = (2, 1) if strategy == "cfg" else (1, 2)
+    got, forwards = two_ranks(model, tmp_path, cfg, ulysses, requests, vae=2)
+    decoded = 0
+    for f0, f1 in zip(*forwards, strict=True):
+        if "strips" in f0:
+            (rows0, width0), (rows1, width1) = f0["strips"][0], f1["strips"][0]
+            # Two strips that make one image: rows adding up to its height (whole decodes on both would add to 2x).
+            assert width0 == width1 and rows0 > 0 and rows1 > 0 and abs(rows0 - rows1) <= 8, (f0, f1)
+            assert rows0 + rows1 in {p.height for p in requests}, (f0, f1)
+            decoded += 1
+    assert decoded, "no image was decoded in strips"
+    for params, a, b in zip(requests, expected, got, strict=True):
+        assert a.shape == b.shape
+        diff = float(np.abs(a - b).max())
+        print(f"{family}/vae-parallel {params.prompt!r}: max abs diff {diff:.2e}")
+        assert diff <= TOLERANCE, f"{family}/vae-parallel {params.prompt!r}: max abs diff {diff}"
 
 
 def test_cfg_parallel_x_ulysses_on_four_ranks(request, tmp_path):

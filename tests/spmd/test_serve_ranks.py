@@ -33,7 +33,23 @@ def faulty_daemon(tiny_sd3, tmp_path):
     yield from start_daemon(tiny_sd3, tmp_path, {"PYTHONPATH": pythonpath, "FAULT_INJECT_RANK": "1"})
 
 
-def start_daemon(tiny_sd3, tmp_path, extra_env: dict[str, str]):
+# Each strategy's collectives in a dead rank's absence: all-to-all (Ulysses), send/recv (ring), all-reduce (TP),
+# all-gathers of weights (sharded), halo exchange (VAE strips).
+STRATEGIES = {
+    "ulysses": ["--ulysses", "2"],
+    "ring": ["--ring", "2"],
+    "tp": ["--tp", "2"],
+    "shard-weights": ["--cfg-parallel", "2", "--shard-weights"],
+    "vae-parallel": ["--cfg-parallel", "2", "--vae-parallel", "2"],
+}
+
+
+@pytest.fixture(params=list(STRATEGIES))
+def strategy_daemon(request, tiny_sd3, tmp_path):
+    yield from start_daemon(tiny_sd3, tmp_path, {}, STRATEGIES[request.param])
+
+
+def start_daemon(tiny_sd3, tmp_path, extra_env: dict[str, str], layout: list[str] | None = None):
     port = free_port()
     log = open(tmp_path / "daemon.log", "w")  # noqa: SIM115 - closed in the finalizer
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFUSIOND_CACHE": str(tmp_path / "cache"), **extra_env}
@@ -50,8 +66,7 @@ def start_daemon(tiny_sd3, tmp_path, extra_env: dict[str, str]):
             str(port),
             "--nproc",
             "2",
-            "--cfg-parallel",
-            "2",
+            *(layout or ["--cfg-parallel", "2"]),
             "--max-restarts",
             "2",
             "--drain-timeout",
@@ -74,7 +89,16 @@ def start_daemon(tiny_sd3, tmp_path, extra_env: dict[str, str]):
 
 
 def test_two_ranks_serve_and_survive_a_dead_rank(daemon):
-    proc, base, log = daemon
+    survive_a_dead_rank(*daemon)
+
+
+def test_every_strategy_survives_a_dead_rank(strategy_daemon):
+    """Under each strategy a killed follower fails the request in flight (one terminal event) and the group comes
+    back ready (requests finish alone, so under --vae-parallel they decode in strips)."""
+    survive_a_dead_rank(*strategy_daemon)
+
+
+def survive_a_dead_rank(proc, base, log) -> None:
     events = list(
         stream(
             base,

@@ -44,6 +44,7 @@ ELSEWHERE: list[tuple[str, str]] = [
     (r"python -m diffusiond\.bench\.cache", "tests/test_readme.py"),
     (r"python -m diffusiond\.bench\.accel", "tests/test_readme.py"),
     (r"python -m diffusiond\.bench\.projections", "tests/test_readme.py"),
+    (r"python -m diffusiond\.bench\.strategies", "tests/test_readme.py"),
     (r"diffusiond serve --attention math", "tests/kernels/test_attention.py"),
     (r"diffusiond serve --compile", "tests/kernels/test_compile.py"),
 ]
@@ -224,3 +225,13 @@ def test_bench_projections_example(tmp_path):
     result = run(cmd, tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr.decode()[-2000:]
     assert b"per step: projected every step" in result.stdout and b"ratio" in result.stdout
+
+
+@pytest.mark.slow
+def test_bench_strategies_example(tmp_path):
+    """README's strategies benchmark, two layouts, few steps (the numbers are not checked)."""
+    readme_commands("python -m diffusiond.bench.strategies")
+    cmd = f"{sys.executable} -m diffusiond.bench.strategies --layouts '1 rank,tp 2' --steps 4 --requests 1"
+    result = run(cmd, tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    assert b"1 rank" in result.stdout and b"tp 2" in result.stdout

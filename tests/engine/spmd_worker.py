@@ -22,7 +22,7 @@ import torch.distributed as dist
 from diffusiond.daemon.ranks import join_group
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.follower import run_follower
-from diffusiond.engine.outputs import Completed
+from diffusiond.engine.outputs import Completed, Progress
 from diffusiond.engine.request import SamplingParams
 
 
@@ -30,7 +30,13 @@ async def drive(rank, requests, out: Path) -> None:
     engine = Engine(rank.adapter, max_batch=8, comm=rank.comm)
     await engine.start()
     try:
-        handles = [engine.add_request(p) for p in requests]
+        # Staggered: the first request runs a step alone, then the others join its running batch (those that should
+        # finish together, for shared decoding, still arrive together).
+        handles = [engine.add_request(requests[0])]
+        async for event in handles[0].events():
+            if isinstance(event, Progress | Completed):
+                break
+        handles += [engine.add_request(p) for p in requests[1:]]
         for i, handle in enumerate(handles):
             result = await handle.result()
             assert isinstance(result, Completed), result

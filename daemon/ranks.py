@@ -84,6 +84,10 @@ def join_group(
         adapter.enable_shard_weights(init_device_mesh(torch.device(device).type, (world_size,)))
     if groups.vae is not None:
         adapter.enable_vae_parallel(groups.vae)
+    if world_size > 1:  # prompts: rank 0 encodes, the others receive the embeddings and free their text encoders
+        from diffusiond.kernels.collectives import SharedEncoding
+
+        adapter.enable_encode_once(SharedEncoding(dist.group.WORLD, rank, torch.device(device)))
     if groups.cfg is not None:
         adapter.enable_cfg_parallel(groups.cfg)
     if groups.sequence is not None:

@@ -540,7 +540,24 @@ class FlowMatchAdapter(ModelAdapter):
         prompt cache: one encoder call for the texts it misses."""
         cfg = [self._uses_cfg(p) for p in params]
         negatives = [p.negative_prompt or "" for p, c in zip(params, cfg, strict=True) if c]
-        return cfg, self.prompts.lookup([p.prompt for p in params] + negatives, self._encode)
+        encode = self._encode if self.shared_encoding is None else self._encode_shared
+        return cfg, self.prompts.lookup([p.prompt for p in params] + negatives, encode)
+
+    # Prompt encoding once for a group of ranks (kernels/collectives.SharedEncoding), once enabled.
+    shared_encoding: Any = None
+
+    def enable_encode_once(self, shared: Any) -> None:
+        """Rank 0 encodes every prompt and broadcasts the embeddings; the other ranks receive them and free their
+        text encoders (unless weights are offloaded: then the stages own them)."""
+        self.shared_encoding = shared
+        if shared.rank != 0 and self.offload == "none":
+            for name in self.TEXT_ENCODERS:
+                module = getattr(self.pipe, name, None)
+                if isinstance(module, torch.nn.Module):
+                    module.to("meta")  # frees the weights; this rank never runs it
+
+    def _encode_shared(self, texts: list[str]) -> list[tuple[torch.Tensor, ...]]:
+        return self.shared_encoding.run("\x00".join(texts), lambda: self._encode(texts))
 
     def _shift_mu(self, image_seq_len: int, max_shift: float = 1.15) -> float:
         """The dynamic shift for `image_seq_len` tokens from the scheduler's config, as the pipelines compute it

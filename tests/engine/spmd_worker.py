@@ -141,6 +141,14 @@ def main() -> None:
         vae_parallel=int(os.environ.get("SPMD_VAE", "1")),
     )
     forwards = record_forwards(rank.adapter)
+    encodings = [0]  # text encoder calls on this rank
+    real_encode = rank.adapter._encode
+
+    def counted_encode(texts):
+        encodings[0] += 1
+        return real_encode(texts)
+
+    rank.adapter._encode = counted_encode
     ring_keys = record_ring_keys() if os.environ.get("SPMD_RING", "1") != "1" else None
     decisions: list[list] = []
     attention_calls = None
@@ -179,6 +187,9 @@ def main() -> None:
     else:
         run_follower(rank.adapter, rank.comm)
     Path(out, f"forwards{rank.rank}.json").write_text(json.dumps(forwards))
+    shared = rank.adapter.shared_encoding
+    sent = shared.sent if shared is not None else 0
+    Path(out, f"encode{rank.rank}.json").write_text(json.dumps({"calls": encodings[0], "sent": sent}))
     if ring_keys is not None:
         Path(out, f"ring{rank.rank}.json").write_text(json.dumps(ring_keys))
     if rank.adapter.weight_bytes is not None:

@@ -433,6 +433,9 @@ def test_two_ranks_match_one(family, strategy, request, tmp_path):
     cfg, ulysses = (2, 1) if strategy == "cfg" else (1, 2)
     got, forwards = two_ranks(model, tmp_path, cfg, ulysses, requests)
     assert check_split("cfg" if strategy == "cfg" else "sequence", forwards) == len(requests)
+    # Prompts are encoded once, on rank 0, and broadcast: rank 1 never runs a text encoder.
+    encoded = [json.loads((tmp_path / f"encode{r}.json").read_text()) for r in range(2)]
+    assert encoded[0]["calls"] > 0 and encoded[0]["sent"] > 0 and encoded[1]["calls"] == 0, encoded
     for params, a, b in zip(requests, expected, got, strict=True):
         assert a.shape == b.shape
         diff = float(np.abs(a - b).max())

@@ -4,6 +4,8 @@ request's own sampler step, previews, and decoding of the requests that finished
 Failures come in two tiers (vLLM's request errors vs engine errors):
 - A stage that runs no collectives (prepare, the sampler step, previews, decode) pins a failure on the request that
   caused it: a batched call that raises is rerun one request at a time on this rank, so only the culprits fail.
+  (In a group, prepare broadcasts rank 0's prompt encodings for the prompts no rank has cached; an encoding failure
+  reaches every rank as the same exception, so their one-at-a-time retries issue the same broadcasts.)
   In a group the ranks must then agree, or the next forward would run different batches (and different collectives)
   per rank:
   - after prepare, every rank all-reduces one flag per new request ("this rank could not prepare it") and all drop

@@ -4,8 +4,8 @@ request's own sampler step, previews, and decoding of the requests that finished
 Failures come in two tiers (vLLM's request errors vs engine errors):
 - A stage that runs no collectives (prepare, the sampler step, previews, decode) pins a failure on the request that
   caused it: a batched call that raises is rerun one request at a time on this rank, so only the culprits fail.
-  (In a group, prepare broadcasts rank 0's prompt encodings for the prompts no rank has cached; an encoding failure
-  reaches every rank as the same exception, so their one-at-a-time retries issue the same broadcasts.)
+  (Prompts are encoded before prepare, in a stage of their own that every rank of a group runs together:
+  `_encode_together`. Prepare itself runs no collective, so a rank that fails in it alone cannot stall the others.)
   In a group the ranks must then agree, or the next forward would run different batches (and different collectives)
   per rank:
   - after prepare, every rank all-reduces one flag per new request ("this rank could not prepare it") and all drop
@@ -91,7 +91,14 @@ class Executor:
 
         if plan.new:
             with stage("encode"):
-                prepared = self._isolated(self.adapter.prepare, plan.new, lambda n: n.request_id, "preparing", result)
+                if self.group:
+                    self._encode_together(plan.new, result)
+                try:
+                    prepared = self._isolated(
+                        self.adapter.prepare, plan.new, lambda n: n.request_id, "preparing", result
+                    )
+                finally:
+                    self.adapter.prepared()
             for state in prepared:
                 self.states[state.request_id] = state
 
@@ -197,6 +204,22 @@ class Executor:
 
     def _decode(self, states: list[RequestState]) -> list[tuple[RequestState, np.ndarray]]:
         return list(zip(states, self.adapter.decode(states), strict=True))
+
+    def _encode_together(self, new: Sequence[Any], result: ExecResult) -> None:
+        """The group's shared encoding (`ModelAdapter.encode_prompts`, collectives inside), before prepare. A failure
+        of the work on rank 0 reaches every rank as the same `SharedWorkFailed`, so the one-at-a-time retries stay in
+        step and only the culprits fail; any other failure here leaves the ranks out of step: fatal to the group."""
+        from diffusiond.kernels.collectives import SharedWorkFailed
+
+        def run(items: list[Any]) -> list[None]:
+            try:
+                return self.adapter.encode_prompts(items)
+            except (SharedWorkFailed, *FATAL):
+                raise
+            except Exception as exc:
+                raise GroupFault(f"rank {self.rank} failed while encoding prompts") from exc
+
+        self._isolated(run, new, lambda n: n.request_id, "encoding", result)
 
     def _decode_strips(self, finished: list[RequestState]) -> list[tuple[RequestState, np.ndarray]]:
         """Each image decoded in strips by the strip group's ranks (kernels/patch_vae.py); its collectives make a

@@ -21,6 +21,10 @@ def collective(what: str) -> Iterator[None]:
         raise CommError(f"{what} failed: {exc}") from exc
 
 
+class SharedWorkFailed(RuntimeError):
+    """The work failed on rank 0; every rank of the group raises this, at the same point."""
+
+
 class SharedEncoding:
     """Work whose result every rank needs, done once: rank 0 of `group` runs it and broadcasts the tensors it made
     (prompt encodings), the others receive them instead of running it. The ranks must ask for the same work in the
@@ -61,7 +65,7 @@ class SharedEncoding:
             dist.broadcast(raw, 0, group=self.group)
             header = msgspec.json.decode(raw.cpu().numpy().tobytes())
             if header["error"] is not None:
-                raise RuntimeError(f"prompt encoding failed on rank 0: {header['error']}")
+                raise SharedWorkFailed(f"prompt encoding failed on rank 0: {header['error']}")
             if header["digest"] != digest:
                 raise CommError("ranks asked to encode different prompts: they have diverged")
             if self.rank != 0:

@@ -173,6 +173,14 @@ class ModelAdapter(abc.ABC):
     def batch_key(self, params: SamplingParams) -> Hashable:
         """What must match for two requests to share one forward."""
 
+    def encode_prompts(self, new: Sequence[NewRequest]) -> list[None]:
+        """In a group, before `prepare`, on every rank together (collectives inside): what the ranks compute once
+        and share. One None per request. Families without shared work do nothing."""
+        return [None] * len(new)
+
+    def prepared(self) -> None:  # noqa: B027 - optional hook, a no-op unless the family shares work
+        """After `prepare`: what `encode_prompts` kept for it may go."""
+
     @abc.abstractmethod
     def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
         """Encode prompts, draw initial latents from each request's seed, and set each request's own timesteps."""

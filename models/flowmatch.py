@@ -540,16 +540,42 @@ class FlowMatchAdapter(ModelAdapter):
         prompt cache: one encoder call for the texts it misses."""
         cfg = [self._uses_cfg(p) for p in params]
         negatives = [p.negative_prompt or "" for p, c in zip(params, cfg, strict=True) if c]
-        encode = self._encode if self.shared_encoding is None else self._encode_shared
-        return cfg, self.prompts.lookup([p.prompt for p in params] + negatives, encode)
+        texts = [p.prompt for p in params] + negatives
+        if self.shared_encoding is None:
+            return cfg, self.prompts.lookup(texts, self._encode)
+        # In a group the encodings were shared before prepare (`encode_prompts`): prepare runs no collective.
+        missing = [t for t in texts if t not in self._shared_texts]
+        if missing:
+            raise RuntimeError(f"no shared encoding of {len(missing)} prompt(s) on this rank")
+        return cfg, {t: self._shared_texts[t] for t in texts}
 
-    # Prompt encoding once for a group of ranks (kernels/collectives.SharedEncoding), once enabled.
+    def encode_prompts(self, new: Sequence[Any]) -> list[None]:
+        """A group's stage before prepare, run by every rank together: the prompts of `new` encoded once (rank 0)
+        and shared, through the prompt cache, and kept for the next prepare. No-op on one rank."""
+        if self.shared_encoding is None:
+            return [None] * len(new)
+        params = [n.params for n in new]
+        cfg = [self._uses_cfg(p) for p in params]
+        texts = [p.prompt for p in params] + [p.negative_prompt or "" for p, c in zip(params, cfg, strict=True) if c]
+        self._shared_texts.update(self.prompts.lookup(texts, self._encode_shared))
+        return [None] * len(new)
+
+    def prepared(self) -> None:
+        """After prepare: the shared encodings of that plan are no longer needed here (the prompt cache keeps its
+        own)."""
+        if self.shared_encoding is not None:
+            self._shared_texts.clear()
+
+    # Prompt encoding once for a group of ranks (kernels/collectives.SharedEncoding), once enabled, and the
+    # encodings shared for the plan being prepared.
     shared_encoding: Any = None
+    _shared_texts: dict[str, tuple[torch.Tensor, ...]]
 
     def enable_encode_once(self, shared: Any) -> None:
         """Rank 0 encodes every prompt and broadcasts the embeddings; the other ranks receive them and free their
         text encoders (unless weights are offloaded: then the stages own them)."""
         self.shared_encoding = shared
+        self._shared_texts = {}
         if shared.rank != 0 and self.offload == "none":
             for name in self.TEXT_ENCODERS:
                 module = getattr(self.pipe, name, None)

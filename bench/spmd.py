@@ -99,7 +99,7 @@ def worker(args: Args) -> None:
     import torch
     import torch.distributed as dist
 
-    from diffusiond.daemon.ranks import join_group
+    from diffusiond.daemon.ranks import join_group, leave
     from diffusiond.engine.engine import Engine
     from diffusiond.engine.follower import run_follower
     from diffusiond.engine.wire import decode_plan, encode_plan
@@ -130,6 +130,7 @@ def worker(args: Args) -> None:
     else:
         run_follower(rank.adapter, rank.comm)
     dist.destroy_process_group()
+    leave(0)  # see ranks.leave: a normal exit may abort in gloo's threads
 
 
 def _single(args: Args, threads: int) -> float:

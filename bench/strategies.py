@@ -66,7 +66,7 @@ def worker(job: Job) -> None:
     import torch
     import torch.distributed as dist
 
-    from diffusiond.daemon.ranks import join_group
+    from diffusiond.daemon.ranks import join_group, leave
     from diffusiond.engine.engine import Engine
     from diffusiond.engine.follower import run_follower
     from diffusiond.engine.outputs import Completed
@@ -114,6 +114,7 @@ def worker(job: Job) -> None:
     with open(os.path.join(job.out, f"{rank.rank}.json"), "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()
+    leave(0)  # see ranks.leave: a normal exit may abort in gloo's threads
 
 
 def _params(job: Job, seed: int, steps: int | None = None):

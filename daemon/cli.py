@@ -317,6 +317,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     code = _serve(config)
     # The last line of every run says how it ended (a service manager's journal shows it beside the exit status).
     logging.getLogger("diffusiond").info("exiting with code %d", code)
+    from diffusiond.daemon.ranks import in_launched_group, leave
+
+    if in_launched_group():  # a rank: gloo's threads must not meet the interpreter's finalization (`leave`)
+        leave(code)
     return code
 
 

@@ -5,10 +5,14 @@ Used by `diffusiond serve` under torchrun / our elastic launch, and by the SPMD 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging
 import os
 import secrets
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -101,3 +105,17 @@ def agree_on_attempt(device: str) -> str:
     nonce = torch.tensor([secrets.randbits(62) if dist.get_rank() == 0 else 0], dtype=torch.int64, device=device)
     dist.broadcast(nonce, 0)
     return f"{int(nonce.item()):x}"
+
+
+def leave(code: int) -> NoReturn:
+    """Ends a rank's process without finalizing the interpreter. Gloo's worker threads release the tensors of
+    finished collectives on their own; when such a release is the last reference while Python finalizes, the thread
+    needs the GIL, Python ends it with `pthread_exit`, whose unwinding crosses a `noexcept` frame of
+    `ProcessGroupGloo::runLoop`: "terminate called without an active exception", SIGABRT, and an exit status of -6
+    after a run that went well (measured: 1 exit in 5 with 2 ranks here, `destroy_process_group` or not). Everything
+    a rank writes is written by now; logs and standard streams are flushed first."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: nothing more to say
+            stream.flush()
+    os._exit(code)

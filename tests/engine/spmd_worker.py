@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from diffusiond.daemon.ranks import join_group
+from diffusiond.daemon.ranks import join_group, leave
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.follower import run_follower
 from diffusiond.engine.outputs import Completed, Progress
@@ -203,6 +203,7 @@ def main() -> None:
 
         Path(out, f"graphs{rank.rank}.json").write_text(json.dumps(counters["stats"]["unique_graphs"]))
     dist.destroy_process_group()
+    leave(0)
 
 
 if __name__ == "__main__":

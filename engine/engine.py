@@ -33,7 +33,17 @@ from diffusiond.engine.outputs import (
 )
 from diffusiond.engine.request import RequestLimits, RequestStatus, SamplingParams
 from diffusiond.engine.scheduler import QueueFullError, SchedRequest, Scheduler, StepResult
-from diffusiond.engine.wire import NewRequest, PlanKind, StepPlan, WireError, check_request, decode_plan, encode_plan
+from diffusiond.engine.wire import (
+    LoraOp,
+    LoraOpKind,
+    NewRequest,
+    PlanKind,
+    StepPlan,
+    WireError,
+    check_request,
+    decode_plan,
+    encode_plan,
+)
 from diffusiond.models.base import ModelAdapter, ParamError
 
 log = logging.getLogger(__name__)
@@ -69,6 +79,14 @@ class _Cancel:
 
 class _Stop:
     pass
+
+
+@dataclass(frozen=True)
+class _Lora:
+    """Register or remove a LoRA adapter (on the step thread; in a group, every rank does the same)."""
+
+    op: LoraOp
+    future: asyncio.Future
 
 
 @dataclass
@@ -140,14 +158,16 @@ class Engine:
             self._attach(model, comm)
         else:
             self._loader = model
-        self.scheduler = Scheduler(max_batch=max_batch, max_running=max_running, max_waiting=max_waiting)
+        self.scheduler = Scheduler(
+            max_batch=max_batch, max_running=max_running, max_waiting=max_waiting, gate=self._loras_fit
+        )
         self.limits = limits
         # Seconds an idle engine waits for a burst of requests to gather (`_gather`); 0: start at once.
         self.batch_wait = batch_wait
         # Requests that completed together in the last step that completed several, and when (step thread).
         self._returning = 0
         self._returned_at = 0.0
-        self._commands: queue.SimpleQueue[_Add | _Cancel | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Cancel | _Stop | _Lora] = queue.SimpleQueue()
         self._mailboxes: dict[str, Mailbox] = {}
         self._capacity = max_waiting + self.scheduler.max_running
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -262,6 +282,62 @@ class Engine:
         self._commands.put(_Add(request, time.perf_counter(), progress, internal))
         return RequestHandle(self, request_id, resolved, mailbox)
 
+    # ---- LoRA adapters (event-loop thread; the work runs on the step thread) ----
+
+    async def register_lora(self, name: str, path: str) -> dict:
+        """Reads and registers an adapter on every rank; its listing entry. Raises LoraError (a bad file, a taken
+        name; nothing changed) or EngineDeadError."""
+        return await self._lora_command(LoraOp(LoraOpKind.REGISTER, name, path))
+
+    async def unregister_lora(self, name: str) -> dict:
+        """Forgets an adapter on every rank (requests in flight that use it finish with it). LoraError: unknown."""
+        return await self._lora_command(LoraOp(LoraOpKind.UNREGISTER, name))
+
+    def loras(self) -> list[dict]:
+        """The registered adapters (name, path, bytes, resident, requests), by name."""
+        registry = self.adapter.lora_registry if self.adapter is not None else None
+        if registry is None:
+            return []
+        return [entry.public() for _, entry in sorted(registry.entries.items())]
+
+    async def _lora_command(self, op: LoraOp) -> dict:
+        if not self.alive:
+            raise EngineDeadError("engine is not running")
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(_Lora(op, future))
+        return await future
+
+    def _change_loras(self, command: _Lora) -> None:
+        """Step thread: rank 0 changes its registry first (a bad file fails here, before any other rank reads it),
+        then the others follow through a LORA plan."""
+        from diffusiond.models.lora import LoraError
+
+        op, loop = command.op, self._loop
+        assert loop is not None
+        registry = self.adapter.lora_registry
+        try:
+            if registry is None:
+                raise LoraError("this server serves no LoRA adapters (its model's family, or its parallel layout)")
+            entry = (
+                registry.register(op.name, op.path) if op.kind == LoraOpKind.REGISTER else registry.unregister(op.name)
+            )
+        except Exception as exc:
+            if not isinstance(exc, LoraError):
+                log.exception("LoRA %s %s failed", op.kind.name.lower(), op.name)
+                exc = LoraError(f"{op.name}: could not be loaded: {type(exc).__name__}")
+            loop.call_soon_threadsafe(_settle, command.future, exc)
+            return
+        if self.comm.world_size > 1:
+            self.comm.broadcast(encode_plan(StepPlan(step=-1, kind=PlanKind.LORA, loras=[op])))
+        loop.call_soon_threadsafe(_settle, command.future, None, entry.public())
+
+    def _loras_fit(self, request: SchedRequest, running: list[SchedRequest]) -> bool:
+        """Scheduler gate: a request with adapters joins once they fit in the LoRA budget beside those in use."""
+        registry = self.adapter.lora_registry
+        if registry is None or not request.params.lora:
+            return True
+        return registry.fits(c.name for r in (*running, request) for c in (r.params.lora or ()))
+
     def cancel(self, request_id: str) -> None:
         """Stops the request at the next step boundary; its terminal event is Cancelled (unless it finished first)."""
         if request_id in self._mailboxes:
@@ -333,7 +409,7 @@ class Engine:
         self._returning = 0
         return True
 
-    def _apply(self, command: _Add | _Cancel | _Stop, events: list[Event]) -> bool:
+    def _apply(self, command: _Add | _Cancel | _Stop | _Lora, events: list[Event]) -> bool:
         if isinstance(command, _Stop):
             return False
         if isinstance(command, _Add):
@@ -346,6 +422,8 @@ class Engine:
                 self._finished(request, RequestStatus.FINISHED_FAILED)
                 return True
             events.append(Queued(request.request_id, self.scheduler.num_waiting - 1))
+        elif isinstance(command, _Lora):
+            self._change_loras(command)
         elif isinstance(command, _Cancel):
             request = self.scheduler.cancel(command.request_id)
             if request is not None and request.status == RequestStatus.FINISHED_CANCELLED:
@@ -397,11 +475,22 @@ class Engine:
                 self._loop.call_soon_threadsafe(self._fail_orphans, reason)
                 self._loop.call_soon_threadsafe(self.fatal.set)
         finally:
+            self._fail_lora_commands()
             if self.error is None or not isinstance(self.error, FATAL):
                 try:
                     self.comm.broadcast(encode_plan(StepPlan(step=-1, kind=PlanKind.SHUTDOWN)))
                 except Exception:
                     log.exception("could not send the shutdown plan")
+
+    def _fail_lora_commands(self) -> None:
+        """The step loop ends: LoRA changes still queued never happen; their callers hear so."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Lora) and self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(_settle, command.future, EngineDeadError("engine stopped"))
 
     def _reason(self, exc: BaseException) -> str:
         """What clients are told about an engine failure: which rank failed, never exception text."""
@@ -545,10 +634,10 @@ def _engine_failed(request_id: str, reason: str) -> str:
     return f"the engine stopped before this request finished: {reason} (request {request_id})"
 
 
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():  # start() was cancelled meanwhile
+def _settle(future: asyncio.Future, error: BaseException | None, value: object = None) -> None:
+    if future.done():  # its awaiter was cancelled meanwhile
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(value)
     else:
         future.set_exception(error)

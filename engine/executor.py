@@ -84,6 +84,8 @@ class Executor:
     def execute(self, plan: StepPlan) -> ExecResult:
         result = ExecResult()
         stage = self.timer.stage
+        if plan.loras:
+            self._apply_loras(plan.loras)
         if plan.drop:
             for request_id in plan.drop:
                 self.states.pop(request_id, None)
@@ -94,9 +96,7 @@ class Executor:
                 if self.group:
                     self._encode_together(plan.new, result)
                 try:
-                    prepared = self._isolated(
-                        self.adapter.prepare, plan.new, lambda n: n.request_id, "preparing", result
-                    )
+                    prepared = self._isolated(self._prepare, plan.new, lambda n: n.request_id, "preparing", result)
                 finally:
                     self.adapter.prepared()
             for state in prepared:
@@ -161,6 +161,32 @@ class Executor:
         return self._done(result)
 
     # ---- stages ----
+
+    def _apply_loras(self, ops: Sequence[Any]) -> None:
+        """Rank 0's registrations, done here too. One that fails here alone leaves the name unknown on this rank:
+        its requests then fail to prepare here, and every rank drops them (`_agree`)."""
+        from diffusiond.engine.wire import LoraOpKind
+
+        registry = self.adapter.lora_registry
+        for op in ops:
+            try:
+                if op.kind == LoraOpKind.REGISTER:
+                    registry.register(op.name, op.path)
+                else:
+                    registry.unregister(op.name)
+            except Exception:
+                log.exception("rank %d: LoRA %s %s failed", self.rank, op.kind.name.lower(), op.name)
+
+    def _prepare(self, new: Sequence[Any]) -> list[RequestState]:
+        """The family's prepare, then each request's LoRA adapters (loaded now if they are not resident), held
+        until its state is freed."""
+        states = self.adapter.prepare(new)
+        registry = self.adapter.lora_registry
+        if registry is not None:
+            for state in states:
+                if state.params.lora:
+                    state.lora = registry.acquire(state.params.lora, state)
+        return states
 
     def _denoise(self, batch: list[RequestState], result: ExecResult) -> tuple[list[RequestState], torch.Tensor | None]:
         try:

@@ -55,6 +55,19 @@ Fps = Annotated[int, msgspec.Meta(ge=1, le=240)]
 Layers = Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=1000)], ...], msgspec.Meta(min_length=1, max_length=64)]
 
 
+# LoRA adapters a request applies (by the names the operator registered) and their scales.
+LORA_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+MAX_LORAS = 8
+MAX_LORA_SCALE = 10.0
+
+
+class LoraChoice(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    name: Annotated[str, msgspec.Meta(pattern=LORA_NAME)]
+    scale: Annotated[float, msgspec.Meta(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)] = 1.0
+
+
+Loras = Annotated[tuple[LoraChoice, ...], msgspec.Meta(min_length=1, max_length=MAX_LORAS)]
+
 PreviewMode = Literal["fast", "vae"]
 CacheThreshold = Annotated[float, msgspec.Meta(ge=0, le=10)]
 
@@ -111,6 +124,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     # 4k + 1) and the frame rate its file plays at (changes no pixel). Refused by image families.
     num_frames: Frames | None = None
     fps: Fps | None = None
+    # LoRA adapters (families that declare `lora`), each at its scale, added to this request's rows of every forward
+    # while other requests of the same batch use others or none (kernels/lora.py).
+    lora: Loras | None = None
 
     # The schedule position the request starts at: 0, or with `strength` its family's Img2Img pipeline's `t_start`
     # (each family's arithmetic: 50 steps at strength 0.56 run 29 in the flow-matching ones, 28 in SDXL's). Set by

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from diffusiond.engine.request import RequestStatus, SamplingParams
@@ -51,7 +51,14 @@ class StepResult:
 
 
 class Scheduler:
-    def __init__(self, *, max_batch: int, max_running: int | None = None, max_waiting: int = 256) -> None:
+    def __init__(
+        self,
+        *,
+        max_batch: int,
+        max_running: int | None = None,
+        max_waiting: int = 256,
+        gate: Callable[[SchedRequest, list[SchedRequest]], bool] | None = None,
+    ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch = max_batch
@@ -67,6 +74,9 @@ class Scheduler:
         # Smooth weighted round robin: each step every candidate key earns its weight, the served key pays the total.
         self._credit: dict[Hashable, int] = {}
         self._pending_drop: list[str] = []
+        # Whether a waiting request may join the running ones now (its LoRA adapters fit beside theirs); one that
+        # may not stays waiting, and others of its key may go first.
+        self.gate = gate
 
     # ---- admission and cancellation (called between steps) ----
 
@@ -222,6 +232,8 @@ class Scheduler:
             if len(admitted) >= room or len(self.running) + reserve >= self.max_running:
                 break
             if req.key != key:
+                continue
+            if self.gate is not None and not self.gate(req, list(self.running.values())):
                 continue
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING

@@ -20,6 +20,21 @@ class PlanKind(enum.IntEnum):
     HEARTBEAT = 1
     # Every rank leaves its step loop after this plan, so no rank stays blocked in a collective.
     SHUTDOWN = 2
+    # Only `loras`: rank 0 registered or removed adapters; the others do the same now.
+    LORA = 3
+
+
+class LoraOpKind(enum.IntEnum):
+    REGISTER = 0
+    UNREGISTER = 1
+
+
+class LoraOp(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A change of the registered LoRA adapters (models/lora.py); every rank reads the file itself."""
+
+    kind: LoraOpKind
+    name: str
+    path: str = ""
 
 
 class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -36,6 +51,8 @@ class StepPlan(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     advance: list[str] = []
     # Free these (cancelled or failed) before anything else.
     drop: list[str] = []
+    # LoRA registrations, applied before anything else (kind LORA).
+    loras: list[LoraOp] = []
 
     @property
     def is_empty(self) -> bool:

@@ -57,6 +57,8 @@ class Capabilities:
     # "image", or "video": then requests are clips of `num_frames` frames (1 + frame_step * k, at most max_frames),
     # decoded to float32 [F, H, W, 3] and played at `fps`.
     modality: str = "image"
+    # LoRA per request (`lora` in requests; adapters at /v1/loras).
+    lora: bool = False
     default_num_frames: int | None = None
     max_num_frames: int | None = None
     frame_step: int | None = None
@@ -84,6 +86,7 @@ class Capabilities:
             "cache_methods": list(self.cache_methods),
             "image_inputs": list(self.image_inputs),
             "modality": self.modality,
+            "lora": self.lora,
             **(
                 {
                     "default_num_frames": self.default_num_frames,
@@ -118,6 +121,8 @@ class RequestState:
     cache: Any = None
     # Inpainting: what pins the region outside the mask after each step (models/flowmatch.Inpaint).
     inpaint: Any = None
+    # Its LoRA adapters and scales, resident while it lives (kernels/lora.Selection; () for none).
+    lora: tuple = ()
 
     @property
     def total_steps(self) -> int:
@@ -154,9 +159,13 @@ class ModelAdapter(abc.ABC):
     image_inputs: ClassVar[tuple[str, ...]] = ()
     # What it makes: "image" or "video" (clips of frames; `Capabilities` then carries the frame rules).
     modality: ClassVar[str] = "image"
+    # LoRA per request (`SamplingParams.lora`, models/lora.py): adapters of the denoiser, mixed in one batch.
+    lora: ClassVar[bool] = False
     # Packages its pipeline needs beyond diffusiond's own dependencies.
     needs: ClassVar[tuple[str, ...]] = ()
     capabilities: Capabilities
+    # Registered LoRA adapters (models/lora.LoraRegistry), once enabled.
+    lora_registry: Any = None
     # (choice, layers converted) when models/loader.py quantized the transformer (kernels/quantize.py).
     quantized: tuple[str, int] | None = None
 

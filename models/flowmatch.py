@@ -13,6 +13,7 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from contextlib import nullcontext
 from typing import Any, ClassVar
 
 import diffusers
@@ -26,12 +27,14 @@ from diffusers.utils.torch_utils import randn_tensor
 from diffusiond.engine.request import SamplingParams
 from diffusiond.kernels import attention
 from diffusiond.kernels.collectives import collective
+from diffusiond.kernels.lora import Lora, LoraLayers
 from diffusiond.kernels.parallel import CFGGroup
 from diffusiond.models import preview as preview_maps
 from diffusiond.models import stepcache
 from diffusiond.models.base import Capabilities, ModelAdapter, ParamError, RequestState
 from diffusiond.models.declared import check_declared, read_declared
 from diffusiond.models.inputs import image_size, open_mask, open_rgb
+from diffusiond.models.lora import LoraRegistry, read_lora, resolve_loras
 from diffusiond.models.sampler import FlowMatchSampler, step_batch
 
 MAX_PROMPT_CHARS = 10_000
@@ -141,6 +144,9 @@ class FlowMatchAdapter(ModelAdapter):
         self._cond_cache: tuple[tuple[str, ...], dict[str, Any]] | None = None
         self.cfg_group: CFGGroup | None = None
         self.prompts = PromptCache(PROMPT_CACHE_BYTES)
+        # LoRA per request, once enabled (`enable_lora`).
+        self.lora_registry: LoraRegistry | None = None
+        self.lora_layers: LoraLayers | None = None
 
     @classmethod
     def from_pretrained(cls, path: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> FlowMatchAdapter:
@@ -204,6 +210,7 @@ class FlowMatchAdapter(ModelAdapter):
             ulysses_degrees=self._ulysses_degrees(),
             cache_methods=self.cache_methods,
             image_inputs=self.image_inputs,
+            lora=self.lora,
         )
 
     def _guidance_styles(self) -> tuple[str, ...]:
@@ -338,6 +345,7 @@ class FlowMatchAdapter(ModelAdapter):
             reference_images=self._references(params),
             start_step=self._start_step(steps, strength),
             **self._video(params),
+            lora=resolve_loras(self, params),
         )
         if resolved.steps_to_run < 1:
             raise ParamError(
@@ -451,6 +459,22 @@ class FlowMatchAdapter(ModelAdapter):
     default_cache_threshold: float = 0.0
     # TeaCache's rescaling polynomial when the checkpoint has no calibration of its own (models/calibrate.py).
     teacache_coefficients: ClassVar[tuple[float, ...]] = stepcache.IDENTITY
+
+    def enable_lora(self, budget_bytes: int) -> LoraRegistry:
+        """LoRA per request: adapters of the denoiser, registered by name (models/lora.py)."""
+        if not self.lora:
+            raise ValueError(f"the {self.family} family does not serve LoRA adapters")
+        self.lora_layers = LoraLayers(self.transformer)
+
+        def read(name: str, path: str) -> Lora:
+            return read_lora(name, path, type(self.pipe), self.denoiser, self.transformer, self.dtype)
+
+        self.lora_registry = LoraRegistry(read, self.lora_layers, budget_bytes)
+        return self.lora_registry
+
+    def _lora_rows(self, selections: Sequence[Any]) -> Any:
+        """The LoRA plan of a transformer call over rows with these selections (`RequestState.lora`)."""
+        return self.lora_layers.rows(selections) if self.lora_layers is not None else nullcontext()
 
     def enable_step_cache(self, method: str, threshold: float) -> None:
         """Server-wide: the method, and the threshold of requests that send none. Families implement the forward."""
@@ -705,7 +729,8 @@ class FlowMatchAdapter(ModelAdapter):
         n = batched["hidden_states"].shape[0] // rows
         if rows == 2 and self.cfg_group is not None:
             local = {name: t[self.cfg_group.rank :: 2] for name, t in batched.items()}
-            out = self._forward(local, shared, 1, states).contiguous()  # [B, ...]
+            with self._lora_rows([s.lora for s in states]):
+                out = self._forward(local, shared, 1, states).contiguous()  # [B, ...]
             halves = [torch.empty_like(out) for _ in range(2)]
             with collective("cfg-parallel all_gather"):
                 dist.all_gather(halves, out, group=self.cfg_group.group)
@@ -713,16 +738,20 @@ class FlowMatchAdapter(ModelAdapter):
         if self.cfg_group is not None and n > 1 and self.step_cache == "none":
             # No CFG in this batch: the two ranks split the requests instead of both computing all of them. (Not with
             # step caching: a request's cache lives on the rank that computed it, and the split moves requests.)
-            return self._split_requests(n, batched, shared).unflatten(0, (n, 1))
-        return self._forward(batched, shared, rows, states).unflatten(0, (n, rows))
+            return self._split_requests(n, batched, shared, states).unflatten(0, (n, 1))
+        with self._lora_rows([s.lora for s in states for _ in range(rows)]):
+            return self._forward(batched, shared, rows, states).unflatten(0, (n, rows))
 
-    def _split_requests(self, n: int, batched: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]):
+    def _split_requests(
+        self, n: int, batched: dict[str, torch.Tensor], shared: dict[str, torch.Tensor], states: Sequence[Any]
+    ) -> torch.Tensor:
         """Rows [0, k) on CFG rank 0 and [k, n) on rank 1 (k = ceil(n / 2)), all-gathered; returns [n, ...]."""
         assert self.cfg_group is not None
         k = (n + 1) // 2
         lo, hi = (0, k) if self.cfg_group.rank == 0 else (k, n)
         local = {name: t[lo:hi] for name, t in batched.items()}
-        out = self._call(local, shared).contiguous()  # [hi - lo, ...]
+        with self._lora_rows([s.lora for s in states[lo:hi]]):
+            out = self._call(local, shared).contiguous()  # [hi - lo, ...]
         if out.shape[0] < k:  # odd n: rank 1 pads its half to k rows for the gather
             out = torch.cat([out, out.new_zeros((k - out.shape[0], *out.shape[1:]))])
         halves = [torch.empty_like(out) for _ in range(2)]

@@ -19,6 +19,7 @@ from diffusiond.models.flowmatch import FlowMatchAdapter
 
 
 class FluxAdapter(FlowMatchAdapter):
+    lora = True
     pipeline_class = "FluxPipeline"
     family = "flux"
     default_guidance = 3.5

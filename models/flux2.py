@@ -26,6 +26,7 @@ from diffusiond.models.inputs import image_size, open_rgb
 
 
 class Flux2KleinAdapter(FlowMatchAdapter):
+    lora = True
     pipeline_class = "Flux2KleinPipeline"
     family = "flux2-klein"
     vae_family = "flux2"

@@ -22,6 +22,7 @@ from diffusiond.models.inputs import image_size, open_rgb
 
 class FluxKontextAdapter(FluxAdapter):
     pipeline_class = "FluxKontextPipeline"
+    lora = False  # not checked against its pipeline yet (edits with LoRA)
     family = "flux-kontext"
     image_inputs = ("edit",)
     # The area PREFERRED_KONTEXT_RESOLUTIONS are made for.

@@ -26,6 +26,7 @@ from diffusiond.models.flowmatch import FlowMatchAdapter
 
 
 class QwenImageAdapter(FlowMatchAdapter):
+    lora = True
     pipeline_class = "QwenImagePipeline"
     family = "qwen-image"
     # The pipeline's own defaults: 50 steps, true CFG at 4 when a negative prompt is given.

@@ -18,6 +18,7 @@ from diffusiond.models.flowmatch import FlowMatchAdapter
 
 
 class SD3Adapter(FlowMatchAdapter):
+    lora = True
     pipeline_class = "StableDiffusion3Pipeline"
     family = "sd3"
     default_guidance = 7.0
@@ -140,17 +141,22 @@ class SD3Adapter(FlowMatchAdapter):
         for layers, rows in groups.items():
             index = torch.tensor(rows, device=guided.device)
             positive = 2 * index + 1  # rows (negative, positive) per request
-            skipped = self.transformer(
-                hidden_states=batched["hidden_states"][positive],
-                timestep=batched["timestep"][positive],
-                encoder_hidden_states=batched["encoder_hidden_states"][positive],
-                pooled_projections=batched["pooled_projections"][positive],
-                skip_layers=list(layers),
-                return_dict=False,
-            )[0]  # [len(rows), C, h, w]
+            with self._lora_rows([states[i].lora for i in rows]):
+                skipped = self._skipped(batched, positive, layers)
             scale = slg_scale[index].to(guided.dtype).view(-1, 1, 1, 1)
             guided[index] = guided[index] + (text[index] - skipped) * scale
         return guided
+
+    def _skipped(self, batched: dict[str, torch.Tensor], positive: torch.Tensor, layers: tuple[int, ...]):
+        """The transformer over the `positive` rows of the batch with `layers` skipped: [len(positive), C, h, w]."""
+        return self.transformer(
+            hidden_states=batched["hidden_states"][positive],
+            timestep=batched["timestep"][positive],
+            encoder_hidden_states=batched["encoder_hidden_states"][positive],
+            pooled_projections=batched["pooled_projections"][positive],
+            skip_layers=list(layers),
+            return_dict=False,
+        )[0]
 
     def _tp_plan(self) -> dict[str, str]:
         """diffusers 0.42 has none for SD3: each joint block's attention projections (a second, self-only attention in

@@ -22,6 +22,7 @@ from diffusiond.models.sampler import SchedulerSampler
 
 
 class SDXLAdapter(FlowMatchAdapter):
+    lora = True
     pipeline_class = "StableDiffusionXLPipeline"
     family = "sdxl"
     denoiser = "unet"

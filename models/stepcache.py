@@ -24,10 +24,13 @@ same blocks in the same order as the pipeline's forward (tests compare with diff
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from diffusiond.kernels.lora import LoraLayers
 
 METHODS = ("none", "fbcache", "teacache")
 
@@ -115,12 +118,14 @@ def _run_blocks(
     computing: list[int],
     rows: int,
     row_kwargs: dict[str, torch.Tensor] | None = None,
+    lora: LoraLayers | None = None,
     **block_kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`blocks` over the rows of the `computing` requests (a sub-batch; all of `h` when every request computes,
     exactly as the pipeline's forward): (`h` with those rows replaced by their tokens after the blocks, a new
     tensor; their tokens after the blocks, in `computing` order). Without `computing`: (a copy of `h`, None).
-    `row_kwargs`: block arguments with a row per batch row (a text mask, or None), sub-batched with the rows."""
+    `row_kwargs`: block arguments with a row per batch row (a text mask, or None), sub-batched with the rows; `lora`:
+    the transformer's LoRA layers, whose row plan narrows to the sub-batch."""
     n = h.shape[0] // rows
     row_kwargs = row_kwargs or {}
     if len(computing) == n:
@@ -129,11 +134,13 @@ def _run_blocks(
         out = h.clone()
         if not computing:
             return out, None
-        index = torch.tensor([i * rows + r for i in computing for r in range(rows)], device=h.device)
+        picked = [i * rows + r for i in computing for r in range(rows)]
+        index = torch.tensor(picked, device=h.device)
         hc, ec, tc = h[index], enc[index], temb[index]
         row_kwargs = {name: None if t is None else t[index] for name, t in row_kwargs.items()}
-    for block in blocks:
-        ec, hc = block(hidden_states=hc, encoder_hidden_states=ec, temb=tc, **row_kwargs, **block_kwargs)
+    with lora.narrow(picked if index is not None else None) if lora is not None else nullcontext():
+        for block in blocks:
+            ec, hc = block(hidden_states=hc, encoder_hidden_states=ec, temb=tc, **row_kwargs, **block_kwargs)
     if index is None:
         return hc, hc
     out[index] = hc
@@ -150,14 +157,15 @@ def cached_blocks(
     states: Sequence[Any],
     row_kwargs: dict[str, torch.Tensor] | None = None,
     modulated: Any = None,
+    lora: LoraLayers | None = None,
     **block_kwargs: Any,
 ) -> torch.Tensor:
     """The transformer's blocks over B requests x `rows` rows with a decision per request: image tokens after the last
     block [B * rows, S, D]. Every block takes (hidden_states, encoder_hidden_states, temb, **block_kwargs) and returns
     (encoder_hidden_states, hidden_states), as diffusers' SD3 and FLUX blocks do."""
     if method.name == "teacache":
-        return _teacache(method, blocks, h, enc, temb, rows, states, row_kwargs, modulated, **block_kwargs)
-    return _fbcache(blocks, h, enc, temb, rows, states, row_kwargs, **block_kwargs)
+        return _teacache(method, blocks, h, enc, temb, rows, states, row_kwargs, modulated, lora, **block_kwargs)
+    return _fbcache(blocks, h, enc, temb, rows, states, row_kwargs, lora, **block_kwargs)
 
 
 def _modulated_input(block: Any, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
@@ -166,7 +174,7 @@ def _modulated_input(block: Any, h: torch.Tensor, temb: torch.Tensor) -> torch.T
     return block.norm1(h, emb=temb)[0]
 
 
-def _fbcache(blocks, h, enc, temb, rows, states, row_kwargs, **block_kwargs) -> torch.Tensor:
+def _fbcache(blocks, h, enc, temb, rows, states, row_kwargs, lora, **block_kwargs) -> torch.Tensor:
     row_kwargs = row_kwargs or {}
     enc1, h1 = blocks[0](hidden_states=h, encoder_hidden_states=enc, temb=temb, **row_kwargs, **block_kwargs)
     first = h1 - h
@@ -175,7 +183,7 @@ def _fbcache(blocks, h, enc, temb, rows, states, row_kwargs, **block_kwargs) -> 
     for i, (state, change) in enumerate(zip(states, changes(first, rows, _signals(states)), strict=True)):
         (reusing if reuse(state, change) else computing).append(i)
 
-    out, hc = _run_blocks(blocks[1:], h1, enc1, temb, computing, rows, row_kwargs, **block_kwargs)
+    out, hc = _run_blocks(blocks[1:], h1, enc1, temb, computing, rows, row_kwargs, lora, **block_kwargs)
     for k, i in enumerate(computing):
         mine = slice(i * rows, (i + 1) * rows)
         _renew(states[i], first[mine], hc[k * rows : (k + 1) * rows] - h1[mine])
@@ -187,7 +195,7 @@ def _fbcache(blocks, h, enc, temb, rows, states, row_kwargs, **block_kwargs) -> 
 
 
 def _teacache(
-    method: Method, blocks, h, enc, temb, rows, states, row_kwargs, modulated, **block_kwargs
+    method: Method, blocks, h, enc, temb, rows, states, row_kwargs, modulated, lora, **block_kwargs
 ) -> torch.Tensor:
     modulated = (modulated or _modulated_input)(blocks[0], h, temb)
     raw = changes(modulated, rows, _signals(states))
@@ -199,7 +207,7 @@ def _teacache(
         estimates.append(estimate)
         (reusing if reuse(state, estimate) else computing).append(i)
 
-    out, hc = _run_blocks(blocks, h, enc, temb, computing, rows, row_kwargs, **block_kwargs)
+    out, hc = _run_blocks(blocks, h, enc, temb, computing, rows, row_kwargs, lora, **block_kwargs)
     for k, i in enumerate(computing):
         mine = slice(i * rows, (i + 1) * rows)
         residual = hc[k * rows : (k + 1) * rows] - h[mine]
@@ -240,7 +248,9 @@ def sd3_forward(
     h = t.pos_embed(x).contiguous()
     temb = t.time_text_embed(batched["timestep"], batched["pooled_projections"])
     enc = t.context_embedder(batched["encoder_hidden_states"])
-    out = cached_blocks(method, t.transformer_blocks, h, enc, temb, rows, states, joint_attention_kwargs=None)
+    out = cached_blocks(
+        method, t.transformer_blocks, h, enc, temb, rows, states, lora=LoraLayers.of(t), joint_attention_kwargs=None
+    )
     hidden = t.proj_out(t.norm_out(out, temb))
     p = t.config.patch_size
     hidden = hidden.reshape(hidden.shape[0], height // p, width // p, p, p, t.out_channels)
@@ -279,7 +289,16 @@ def flux_forward(
     rotary = t.pos_embed(torch.cat((shared["txt_ids"], img_ids), dim=0))
     blocks = [*t.transformer_blocks, *t.single_transformer_blocks]
     out = cached_blocks(
-        method, blocks, h, enc, temb, rows, states, image_rotary_emb=rotary, joint_attention_kwargs=None
+        method,
+        blocks,
+        h,
+        enc,
+        temb,
+        rows,
+        states,
+        lora=LoraLayers.of(t),
+        image_rotary_emb=rotary,
+        joint_attention_kwargs=None,
     )
     return t.proj_out(t.norm_out(out, temb))
 
@@ -323,6 +342,7 @@ def qwen_forward(
         rows,
         states,
         row_kwargs={"encoder_hidden_states_mask": mask},  # a padded batch's: a row per batch row
+        lora=LoraLayers.of(t),
         modulated=_qwen_modulated,
         image_rotary_emb=rotary,
         joint_attention_kwargs=None,

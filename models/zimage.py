@@ -22,6 +22,7 @@ from diffusiond.models.flowmatch import FlowMatchAdapter
 
 
 class ZImageAdapter(FlowMatchAdapter):
+    lora = True
     pipeline_class = "ZImagePipeline"
     family = "z-image"
     vae_family = "flux"  # Z-Image decodes with FLUX.1's VAE

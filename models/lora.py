@@ -1,0 +1,404 @@
+"""LoRA adapters of the served model: files read through diffusers' own LoRA loading, names registered by the
+operator, and the adapters resident in memory under a byte budget (kernels/lora.py applies them per request).
+
+Reading a file (`read_lora`) goes the way `pipeline.load_lora_weights` goes, so what diffusers accepts we accept and
+the numbers are the same: the pipeline class's `lora_state_dict` (its format conversions: kohya, XLabs, ... to
+diffusers' names; safetensors only, never a pickle), then the denoiser's `load_lora_adapter` into an empty copy of it
+(meta tensors: no memory), which checks every target module and shape and computes PEFT's `alpha / r` per module
+from the file's metadata or alphas. The factors themselves come from the state dict. Weights for other components (a
+text encoder), DoRA, LoRA biases and LoRA on convolutions are refused with the reason.
+
+The registry (`LoraRegistry`) maps names to files. An adapter is resident (its factors in memory) or not; a request
+that names a non-resident one loads it when it is prepared, evicting the least recently used adapters that no
+request in flight holds. The budget is checked before admission (`fits`), so eviction never needs an adapter in use.
+Registration reads the file once to validate it; failures change nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import struct
+import warnings
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from diffusiond.engine.request import LORA_NAME
+from diffusiond.kernels.lora import Lora, LoraLayers, LoraWeights, Selection, fuse, unfuse
+
+log = logging.getLogger(__name__)
+
+NAME = re.compile(LORA_NAME)
+DEFAULT_BUDGET_BYTES = 2 << 30
+# A safetensors header larger than this is not a LoRA file (the format allows 100 MB).
+MAX_HEADER_BYTES = 100 << 20
+
+
+class LoraError(ValueError):
+    """A LoRA file or name that cannot be used; the message says why (HTTP 400, a start-up error)."""
+
+
+def check_name(name: str) -> str:
+    if not NAME.match(name):
+        raise LoraError(
+            f"LoRA name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return name
+
+
+def check_safetensors(path: str) -> None:
+    """A readable file whose header is safetensors' (8-byte length, then a JSON object), before anything parses it."""
+    if not path.endswith(".safetensors"):
+        raise LoraError(f"{path}: LoRA files must be .safetensors (pickled checkpoints are never loaded)")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 2 <= size <= MAX_HEADER_BYTES:
+                raise LoraError(f"{path}: not a safetensors file")
+            header = json.loads(f.read(size))
+    except FileNotFoundError:
+        raise LoraError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise LoraError(f"{path}: is a directory") from None
+    except PermissionError:
+        raise LoraError(f"{path}: not readable") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise LoraError(f"{path}: not a safetensors file") from None
+    if not isinstance(header, dict):
+        raise LoraError(f"{path}: not a safetensors file")
+
+
+def read_lora(
+    name: str, path: str, pipeline_class: type, component: str, denoiser: torch.nn.Module, dtype: torch.dtype
+) -> Lora:
+    """The adapter in `path` for `denoiser` (the pipeline's `component`, "transformer" or "unet"); LoraError if it
+    does not fit this model."""
+    from accelerate import init_empty_weights
+    from diffusers.utils import convert_unet_state_dict_to_peft
+    from peft.tuners.lora import LoraLayer
+
+    check_safetensors(path)
+    kwargs: dict[str, Any] = {"weight_name": os.path.basename(path), "use_safetensors": True}
+    kwargs.update(local_files_only=True, return_lora_metadata=True)
+    if "return_alphas" in _parameters(pipeline_class.lora_state_dict):
+        kwargs["return_alphas"] = True
+    try:
+        out = pipeline_class.lora_state_dict(os.path.dirname(os.path.abspath(path)), **kwargs)
+    except Exception as exc:  # diffusers' own conversion refused it
+        raise LoraError(f"{path}: not a LoRA file diffusers can read for {pipeline_class.__name__}: {exc}") from None
+    state, alphas, metadata = (
+        (out[0], out[1] if len(out) == 3 else None, out[-1]) if isinstance(out, tuple) else (out, None, None)
+    )
+    prefix = f"{component}."
+    others = sorted({key.split(".")[0] for key in state if not key.startswith(prefix)})
+    if any(other.startswith("text_encoder") for other in others):
+        raise LoraError(f"{path}: has text encoder weights ({', '.join(others)}); only {component} LoRA is served")
+    if others:
+        raise LoraError(
+            f"{path}: has weights for {', '.join(others)}, which this model has not (a LoRA for another model)"
+        )
+    if not state:
+        raise LoraError(f"{path}: no LoRA weights")
+    if any(not (".lora_" in key or ".lora." in key or "lora_" in key) for key in state):
+        bad = next(key for key in state if "lora" not in key)
+        raise LoraError(f"{path}: {bad} is not a LoRA weight (full weights, or a Control LoRA, are not served)")
+    with init_empty_weights():
+        skeleton = type(denoiser).from_config(denoiser.config)
+    # Copying into meta tensors is a no-op that PyTorch warns about, and diffusers then reports every key missing:
+    # both are expected here (the factors come from the state dict below).
+    quiet = [logging.getLogger(name) for name in ("diffusers.utils.peft_utils", "diffusers.loaders.peft")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:  # they would log what the LoraError below says
+        logger.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            skeleton.load_lora_adapter(
+                dict(state),
+                prefix=component,
+                network_alphas=alphas or None,
+                metadata=metadata or None,
+                adapter_name=name,
+            )
+    except Exception as exc:  # peft: a target module this model lacks, a shape that does not match
+        raise LoraError(f"{path}: does not fit this {type(denoiser).__name__}: {_first_line(exc)}") from None
+    finally:
+        for logger, level in zip(quiet, levels, strict=True):
+            logger.setLevel(level)
+    tensors = {key.removeprefix(prefix): value for key, value in state.items()}
+    if "lora_A" not in next(iter(tensors)):
+        tensors = convert_unet_state_dict_to_peft(tensors)
+    layers: dict[str, LoraWeights] = {}
+    for module_name, module in skeleton.named_modules():
+        if not isinstance(module, LoraLayer) or name not in module.lora_A:
+            continue
+        if not isinstance(module.get_base_layer(), torch.nn.Linear):
+            raise LoraError(f"{path}: LoRA on {module_name} ({type(module.get_base_layer()).__name__}): only linears")
+        if module.use_dora.get(name):
+            raise LoraError(f"{path}: DoRA ({module_name}) is not served")
+        if f"{module_name}.lora_B.bias" in tensors:
+            raise LoraError(f"{path}: LoRA biases ({module_name}) are not served")
+        down = tensors.pop(f"{module_name}.lora_A.weight")
+        up = tensors.pop(f"{module_name}.lora_B.weight")
+        device = denoiser.get_submodule(module_name).weight.device
+        layers[module_name] = LoraWeights(
+            down.to(device, dtype).contiguous(), up.to(device, dtype).contiguous(), float(module.scaling[name])
+        )
+    if tensors:
+        raise LoraError(f"{path}: weights this model has no place for: {', '.join(sorted(tensors)[:5])}")
+    if not layers:
+        raise LoraError(f"{path}: no LoRA weights for the {component}")
+    return Lora(name, layers)
+
+
+def _parameters(fn: Callable) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(fn).parameters)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The gist of a loading error: its lines that say something, shortened (PyTorch's size mismatch report starts
+    with a header line)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("Error(s) in loading state_dict")] or lines
+    text = "; ".join(lines) or type(exc).__name__
+    return text if len(text) <= 400 else text[:400] + "..."
+
+
+@dataclass(eq=False)
+class Entry:
+    """A registered adapter: its file, its resident bytes, and (when resident) its factors."""
+
+    name: str
+    path: str
+    nbytes: int
+    lora: Lora | None = None
+    # Requests in flight (on this rank) that hold it.
+    users: int = 0
+    requests: int = 0
+
+    def public(self) -> dict[str, Any]:
+        return {"name": self.name, "path": self.path, "bytes": self.nbytes, "resident": self.lora is not None}
+
+
+class LoraRegistry:
+    """Names -> files, and the resident adapters. Mutated on the step thread only; `entries` is read by the event
+    loop (names for validation, the listing), which only ever sees whole dict operations."""
+
+    def __init__(self, reader: Callable[[str, str], Lora], layers: LoraLayers, budget_bytes: int) -> None:
+        self.reader = reader
+        self.layers = layers
+        self.budget = budget_bytes
+        self.entries: dict[str, Entry] = {}
+        self._resident: OrderedDict[str, Entry] = OrderedDict()  # least recently used first
+        self.loads = 0
+        self.evictions = 0
+        # (name, scale, original weights) when an adapter is fused into the weights (`fuse`).
+        self.fused: tuple[str, float, dict[str, torch.Tensor]] | None = None
+        # Unregistered while requests held them: their hooks stay until the last one ends.
+        self._draining: list[Entry] = []
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(entry.nbytes for entry in self._resident.values())
+
+    def register(self, name: str, path: str) -> Entry:
+        """Reads and checks the file now (LoraError: nothing changes); it stays resident if the budget allows."""
+        check_name(name)
+        if name in self.entries:
+            raise LoraError(f"a LoRA named {name!r} is already loaded; delete it first")
+        if self.fused is not None:
+            raise LoraError(f"this server fused {self.fused[0]!r} into its weights (--lora-fuse): no other adapters")
+        lora = self.reader(name, path)
+        if lora.nbytes > self.budget:
+            raise LoraError(
+                f"{path}: {lora.nbytes} bytes, more than the LoRA budget of {self.budget} (--lora-cache-bytes)"
+            )
+        entry = Entry(name, path, lora.nbytes)
+        self.entries[name] = entry
+        if self._make_room(lora.nbytes):
+            self._keep(entry, lora)
+        log.info("LoRA %s registered from %s (%d bytes, %d linears)", name, path, lora.nbytes, len(lora.layers))
+        return entry
+
+    def unregister(self, name: str) -> Entry:
+        """Forgets the name; requests in flight that hold it keep its factors until they end."""
+        entry = self.entries.pop(name, None)
+        if entry is None:
+            raise LoraError(f"no LoRA named {name!r}")
+        if self.fused is not None and self.fused[0] == name:
+            unfuse(self.layers, self.fused[2])
+            self.fused = None
+        if self._resident.pop(name, None) is not None and entry.users:
+            self._draining.append(entry)
+        else:
+            entry.lora = None
+        self._rehook()
+        return entry
+
+    def fuse(self, name: str, scale: float) -> None:
+        """Adds the adapter into the weights for every request (the server's only adapter), at `scale`."""
+        entry = self.entries[name]
+        if len(self.entries) != 1:
+            raise LoraError("--lora-fuse needs exactly one adapter")
+        lora = self._load(entry)
+        self.fused = (name, scale, fuse(self.layers, lora, scale))
+        self._resident.pop(name, None)
+        entry.lora = None
+        self._rehook()
+
+    def fits(self, names: Iterable[str]) -> bool:
+        """Whether these adapters (those of the requests in flight and one more) fit in the budget together."""
+        return sum(self.entries[n].nbytes for n in set(names) if n in self.entries) <= self.budget
+
+    def acquire(self, choices: Sequence[Any], owner: object) -> Selection:
+        """The resident adapters of a request's `lora` choices (loaded now if needed), held until `owner` (its
+        state) is freed. LoraError when a name is no longer registered."""
+        selection = []
+        for choice in choices:
+            if self.fused is not None and choice.name == self.fused[0]:
+                continue  # in the weights already
+            entry = self.entries.get(choice.name)
+            if entry is None:
+                raise LoraError(f"LoRA {choice.name!r} was deleted")
+            lora = entry.lora or self._load(entry)
+            self._resident.move_to_end(entry.name)
+            entry.users += 1
+            entry.requests += 1
+            weakref.finalize(owner, _release, entry)
+            selection.append((lora, float(choice.scale)))
+        return tuple(selection)
+
+    # ---- residency ----
+
+    def _load(self, entry: Entry) -> Lora:
+        if not self._make_room(entry.nbytes):
+            log.warning("LoRA %s: over the budget beside the adapters in use; loading it anyway", entry.name)
+        lora = self.reader(entry.name, entry.path)
+        self.loads += 1
+        self._keep(entry, lora)
+        return lora
+
+    def _keep(self, entry: Entry, lora: Lora) -> None:
+        entry.lora = lora
+        self._resident[entry.name] = entry
+        self.layers.hook(list(lora.layers))
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evicts unused adapters, least recently used first, until `nbytes` more fit; False if they cannot."""
+        for name in list(self._resident):
+            if self.resident_bytes + nbytes <= self.budget:
+                break
+            entry = self._resident[name]
+            if entry.users == 0:
+                del self._resident[name]
+                entry.lora = None
+                self.evictions += 1
+                log.info("LoRA %s evicted (%d bytes)", name, entry.nbytes)
+        self._rehook()
+        return self.resident_bytes + nbytes <= self.budget
+
+    def _rehook(self) -> None:
+        for entry in [e for e in self._draining if e.users == 0]:
+            self._draining.remove(entry)
+            entry.lora = None
+        held = [*self._resident.values(), *self._draining]
+        self.layers.unhook({layer for entry in held if entry.lora is not None for layer in entry.lora.layers})
+
+
+def _release(entry: Entry) -> None:
+    entry.users -= 1
+
+
+def resolve_loras(adapter: Any, params: Any) -> tuple | None:
+    """A request's `lora`, checked against the served model's registry (ParamError naming `lora`)."""
+    from diffusiond.models.base import ParamError
+
+    if not params.lora:
+        return None
+    registry = adapter.lora_registry
+    if registry is None:
+        why = "does not serve LoRA" if not adapter.lora else "was started without LoRA support"
+        raise ParamError("lora", f"this server's model ({adapter.family}) {why}")
+    names = [choice.name for choice in params.lora]
+    if len(set(names)) != len(names):
+        raise ParamError("lora", f"lora names an adapter twice: {', '.join(names)}")
+    for choice in params.lora:
+        if choice.name not in registry.entries:
+            known = ", ".join(sorted(registry.entries)) or "none"
+            raise ParamError("lora", f"unknown LoRA adapter {choice.name!r} (loaded: {known})")
+        if registry.fused is not None and registry.fused[1] != choice.scale:
+            raise ParamError(
+                "lora",
+                f"{choice.name!r} is fused into the weights at scale {registry.fused[1]:g} (--lora-fuse): a request "
+                "may only name it at that scale",
+            )
+    if not registry.fits(names):
+        raise ParamError("lora", f"these adapters together exceed the LoRA budget of {registry.budget} bytes")
+    return tuple(params.lora)
+
+
+def startup_specs(pairs: Sequence[str], directory: str | None) -> list[tuple[str, str]]:
+    """(name, path) of the adapters to register at start: each NAME=PATH, then every .safetensors file of
+    `directory` by its name without the suffix (pure Python: start-up validation runs it before loading)."""
+    specs: list[tuple[str, str]] = []
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise LoraError(f"--lora {pair!r}: expected NAME=PATH")
+        specs.append((check_name(name), os.path.abspath(os.path.expanduser(path))))
+    if directory is not None:
+        if not os.path.isdir(directory):
+            raise LoraError(f"--lora-dir {directory}: not a directory")
+        for entry in sorted(os.listdir(directory)):
+            if entry.endswith(".safetensors"):
+                specs.append((check_name(entry.removesuffix(".safetensors")), os.path.join(directory, entry)))
+    names = [name for name, _ in specs]
+    if duplicate := next((n for n in names if names.count(n) > 1), None):
+        raise LoraError(f"two LoRA adapters are named {duplicate!r}")
+    return specs
+
+
+def in_directory(directory: str | None, path: str) -> str:
+    """`path` (relative to `directory`, or absolute) resolved, if it lies inside `directory` (run-time loading reads
+    nothing else); LoraError otherwise."""
+    if directory is None:
+        raise LoraError("adding adapters at run time needs --lora-dir: the folder they may be loaded from")
+    root = os.path.realpath(directory)
+    full = os.path.realpath(os.path.join(root, path))
+    if os.path.commonpath([root, full]) != root:
+        raise LoraError(f"{path}: outside --lora-dir")
+    return full
+
+
+def setup_loras(
+    adapter: Any,
+    specs: Sequence[tuple[str, str]],
+    budget_bytes: int,
+    fuse_scale: float | None,
+    refuse: str | None = None,
+) -> None:
+    """On the step thread after loading: LoRA enabled where the family serves it (and nothing in `refuse`, a
+    feature it does not compose with yet), the start-up adapters registered, and with `fuse_scale`, the one adapter
+    fused. Raises LoraError (a start-up error) on any bad file."""
+    if not adapter.lora or refuse is not None:
+        if specs:
+            why = refuse or f"the {adapter.family} family does not serve them"
+            raise LoraError(f"LoRA adapters cannot be served: {why}")
+        return
+    registry = adapter.enable_lora(budget_bytes)
+    for name, path in specs:
+        registry.register(name, path)
+    if fuse_scale is not None:
+        if len(specs) != 1:
+            raise LoraError(f"--lora-fuse needs exactly one adapter, got {len(specs)}")
+        registry.fuse(specs[0][0], fuse_scale)

@@ -11,6 +11,7 @@ import logging
 import os
 import secrets
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -21,6 +22,8 @@ from diffusiond.engine.comm import FaultBoard, TorchComm
 from diffusiond.kernels.parallel import ParallelLayout, build_groups
 from diffusiond.models.base import ModelAdapter
 from diffusiond.models.loader import load_adapter
+from diffusiond.models.lora import DEFAULT_BUDGET_BYTES as DEFAULT_LORA_BUDGET
+from diffusiond.models.lora import setup_loras
 
 # Long enough for rank 0 to load and warm up while followers wait in their first broadcast; heartbeats keep idle
 # groups well inside it.
@@ -54,6 +57,10 @@ def join_group(
     quantize: str = "none",
     quantize_skip: str | None = None,
     offload: str = "none",
+    loras: Sequence[tuple[str, str]] = (),
+    lora_budget: int = DEFAULT_LORA_BUDGET,
+    lora_fuse: float | None = None,
+    lora_refusal: str | None = None,
 ) -> Rank:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     layout = ParallelLayout(world_size, cfg_parallel, ulysses, ring, tp)
@@ -70,6 +77,8 @@ def join_group(
     adapter = load_adapter(
         model, device=device, dtype=dtype, quantize=quantize, quantize_skip=quantize_skip, offload=offload
     )
+    # Before the parallel layout: read through the whole model, as every rank's registry will keep doing.
+    setup_loras(adapter, loras, lora_budget, lora_fuse, lora_refusal)
     groups = build_groups(layout, rank, torch.device(device).type, vae_parallel)
     for degree, flag, strategy in (
         (ring, "--ring", "ring"),

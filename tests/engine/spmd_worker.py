@@ -1,7 +1,8 @@
 """Run under torch.distributed.run: rank 0 drives an Engine over a TorchComm, the others follow. Rank 0 writes each
 request's image to OUT/<index>.npy; every rank writes OUT/forwards<rank>.json, what each of its transformer forwards
 saw (requests, rows, tokens in and tokens per block) and how many images it decoded, so that a test can tell a real
-split from one that computes everything everywhere. Arguments: MODEL OUT CFG_PARALLEL ULYSSES REQUESTS_JSON [CACHE];
+split from one that computes everything everywhere. SPMD_LORA=[[NAME, PATH], ...] registers LoRA adapters on every
+rank at start. Arguments: MODEL OUT CFG_PARALLEL ULYSSES REQUESTS_JSON [CACHE];
 with CACHE (fbcache or teacache), step caching is on and each rank writes OUT/reuse<rank>.json, its decisions. With
 SPMD_ATTENTION=NAME in the environment, every rank selects that attention backend (kernels/attention.py) and writes
 OUT/attention<rank>.json, how many attention calls went through it. With SPMD_COMPILE=1, every rank compiles the
@@ -139,6 +140,7 @@ def main() -> None:
         tp=int(os.environ.get("SPMD_TP", "1")),
         shard_weights=os.environ.get("SPMD_SHARD") == "1",
         vae_parallel=int(os.environ.get("SPMD_VAE", "1")),
+        loras=[tuple(pair) for pair in json.loads(os.environ.get("SPMD_LORA", "[]"))],
     )
     forwards = record_forwards(rank.adapter)
     encodings = [0]  # text encoder calls on this rank

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from aiohttp import BodyPartReader, web
@@ -11,7 +11,10 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from diffusiond.daemon.config import MAX_N
 from diffusiond.engine.request import (
+    LORA_NAME,
     MAX_IMAGE_BYTES,
+    MAX_LORA_SCALE,
+    MAX_LORAS,
     CacheThreshold,
     Every,
     Fps,
@@ -20,6 +23,7 @@ from diffusiond.engine.request import (
     Guidance,
     ImageFile,
     Layers,
+    LoraChoice,
     PreviewMode,
     Prompt,
     References,
@@ -72,6 +76,22 @@ def _dumps(obj) -> str:
     return msgspec.json.encode(obj).decode()
 
 
+class LoraRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One adapter of a request's `lora`: a name the server lists at `GET /v1/loras`, and how strongly it applies."""
+
+    name: Annotated[str, msgspec.Meta(pattern=LORA_NAME)]
+    scale: Annotated[float, msgspec.Meta(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)] = 1.0
+
+
+# `[]` is the same as no `lora` (clients that build the list need not leave the field out).
+LoraRequests = Annotated[tuple[LoraRequest, ...], msgspec.Meta(max_length=MAX_LORAS)]
+
+
+def lora_choices(loras: tuple[LoraRequest, ...] | None) -> tuple[LoraChoice, ...] | None:
+    """A body's `lora` as the engine takes it; the engine checks the names against the registered adapters."""
+    return tuple(LoraChoice(lora.name, lora.scale) for lora in loras) if loras else None
+
+
 class ImageGenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """OpenAI `POST /v1/images/generations`, plus our extensions (from `negative_prompt` on)."""
 
@@ -98,6 +118,8 @@ class ImageGenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only
     preview: PreviewMode = "fast"
     # Step caching threshold for this request (servers started with --cache); 0: exact.
     cache_threshold: CacheThreshold | None = None
+    # LoRA adapters for this request: [{"name": "style", "scale": 0.8}] (multipart edits: the same, as a JSON string).
+    lora: LoraRequests | None = None
 
 
 class ImageEditRequest(ImageGenerationRequest, kw_only=True):
@@ -137,6 +159,8 @@ class VideoCreateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     guidance_scale: Guidance | None = None
     num_frames: Frames | None = None
     fps: Fps | None = None
+    # LoRA adapters for this request (multipart bodies: as a JSON string), for families that serve them.
+    lora: LoraRequests | None = None
 
 
 class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -174,6 +198,8 @@ class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     num_frames: Frames | None = None
     fps: Fps | None = None
     video_format: VideoFormat | None = None
+    # LoRA adapters registered on the server (GET /v1/loras), each at its scale: [{"name": "style", "scale": 0.8}].
+    lora: LoraRequests | None = None
 
 
 _PARAM_PATTERNS = (
@@ -199,6 +225,25 @@ def convert_fields(fields: dict[str, str], type_: type[T]) -> T:
         return msgspec.convert(fields, type_, strict=False)
     except msgspec.ValidationError as exc:
         raise _invalid(exc) from None
+
+
+def json_fields(fields: dict[str, str], types: dict[str, Any]) -> dict[str, Any]:
+    """Form fields, with those named in `types` decoded from the JSON text a form carries them as (a list of
+    objects, as `lora`), or a 400 ApiError naming the field."""
+    out: dict[str, Any] = dict(fields)
+    example = '[{"name": "style", "scale": 0.8}]'
+    for name, type_ in types.items():
+        if any(key.startswith(f"{name}[") for key in out):  # a client that flattens objects into form fields
+            raise ApiError(400, f"{name} in a form is one field of JSON text, such as {example}", param=name)
+        if name not in out:
+            continue
+        try:
+            out[name] = msgspec.to_builtins(msgspec.json.decode(out[name], type=type_))
+        except msgspec.ValidationError as exc:
+            raise ApiError(400, f"invalid request: {exc} (in {name})", param=name, code="invalid_value") from None
+        except msgspec.DecodeError:
+            raise ApiError(400, f"{name} in a form is JSON text, such as {example}", param=name) from None
+    return out
 
 
 def _invalid(exc: msgspec.ValidationError) -> ApiError:

@@ -22,9 +22,9 @@ from PIL import Image
 from prometheus_client.exposition import choose_encoder
 
 from diffusiond import __version__
-from diffusiond.daemon import native_api, openai_api, videos_api
+from diffusiond.daemon import loras_api, native_api, openai_api, videos_api
 from diffusiond.daemon.api import ApiError, body_limit, too_large
-from diffusiond.daemon.config import ServeConfig
+from diffusiond.daemon.config import ServeConfig, lora_refusal
 from diffusiond.daemon.images import encoder_pool
 from diffusiond.daemon.state import ENCODERS, LOAD, METRICS, STATE, ServerState
 from diffusiond.daemon.streaming import ClientGone
@@ -59,6 +59,9 @@ def create_app(config: ServeConfig, *, load: Loader | None = None) -> web.Applic
     app.router.add_get("/v1/videos/{id}", videos_api.retrieve_video)
     app.router.add_delete("/v1/videos/{id}", videos_api.delete_video)
     app.router.add_get("/v1/videos/{id}/content", videos_api.video_content)
+    app.router.add_get("/v1/loras", loras_api.list_loras)
+    app.router.add_post("/v1/loras", loras_api.create_lora)
+    app.router.add_delete("/v1/loras/{name}", loras_api.delete_lora)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
@@ -95,8 +98,9 @@ def _default_loader(config: ServeConfig) -> Loader:
     def load() -> ModelAdapter:
         from diffusiond.models.default import default_model
         from diffusiond.models.loader import load_adapter
+        from diffusiond.models.lora import setup_loras, startup_specs
 
-        return load_adapter(
+        adapter = load_adapter(
             config.model or default_model(),
             device=config.device,
             dtype=config.dtype,
@@ -104,6 +108,9 @@ def _default_loader(config: ServeConfig) -> Loader:
             quantize_skip=config.quantize_skip,
             offload=config.offload,
         )
+        specs = startup_specs(config.lora, config.lora_dir)
+        setup_loras(adapter, specs, config.lora_cache_bytes, config.lora_fuse, lora_refusal(config))
+        return adapter
 
     return load
 
@@ -132,6 +139,7 @@ async def _load(app: web.Application) -> None:
             log.info("attention: %s", backend)
         if adapter.quantized is not None:
             log.info("quantized %d linear layers of the transformer (%s)", adapter.quantized[1], adapter.quantized[0])
+        app[METRICS].lora.source = lambda: adapter.lora_registry
         app[METRICS].set_info(
             model=state.model_id,
             family=caps.family,

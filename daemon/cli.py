@@ -286,6 +286,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 raise ConfigError("--shard-weights splits the weights over the ranks: it needs --nproc 2 or more")
             if config.tp > 1 or config.compile or config.quantize != "none" or config.offload != "none":
                 raise ConfigError("--shard-weights: drop --tp, --compile, --quantize and --offload with it")
+        check_loras(config)
         if config.video_dir is not None:
             from diffusiond.daemon.video_store import folder_problem
 
@@ -303,6 +304,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     shard_weights=config.shard_weights,
                     vae_parallel=config.vae_parallel,
                     cache=config.cache,
+                    lora=bool(config.lora or config.lora_dir),
                 )
             except (ValueError, FileNotFoundError) as exc:
                 raise ConfigError(str(exc)) from None
@@ -322,6 +324,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if in_launched_group():  # a rank: gloo's threads must not meet the interpreter's finalization (`leave`)
         leave(code)
     return code
+
+
+def check_loras(config) -> None:
+    """The LoRA settings, before any rank starts or loads: the NAME=PATH pairs, --lora-dir, each file's header
+    (ConfigError)."""
+    from diffusiond.daemon.config import ConfigError, lora_refusal
+
+    if not config.lora and config.lora_dir is None:
+        if config.lora_fuse is not None:
+            raise ConfigError("--lora-fuse adds an adapter into the weights: give it one with --lora NAME=PATH")
+        return
+    from diffusiond.models.lora import LoraError, check_safetensors, startup_specs
+
+    if (refusal := lora_refusal(config)) is not None:
+        raise ConfigError(f"LoRA adapters (--lora, --lora-dir): {refusal}")
+    try:
+        specs = startup_specs(config.lora, config.lora_dir)
+        for _, path in specs:
+            check_safetensors(path)
+    except LoraError as exc:
+        raise ConfigError(str(exc)) from None
+    if config.lora_fuse is not None and len(specs) != 1:
+        raise ConfigError(
+            f"--lora-fuse adds one adapter into the weights; --lora and --lora-dir give {len(specs)}: give exactly one"
+        )
 
 
 def _serve(config) -> int:
@@ -490,6 +517,40 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="keep weights in CPU memory for a GPU smaller than the model: model = one stage's components (text "
         "encoders, transformer, VAE) on the GPU at a time, group = the transformer's layers streamed to it with "
         f"prefetch (default: {d.offload})",
+    )
+
+    add = parser.add_argument_group(
+        "LoRA per request",
+        "requests name adapters in `lora`; GET, POST /v1/loras and DELETE /v1/loras/NAME manage them",
+    ).add_argument
+    add(
+        "--lora",
+        action="append",
+        metavar="NAME=PATH",
+        help="register the .safetensors LoRA file PATH as NAME at start; repeat for more (DIFFUSIOND_LORA: "
+        "comma-separated) (default: none)",
+    )
+    add(
+        "--lora-dir",
+        metavar="DIR",
+        help="register every *.safetensors file of DIR at start, by its name without the suffix; POST /v1/loras "
+        "loads only from DIR (default: none, so adapters cannot be added at run time)",
+    )
+    add(
+        "--lora-cache-bytes",
+        type=int,
+        metavar="BYTES",
+        help="bytes the adapters held in memory may take; past it, the least recently used that no request holds "
+        f"are evicted, and read again on use (default: {d.lora_cache_bytes})",
+    )
+    add(
+        "--lora-fuse",
+        type=float,
+        nargs="?",
+        const=1.0,
+        metavar="SCALE",
+        help="add the one adapter into the weights at SCALE (1 when omitted) for every request: no per-step cost, "
+        "no other adapters (default: off)",
     )
 
     add = parser.add_argument_group("stopping (SIGTERM, SIGINT)").add_argument

@@ -118,6 +118,15 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # (text encoders, transformer, VAE) on the device at a time; "group" streams the transformer's layers to it.
     offload: Literal["none", "model", "group"] = "none"
     cache_threshold: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.1
+    # LoRA per request (models/lora.py, families that declare it): adapters registered at start, NAME=PATH each (a
+    # .safetensors file), plus every *.safetensors file of lora_dir by its name without the suffix; lora_dir is also
+    # the only folder `POST /v1/loras` loads from (without it, adapters cannot be added at run time). Resident
+    # adapters share lora_cache_bytes (least recently used ones that no request holds are evicted, reloaded on use).
+    # lora_fuse: the one adapter is added into the weights at this scale for every request (no per-step cost).
+    lora: tuple[str, ...] = ()
+    lora_dir: str | None = None
+    lora_cache_bytes: Positive = 2 << 30
+    lora_fuse: Annotated[float, msgspec.Meta(ge=-10, le=10)] | None = None
     # Several nodes, one group: nproc ranks on each of nnodes nodes, which meet at the c10d rendezvous at
     # rdzv_endpoint (HOST:PORT; the agent on HOST serves it, and it must be up for the group to heal). rdzv_timeout:
     # how long a group waits for all its nodes, at start and after losing one, before it gives up. node_addr: the
@@ -136,6 +145,7 @@ CONFIG_ENV = "DIFFUSIOND_CONFIG"
 # Variables with the prefix that are not fields: the config file path, and the model cache (models/default.py).
 ENV_NOT_FIELDS = frozenset({CONFIG_ENV, "DIFFUSIOND_CACHE"})
 SECRET_FIELDS = frozenset({"api_key"})
+LIST_FIELDS = frozenset({"lora"})
 HIDDEN = "<hidden>"
 
 
@@ -222,7 +232,8 @@ def _env_layer(env: Mapping[str, str]) -> dict[str, str]:
             known = [env_var(f) for f in FIELDS]
             raise ConfigError(f"unknown environment variable {var}{_did_you_mean(var, known)}")
         if value != "":
-            layer[key] = value
+            # A list (`lora`: NAME=PATH pairs) is comma-separated in one variable.
+            layer[key] = [v.strip() for v in value.split(",") if v.strip()] if key in LIST_FIELDS else value
     return layer
 
 
@@ -285,5 +296,22 @@ def _toml_value(value: Any) -> str:
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, int | float):
         return repr(value)
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     # JSON string escapes are valid in TOML basic strings.
     return json.dumps(str(value), ensure_ascii=False)
+
+
+def lora_refusal(config: ServeConfig) -> str | None:
+    """The configured feature LoRA per request does not compose with yet (None: none): tensor parallel and sharded
+    weights split the linears its deltas add to, offloading moves them between devices, and compiled blocks would
+    recompile for every batch's mix of adapters."""
+    for on, flag in (
+        (config.tp > 1, "--tp"),
+        (config.shard_weights, "--shard-weights"),
+        (config.offload != "none", "--offload"),
+        (config.compile, "--compile"),
+    ):
+        if on:
+            return f"not with {flag} yet"
+    return None

@@ -125,8 +125,10 @@ def worker_config(loaded: ServeConfig) -> ServeConfig:
 def run_rank(config: ServeConfig) -> int:
     import torch.distributed as dist
 
+    from diffusiond.daemon.config import lora_refusal
     from diffusiond.daemon.ranks import join_group
     from diffusiond.engine.follower import run_follower
+    from diffusiond.models.lora import startup_specs
 
     if config.model is None:
         from diffusiond.models.default import default_model
@@ -150,6 +152,10 @@ def run_rank(config: ServeConfig) -> int:
             quantize=config.quantize,
             quantize_skip=config.quantize_skip,
             offload=config.offload,
+            loras=startup_specs(config.lora, config.lora_dir),
+            lora_budget=config.lora_cache_bytes,
+            lora_fuse=config.lora_fuse,
+            lora_refusal=lora_refusal(config),
         )
         log.info("rank %d/%d joined (pid %d)", rank.rank, rank.world_size, os.getpid())
         return rank

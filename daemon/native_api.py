@@ -9,7 +9,7 @@ import contextlib
 import msgspec
 from aiohttp import web
 
-from diffusiond.daemon.api import ApiError, GenerationRequest, decode_body
+from diffusiond.daemon.api import ApiError, GenerationRequest, decode_body, lora_choices
 from diffusiond.daemon.images import encode_image
 from diffusiond.daemon.state import STATE, Record
 from diffusiond.daemon.streaming import (
@@ -62,6 +62,7 @@ def parse_generation(data: bytes) -> tuple[GenerationRequest, SamplingParams]:
         reference_images=body.reference_images,
         num_frames=body.num_frames,
         fps=body.fps,
+        lora=lora_choices(body.lora),
     )
     return body, params
 

@@ -17,9 +17,12 @@ from diffusiond.daemon.api import (
     ApiError,
     ImageEditRequest,
     ImageGenerationRequest,
+    LoraRequests,
     check_choice,
     convert_fields,
     decode_body,
+    json_fields,
+    lora_choices,
     parse_size,
     read_form,
     too_large,
@@ -74,6 +77,7 @@ def _params(body: ImageGenerationRequest, **image: Any) -> SamplingParams:
         guidance_scale=body.guidance_scale,
         preview=body.preview,
         cache_threshold=body.cache_threshold,
+        lora=lora_choices(body.lora),
         **image,
     )
 
@@ -96,7 +100,7 @@ async def read_image_edit(request: web.Request, max_n: int, max_image_bytes: int
     fields, files = await read_form(request, limits, max_image_bytes, aliases=dict.fromkeys(IMAGE_PARTS, "image"))
     if not files["image"]:
         raise ApiError(400, "image is required: the file to edit", param="image")
-    body = convert_fields(fields, ImageEditRequest)
+    body = convert_fields(json_fields(fields, {"lora": LoraRequests}), ImageEditRequest)
     validate_openai(body, max_n)
     check_choice("input_fidelity", body.input_fidelity, ("high", "low"))
     return body, files

@@ -32,10 +32,13 @@ from aiohttp import web
 from diffusiond.daemon.api import (
     ApiError,
     InputReference,
+    LoraRequests,
     VideoCreateRequest,
     body_limit,
     convert_fields,
     decode_body,
+    json_fields,
+    lora_choices,
     parse_size,
     read_form,
     too_large,
@@ -237,7 +240,9 @@ async def read_video_create(request: web.Request) -> tuple[VideoCreateRequest, b
     if request.content_type == "multipart/form-data":
         fields, files = await read_form(request, {"input_reference": 1}, config.max_image_bytes)
         nested = {k[len("input_reference[") : -1]: fields.pop(k) for k in list(fields) if _NESTED.fullmatch(k)}
-        form: dict = {**fields, "input_reference": nested} if nested else fields
+        form = json_fields(fields, {"lora": LoraRequests})
+        if nested:
+            form["input_reference"] = nested
         body = convert_fields(form, VideoCreateRequest)
         if files["input_reference"]:
             if body.input_reference is not None:
@@ -307,6 +312,7 @@ def resolve_video(engine: Engine, body: VideoCreateRequest, reference: bytes | N
         num_frames=body.num_frames,
         fps=body.fps,
         image=reference,
+        lora=lora_choices(body.lora),
     )
     renames = {"width": "size", "height": "size", "image": "input_reference"}
     try:

@@ -294,7 +294,7 @@ class Engine:
         return await self._lora_command(LoraOp(LoraOpKind.UNREGISTER, name))
 
     def loras(self) -> list[dict]:
-        """The registered adapters (name, path, bytes, resident, requests), by name."""
+        """The registered adapters (name, path, bytes, resident), by name."""
         registry = self.adapter.lora_registry if self.adapter is not None else None
         if registry is None:
             return []

@@ -9,11 +9,18 @@ Buckets are chosen for diffusion time scales and documented here:
 - `REQUEST_BUCKETS` (whole requests, queue wait, time to first preview): 50 ms to 10 min.
 - `BATCH_BUCKETS`: requests sharing one forward, 1 to 64.
 - `LAG_BUCKETS`: event-loop lag, 0.5 ms (healthy) to 1 s (a blocked loop).
+
+LoRA adapters (`LoraCollector`) are read from the model's registry at scrape time rather than counted twice; their
+per-adapter series are labelled by adapter name, which only the operator chooses (`--lora`, `POST /v1/loras`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -77,6 +84,8 @@ class Metrics:
             registry=r,
         )
         self.info = Info("diffusiond_model", "The served model and how it runs.", registry=r)
+        self.lora = LoraCollector()
+        r.register(self.lora)
         # Every labelled series exists from the start, so rates and dashboards work before the first event.
         for stage in STAGES:
             self.stage_seconds.labels(stage)
@@ -95,3 +104,40 @@ class Metrics:
                 "version": version,
             }
         )
+
+
+class LoraCollector:
+    """The LoRA registry's numbers (models/lora.LoraRegistry), read when scraped. The step thread changes the
+    registry: this reads whole values only (counters, one copy of its entries), never its resident list."""
+
+    def __init__(self) -> None:
+        # The served model's registry, once it is loaded (None: no model yet, or one without LoRA).
+        self.source: Callable[[], Any] = lambda: None
+
+    def collect(self) -> Iterator[Metric]:
+        registry = self.source()
+        entries = list(registry.entries.values()) if registry is not None else []
+        yield GaugeMetricFamily("diffusiond_lora_adapters", "LoRA adapters registered.", value=len(entries))
+        yield GaugeMetricFamily(
+            "diffusiond_lora_resident_bytes",
+            "Bytes of the LoRA adapters held in memory (at most --lora-cache-bytes, unless requests in flight hold "
+            "more).",
+            value=sum(entry.nbytes for entry in entries if entry.lora is not None),
+        )
+        yield CounterMetricFamily(
+            "diffusiond_lora_loads",
+            "LoRA adapters read from their files on use, not being resident (evicted, or over the budget when "
+            "registered).",
+            value=registry.loads if registry is not None else 0,
+        )
+        yield CounterMetricFamily(
+            "diffusiond_lora_evictions",
+            "LoRA adapters dropped from memory to make room for others (--lora-cache-bytes).",
+            value=registry.evictions if registry is not None else 0,
+        )
+        requests = CounterMetricFamily(
+            "diffusiond_lora_requests", "Requests that applied a LoRA adapter, by adapter.", labels=["adapter"]
+        )
+        for entry in entries:
+            requests.add_metric([entry.name], entry.requests)
+        yield requests

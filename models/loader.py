@@ -63,10 +63,13 @@ def check_features(
     shard_weights: bool = False,
     vae_parallel: int = 1,
     cache: str = "none",
+    lora: bool = False,
 ) -> None:
-    """Raises ValueError, saying why, when the family of `model` cannot run the parallel layout or step cache asked
-    for: read from `model_index.json` and the family's declarations, before any rank starts or loads."""
+    """Raises ValueError, saying why, when the family of `model` cannot run the parallel layout, step cache or LoRA
+    adapters asked for: read from `model_index.json` and the family's declarations, before any rank starts or loads."""
     cls = adapter_for(read_model_index(model).get("_class_name", "<missing _class_name>"))
+    if lora and not cls.lora:
+        raise ValueError(f"--lora: the {cls.family} family ({cls.pipeline_class}) does not serve LoRA adapters")
     if ulysses > 1:
         if "ulysses" not in cls.parallel:
             raise ValueError(

@@ -209,7 +209,7 @@ class LoraRegistry:
 
     @property
     def resident_bytes(self) -> int:
-        return sum(entry.nbytes for entry in self._resident.values())
+        return sum(entry.nbytes for entry in list(self._resident.values()))  # a snapshot: read off the step thread too
 
     def register(self, name: str, path: str) -> Entry:
         """Reads and checks the file now (LoraError: nothing changes); it stays resident if the budget allows."""
@@ -335,7 +335,7 @@ def resolve_loras(adapter: Any, params: Any) -> tuple | None:
     for choice in params.lora:
         if choice.name not in registry.entries:
             known = ", ".join(sorted(registry.entries)) or "none"
-            raise ParamError("lora", f"unknown LoRA adapter {choice.name!r} (loaded: {known})")
+            raise ParamError("lora", f"unknown LoRA adapter {choice.name!r} (registered: {known})")
         if registry.fused is not None and registry.fused[1] != choice.scale:
             raise ParamError(
                 "lora",

@@ -34,6 +34,7 @@ from diffusiond.engine.engine import Engine
 from diffusiond.engine.wire import NewRequest, StepPlan, decode_plan, encode_plan
 from diffusiond.models.base import ParamError
 from diffusiond.models.loader import load_adapter
+from diffusiond.models.tiny_lora import build_tiny_lora
 
 EXAMPLES = 1500
 HTTP_INPUTS = 1000
@@ -93,6 +94,16 @@ valid = {
     "safety_identifier": st.text(max_size=10),
     "model": st.none(),
     "seconds": st.sampled_from(["1", "0.5", "2.25", 1, 7.5]),
+    # Adapters the fuzzing engine registered ("a", "b"), one it did not, and scales within bounds.
+    "lora": st.none()
+    | st.just([])
+    | st.lists(
+        st.fixed_dictionaries(
+            {"name": st.sampled_from(["a", "b", "nope"])}, optional={"scale": st.floats(min_value=-10, max_value=10)}
+        ),
+        min_size=1,
+        max_size=2,
+    ),
     "input_reference": st.none()
     | st.just({"image_url": "data:image/png;base64," + base64.b64encode(picture(32, 48)).decode()})
     | st.just({"image_url": "https://example.com/a.png"}),
@@ -126,8 +137,13 @@ def bodies(fields: set[str]) -> st.SearchStrategy[bytes]:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_sd3):
+def engine(tiny_sd3, tmp_path_factory):
     adapter = load_adapter(tiny_sd3)
+    registry = adapter.enable_lora(1 << 30)
+    for seed, name in enumerate("ab"):
+        registry.register(
+            name, str(build_tiny_lora(tiny_sd3, tmp_path_factory.mktemp("loras") / "x.safetensors", seed=seed))
+        )
     # Not started: `check` needs only the adapter, the limits and the wire.
     return Engine(adapter, limits=request_limits(ServeConfig(), adapter.capabilities))
 

@@ -8,6 +8,7 @@ import tomllib
 
 import msgspec
 import pytest
+import torch
 
 from diffusiond.daemon.cli import build_parser, main
 from diffusiond.daemon.config import FIELDS, ConfigError, ServeConfig, load_config
@@ -79,7 +80,8 @@ def test_every_serve_flag_maps_to_its_field():
         "--cache", "fbcache", "--cache-threshold", "0.3", "--attention", "math", "--compile",
         "--compile-cache", "/var/cache/inductor", "--quantize", "int8", "--quantize-skip", "proj_out",
         "--offload", "group", "--video-dir", "/var/lib/videos", "--video-store-bytes", "5000", "--video-ttl", "60",
-        "--video-max-jobs", "7",
+        "--video-max-jobs", "7", "--lora", "style=/loras/style.safetensors", "--lora", "ink=ink.safetensors",
+        "--lora-dir", "/var/lib/loras", "--lora-cache-bytes", "1000", "--lora-fuse",
     ]  # fmt: skip
     config, sources = load_config(cli(*argv), {})
     assert config == ServeConfig(
@@ -93,6 +95,8 @@ def test_every_serve_flag_maps_to_its_field():
         cache="fbcache", cache_threshold=0.3, attention="math", compile=True, compile_cache="/var/cache/inductor",
         quantize="int8", quantize_skip="proj_out", offload="group", video_dir="/var/lib/videos",
         video_store_bytes=5000, video_ttl=60.0, video_max_jobs=7,
+        lora=("style=/loras/style.safetensors", "ink=ink.safetensors"), lora_dir="/var/lib/loras",
+        lora_cache_bytes=1000, lora_fuse=1.0,
     )  # fmt: skip
     assert all(source.startswith("--") for source in sources.values()), sources
     # The global logging flags, before the subcommand, still work.
@@ -111,9 +115,12 @@ def test_environment_values_are_converted():
         # Empty counts as unset (an env file may list every variable); DIFFUSIOND_CACHE is the model cache's.
         "DIFFUSIOND_MODEL": "",
         "DIFFUSIOND_CACHE": "/tmp/somewhere",
+        # A list: comma-separated.
+        "DIFFUSIOND_LORA": "style=/a.safetensors, ink=b.safetensors",
     }
     config, _ = load_config({}, env)
     assert (config.max_batch, config.drain_timeout, config.threads) == (4, 2.5, 3)
+    assert config.lora == ("style=/a.safetensors", "ink=b.safetensors")
     assert (config.api_key, config.log_level, config.model) == ("secret", "DEBUG", None)
 
 
@@ -187,6 +194,46 @@ def test_serve_exits_2_on_a_video_dir_it_cannot_write(tmp_path, capsys):
     assert f"diffusiond serve: error: --video-dir {blocked / 'videos'}: cannot create it" in capsys.readouterr().err
 
 
+def safetensors_file(path) -> str:
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lora", "style"], "--lora 'style': expected NAME=PATH"),
+        (["--lora", "a b={good}"], "LoRA name 'a b': use 1-64 letters"),
+        (["--lora", "a={good}", "--lora", "a={good}"], "two LoRA adapters are named 'a'"),
+        (["--lora", "a={dir}/missing.safetensors"], "{dir}/missing.safetensors: no such file"),
+        (["--lora", "a={dir}/a.bin"], "{dir}/a.bin: LoRA files must be .safetensors"),
+        (["--lora", "a={dir}/junk.safetensors"], "{dir}/junk.safetensors: not a safetensors file"),
+        (["--lora-dir", "{dir}/nowhere"], "--lora-dir {dir}/nowhere: not a directory"),
+        (["--lora-fuse"], "--lora-fuse adds an adapter into the weights: give it one with --lora NAME=PATH"),
+        (
+            ["--lora-fuse", "0.5", "--lora-dir", "{loras}"],
+            "--lora-fuse adds one adapter into the weights; --lora and --lora-dir give 2: give exactly one",
+        ),
+        (["--lora", "a={good}", "--compile"], "LoRA adapters (--lora, --lora-dir): not with --compile yet"),
+        (["--lora-dir", "{loras}", "--tp", "2"], "LoRA adapters (--lora, --lora-dir): not with --tp yet"),
+    ],
+)
+def test_serve_exits_2_on_lora_settings_it_cannot_serve(tmp_path, capsys, argv, message):
+    """Before any rank starts or the model loads: the pairs, the folder, each file's header, and the features LoRA
+    does not compose with."""
+    loras = tmp_path / "loras"
+    loras.mkdir()
+    good = safetensors_file(loras / "one.safetensors")
+    safetensors_file(loras / "two.safetensors")
+    (tmp_path / "a.bin").write_bytes(b"pickle")
+    (tmp_path / "junk.safetensors").write_bytes(b"\xff" * 64)
+    values = {"good": good, "dir": tmp_path, "loras": loras}
+    assert main(["serve", *(arg.format(**values) for arg in argv)]) == 2
+    assert f"diffusiond serve: error: {message.format(**values)}" in capsys.readouterr().err
+
+
 def test_load_config_raises_config_error():
     with pytest.raises(ConfigError, match="DIFFUSIOND_PORTT"):
         load_config({}, {"DIFFUSIOND_PORTT": "1"})
@@ -196,7 +243,7 @@ def test_load_config_raises_config_error():
 
 
 def test_config_prints_toml_that_loads_back(tmp_path, monkeypatch, capsys):
-    path = write(tmp_path / "d.toml", 'model = "some/model"\nport = 2\ndrain_timeout = 7.5\n')
+    path = write(tmp_path / "d.toml", 'model = "some/model"\nport = 2\ndrain_timeout = 7.5\nlora = ["a=/x"]\n')
     monkeypatch.setenv("DIFFUSIOND_MAX_BATCH", "3")
     monkeypatch.setenv("DIFFUSIOND_API_KEY", "hunter2")
     code, out, _ = run_config(capsys, "--config", path, "--max-queue", "5")
@@ -213,6 +260,7 @@ def test_config_prints_toml_that_loads_back(tmp_path, monkeypatch, capsys):
     assert expected.api_key is None
     assert load_config({}, {}, printed)[0] == expected
     assert tomllib.loads(out)["drain_timeout"] == 7.5
+    assert tomllib.loads(out)["lora"] == ["a=/x"]
 
 
 def test_config_prints_json_with_the_key_hidden(monkeypatch, capsys):
@@ -222,4 +270,4 @@ def test_config_prints_json_with_the_key_hidden(monkeypatch, capsys):
     data = json.loads(out)
     assert set(data) == set(FIELDS)
     assert data["api_key"] == "<hidden>" and data["port"] == 1234 and data["model"] is None
-    assert data == {**msgspec.to_builtins(ServeConfig(port=1234)), "api_key": "<hidden>"}
+    assert data == {**msgspec.json.decode(msgspec.json.encode(ServeConfig(port=1234))), "api_key": "<hidden>"}

@@ -1,9 +1,12 @@
 """LoRA per request inside one batched forward: the multi-LoRA trick of LLM servers, applied to a DiT's linears.
 
 Every linear that some loaded adapter targets gets a forward hook. The base linear runs once for the whole batch, as
-without LoRA; the hook then adds, for each (adapter, scale) in the batch, `scale * alpha / r * (x A^T) B^T` to the
-rows of the requests that chose it (one pair of small matmuls per group, its rows gathered and scattered back). A
-batch without LoRA rows costs one attribute test per hooked linear; a model without loaded adapters has no hooks.
+without LoRA; the hook then adds `scale * alpha / r * (x A^T) B^T` to the rows of each request, with its own
+adapters and scales. With one adapter in the batch: a pair of small matmuls over its rows. With several, one each
+per row: every row's factors gathered and two batched matmuls, whatever the number of adapters (`_Gathered`). Rows
+with several adapters: a pair of matmuls per (adapter, scale) group. LoRA rows are gathered and their deltas
+scattered back; a batch without LoRA rows costs one attribute test per hooked linear; a model without loaded
+adapters has no hooks.
 
 Which rows belong to which request is the caller's to say: `LoraLayers.rows(selections)` around the transformer call,
 one selection per batch row (the requests' CFG rows included), and `narrow(index)` around a call over a subset of
@@ -22,12 +25,12 @@ import torch
 
 @dataclass(frozen=True, eq=False)
 class LoraWeights:
-    """One adapter's factors for one linear: `down` (A) [r, in], `up` (B) [out, r], and PEFT's `alpha / r` (or
-    `alpha / sqrt(r)` with rsLoRA) as the checkpoint's configuration gives it."""
+    """One adapter's factors for one linear: `down` (A) [r, in] and `up` (B) [out, r] times PEFT's `alpha / r` (or
+    `alpha / sqrt(r)` with rsLoRA) as the checkpoint's configuration gives it, so that a row's delta is its
+    request's scale times `(x A^T) up^T`, whatever adapter the row has."""
 
     down: torch.Tensor
     up: torch.Tensor
-    scaling: float
 
 
 @dataclass(eq=False)
@@ -62,6 +65,7 @@ class RowPlan:
             for lora, scale, rows in members.values()
         ]
         self._members = [(lora, scale, rows) for lora, scale, rows in members.values()]
+        self.gathered = _Gathered.of(self._members, self.num_rows, device) if len(members) > 1 else None
 
     def narrow(self, index: Sequence[int]) -> RowPlan | None:
         """The plan of a call over rows `index` of this one (in that order); None when none of them has LoRA."""
@@ -79,6 +83,9 @@ class RowPlan:
                 f"LoRA: {name} got {x.shape[0]} rows, the batch plan has {self.num_rows} (a call over a subset of "
                 "the batch must narrow the plan)"
             )
+        if self.gathered is not None and (delta := self.gathered.delta(name, x)) is not None:
+            rows = self.gathered.index
+            return out + delta.to(out.dtype) if rows is None else out.index_add(0, rows, delta.to(out.dtype))
         for lora, scale, rows in self.groups:
             weights = lora.layers.get(name)
             if weights is None:
@@ -87,9 +94,46 @@ class RowPlan:
             delta = torch.nn.functional.linear(
                 torch.nn.functional.linear(mine.to(weights.down.dtype), weights.down), weights.up
             )
-            delta = (delta * (scale * weights.scaling)).to(out.dtype)  # [k, ..., out]
+            delta = (delta * scale).to(out.dtype)  # [k, ..., out]
             out = out + delta if rows is None else out.index_add(0, rows, delta)
         return out
+
+
+class _Gathered:
+    """Several adapters in one call, one per LoRA row: every row's factors gathered and applied in two batched
+    matmuls, so the cost per linear does not grow with the number of adapters (the group loop runs 4 kernels per
+    adapter). Linears where the adapters' ranks differ, or some adapter has no factors, take the group loop."""
+
+    def __init__(self, loras: list[Lora], row_group: list[int], index: torch.Tensor | None, scales: torch.Tensor):
+        self.loras = loras
+        self.row_group = row_group  # per LoRA row (in row order): its adapter in `loras`
+        self.index = index  # the LoRA rows, None when every row has one
+        self.scales = scales  # [k, 1, 1]: each row's request scale
+
+    @staticmethod
+    def of(members: list[tuple[Lora, float, list[int]]], num_rows: int, device: torch.device) -> _Gathered | None:
+        owner: dict[int, int] = {}
+        for g, (_, _, rows) in enumerate(members):
+            for row in rows:
+                if row in owner:  # a row with two adapters: the group loop adds both
+                    return None
+                owner[row] = g
+        rows = sorted(owner)
+        index = None if len(rows) == num_rows else torch.tensor(rows, device=device)
+        scales = torch.tensor([members[owner[r]][1] for r in rows], device=device).view(-1, 1, 1)
+        return _Gathered([lora for lora, _, _ in members], [owner[r] for r in rows], index, scales)
+
+    def delta(self, name: str, x: torch.Tensor) -> torch.Tensor | None:
+        """The LoRA rows' deltas [k, ..., out] for linear `name` on input `x`, or None (take the group loop)."""
+        weights = [lora.layers.get(name) for lora in self.loras]
+        if any(w is None for w in weights) or len({w.down.shape for w in weights}) != 1:
+            return None
+        mine = x if self.index is None else x.index_select(0, self.index)  # [k, ..., in]
+        flat = mine.reshape(mine.shape[0], -1, mine.shape[-1]).to(weights[0].down.dtype)  # [k, L, in]
+        down = torch.stack([weights[g].down for g in self.row_group])  # [k, r, in]
+        up = torch.stack([weights[g].up for g in self.row_group])  # [k, out, r]
+        delta = torch.bmm(torch.bmm(flat, down.transpose(1, 2)), up.transpose(1, 2)) * self.scales  # [k, L, out]
+        return delta.reshape(*mine.shape[:-1], delta.shape[-1])
 
 
 class LoraLayers:
@@ -159,7 +203,7 @@ class LoraLayers:
 
 
 def fuse(layers: LoraLayers, lora: Lora, scale: float) -> dict[str, torch.Tensor]:
-    """Adds `scale * alpha / r * B A` into each targeted linear's weight; returns the original weights (on CPU) that
+    """Adds `scale * (alpha / r) B A` into each targeted linear's weight; returns the original weights (on CPU) that
     `unfuse` puts back exactly."""
     saved = {}
     with torch.no_grad():
@@ -167,7 +211,7 @@ def fuse(layers: LoraLayers, lora: Lora, scale: float) -> dict[str, torch.Tensor
             linear = layers.linear(name)
             assert linear is not None
             saved[name] = linear.weight.detach().to("cpu", copy=True)
-            delta = (weights.up.float() @ weights.down.float()) * (scale * weights.scaling)
+            delta = (weights.up.float() @ weights.down.float()) * scale
             linear.weight.add_(delta.to(linear.weight.dtype))
     return saved
 

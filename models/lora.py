@@ -149,9 +149,8 @@ def read_lora(
         down = tensors.pop(f"{module_name}.lora_A.weight")
         up = tensors.pop(f"{module_name}.lora_B.weight")
         device = denoiser.get_submodule(module_name).weight.device
-        layers[module_name] = LoraWeights(
-            down.to(device, dtype).contiguous(), up.to(device, dtype).contiguous(), float(module.scaling[name])
-        )
+        scaled = up.float() * float(module.scaling[name])  # PEFT's alpha / r, folded into B once
+        layers[module_name] = LoraWeights(down.to(device, dtype).contiguous(), scaled.to(device, dtype).contiguous())
     if tensors:
         raise LoraError(f"{path}: weights this model has no place for: {', '.join(sorted(tensors)[:5])}")
     if not layers:

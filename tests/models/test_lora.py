@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Completed, Progress
 from diffusiond.engine.request import LoraChoice, SamplingParams
+from diffusiond.kernels import lora as lora_kernels
 from diffusiond.models.loader import load_adapter
 from diffusiond.models.lora import LoraError
 from diffusiond.models.tiny_lora import build_tiny_lora
@@ -43,10 +44,17 @@ def request(seed: int, *loras: tuple[str, float], prompt: str = "a shape", steps
     return SamplingParams(prompt=prompt, seed=seed, width=64, height=64, num_inference_steps=steps, lora=choices)
 
 
-# Three adapters and none, one of them at two scales with another adapter.
+# Three adapters and none: each LoRA row's factors gathered into one batched matmul (kernels/lora._Gathered).
 MIXED = [
     request(1, ("a", 1.0), prompt="a red shape"),
     request(2, ("b", 0.5), prompt="a blue shape"),
+    request(3, ("c", 1.5)),
+    request(4),
+]
+# Rows with two adapters, and one adapter at two scales: a pair of matmuls per (adapter, scale) group.
+STACKED = [
+    request(1, ("a", 1.0), ("b", 0.3), prompt="a red shape"),
+    request(2, ("a", 0.5)),
     request(3, ("c", 1.5), ("a", -0.7)),
     request(4),
 ]
@@ -85,8 +93,10 @@ def diffusers_images(model: str, family: str, files: dict[str, Path], resolved: 
     return with_lora, without
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_mixed_batch_matches_diffusers(family, request, tmp_path):
+@pytest.mark.parametrize(
+    ("family", "batch"), [*((family, "mixed") for family in FAMILIES), ("sd3", "stacked"), ("flux", "stacked")]
+)
+def test_mixed_batch_matches_diffusers(family, batch, request, tmp_path, monkeypatch):
     model = request.getfixturevalue(FAMILIES[family])
     files = loras_for(model, tmp_path)
     adapter = load_adapter(model)
@@ -100,7 +110,13 @@ def test_mixed_batch_matches_diffusers(family, request, tmp_path):
     linear = adapter.lora_layers.linear(next(iter(registry.entries["a"].lora.layers)))
     linear.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
 
-    images, resolved = run(adapter, MIXED)
+    gathered = []  # per linear call with LoRA rows: whether the rows' factors were gathered
+    real_delta = lora_kernels._Gathered.delta
+    monkeypatch.setattr(lora_kernels._Gathered, "delta", lambda self, *a: gathered.append(1) or real_delta(self, *a))
+
+    images, resolved = run(adapter, MIXED if batch == "mixed" else STACKED)
+
+    assert bool(gathered) == (batch == "mixed")
 
     assert forwards == [4] * 3  # every step: one forward for all four requests
     assert rows and len(set(rows)) == 1 and rows[0] % 4 == 0, rows  # the base linear over the whole batch at once

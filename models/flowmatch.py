@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from contextlib import nullcontext
 from typing import Any, ClassVar
@@ -35,6 +34,7 @@ from diffusiond.models.base import Capabilities, ModelAdapter, ParamError, Reque
 from diffusiond.models.declared import check_declared, read_declared
 from diffusiond.models.inputs import image_size, open_mask, open_rgb
 from diffusiond.models.lora import LoraRegistry, read_lora, resolve_loras
+from diffusiond.models.prompts import PROMPT_CACHE_BYTES, PromptCache
 from diffusiond.models.sampler import FlowMatchSampler, step_batch
 
 MAX_PROMPT_CHARS = 10_000
@@ -49,55 +49,6 @@ def null_components(source: str) -> dict[str, None]:
 
     index = read_model_index(source)
     return {name: None for name, value in index.items() if isinstance(value, list) and value == [None, None]}
-
-
-class PromptCache:
-    """Encoded prompts by text, least recently used first out, bounded in bytes. Prompts repeat: every CFG request
-    without a negative prompt encodes "", the n images of one OpenAI request share theirs, users regenerate. A
-    cached text skips the text encoders (measured: 8 of 16 encodings per batch of 8 CFG requests are the same "").
-    Rows are what the family's encoder gives for that text alone, so a request's conditioning does not depend on
-    what else was encoded with it."""
-
-    def __init__(self, budget_bytes: int) -> None:
-        self.budget = budget_bytes
-        self.bytes = 0
-        self.hits = 0
-        self.misses = 0
-        self._entries: OrderedDict[str, tuple[torch.Tensor, ...]] = OrderedDict()
-
-    def lookup(self, texts: Sequence[str], encode) -> dict[str, tuple[torch.Tensor, ...]]:
-        """Tensors per text; `encode(missing texts)` -> one tuple of row tensors [1, ...] per text, in order."""
-        found: dict[str, tuple[torch.Tensor, ...]] = {}
-        missing: list[str] = []
-        for text in dict.fromkeys(texts):
-            entry = self._entries.get(text)
-            if entry is None:
-                missing.append(text)
-            else:
-                self._entries.move_to_end(text)
-                found[text] = entry
-        self.hits += len(found)
-        self.misses += len(missing)
-        if missing:
-            for text, entry in zip(missing, encode(missing), strict=True):
-                found[text] = entry
-                self._put(text, entry)
-        return found
-
-    def _put(self, text: str, entry: tuple[torch.Tensor, ...]) -> None:
-        size = sum(t.numel() * t.element_size() for t in entry)
-        if size > self.budget:
-            return
-        self._entries[text] = entry
-        self.bytes += size
-        while self.bytes > self.budget:
-            _, old = self._entries.popitem(last=False)
-            self.bytes -= sum(t.numel() * t.element_size() for t in old)
-
-
-# Encoded prompts kept per model: 64 MiB is ~12 prompts of real SD3 (T5 at 4096 x 333 floats) and thousands of a
-# small model's.
-PROMPT_CACHE_BYTES = 64 << 20
 
 
 class Inpaint:

@@ -6,8 +6,8 @@ import torch
 
 from diffusiond.engine.request import SamplingParams
 from diffusiond.engine.wire import NewRequest
-from diffusiond.models.flowmatch import PromptCache
 from diffusiond.models.loader import load_adapter
+from diffusiond.models.prompts import PromptCache
 
 
 def test_lru_bounded_in_bytes():

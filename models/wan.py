@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Hashable, Sequence
+from contextlib import nullcontext
 from typing import Any, ClassVar
 
 import numpy as np
@@ -21,6 +22,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from diffusiond.engine.request import MAX_FRAMES, SamplingParams
 from diffusiond.engine.wire import NewRequest
+from diffusiond.kernels.lora import LoraLayers
 from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, ulysses_sdpa
 from diffusiond.models.base import Capabilities, ParamError, RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
@@ -123,6 +125,9 @@ class ProjectionPlan:
     def __init__(self) -> None:
         self.text: list[Any] = []
         self.image: list[Any] = []
+        # The transformer's LoRA layers (LoRA requests project their rows in the forward): a projection of some
+        # rows narrows their row plan.
+        self.lora: LoraLayers | None = None
 
     def text_kv(self, block: int, attn, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._rows(self.text, block, ctx, lambda c: project_text(attn, c))
@@ -130,12 +135,14 @@ class ProjectionPlan:
     def image_kv(self, block: int, attn, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._rows(self.image, block, ctx, lambda c: project_image(attn, c))
 
-    @staticmethod
-    def _rows(entries: list[Any], block: int, ctx: torch.Tensor, project) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows(self, entries: list[Any], block: int, ctx: torch.Tensor, project) -> tuple[torch.Tensor, torch.Tensor]:
         if len(entries) != ctx.shape[0] or all(e is None for e in entries):
             return project(ctx)
         missing = [r for r, e in enumerate(entries) if e is None]
-        fresh = dict(zip(missing, zip(*project(ctx[missing]), strict=True), strict=True)) if missing else {}
+        fresh = {}
+        if missing:
+            with self.lora.narrow(missing) if self.lora is not None else nullcontext():
+                fresh = dict(zip(missing, zip(*project(ctx[missing]), strict=True), strict=True))
         keys, values = [], []
         for r, entry in enumerate(entries):
             if entry is None:
@@ -156,6 +163,7 @@ class WanAdapter(FlowMatchAdapter):
     default_guidance = 5.0
     guidance_styles = ("cfg",)
     parallel = ("cfg-parallel", "ulysses", "ring", "shard-weights")
+    lora = True
     # The pipelines' defaults: 81 frames at 832x480, played at 16 frames per second (Wan 2.1's rate).
     default_num_frames: ClassVar[int] = 81
     default_fps: ClassVar[int] = 16
@@ -168,6 +176,11 @@ class WanAdapter(FlowMatchAdapter):
         self.plan = ProjectionPlan()
         for i, block in enumerate(self.transformer.blocks):
             block.attn2.set_processor(WanCrossAttnProcessor(i, self.plan))
+
+    def enable_lora(self, budget_bytes: int) -> Any:
+        registry = super().enable_lora(budget_bytes)
+        self.plan.lora = self.lora_layers
+        return registry
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:
         """The frames x height x width tokens are sharded across `group` from the first block on (with their rotary
@@ -276,7 +289,9 @@ class WanAdapter(FlowMatchAdapter):
                 cond["scale"] = torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)
             state = RequestState(req.request_id, p, latents, sampler, cond=cond)
             self._prepare_image(state, len(rows))
-            state.rows = [self._acquire_text(r.to(self.dtype)) for r in rows]
+            # A request with LoRA projects its rows in the forward, where its adapters apply (its keys and values
+            # are its own).
+            state.rows = [None if p.lora else self._acquire_text(r.to(self.dtype)) for r in rows]
             # The state's projections go back to the cache when the state is freed, whichever way it ends.
             entries = [e for e in [*state.rows, state.shared.get("image_entry")] if e is not None]
             if entries and self.projections is not None:
@@ -430,7 +445,8 @@ class WanI2VAdapter(WanAdapter):
         )  # fmt: skip
         state.cond["condition"] = condition  # [1, 4 + C, T, h, w]
         state.cond["image_embeds"] = embeds.expand(rows, -1, -1)
-        state.shared["image_entry"] = self._acquire_image(embeds)  # one for the request's rows
+        # One for the request's rows; none with LoRA (see `prepare`).
+        state.shared["image_entry"] = None if state.params.lora else self._acquire_image(embeds)
 
     def _acquire_image(self, embeds: torch.Tensor) -> Any:
         if self.projections is None:

@@ -431,16 +431,27 @@ async def test_the_api_key_guards_the_lora_routes(auth_server):
 
 
 @pytest.mark.asyncio
-async def test_a_family_without_lora_refuses_it(serve, tiny_wan):
-    # The video tests' server (tests/daemon/test_videos.py).
-    server = serve(model=tiny_wan, api_key=API_KEY, max_pixels=64 * 64)
+async def test_a_family_without_lora_refuses_it(serve, tiny_kontext):
+    server = serve(model=tiny_kontext, api_key=API_KEY)
     auth = {"Authorization": f"Bearer {API_KEY}"}
     async with aiohttp.ClientSession(timeout=TIMEOUT, headers=auth) as session:
         assert await listing(session, server) == {}
         status, body = await post_lora(session, server, "a", "a.safetensors")
         assert status == 400 and assert_error(body, None)["code"] == "lora_unsupported", body
         assert "does not serve them" in body["error"]["message"]
+        image = {"prompt": PROMPT, "size": "64x64", "num_inference_steps": 2, "lora": [{"name": "a"}]}
+        async with session.post(f"{server.base_url}/v1/images/generations", json=image) as resp:
+            assert resp.status == 400
+            assert "does not serve LoRA" in assert_error(await resp.json(), "lora")["message"]
+
+
+@pytest.mark.asyncio
+async def test_video_requests_name_their_adapters(serve, tiny_wan):
+    # The video tests' server (tests/daemon/test_videos.py): Wan serves LoRA; none is registered there.
+    server = serve(model=tiny_wan, api_key=API_KEY, max_pixels=64 * 64)
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    async with aiohttp.ClientSession(timeout=TIMEOUT, headers=auth) as session:
         video = {"prompt": PROMPT, "size": "48x32", "seconds": "1", "num_inference_steps": 2}
         async with session.post(f"{server.base_url}/v1/videos", json={**video, "lora": [{"name": "a"}]}) as resp:
             assert resp.status == 400
-            assert "does not serve LoRA" in assert_error(await resp.json(), "lora")["message"]
+            assert "unknown LoRA adapter 'a'" in assert_error(await resp.json(), "lora")["message"]

@@ -8,6 +8,7 @@ join running batches. Float32 on CPU. Tolerance: max abs diff <= 1e-4 on the dec
 
 import asyncio
 import io
+import warnings
 
 import diffusers
 import numpy as np
@@ -18,9 +19,10 @@ from pictures import picture
 from PIL import Image
 
 from diffusiond.engine.outputs import Completed
-from diffusiond.engine.request import SamplingParams
+from diffusiond.engine.request import LoraChoice, SamplingParams
 from diffusiond.models.base import ParamError
 from diffusiond.models.loader import load_adapter
+from diffusiond.models.tiny_lora import build_tiny_lora
 
 TOLERANCE = 1e-4
 
@@ -249,3 +251,41 @@ def test_make_tiny_writes_a_video_checkpoint(family, tmp_path):
         tmp_path
     )
     assert pipe.vae_scale_factor_temporal == 4 and pipe.vae_scale_factor_spatial == 8
+
+
+@pytest.mark.parametrize("fixture", ["tiny_wan", "tiny_wan_i2v"])
+def test_lora_requests_match_the_pipeline(fixture, request, tmp_path):
+    """Two adapters and none, joining one running batch. LoRA requests project their cross-attention rows in the
+    forward (where their adapters apply) beside a request whose projections are reused; each clip equals the
+    pipeline with `load_lora_weights` + `set_adapters`."""
+    checkpoint = request.getfixturevalue(fixture)
+    files = {n: build_tiny_lora(checkpoint, tmp_path / f"{n}.safetensors", seed=i + 1) for i, n in enumerate("ab")}
+    adapter = load_adapter(checkpoint)
+    registry = adapter.enable_lora(1 << 30)
+    for name, path in files.items():
+        registry.register(name, str(path))
+    image = {"image": picture(48, 32, seed=1)} if adapter.family == "wan-i2v" else {}
+    requests = [
+        clip("a red cat", 1, steps=6, lora=(LoraChoice("a", 1.0),), **image),
+        clip("a blue dog", 2, steps=5, lora=(LoraChoice("b", 0.7),), **image),
+        clip("a green bird", 3, **image),
+    ]
+    handles, results, plans = asyncio.run(run_staggered(adapter, requests))
+    assert max(len(p.advance) for p in plans) == 3
+    pipe = load_pipe(adapter, checkpoint)
+    with warnings.catch_warnings():  # no text encoder weights in these files
+        warnings.simplefilter("ignore")
+        for name, path in files.items():
+            pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=name)
+    extra = {"image": Image.open(io.BytesIO(image["image"])).convert("RGB")} if image else {}
+    for handle, result in zip(handles, results, strict=True):
+        assert isinstance(result, Completed), result
+        params = handle.params
+        pipe.disable_lora()
+        plain = reference(pipe, params, **extra)
+        if params.lora:
+            pipe.enable_lora()
+            pipe.set_adapters([c.name for c in params.lora], adapter_weights=[c.scale for c in params.lora])
+        expected = reference(pipe, params, **extra)
+        assert float(np.abs(result.image - expected).max()) < TOLERANCE
+        assert (float(np.abs(expected - plain).max()) > 1e-2) == bool(params.lora)

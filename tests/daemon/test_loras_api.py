@@ -20,6 +20,7 @@ import openai
 import pytest
 import torch
 from conftest import API_KEY
+from exposition import need, samples
 from pictures import picture
 from PIL import Image
 from safetensors import safe_open
@@ -329,15 +330,6 @@ async def test_multipart_lora_that_is_not_json_is_400(lora_server):
 # ---- eviction and metrics ----
 
 
-def samples(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
-
-
 async def scrape(session, server) -> dict[str, float]:
     async with session.get(f"{server.base_url}/metrics") as resp:
         assert resp.status == 200
@@ -383,9 +375,7 @@ async def test_metrics_count_adapters_requests_loads_and_evictions(serve, lora_s
 
 
 def test_promtool_accepts_the_lora_metrics(lora_server):
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool not installed (apt-get install prometheus)")
+    promtool = need("promtool")
     with urllib.request.urlopen(f"{lora_server.base_url}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     assert 'diffusiond_lora_requests_total{adapter="a"}' in text

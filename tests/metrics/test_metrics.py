@@ -4,9 +4,7 @@ dashboard that only queries metrics the daemon exports."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import socket
 import subprocess
 import time
@@ -15,20 +13,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from exposition import need, samples
 
 from diffusiond.metrics.registry import STAGES
 
 DASHBOARD = Path(__file__).parents[2] / "metrics" / "grafana-dashboard.json"
-
-
-def need(tool: str) -> str:
-    """CI installs Debian's prometheus package (.ci/run); on a developer machine without it, skip."""
-    path = shutil.which(tool)
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{tool} is not installed; .ci/run should have installed Debian's prometheus package")
-        pytest.skip(f"{tool} not installed (apt-get install prometheus)")
-    return path
 
 
 def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, str]:
@@ -47,16 +36,6 @@ def generate(server, steps: int, seed: int) -> None:
     )
     with urllib.request.urlopen(req, timeout=60) as resp:
         assert resp.status == 200
-
-
-def samples(text: str) -> dict[str, float]:
-    """Prometheus text exposition -> {'name{labels}': value}."""
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
 
 
 @pytest.fixture

@@ -54,6 +54,7 @@ class RowPlan:
     the group is every row."""
 
     def __init__(self, selections: Sequence[Selection], device: torch.device) -> None:
+        self.selections = list(selections)
         self.num_rows = len(selections)
         self.device = device
         members: dict[tuple[int, float], tuple[Lora, float, list[int]]] = {}
@@ -64,16 +65,11 @@ class RowPlan:
             (lora, scale, None if len(rows) == self.num_rows else torch.tensor(rows, device=device))
             for lora, scale, rows in members.values()
         ]
-        self._members = [(lora, scale, rows) for lora, scale, rows in members.values()]
-        self.gathered = _Gathered.of(self._members, self.num_rows, device) if len(members) > 1 else None
+        self.gathered = _Gathered.of(list(members.values()), self.num_rows, device) if len(members) > 1 else None
 
     def narrow(self, index: Sequence[int]) -> RowPlan | None:
         """The plan of a call over rows `index` of this one (in that order); None when none of them has LoRA."""
-        per_row: list[list[tuple[Lora, float]]] = [[] for _ in range(self.num_rows)]
-        for lora, scale, rows in self._members:
-            for row in rows:
-                per_row[row].append((lora, scale))
-        selections = [tuple(per_row[i]) for i in index]
+        selections = [self.selections[i] for i in index]
         return RowPlan(selections, self.device) if any(selections) else None
 
     def apply(self, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -108,7 +108,7 @@ class Metrics:
 
 class LoraCollector:
     """The LoRA registry's numbers (models/lora.LoraRegistry), read when scraped. The step thread changes the
-    registry: this reads whole values only (counters, one copy of its entries), never its resident list."""
+    registry: this reads whole values only (counters, one copy of its entries, `resident_bytes` over a copy)."""
 
     def __init__(self) -> None:
         # The served model's registry, once it is loaded (None: no model yet, or one without LoRA).
@@ -122,7 +122,7 @@ class LoraCollector:
             "diffusiond_lora_resident_bytes",
             "Bytes of the LoRA adapters held in memory (at most --lora-cache-bytes, unless requests in flight hold "
             "more).",
-            value=sum(entry.nbytes for entry in entries if entry.lora is not None),
+            value=registry.resident_bytes if registry is not None else 0,
         )
         yield CounterMetricFamily(
             "diffusiond_lora_loads",

@@ -86,8 +86,9 @@ def read_lora(
     from peft.tuners.lora import LoraLayer
 
     check_safetensors(path)
-    kwargs: dict[str, Any] = {"weight_name": os.path.basename(path), "use_safetensors": True}
-    kwargs.update(local_files_only=True, return_lora_metadata=True)
+    kwargs: dict[str, Any] = dict(
+        weight_name=os.path.basename(path), use_safetensors=True, local_files_only=True, return_lora_metadata=True
+    )
     if "return_alphas" in _parameters(pipeline_class.lora_state_dict):
         kwargs["return_alphas"] = True
     try:
@@ -107,8 +108,8 @@ def read_lora(
         )
     if not state:
         raise LoraError(f"{path}: no LoRA weights")
-    if any(not (".lora_" in key or ".lora." in key or "lora_" in key) for key in state):
-        bad = next(key for key in state if "lora" not in key)
+    # diffusers' own test in `load_lora_weights`: every key of a LoRA names it.
+    if (bad := next((key for key in state if "lora" not in key), None)) is not None:
         raise LoraError(f"{path}: {bad} is not a LoRA weight (full weights, or a Control LoRA, are not served)")
     with init_empty_weights():
         skeleton = type(denoiser).from_config(denoiser.config)

@@ -54,6 +54,21 @@ def load_adapter(
     return adapter
 
 
+def _supports(cls: type, strategy: str, flag: str, what: str) -> None:
+    if strategy not in cls.parallel:
+        raise ValueError(
+            f"{flag}: the {cls.family} family ({cls.pipeline_class}) does not support {what}; it supports: "
+            f"{', '.join(cls.parallel)}"
+        )
+
+
+def _heads(model: str) -> int | None:
+    """The transformer's attention heads from its config.json (Z-Image calls them `n_heads`); None if unknown."""
+    config = Path(model) / "transformer" / "config.json"
+    fields = json.loads(config.read_text()) if config.is_file() else {}
+    return fields.get("num_attention_heads") or fields.get("n_heads")
+
+
 def check_features(
     model: str,
     *,
@@ -70,32 +85,17 @@ def check_features(
     cls = adapter_for(read_model_index(model).get("_class_name", "<missing _class_name>"))
     if lora and not cls.lora:
         raise ValueError(f"--lora: the {cls.family} family ({cls.pipeline_class}) does not serve LoRA adapters")
+    heads = _heads(model) if ulysses > 1 or tp > 1 else None
     if ulysses > 1:
-        if "ulysses" not in cls.parallel:
-            raise ValueError(
-                f"--ulysses {ulysses}: the {cls.family} family ({cls.pipeline_class}) does not support Ulysses "
-                f"sequence parallelism; it supports: {', '.join(cls.parallel)}"
-            )
-        config = Path(model) / "transformer" / "config.json"
-        fields = json.loads(config.read_text()) if config.is_file() else {}
-        heads = fields.get("num_attention_heads") or fields.get("n_heads")  # Z-Image's name
+        _supports(cls, "ulysses", f"--ulysses {ulysses}", "Ulysses sequence parallelism")
         if heads:
             from diffusiond.kernels.ulysses import check_heads
 
             check_heads(heads, ulysses)
-    if ring > 1 and "ring" not in cls.parallel:
-        raise ValueError(
-            f"--ring {ring}: the {cls.family} family ({cls.pipeline_class}) does not support ring attention; it "
-            f"supports: {', '.join(cls.parallel)}"
-        )
+    if ring > 1:
+        _supports(cls, "ring", f"--ring {ring}", "ring attention")
     if tp > 1:
-        if "tp" not in cls.parallel:
-            raise ValueError(
-                f"--tp {tp}: the {cls.family} family ({cls.pipeline_class}) does not support tensor parallelism; it "
-                f"supports: {', '.join(cls.parallel)}"
-            )
-        config = Path(model) / "transformer" / "config.json"
-        heads = (json.loads(config.read_text()) if config.is_file() else {}).get("num_attention_heads")
+        _supports(cls, "tp", f"--tp {tp}", "tensor parallelism")
         if heads and heads % (tp * ulysses):
             raise ValueError(f"--tp {tp} x --ulysses {ulysses} must divide the number of attention heads ({heads})")
         if cache != "none":

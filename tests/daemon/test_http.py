@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from sse import sse_events
 
 from diffusiond.engine.outputs import Completed
 from diffusiond.engine.request import SamplingParams
@@ -44,22 +45,6 @@ def assert_error_shape(body: dict, *, param: str | None = None, check_param: boo
     if check_param:
         assert error["param"] == param, error
     return error
-
-
-async def sse_events(resp: aiohttp.ClientResponse):
-    """Yields (event name, data dict) from a text/event-stream response."""
-    name, data = None, []
-    async for raw in resp.content:
-        line = raw.decode().rstrip("\r\n")
-        if not line:
-            if data:
-                yield name, json.loads("\n".join(data))
-            name, data = None, []
-        elif line.startswith("event:"):
-            name = line[len("event:") :].strip()
-        elif line.startswith("data:"):
-            data.append(line[len("data:") :].strip())
-    assert not data, "stream ended inside an event"
 
 
 async def wait_for_status(session, base_url: str, rid: str, status: str, within: float = 15.0) -> dict:

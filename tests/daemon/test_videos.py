@@ -23,6 +23,7 @@ import pytest
 from conftest import API_KEY, ServerThread
 from pictures import picture
 from PIL import Image
+from sse import sse_events
 
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.videos_api import VIDEOS
@@ -75,20 +76,6 @@ def decode_webp(data: bytes) -> list[np.ndarray]:
 def video_files(server, job_id: str) -> list[str]:
     directory = server.app[VIDEOS].store.directory
     return [name for name in os.listdir(directory) if name.startswith(job_id)]
-
-
-async def sse_events(resp: aiohttp.ClientResponse):
-    name, data = None, []
-    async for raw in resp.content:
-        line = raw.decode().rstrip("\r\n")
-        if not line:
-            if data:
-                yield name, json.loads("\n".join(data))
-            name, data = None, []
-        elif line.startswith("event:"):
-            name = line[len("event:") :].strip()
-        elif line.startswith("data:"):
-            data.append(line[len("data:") :].strip())
 
 
 async def native(server, body: dict) -> list[tuple[str, dict]]:

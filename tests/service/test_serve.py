@@ -12,6 +12,7 @@ import urllib.request
 
 import aiohttp
 import pytest
+from sse import sse_events
 
 # Long enough to still be running at any drain deadline here (max steps: 1000, ~10 ms or more each).
 LONG_STEPS = 1000
@@ -31,21 +32,6 @@ def get(url: str) -> tuple[int, dict]:
 
 def native(steps: int, seed: int) -> dict:
     return {"prompt": "drain", "seed": seed, "width": 64, "height": 64, "num_inference_steps": steps}
-
-
-async def sse_events(resp: aiohttp.ClientResponse):
-    """Yields (event name, data dict) from a text/event-stream response."""
-    name, data = None, []
-    async for raw in resp.content:
-        line = raw.decode().rstrip("\r\n")
-        if not line:
-            if data:
-                yield name, json.loads("\n".join(data))
-            name, data = None, []
-        elif line.startswith("event:"):
-            name = line[len("event:") :].strip()
-        elif line.startswith("data:"):
-            data.append(line[len("data:") :].strip())
 
 
 class Stream:

@@ -578,10 +578,16 @@ class FlowMatchAdapter(ModelAdapter):
         m = self.vae_scale_factor * 2
         return 2 * (params.height // m), 2 * (params.width // m)
 
-    def _sampler(self, params: SamplingParams, **kwargs: Any) -> FlowMatchSampler:
-        """The request's own copy of the scheduler, at the request's first step."""
+    def _sampler(self, params: SamplingParams, generator: torch.Generator, **kwargs: Any) -> FlowMatchSampler:
+        """The request's own copy of the scheduler, at the request's first step; a stochastic scheduler draws its
+        noise from the request's `generator`."""
         return FlowMatchSampler(
-            self.pipe.scheduler, params.num_inference_steps, self.device, start=params.start_step, **kwargs
+            self.pipe.scheduler,
+            params.num_inference_steps,
+            self.device,
+            start=params.start_step,
+            generator=generator,
+            **kwargs,
         )
 
     def _noised_image(

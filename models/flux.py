@@ -53,8 +53,8 @@ class FluxAdapter(FlowMatchAdapter):
             if getattr(config, "use_flow_sigmas", False):
                 sigmas = None
             h, w = self._packed_latent_size(p)
-            sampler = self._sampler(p, sigmas=sigmas, mu=self._shift_mu((h // 2) * (w // 2)))
             generator = self._generator(p)
+            sampler = self._sampler(p, generator, sigmas=sigmas, mu=self._shift_mu((h // 2) * (w // 2)))
             latents, image_ids, context, inpaint = self._initial_latents(p, sampler, generator, channels, embeds.dtype)
             guidance = torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)
             if cfg[i]:

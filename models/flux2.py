@@ -103,7 +103,7 @@ class Flux2KleinAdapter(FlowMatchAdapter):
             if getattr(self.pipe.scheduler.config, "use_flow_sigmas", False):
                 sigmas = None
             mu = compute_empirical_mu(image_seq_len=latents.shape[1], num_steps=p.num_inference_steps)
-            sampler = self._sampler(p, sigmas=sigmas, mu=mu)
+            sampler = self._sampler(p, generator, sigmas=sigmas, mu=mu)
             cond = {"embeds": embeds}
             img_ids = latent_ids[0]
             context = None

@@ -86,8 +86,8 @@ class QwenImageAdapter(FlowMatchAdapter):
             embeds = text[p.prompt][0]
             h, w = self._packed_latent_size(p)
             sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
-            sampler = self._sampler(p, sigmas=sigmas, mu=self._shift_mu((h // 2) * (w // 2)))
             generator = self._generator(p)
+            sampler = self._sampler(p, generator, sigmas=sigmas, mu=self._shift_mu((h // 2) * (w // 2)))
             inpaint = None
             if p.image is None:
                 latents = self.pipe.prepare_latents(

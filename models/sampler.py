@@ -19,12 +19,22 @@ from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
 
 class FlowMatchSampler:
-    __slots__ = ("device_sigmas", "dts", "euler", "index", "scheduler", "sigmas", "timesteps")
+    __slots__ = ("device_sigmas", "dts", "euler", "index", "scheduler", "sigmas", "step_kwargs", "timesteps")
 
     def __init__(
-        self, template: Any, num_inference_steps: int, device: torch.device | str, *, start: int = 0, **kwargs: Any
+        self,
+        template: Any,
+        num_inference_steps: int,
+        device: torch.device | str,
+        *,
+        start: int = 0,
+        generator: torch.Generator | None = None,
+        **kwargs: Any,
     ) -> None:
-        """`start`: the schedule position to begin at (img2img's `SamplingParams.start_step`)."""
+        """`start`: the schedule position to begin at (img2img's `SamplingParams.start_step`). `generator`: the
+        request's, from which a stochastic scheduler (`stochastic_sampling`) draws each step's fresh noise, so that
+        the seed fixes the image. diffusers' pipelines do not pass their generator to `scheduler.step`; they draw
+        that noise from torch's global generator, unseeded by the request."""
         self.scheduler = copy.deepcopy(template)
         self.timesteps, _ = retrieve_timesteps(self.scheduler, num_inference_steps, device, **kwargs)
         self.sigmas = self.scheduler.sigmas  # on the CPU, as diffusers keeps them
@@ -38,6 +48,8 @@ class FlowMatchSampler:
             self.scheduler.config, "stochastic_sampling", False
         )
         self.index = start
+        accepts = inspect.signature(self.scheduler.step).parameters
+        self.step_kwargs = {"generator": generator} if "generator" in accepts else {}
 
     def noise_image(self, image_latents: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """Img2img's first latents: the image's latents noised to the starting sigma (the scheduler's own
@@ -76,7 +88,10 @@ def step_batch(samplers: Sequence[FlowMatchSampler], sample: torch.Tensor, model
         return out
     rows = []
     for i, s in enumerate(samplers):
-        rows.append(s.scheduler.step(model_output[i : i + 1], s.timestep, sample[i : i + 1], return_dict=False)[0])
+        row = s.scheduler.step(
+            model_output[i : i + 1], s.timestep, sample[i : i + 1], **s.step_kwargs, return_dict=False
+        )[0]
+        rows.append(row)
         s.index += 1
     return torch.cat(rows)
 

@@ -69,8 +69,8 @@ class SD3Adapter(FlowMatchAdapter):
             if config.get("use_dynamic_shifting", None):
                 patch = self.transformer.config.patch_size
                 kwargs["mu"] = self._shift_mu((shape[2] // patch) * (shape[3] // patch), max_shift=1.16)
-            sampler = self._sampler(p, **kwargs)
             generator = self._generator(p)
+            sampler = self._sampler(p, generator, **kwargs)
             inpaint = None
             if p.image is None:
                 latents = randn_tensor(shape, generator=generator, device=self.device, dtype=embeds.dtype)

@@ -79,8 +79,8 @@ class ZImageAdapter(FlowMatchAdapter):
         for i, (req, p) in enumerate(zip(new, params, strict=True)):
             h, w = self._packed_latent_size(p)
             sigmas = get_default_z_image_sigmas(p.num_inference_steps)
-            sampler = self._sampler(p, sigmas=sigmas, mu=self._shift_mu((h // 2) * (w // 2)))
             generator = self._generator(p)
+            sampler = self._sampler(p, generator, sigmas=sigmas, mu=self._shift_mu((h // 2) * (w // 2)))
             inpaint = None
             if p.image is None:
                 # float32 whatever the transformer's dtype, as the pipeline keeps them.

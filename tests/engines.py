@@ -6,6 +6,7 @@ On the test path through `pythonpath = ["tests"]` in pyproject.toml: `from engin
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 
 import numpy as np
@@ -72,6 +73,7 @@ async def run_staggered(adapter, requests):
 def reference(pipe, family: str, params: SamplingParams, **extra) -> np.ndarray:
     """The pipeline's own `__call__` with the parameters each family's pipeline takes (`params` resolved), and
     `extra` (an Img2Img pipeline's image and strength)."""
+    generator = torch.Generator().manual_seed(params.seed)
     kwargs = dict(
         prompt=params.prompt,
         negative_prompt=params.negative_prompt,
@@ -79,7 +81,7 @@ def reference(pipe, family: str, params: SamplingParams, **extra) -> np.ndarray:
         height=params.height,
         num_inference_steps=params.num_inference_steps,
         guidance_scale=params.guidance_scale,
-        generator=torch.Generator().manual_seed(params.seed),
+        generator=generator,
         output_type="np",
     )
     if family in ("flux", "qwen-image"):
@@ -97,4 +99,14 @@ def reference(pipe, family: str, params: SamplingParams, **extra) -> np.ndarray:
         negative = kwargs.pop("negative_prompt")
         if negative is not None:
             kwargs["negative_prompt_embeds"] = pipe.encode_prompt(prompt=negative)[0]
+    if getattr(pipe.scheduler.config, "stochastic_sampling", False):
+        # The flow-matching pipelines do not hand their generator to `scheduler.step`, so a stochastic scheduler's
+        # noise would come from torch's global generator; diffusiond draws it from the request's (the seed fixes
+        # the image). The reference does the same: the pipeline's call, with its generator threaded through.
+        step = pipe.scheduler.step
+        pipe.scheduler.step = functools.partial(step, generator=generator)
+        try:
+            return pipe(**{**kwargs, **extra}).images[0]
+        finally:
+            del pipe.scheduler.step  # the class's method again
     return pipe(**{**kwargs, **extra}).images[0]

@@ -6,6 +6,8 @@ float image (measured: about 3e-6; batching changes only the order of float redu
 """
 
 import asyncio
+import json
+import shutil
 
 import diffusers
 import numpy as np
@@ -230,8 +232,23 @@ REQUESTS = {
 }
 
 
+# A stochastic flow-matching scheduler (`stochastic_sampling`, as the bundled model ships): fresh noise at every
+# step, drawn from each request's own generator.
+REQUESTS["sd3-stochastic"] = REQUESTS["sd3"]
+
+
+@pytest.fixture(scope="module")
+def tiny_sd3_stochastic(tiny_sd3, tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny") / "sd3-stochastic"
+    shutil.copytree(tiny_sd3, path)
+    config = path / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "stochastic_sampling": True}))
+    return str(path)
+
+
 FIXTURES = {
     "sd3": "tiny_sd3",
+    "sd3-stochastic": "tiny_sd3_stochastic",
     "sd35": "tiny_sd35",
     "sdxl": "tiny_sdxl",
     "flux": "tiny_flux",
@@ -246,7 +263,8 @@ def test_engine_matches_diffusers_pipeline(family, request):
     checkpoint = request.getfixturevalue(FIXTURES[family])
     adapter = load_adapter(checkpoint)
     handles, results, plans = asyncio.run(run_staggered(adapter, REQUESTS[family]))
-    name, family = family, {"sd35": "sd3"}.get(family, family)  # SD3.5's layout is SD3's pipeline
+    # SD3.5's layout is SD3's pipeline, and so is a stochastic scheduler's checkpoint.
+    name, family = family, {"sd35": "sd3", "sd3-stochastic": "sd3"}.get(family, family)
 
     # Requests really joined running batches, and batches really mixed requests at different steps.
     joined = [p for p in plans if p.new and set(p.advance) - {n.request_id for n in p.new}]

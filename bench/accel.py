@@ -11,7 +11,10 @@ Columns: time per round, speed-up, PSNR and SSIM against the exact images, the s
 their cache, and for the bundled model the judge's accuracy (all five attributes right; held-out captions).
 
     python -m diffusiond.bench.accel [--model DIR] [--size 256] [--steps 20] [--requests 16] [--repeats 2]
-        [--configs exact,fbcache:0.2,teacache:0.4,compile,int8,compile+teacache:0.4,...]
+        [--configs exact,fbcache:0.2,teacache:0.4,compile,int8,compile+teacache:0.4,...] [--scheduler-config JSON]
+
+The bundled model samples with fresh noise at every step (`stochastic_sampling`), which leaves the step caches
+nothing to reuse: measure them on it with `--scheduler-config '{"stochastic_sampling": false}'`.
 
 A configuration is `+`-joined parts: `exact`, `fbcache:X`, `teacache:X`, `compile`, `int8`, `int8-dynamic`.
 """
@@ -79,6 +82,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from diffusiond.bench.cache import count_reuse
     from diffusiond.daemon.app import warm_up_requests
+    from diffusiond.daemon.config import scheduler_changes
     from diffusiond.engine.engine import Engine
     from diffusiond.engine.request import SamplingParams
     from diffusiond.models.loader import load_adapter
@@ -89,7 +93,9 @@ def worker(args: argparse.Namespace) -> None:
     counts = count_reuse()
 
     def load():  # on the engine's step thread, as the daemon loads
-        adapter = load_adapter(model, quantize=config["quantize"])
+        adapter = load_adapter(
+            model, quantize=config["quantize"], scheduler_config=scheduler_changes(args.scheduler_config)
+        )
         adapter.enable_step_cache(config["cache"], config["threshold"])
         if config["compile"]:
             adapter.enable_compile()
@@ -136,6 +142,8 @@ def run_config(config: str, args: argparse.Namespace, folder: str) -> tuple[dict
     cmd += ["--threads", str(args.threads), "--size", str(args.size)]
     if args.model:
         cmd += ["--model", args.model]
+    if args.scheduler_config:
+        cmd += ["--scheduler-config", args.scheduler_config]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -152,6 +160,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--configs", type=lambda s: s.split(","), default=list(DEFAULT_CONFIGS))
+    parser.add_argument(
+        "--scheduler-config",
+        metavar="JSON",
+        help="change settings of the checkpoint's scheduler, as `serve --scheduler-config` does: for the bundled "
+        "model's step caches, '{\"stochastic_sampling\": false}'",
+    )
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)

@@ -24,7 +24,7 @@ from prometheus_client.exposition import choose_encoder
 from diffusiond import __version__
 from diffusiond.daemon import loras_api, native_api, openai_api, videos_api
 from diffusiond.daemon.api import ApiError, body_limit, too_large
-from diffusiond.daemon.config import ServeConfig, lora_refusal
+from diffusiond.daemon.config import ServeConfig, lora_refusal, scheduler_changes
 from diffusiond.daemon.images import encoder_pool
 from diffusiond.daemon.state import ENCODERS, LOAD, METRICS, STATE, ServerState
 from diffusiond.daemon.streaming import ClientGone
@@ -107,6 +107,7 @@ def _default_loader(config: ServeConfig) -> Loader:
             quantize=config.quantize,
             quantize_skip=config.quantize_skip,
             offload=config.offload,
+            scheduler_config=scheduler_changes(config.scheduler_config),
         )
         specs = startup_specs(config.lora, config.lora_dir)
         setup_loras(adapter, specs, config.lora_cache_bytes, config.lora_fuse, lora_refusal(config))
@@ -134,6 +135,14 @@ async def _load(app: web.Application) -> None:
         state.model_id = config.served_model_name or caps.name or _model_id(config.model or adapter.source)
         engine.limits = request_limits(config, caps)
         adapter.enable_step_cache(config.cache, config.cache_threshold)  # before any request resolves
+        scheduler = getattr(getattr(adapter, "pipe", None), "scheduler", None)
+        if config.cache != "none" and getattr(getattr(scheduler, "config", None), "stochastic_sampling", False):
+            log.warning(
+                "--cache %s: the scheduler samples with fresh noise at every step (stochastic_sampling), so the "
+                "blocks' input changes too much between steps to reuse their residuals; to sample deterministically, "
+                "add --scheduler-config '{\"stochastic_sampling\": false}'",
+                config.cache,
+            )
         backend = adapter.set_attention(config.attention)
         if backend != "sdpa":
             log.info("attention: %s", backend)

@@ -71,6 +71,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="keep weights in CPU memory for a GPU smaller than the model: model = one stage's components on the GPU "
         "at a time, group = the transformer streamed layer by layer (default: none)",
     )
+    parser.add_argument(
+        "--scheduler-config",
+        metavar="JSON",
+        help="change settings of the checkpoint's scheduler, as a JSON object, e.g. '{\"shift\": 3.0}' (default: "
+        "the checkpoint's)",
+    )
 
 
 def resolve_model(model: str | None) -> str:
@@ -139,6 +145,7 @@ async def _generate(args: argparse.Namespace) -> int:
             check_declared(declared, params)
     except ParamError as exc:
         return _refused(exc)
+    from diffusiond.daemon.config import ConfigError, scheduler_changes
     from diffusiond.kernels import offload, quantize
     from diffusiond.kernels.attention import AttentionUnavailable, resolve
 
@@ -146,13 +153,19 @@ async def _generate(args: argparse.Namespace) -> int:
         resolve(args.attention, args.device)
         quantize.check(args.quantize, args.device)
         offload.check(args.offload, args.device)
-    except (AttentionUnavailable, quantize.QuantizationUnavailable, offload.OffloadUnavailable) as exc:
+        scheduler = scheduler_changes(args.scheduler_config)
+    except (AttentionUnavailable, quantize.QuantizationUnavailable, offload.OffloadUnavailable, ConfigError) as exc:
         print(f"diffusiond generate: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
     def load():  # on the engine's step thread: one thread owns torch
         adapter = load_adapter(
-            model, device=args.device, dtype=args.dtype, quantize=args.quantize, offload=args.offload
+            model,
+            device=args.device,
+            dtype=args.dtype,
+            quantize=args.quantize,
+            offload=args.offload,
+            scheduler_config=scheduler,
         )
         adapter.set_attention(args.attention)
         return adapter
@@ -256,7 +269,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if loaded is None:
         return EXIT_USAGE
     config, _ = loaded
-    from diffusiond.daemon.config import ConfigError, check_exposure, exposure_warning
+    from diffusiond.daemon.config import ConfigError, check_exposure, exposure_warning, scheduler_changes
     from diffusiond.kernels import offload, quantize
     from diffusiond.kernels.attention import AttentionUnavailable, resolve
 
@@ -287,6 +300,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             if config.tp > 1 or config.compile or config.quantize != "none" or config.offload != "none":
                 raise ConfigError("--shard-weights: drop --tp, --compile, --quantize and --offload with it")
         check_loras(config)
+        scheduler_changes(config.scheduler_config)
         if config.video_dir is not None:
             from diffusiond.daemon.video_store import folder_problem
 
@@ -517,6 +531,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="keep weights in CPU memory for a GPU smaller than the model: model = one stage's components (text "
         "encoders, transformer, VAE) on the GPU at a time, group = the transformer's layers streamed to it with "
         f"prefetch (default: {d.offload})",
+    )
+    add(
+        "--scheduler-config",
+        metavar="JSON",
+        help="change settings of the checkpoint's scheduler at load, as a JSON object: e.g. '{\"shift\": 3.0}', or "
+        "'{\"stochastic_sampling\": false}' for the bundled model with --cache (default: the checkpoint's)",
     )
 
     add = parser.add_argument_group(

@@ -117,6 +117,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # Offload (kernels/offload.py), for GPUs with less memory than the model: "model" keeps one stage's components
     # (text encoders, transformer, VAE) on the device at a time; "group" streams the transformer's layers to it.
     offload: Literal["none", "model", "group"] = "none"
+    # Settings of the checkpoint's scheduler changed at load, as a JSON object (`scheduler_changes`), e.g.
+    # '{"shift": 3.0}' or, for the bundled model's step cache, '{"stochastic_sampling": false}'.
+    scheduler_config: str | None = None
     cache_threshold: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.1
     # LoRA per request (models/lora.py, families that declare it): adapters registered at start, NAME=PATH each (a
     # .safetensors file), plus every *.safetensors file of lora_dir by its name without the suffix; lora_dir is also
@@ -315,3 +318,17 @@ def lora_refusal(config: ServeConfig) -> str | None:
         if on:
             return f"not with {flag} yet"
     return None
+
+
+def scheduler_changes(text: str | None) -> dict[str, Any]:
+    """`scheduler_config`'s JSON object (empty when unset); ConfigError unless it is one. Whether the scheduler has
+    those settings is checked when it loads (models/loader.change_scheduler)."""
+    if not text:
+        return {}
+    try:
+        changes = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--scheduler-config: not JSON ({exc}): {text!r}") from None
+    if not isinstance(changes, dict):
+        raise ConfigError(f"--scheduler-config: give a JSON object such as '{{\"shift\": 3.0}}', not {text!r}")
+    return changes

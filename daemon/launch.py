@@ -125,7 +125,7 @@ def worker_config(loaded: ServeConfig) -> ServeConfig:
 def run_rank(config: ServeConfig) -> int:
     import torch.distributed as dist
 
-    from diffusiond.daemon.config import lora_refusal
+    from diffusiond.daemon.config import lora_refusal, scheduler_changes
     from diffusiond.daemon.ranks import join_group
     from diffusiond.engine.follower import run_follower
     from diffusiond.models.lora import startup_specs
@@ -152,6 +152,7 @@ def run_rank(config: ServeConfig) -> int:
             quantize=config.quantize,
             quantize_skip=config.quantize_skip,
             offload=config.offload,
+            scheduler_config=scheduler_changes(config.scheduler_config),
             loras=startup_specs(config.lora, config.lora_dir),
             lora_budget=config.lora_cache_bytes,
             lora_fuse=config.lora_fuse,

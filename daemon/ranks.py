@@ -11,9 +11,9 @@ import logging
 import os
 import secrets
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,7 @@ def join_group(
     quantize: str = "none",
     quantize_skip: str | None = None,
     offload: str = "none",
+    scheduler_config: Mapping[str, Any] | None = None,
     loras: Sequence[tuple[str, str]] = (),
     lora_budget: int = DEFAULT_LORA_BUDGET,
     lora_fuse: float | None = None,
@@ -75,7 +76,13 @@ def join_group(
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     attempt = agree_on_attempt(device)
     adapter = load_adapter(
-        model, device=device, dtype=dtype, quantize=quantize, quantize_skip=quantize_skip, offload=offload
+        model,
+        device=device,
+        dtype=dtype,
+        quantize=quantize,
+        quantize_skip=quantize_skip,
+        offload=offload,
+        scheduler_config=scheduler_config,
     )
     # Before the parallel layout: read through the whole model, as every rank's registry will keep doing.
     setup_loras(adapter, loras, lora_budget, lora_fuse, lora_refusal)

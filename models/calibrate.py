@@ -125,11 +125,13 @@ def record_pairs(
 
 def calibrate(args: argparse.Namespace) -> int:
     from diffusiond.daemon.cli import resolve_model
+    from diffusiond.daemon.config import scheduler_changes
     from diffusiond.kernels import offload, quantize
 
     try:
         quantize.check(args.quantize, args.device)
         offload.check(args.offload, args.device)
+        scheduler = scheduler_changes(args.scheduler_config)
     except ValueError as exc:
         print(f"diffusiond calibrate-cache: error: {exc}", file=sys.stderr)
         return 2
@@ -148,6 +150,7 @@ def calibrate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         quantize=args.quantize,
         offload=args.offload,
+        scheduler_config=scheduler,
     )
     coefficients, r2 = fit(pairs, args.degree)
     out = Path(args.out or model) / CACHE_FILE

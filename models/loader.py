@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,14 +38,18 @@ def load_adapter(
     quantize: str = "none",
     quantize_skip: str | None = None,
     offload: str = "none",
+    scheduler_config: Mapping[str, Any] | None = None,
 ) -> ModelAdapter:
     """The adapter for `model`, loaded through its pipeline's `from_pretrained`; with `quantize`, its transformer's
     linear layers quantized (kernels/quantize.py; `quantize_skip`: comma-separated name patterns left alone); with
-    `offload`, loaded to CPU memory and run on `device` (kernels/offload.py)."""
+    `offload`, loaded to CPU memory and run on `device` (kernels/offload.py); with `scheduler_config`, those
+    settings of its scheduler changed (`change_scheduler`)."""
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     index = read_model_index(model)
     cls = adapter_for(index.get("_class_name", "<missing _class_name>"))
     adapter = cls.from_pretrained(model, device="cpu" if offload != "none" else device, dtype=torch_dtype)
+    if scheduler_config:
+        adapter.pipe.scheduler = change_scheduler(adapter.pipe.scheduler, scheduler_config)
     if quantize != "none":
         from diffusiond.kernels.quantize import DEFAULT_SKIP, quantize_layers
 
@@ -52,6 +58,20 @@ def load_adapter(
     if offload != "none":
         adapter.enable_offload(offload, device)
     return adapter
+
+
+def change_scheduler(scheduler: Any, changes: Mapping[str, Any]) -> Any:
+    """The checkpoint's scheduler with some settings of its config changed (`--scheduler-config`), as diffusers
+    users do with `type(s).from_config(s.config, **changes)`: the same class, so what the family checked of it
+    at load (its order) still holds. A setting the scheduler does not have is refused, naming the ones it has."""
+    known = {k for k in scheduler.config if not k.startswith("_")}
+    unknown = sorted(set(changes) - known)
+    if unknown:
+        raise ValueError(
+            f"--scheduler-config: {type(scheduler).__name__} has no setting {', '.join(map(repr, unknown))}; "
+            f"it has: {', '.join(sorted(known))}"
+        )
+    return type(scheduler).from_config(scheduler.config, **changes)
 
 
 def _supports(cls: type, strategy: str, flag: str, what: str) -> None:

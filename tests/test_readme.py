@@ -37,6 +37,7 @@ ELSEWHERE: list[tuple[str, str]] = [
     (r"diffusiond bench spmd", "tests/test_readme.py"),
     (r"diffusiond serve --port 800[12] --unready-delay 2", "tests/deploy/test_haproxy.py"),
     (r"haproxy -f deploy/haproxy/haproxy\.cfg", "tests/deploy/test_haproxy.py"),
+    (r"diffusiond serve --cache teacache --scheduler-config", "tests/models/test_demo.py"),
     (r"diffusiond serve --cache (fb|tea)cache", "tests/models/test_stepcache.py"),
     (r"diffusiond calibrate-cache", "tests/models/test_stepcache.py"),
     (r"diffusiond serve --quantize", "tests/kernels/test_quantize.py"),
@@ -191,13 +192,17 @@ def test_bench_spmd_example(tmp_path):
 def test_bench_accel_example(tmp_path):
     """README's acceleration benchmark, at its smallest settings (the numbers are not checked): each configuration
     in a child process of its own, every row reported."""
-    readme_commands("python -m diffusiond.bench.accel")
+    (command,) = readme_commands("python -m diffusiond.bench.accel --scheduler-config")
     configs = "exact,teacache:0.4,int8"
-    cmd = f"{sys.executable} -m diffusiond.bench.accel --requests 2 --repeats 1 --steps 4 --configs {configs}"
+    cmd = f"{sys.executable} -m diffusiond.bench.accel --requests 2 --repeats 1 --steps 8 --configs {configs}"
+    cmd += " " + command.split("#")[0].split("bench.accel", 1)[1].strip()  # README's --scheduler-config
     result = run(cmd, tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr.decode()[-2000:]
     for config in configs.split(","):
         assert f'"config": "{config}"'.encode() in result.stdout
+    # Deterministic sampling, as the flag asks: the cache reuses a quarter of the steps (without the flag: none).
+    (cached,) = [json.loads(line) for line in result.stdout.splitlines() if b'"config": "teacache:0.4"' in line]
+    assert cached["reused"] > 0, cached
 
 
 @pytest.mark.slow

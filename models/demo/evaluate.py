@@ -94,9 +94,14 @@ def score(
 
 
 def set_shift(adapter: Any, shift: float) -> None:
+    set_scheduler(adapter, shift=shift)
+
+
+def set_scheduler(adapter: Any, **config: Any) -> None:
+    """The adapter's scheduler with `config` changed (as `configure` would write it)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    adapter.pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(adapter.pipe.scheduler.config, shift=shift)
+    adapter.pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(adapter.pipe.scheduler.config, **config)
 
 
 def cmd_sweep(args: argparse.Namespace) -> None:
@@ -123,12 +128,15 @@ def cmd_configure(args: argparse.Namespace) -> None:
     path = model / "scheduler" / "scheduler_config.json"
     config = json.loads(path.read_text())
     config["shift"] = args.shift
+    if args.stochastic is not None:
+        config["stochastic_sampling"] = args.stochastic
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     from diffusiond.models.declared import DEFAULTS_FILE
 
     declared = json.loads((model / DEFAULTS_FILE).read_text())  # keep what else it declares
     write_defaults(model, {**declared, "num_inference_steps": args.steps, "guidance_scale": args.guidance})
-    print(f"{model}: shift {args.shift}, {args.steps} steps, guidance {args.guidance}")
+    sampler = "stochastic" if config.get("stochastic_sampling") else "deterministic"
+    print(f"{model}: shift {args.shift}, {sampler} sampling, {args.steps} steps, guidance {args.guidance}")
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -357,15 +365,18 @@ def partial_named(rng: np.random.Generator) -> tuple[str, ...]:
             return named
 
 
-def caption_cases(kind: str, n: int, per_scene: int = 1) -> list[tuple[sc.Scene, sc.Caption]]:
+def caption_cases(
+    kind: str, n: int, per_scene: int = 1, seed_base: int = SEED_BASE
+) -> list[tuple[sc.Scene, sc.Caption]]:
     """(held-out scene, caption) pairs, fixed by `kind`: "grammar" (full captions in the grammar's words, as v1 was
     trained on), "full" (every attribute named, in a held-out phrasing) or "partial" (a random proper subset named,
-    in a held-out phrasing); `per_scene` captions for each of the first `n` evaluation scenes."""
+    in a held-out phrasing); `per_scene` captions for each of the first `n` evaluation scenes. `seed_base` draws
+    the phrasings (another value: another set of captions for the same scenes)."""
     cases: list[tuple[sc.Scene, sc.Caption]] = []
     for i, scene in enumerate(eval_scenes(n)):
         texts: set[str] = set()
         for j in range(per_scene):
-            rng = np.random.default_rng([SEED_BASE, i, j, len(kind)])
+            rng = np.random.default_rng([seed_base, i, j, len(kind)])
             if kind == "grammar":
                 caption = sc.Caption(scene.caption, sc.ATTRIBUTE_ORDER, (), held_out=False)
             elif kind == "full":
@@ -414,14 +425,16 @@ def cmd_partial(args: argparse.Namespace) -> None:
     from diffusiond.engine.request import SamplingParams
 
     adapter = load(args.model)
+    if args.stochastic is not None:
+        set_scheduler(adapter, stochastic_sampling=args.stochastic)
     table: dict[str, Any] = {}
     for kind in args.kinds:
-        cases = caption_cases(kind, args.n, args.per_scene if kind == "partial" else 1)
+        cases = caption_cases(kind, args.n, args.per_scene if kind == "partial" else 1, args.seed_base)
         for steps in args.steps:
             for guidance in args.guidance or [None]:
                 requests = [
                     SamplingParams(
-                        prompt=c.text, seed=SEED_BASE + i, num_inference_steps=steps, guidance_scale=guidance
+                        prompt=c.text, seed=args.seed_base + i, num_inference_steps=steps, guidance_scale=guidance
                     )
                     for i, (_, c) in enumerate(cases)
                 ]
@@ -448,6 +461,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shift", type=float, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--guidance", type=float, required=True)
+    p.add_argument(
+        "--stochastic",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the scheduler's stochastic_sampling (fresh noise at every step; default: keep the checkpoint's)",
+    )
     p.set_defaults(fn=cmd_configure)
     p = sub.add_parser("eval")
     p.add_argument("--n", type=int, default=None, help="number of held-out prompts (default: all)")
@@ -460,6 +479,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kinds", nargs="+", default=["grammar", "full", "partial"], choices=["grammar", "full", "partial"])
     p.add_argument("--steps", type=int, nargs="+", default=[8, 16])
     p.add_argument("--guidance", type=float, nargs="+", default=None, help="guidance scales (default: the model's)")
+    p.add_argument(
+        "--stochastic",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sample with or without stochastic_sampling (default: the checkpoint's scheduler)",
+    )
+    p.add_argument("--seed-base", type=int, default=SEED_BASE, help="seeds of the phrasings and of the images")
     p.add_argument("--json", default=None)
     p.set_defaults(fn=cmd_partial)
     p = sub.add_parser("gallery")

@@ -82,6 +82,7 @@ def test_every_serve_flag_maps_to_its_field():
         "--offload", "group", "--video-dir", "/var/lib/videos", "--video-store-bytes", "5000", "--video-ttl", "60",
         "--video-max-jobs", "7", "--lora", "style=/loras/style.safetensors", "--lora", "ink=ink.safetensors",
         "--lora-dir", "/var/lib/loras", "--lora-cache-bytes", "1000", "--lora-fuse",
+        "--scheduler-config", '{"shift": 3.0}',
     ]  # fmt: skip
     config, sources = load_config(cli(*argv), {})
     assert config == ServeConfig(
@@ -96,7 +97,7 @@ def test_every_serve_flag_maps_to_its_field():
         quantize="int8", quantize_skip="proj_out", offload="group", video_dir="/var/lib/videos",
         video_store_bytes=5000, video_ttl=60.0, video_max_jobs=7,
         lora=("style=/loras/style.safetensors", "ink=ink.safetensors"), lora_dir="/var/lib/loras",
-        lora_cache_bytes=1000, lora_fuse=1.0,
+        lora_cache_bytes=1000, lora_fuse=1.0, scheduler_config='{"shift": 3.0}',
     )  # fmt: skip
     assert all(source.startswith("--") for source in sources.values()), sources
     # The global logging flags, before the subcommand, still work.
@@ -271,3 +272,17 @@ def test_config_prints_json_with_the_key_hidden(monkeypatch, capsys):
     assert set(data) == set(FIELDS)
     assert data["api_key"] == "<hidden>" and data["port"] == 1234 and data["model"] is None
     assert data == {**msgspec.json.decode(msgspec.json.encode(ServeConfig(port=1234))), "api_key": "<hidden>"}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("serve", "--scheduler-config", "shift=3"), "--scheduler-config: not JSON"),
+        (("serve", "--scheduler-config", "[3]"), "--scheduler-config: give a JSON object"),
+        (("generate", "a red circle", "--scheduler-config", "3"), "--scheduler-config: give a JSON object"),
+    ],
+)
+def test_scheduler_config_must_be_a_json_object(args, message):
+    from procs import refused
+
+    assert message in refused(*args)

@@ -99,8 +99,8 @@ class Replicas:
         return out
 
     def balancer_log(self) -> list[tuple[str, int, str]]:
-        """(server, status, termination state) of the generation requests HAProxy logged: for the report only (it
-        can drop a line under load; the counts come from `stats`)."""
+        """(server, status, termination state) of the generation requests HAProxy logged, one line per request
+        (its log goes to a file here, which does not block, so no line is dropped for a full pipe)."""
         text = (self.tmp / "haproxy.log").read_text()
         return [(m[1], int(m[2]), m[3]) for m in LOG_LINE.finditer(text)]
 
@@ -189,18 +189,19 @@ def test_drain_loses_nothing_and_a_kill_fails_only_what_it_held(replicas, tmp_pa
     t0 = time.monotonic()
     summary = finish(load, tmp_path / "kill.json")
     after = replicas.stats()
-    # Requests HAProxy had handed to replica 2 and lost on the server side: its response errors (a stream cut by the
-    # replica counts there and also as an aborted transfer, srv_abrt).
-    lost = after["replica2"]["eresp"] - before["replica2"]["eresp"]
-    log = replicas.balancer_log()
+    # Requests HAProxy had handed to replica 2 and lost on the server side: logged with a termination state that
+    # blames the server (S...), one line per request. Its response-error counter (eresp) rises at least as much:
+    # it counted a 502 twice in one run (3 cut streams + 2 502s = 7), so it bounds the count rather than gives it.
+    lost = sum(server == "replica2" and state[0] == "S" for server, _, state in replicas.balancer_log())
+    errors = after["replica2"]["eresp"] - before["replica2"]["eresp"]
     print(
         f"kill: replica 2 held {held_at_kill} at the kill; {summary['completed']} completed, {summary['failed']} "
-        f"failed of {summary['requests']} ({summary['errors']}); HAProxy: {lost} lost on replica 2 (counters), "
-        f"{sum(e[0] == 'replica2' and e[2][0] == 'S' for e in log)} in its log; load finished "
-        f"{time.monotonic() - t0:.1f} s after the kill"
+        f"failed of {summary['requests']} ({summary['errors']}); HAProxy: {lost} lost on replica 2 (log), "
+        f"{errors} response errors (counters); load finished {time.monotonic() - t0:.1f} s after the kill"
     )
     assert summary["requests"] == 60 and summary["completed"] + summary["failed"] == 60, summary
-    assert summary["failed"] == lost >= 1, (summary, after, before)
+    assert summary["failed"] == lost >= 1, (summary, lost)
+    assert errors >= lost, (after, before)
     assert summary["failed"] <= held_at_kill + 1, (summary, held_at_kill)
     # Clean errors: cut streams (SSE without a terminal event) or 502s from the balancer, no timeouts.
     assert not any("Timeout" in kind for kind in summary["errors"]), summary["errors"]

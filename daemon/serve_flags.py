@@ -1,0 +1,240 @@
+"""`diffusiond serve` and `diffusiond config` flags, grouped as `serve --help` shows them. Each flag is also a
+config file key and a DIFFUSIOND_* variable (daemon/config.py decodes all three into one ServeConfig)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """`serve` and `config` flags. Their parsers have `argument_default=SUPPRESS`: a flag that is not given must not
+    override the environment or the config file (CLI > environment > file > defaults, see daemon/config.py).
+    Every flag is also a config file key and a DIFFUSIOND_* variable (`--max-batch`: max_batch,
+    DIFFUSIOND_MAX_BATCH)."""
+    from diffusiond.daemon.config import ATTENTION_CHOICES, QUANTIZE_CHOICES, ServeConfig
+
+    d = ServeConfig()
+    parser.add_argument("--config", metavar="FILE", help="TOML file of the settings below (or set DIFFUSIOND_CONFIG)")
+
+    add = parser.add_argument_group("model").add_argument
+    add("--model", help="diffusers checkpoint folder or hub id (default: the bundled default model)")
+    add(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model's name in the API (default: the name the checkpoint declares, else its folder name)",
+    )
+    add("--device", help=f"torch device: cpu, cuda, cuda:1 ... (default: {d.device})")
+    add("--dtype", choices=["float32", "float16", "bfloat16"], help=f"weights and activations (default: {d.dtype})")
+    add("--threads", type=int, help="torch threads (default: OMP_NUM_THREADS, else all cores; cores/N per rank)")
+
+    add = parser.add_argument_group("HTTP").add_argument
+    add("--host", help=f"bind address (default: {d.host}, loopback only)")
+    add("--port", type=int, help=f"port to listen on (default: {d.port}; 0 picks a free port)")
+    add("--api-key", help="require 'Authorization: Bearer KEY' (or set DIFFUSIOND_API_KEY)")
+    add(
+        "--allow-unauthenticated",
+        action="store_const",
+        const=True,
+        help="allow a non-loopback --host without --api-key (something in front authenticates)",
+    )
+    add("--max-body-bytes", type=int, help=f"largest request body; larger ones get 413 (default: {d.max_body_bytes})")
+    add(
+        "--max-image-bytes",
+        type=int,
+        help=f"largest input image file (edits); bodies may grow by it (default: {d.max_image_bytes})",
+    )
+    add(
+        "--sse-keepalive",
+        type=float,
+        metavar="S",
+        help=f"SSE comment after S seconds without an event, for proxies (default: {d.sse_keepalive:g})",
+    )
+
+    add = parser.add_argument_group("batching and limits").add_argument
+    add("--max-batch", type=int, help=f"requests per batched forward (default: {d.max_batch})")
+    add("--max-queue", type=int, help=f"waiting requests before answering 429 (default: {d.max_queue})")
+    add(
+        "--batch-wait-ms",
+        type=float,
+        metavar="MS",
+        help=f"admission window: how long an idle engine lets a burst gather (default: {d.batch_wait_ms:g}; 0: off)",
+    )
+    add("--max-pixels", type=int, help="largest width x height of one image (default: 4x the model's default area)")
+    add("--max-steps", type=int, help="most denoising steps per request (default: 4x the model's default, >= 50)")
+    add("--max-frames", type=int, help="video models: most frames per clip (default: the most the model makes)")
+    add("--max-n", type=int, help=f"most images per OpenAI request (default: {d.max_n})")
+
+    add = parser.add_argument_group("video jobs (/v1/videos)").add_argument
+    add(
+        "--video-dir",
+        metavar="DIR",
+        help="folder finished videos are kept in, across restarts (default: a temporary folder removed at exit)",
+    )
+    add(
+        "--video-store-bytes",
+        type=int,
+        metavar="BYTES",
+        help=f"bytes the finished videos may take; the oldest finished go first (default: {d.video_store_bytes})",
+    )
+    add(
+        "--video-ttl",
+        type=float,
+        metavar="S",
+        help=f"seconds a finished video is kept, its expires_at (default: {d.video_ttl:g})",
+    )
+    add(
+        "--video-max-jobs",
+        type=int,
+        help=f"video jobs remembered, finished or not; a running job is never dropped (default: {d.video_max_jobs})",
+    )
+
+    add = parser.add_argument_group("acceleration").add_argument
+    add(
+        "--cache",
+        choices=["none", "fbcache", "teacache"],
+        help="step caching, decided per request: fbcache = first-block cache, teacache = TeaCache (its polynomial: "
+        f"`diffusiond calibrate-cache`, or the family's published one) (default: {d.cache})",
+    )
+    add(
+        "--cache-threshold",
+        type=float,
+        metavar="X",
+        help="change below which a request reuses its cached blocks (fbcache: relative change of its first-block "
+        "residual; teacache: accumulated rescaled change of its modulated input); requests may send cache_threshold "
+        f"(default: {d.cache_threshold:g}; 0: exact)",
+    )
+
+    add(
+        "--attention",
+        choices=ATTENTION_CHOICES,
+        help="attention kernel, through diffusers' attention dispatch: auto = flash-attn on a CUDA device where it is "
+        f"installed, else sdpa (default: {d.attention})",
+    )
+
+    add(
+        "--compile",
+        action="store_true",
+        help="torch.compile the transformer's repeated blocks with dynamic shapes; the warm-up compiles them "
+        "(default: off)",
+    )
+    add(
+        "--compile-cache",
+        metavar="DIR",
+        help="inductor's cache folder, kept between restarts (default: <cache>/inductor)",
+    )
+    add(
+        "--quantize",
+        choices=QUANTIZE_CHOICES,
+        help="quantize the transformer's linear layers with torchao after loading: int8 = int8 weights, "
+        "int8-dynamic = int8 weights and activations, fp8 = fp8 weights and activations (CUDA, compute capability "
+        f">= 8.9); needs the quant extra (default: {d.quantize})",
+    )
+    add(
+        "--quantize-skip",
+        metavar="PATTERNS",
+        help=f"comma-separated fnmatch patterns of layer names left unquantized (default: {d.quantize_skip})",
+    )
+    add(
+        "--offload",
+        choices=["none", "model", "group"],
+        help="keep weights in CPU memory for a GPU smaller than the model: model = one stage's components (text "
+        "encoders, transformer, VAE) on the GPU at a time, group = the transformer's layers streamed to it with "
+        f"prefetch (default: {d.offload})",
+    )
+    add(
+        "--scheduler-config",
+        metavar="JSON",
+        help="change settings of the checkpoint's scheduler at load, as a JSON object: e.g. '{\"shift\": 3.0}', or "
+        "'{\"stochastic_sampling\": false}' for the bundled model with --cache (default: the checkpoint's)",
+    )
+
+    add = parser.add_argument_group(
+        "LoRA per request",
+        "requests name adapters in `lora`; GET, POST /v1/loras and DELETE /v1/loras/NAME manage them",
+    ).add_argument
+    add(
+        "--lora",
+        action="append",
+        metavar="NAME=PATH",
+        help="register the .safetensors LoRA file PATH as NAME at start; repeat for more (DIFFUSIOND_LORA: "
+        "comma-separated) (default: none)",
+    )
+    add(
+        "--lora-dir",
+        metavar="DIR",
+        help="register every *.safetensors file of DIR at start, by its name without the suffix; POST /v1/loras "
+        "loads only from DIR (default: none, so adapters cannot be added at run time)",
+    )
+    add(
+        "--lora-cache-bytes",
+        type=int,
+        metavar="BYTES",
+        help="bytes the adapters held in memory may take; past it, the least recently used that no request holds "
+        f"are evicted, and read again on use (default: {d.lora_cache_bytes})",
+    )
+    add(
+        "--lora-fuse",
+        type=float,
+        nargs="?",
+        const=1.0,
+        metavar="SCALE",
+        help="add the one adapter into the weights at SCALE (1 when omitted) for every request: no per-step cost, "
+        "no other adapters (default: off)",
+    )
+
+    add = parser.add_argument_group("stopping (SIGTERM, SIGINT)").add_argument
+    add(
+        "--unready-delay",
+        type=float,
+        metavar="S",
+        help="/ready fails S seconds before new requests are refused, so balancers stop sending first "
+        f"(default: {d.unready_delay:g})",
+    )
+    add(
+        "--drain-timeout",
+        type=float,
+        metavar="S",
+        help=f"seconds requests in flight get to finish before they are cancelled (default: {d.drain_timeout:g})",
+    )
+
+    add = parser.add_argument_group(
+        "several ranks (SPMD, under torch.distributed's elastic agent)",
+        "cfg-parallel x ulysses x ring x tp = nproc x nnodes; global rank 0 serves HTTP",
+    ).add_argument
+    add("--nproc", type=int, help=f"ranks on this node, one per device (default: {d.nproc})")
+    add("--cfg-parallel", type=int, help=f"CFG-parallel degree, 1 or 2 (default: {d.cfg_parallel})")
+    add("--ulysses", type=int, help=f"Ulysses sequence-parallel degree (default: {d.ulysses})")
+    add("--ring", type=int, help=f"ring attention degree, composes with --ulysses (default: {d.ring})")
+    add("--tp", type=int, help=f"tensor-parallel degree: each rank holds 1/tp of the block weights (default: {d.tp})")
+    add(
+        "--shard-weights",
+        action="store_true",
+        help="FSDP2: each rank keeps 1/N of the transformer's weights, gathered block by block as it runs",
+    )
+    add("--vae-parallel", type=int, help="ranks that decode one image together, in strips (default: 1)")
+    add(
+        "--max-restarts",
+        type=int,
+        help=f"restarts of the rank group after a failure, per agent (default: {d.max_restarts})",
+    )
+    add("--nnodes", type=int, help=f"nodes in the group, --nproc ranks on each (default: {d.nnodes})")
+    add("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous every node joins (required with --nnodes > 1)")
+    add("--rdzv-id", metavar="ID", help=f"names the group at the rendezvous (default: {d.rdzv_id})")
+    add(
+        "--rdzv-timeout",
+        type=float,
+        metavar="S",
+        help=f"seconds a group waits for all its nodes, at start and after losing one (default: {d.rdzv_timeout:g})",
+    )
+    add("--node-addr", metavar="ADDR", help="address the other nodes reach this one at (default: its FQDN)")
+    add_log_args(parser)
+
+
+def add_log_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("logging")
+    group.add_argument(
+        "--log-level", type=str.upper, default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR (default: INFO)"
+    )
+    group.add_argument(
+        "--log-format", choices=["text", "json"], default=argparse.SUPPRESS, help="json: one object per line"
+    )

@@ -11,6 +11,7 @@ import asyncio
 import http.client
 import json
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -46,6 +47,17 @@ def _restore_logging():
 @pytest.fixture(scope="session")
 def tiny_sd3(tmp_path_factory) -> str:
     return str(build_tiny("sd3", tmp_path_factory.mktemp("tiny") / "sd3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_stochastic(tiny_sd3, tmp_path_factory) -> str:
+    """Tiny SD3 whose scheduler samples with fresh noise at every step (`stochastic_sampling`, as the bundled
+    model)."""
+    path = tmp_path_factory.mktemp("tiny") / "sd3-stochastic"
+    shutil.copytree(tiny_sd3, path)
+    config = path / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "stochastic_sampling": True}))
+    return str(path)
 
 
 @pytest.fixture(scope="session")

@@ -552,3 +552,18 @@ def test_ulysses_attends_with_the_chosen_backend(family, request, tmp_path):
     for params, a, b in zip(requests, expected, got, strict=True):
         diff = float(np.abs(a - b).max())
         assert diff <= TOLERANCE, f"{family} {params.prompt!r}: max abs diff {diff}"
+
+
+@pytest.mark.parametrize("strategy", ["cfg", "ulysses"])
+def test_stochastic_sampling_agrees_across_ranks(strategy, request, tmp_path):
+    """A scheduler that draws fresh noise at every step (the bundled model's): every rank steps every request from
+    its own copy of the request's generator, so the ranks stay in step, also when requests without CFG are split
+    between CFG ranks, and the images are one rank's."""
+    model = request.getfixturevalue("tiny_sd3_stochastic")
+    requests = REQUESTS["sd3"]  # with and without CFG
+    expected = one_rank(model, requests)
+    got, forwards = two_ranks(model, tmp_path, *((2, 1) if strategy == "cfg" else (1, 2)), requests)
+    check_split(strategy if strategy == "cfg" else "sequence", forwards)
+    for params, a, b in zip(requests, expected, got, strict=True):
+        diff = float(np.abs(a - b).max())
+        assert diff <= TOLERANCE, f"{strategy} {params.prompt!r}: max abs diff {diff}"

@@ -6,8 +6,6 @@ float image (measured: about 3e-6; batching changes only the order of float redu
 """
 
 import asyncio
-import json
-import shutil
 
 import diffusers
 import numpy as np
@@ -235,15 +233,6 @@ REQUESTS = {
 # A stochastic flow-matching scheduler (`stochastic_sampling`, as the bundled model ships): fresh noise at every
 # step, drawn from each request's own generator.
 REQUESTS["sd3-stochastic"] = REQUESTS["sd3"]
-
-
-@pytest.fixture(scope="module")
-def tiny_sd3_stochastic(tiny_sd3, tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny") / "sd3-stochastic"
-    shutil.copytree(tiny_sd3, path)
-    config = path / "scheduler" / "scheduler_config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()), "stochastic_sampling": True}))
-    return str(path)
 
 
 FIXTURES = {

@@ -18,6 +18,13 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
 
+def accepted_step_kwargs(scheduler: Any, **offered: Any) -> dict[str, Any]:
+    """Those of `offered` that this scheduler's `step` accepts, as the pipelines' `prepare_extra_step_kwargs` picks
+    `eta` and `generator`."""
+    accepts = inspect.signature(scheduler.step).parameters
+    return {name: value for name, value in offered.items() if name in accepts}
+
+
 class FlowMatchSampler:
     __slots__ = ("device_sigmas", "dts", "euler", "index", "scheduler", "sigmas", "step_kwargs", "timesteps")
 
@@ -48,8 +55,7 @@ class FlowMatchSampler:
             self.scheduler.config, "stochastic_sampling", False
         )
         self.index = start
-        accepts = inspect.signature(self.scheduler.step).parameters
-        self.step_kwargs = {"generator": generator} if "generator" in accepts else {}
+        self.step_kwargs = accepted_step_kwargs(self.scheduler, generator=generator)
 
     def noise_image(self, image_latents: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """Img2img's first latents: the image's latents noised to the starting sigma (the scheduler's own
@@ -118,13 +124,7 @@ class SchedulerSampler:
         if hasattr(self.scheduler, "set_begin_index"):  # as the pipelines, so step indices never search timesteps
             self.scheduler.set_begin_index(start)
         self.index = start
-        # As the pipelines' `prepare_extra_step_kwargs`: what this scheduler's `step` accepts.
-        accepts = inspect.signature(self.scheduler.step).parameters
-        self.step_kwargs: dict[str, Any] = {}
-        if "eta" in accepts:
-            self.step_kwargs["eta"] = eta
-        if "generator" in accepts:
-            self.step_kwargs["generator"] = generator
+        self.step_kwargs = accepted_step_kwargs(self.scheduler, eta=eta, generator=generator)
 
     @property
     def timestep(self) -> torch.Tensor:

@@ -99,9 +99,9 @@ def set_shift(adapter: Any, shift: float) -> None:
 
 def set_scheduler(adapter: Any, **config: Any) -> None:
     """The adapter's scheduler with `config` changed (as `configure` would write it)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusiond.models.loader import change_scheduler
 
-    adapter.pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(adapter.pipe.scheduler.config, **config)
+    adapter.pipe.scheduler = change_scheduler(adapter.pipe.scheduler, config)
 
 
 def cmd_sweep(args: argparse.Namespace) -> None:

@@ -135,14 +135,6 @@ async def _load(app: web.Application) -> None:
         state.model_id = config.served_model_name or caps.name or _model_id(config.model or adapter.source)
         engine.limits = request_limits(config, caps)
         adapter.enable_step_cache(config.cache, config.cache_threshold)  # before any request resolves
-        scheduler = getattr(getattr(adapter, "pipe", None), "scheduler", None)
-        if config.cache != "none" and getattr(getattr(scheduler, "config", None), "stochastic_sampling", False):
-            log.warning(
-                "--cache %s: the scheduler samples with fresh noise at every step (stochastic_sampling), so the "
-                "blocks' input changes too much between steps to reuse their residuals; to sample deterministically, "
-                "add --scheduler-config '{\"stochastic_sampling\": false}'",
-                config.cache,
-            )
         backend = adapter.set_attention(config.attention)
         if backend != "sdpa":
             log.info("attention: %s", backend)

@@ -9,6 +9,7 @@ its `__call__` never runs while serving.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Hashable, Sequence
@@ -36,6 +37,8 @@ from diffusiond.models.inputs import image_size, open_mask, open_rgb
 from diffusiond.models.lora import LoraRegistry, read_lora, resolve_loras
 from diffusiond.models.prompts import PROMPT_CACHE_BYTES, PromptCache
 from diffusiond.models.sampler import FlowMatchSampler, step_batch
+
+log = logging.getLogger(__name__)
 
 MAX_PROMPT_CHARS = 10_000
 MAX_STEPS = 1000
@@ -435,6 +438,13 @@ class FlowMatchAdapter(ModelAdapter):
             raise ValueError(f"unknown cache method {method!r}; choose from {', '.join(stepcache.METHODS)}")
         if method != "none" and method not in self.cache_methods:
             raise ValueError(f"--cache {method} is not implemented for the {self.family} family yet")
+        if method != "none" and self.pipe.scheduler.config.get("stochastic_sampling", False):
+            log.warning(
+                "--cache %s: the scheduler samples with fresh noise at every step (stochastic_sampling), so the "
+                "blocks' input changes too much between steps to reuse their residuals; to sample deterministically, "
+                "add --scheduler-config '{\"stochastic_sampling\": false}'",
+                method,
+            )
         self.step_cache = method
         self.default_cache_threshold = threshold if method != "none" else 0.0
         coefficients = load_coefficients(self.source) if os.path.isdir(self.source) else None

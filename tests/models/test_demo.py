@@ -177,6 +177,27 @@ async def _serve(adapter, prompts: list[str]) -> list[np.ndarray]:
     return [r.image for r in results]
 
 
+def _pipeline() -> StableDiffusion3Pipeline:
+    """diffusers' own pipeline for the shipped folder (passing the null T5 components again, as diffusers 0.42
+    needs)."""
+    pipe = StableDiffusion3Pipeline.from_pretrained(SHIPPED, dtype=torch.float32, text_encoder_3=None, tokenizer_3=None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _at_defaults(adapter, prompt: str) -> SamplingParams:
+    """`_serve`'s request for the first prompt, resolved as the pipeline is called: the checkpoint's defaults."""
+    caps = adapter.capabilities
+    return SamplingParams(
+        prompt=prompt,
+        seed=SEED_BASE,
+        num_inference_steps=caps.default_steps,
+        guidance_scale=caps.default_guidance,
+        height=caps.default_height,
+        width=caps.default_width,
+    )
+
+
 def test_diffusers_pipeline_draws_the_same_image(adapter) -> None:
     """diffusers' own pipeline loads the folder (passing the null T5 components again, as diffusers 0.42 needs)
     and generates what the engine serves, also for a request served in a batch with others. The scheduler is
@@ -184,20 +205,10 @@ def test_diffusers_pipeline_draws_the_same_image(adapter) -> None:
     diffusiond draws that noise from each request's own generator."""
     from engines import reference
 
-    pipe = StableDiffusion3Pipeline.from_pretrained(SHIPPED, dtype=torch.float32, text_encoder_3=None, tokenizer_3=None)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = _pipeline()
     assert pipe.scheduler.config.stochastic_sampling
-    caps = adapter.capabilities
     prompts = [s.caption for s in eval_scenes(3)]
-    params = SamplingParams(
-        prompt=prompts[0],
-        seed=SEED_BASE,
-        num_inference_steps=caps.default_steps,
-        guidance_scale=caps.default_guidance,
-        height=caps.default_height,
-        width=caps.default_width,
-    )
-    expected = reference(pipe, "sd3", params)
+    expected = reference(pipe, "sd3", _at_defaults(adapter, prompts[0]))
     (alone,) = asyncio.run(_serve(adapter, prompts[:1]))
     batched = asyncio.run(_serve(adapter, prompts))
     assert np.abs(alone - expected).max() < 1e-4
@@ -291,21 +302,11 @@ def test_scheduler_config_changes_the_sampler_at_load(adapter) -> None:
     assert type(plain.pipe.scheduler) is type(adapter.pipe.scheduler)
     assert not plain.pipe.scheduler.config.stochastic_sampling and adapter.pipe.scheduler.config.stochastic_sampling
     assert plain.pipe.scheduler.config.shift == adapter.pipe.scheduler.config.shift  # the rest as shipped
-    pipe = StableDiffusion3Pipeline.from_pretrained(SHIPPED, dtype=torch.float32, text_encoder_3=None, tokenizer_3=None)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = _pipeline()
     pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, stochastic_sampling=False)
-    caps = adapter.capabilities
     prompt = eval_scenes(1)[0].caption
-    params = SamplingParams(
-        prompt=prompt,
-        seed=SEED_BASE,
-        num_inference_steps=caps.default_steps,
-        guidance_scale=caps.default_guidance,
-        height=caps.default_height,
-        width=caps.default_width,
-    )
     (image,) = asyncio.run(_serve(plain, [prompt]))
-    assert np.abs(image - reference(pipe, "sd3", params)).max() < 1e-4
+    assert np.abs(image - reference(pipe, "sd3", _at_defaults(adapter, prompt))).max() < 1e-4
     (stochastic,) = asyncio.run(_serve(adapter, [prompt]))
     assert np.abs(image - stochastic).max() > 0.05  # the change took effect
     with pytest.raises(ValueError, match=r"has no setting 'stochastic'; it has: .*stochastic_sampling"):

@@ -84,8 +84,8 @@ def worker(args: argparse.Namespace) -> None:
     from diffusiond.daemon.app import warm_up_requests
     from diffusiond.daemon.config import scheduler_changes
     from diffusiond.engine.engine import Engine
-    from diffusiond.engine.request import SamplingParams
     from diffusiond.models.loader import load_adapter
+    from diffusiond.models.params import SamplingParams
 
     torch.set_num_threads(args.threads)
     config = parse(args.worker)

@@ -66,9 +66,9 @@ async def main(args: argparse.Namespace) -> None:
     import torch
 
     from diffusiond.engine.engine import Engine
-    from diffusiond.engine.request import SamplingParams
     from diffusiond.models.default import default_model
     from diffusiond.models.loader import load_adapter
+    from diffusiond.models.params import SamplingParams
 
     torch.set_num_threads(args.threads)
     model = args.model or default_model()

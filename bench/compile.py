@@ -18,7 +18,7 @@ import numpy as np
 def run(adapter, prompts: list[str], steps: int, repeats: int, compiled: bool) -> tuple[float, float, list]:
     from diffusiond.daemon.app import warm_up_requests
     from diffusiond.engine.engine import Engine
-    from diffusiond.engine.request import SamplingParams
+    from diffusiond.models.params import SamplingParams
 
     async def main():
         engine = Engine(adapter, max_batch=len(prompts), batch_wait=0.3)

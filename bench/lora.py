@@ -30,10 +30,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from diffusiond.engine.request import LoraChoice, SamplingParams
-    from diffusiond.engine.wire import NewRequest
     from diffusiond.models.default import default_model
     from diffusiond.models.loader import load_adapter
+    from diffusiond.models.params import LoraChoice, SamplingParams
     from diffusiond.models.tiny_lora import build_tiny_lora
 
     torch.set_num_threads(args.threads)
@@ -63,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             for i, c in enumerate(choice)
         ]
-        states = adapter.prepare([NewRequest(f"r{i}", p) for i, p in enumerate(params)])
+        states = adapter.prepare([(f"r{i}", p) for i, p in enumerate(params)])
         for state in states:
             if state.params.lora:
                 state.lora = registry.acquire(state.params.lora, state)

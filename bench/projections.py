@@ -68,9 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from diffusiond.engine.request import SamplingParams
-    from diffusiond.engine.wire import NewRequest
     from diffusiond.models.loader import load_adapter
+    from diffusiond.models.params import SamplingParams
 
     width, height = (int(x) for x in args.size.split("x"))
     with tempfile.TemporaryDirectory() as out:
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     cache = adapter.projections
     times: dict[str, list[float]] = {"reused": [], "projected": []}
     with torch.inference_mode():
-        states = adapter.prepare([NewRequest(f"r{i}", adapter.resolve(p)) for i, p in enumerate(requests)])
+        states = adapter.prepare([(f"r{i}", adapter.resolve(p)) for i, p in enumerate(requests)])
         adapter.denoise(states)  # warm-up
         for step in range(2 * args.steps):
             path = "reused" if step % 2 == 0 else "projected"

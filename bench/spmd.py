@@ -31,7 +31,7 @@ class Args(msgspec.Struct):
 
 
 def _requests(args: Args):
-    from diffusiond.engine.request import SamplingParams
+    from diffusiond.models.params import SamplingParams
 
     return [
         SamplingParams(
@@ -68,8 +68,8 @@ async def _throughput(engine, requests, concurrency: int = 8) -> float:
 
 
 def _typical_plans():
-    from diffusiond.engine.request import SamplingParams
     from diffusiond.engine.wire import NewRequest, PlanKind, StepPlan
+    from diffusiond.models.params import SamplingParams
 
     ids = [f"{i:032x}" for i in range(8)]
     new = NewRequest(

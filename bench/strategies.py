@@ -118,7 +118,7 @@ def worker(job: Job) -> None:
 
 
 def _params(job: Job, seed: int, steps: int | None = None):
-    from diffusiond.engine.request import SamplingParams
+    from diffusiond.models.params import SamplingParams
 
     return SamplingParams(
         prompt=f"a small red circle at the top left on a blue background {seed}",

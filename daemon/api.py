@@ -10,7 +10,7 @@ from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from diffusiond.daemon.config import MAX_N
-from diffusiond.engine.request import (
+from diffusiond.models.params import (
     LORA_NAME,
     MAX_IMAGE_BYTES,
     MAX_LORA_SCALE,

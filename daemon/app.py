@@ -30,11 +30,11 @@ from diffusiond.daemon.state import ENCODERS, LOAD, METRICS, STATE, ServerState
 from diffusiond.daemon.streaming import ClientGone
 from diffusiond.engine.engine import Engine, Loader, QueueFullError
 from diffusiond.engine.outputs import Completed
-from diffusiond.engine.request import MAX_REFERENCES, RequestLimits, SamplingParams
 from diffusiond.metrics.loop_lag import watch_loop_lag
 from diffusiond.metrics.observer import PrometheusObserver
 from diffusiond.metrics.registry import Metrics
-from diffusiond.models.base import Capabilities, ModelAdapter, ParamError
+from diffusiond.models.base import Capabilities, ModelAdapter
+from diffusiond.models.params import MAX_REFERENCES, ParamError, RequestLimits, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +152,9 @@ async def _load(app: web.Application) -> None:
         state.attach(engine)
         if config.compile:
             from diffusiond.kernels.compile import use_cache_dir
+            from diffusiond.models.default import cache_dir
 
-            cache = use_cache_dir(config.compile_cache)
+            cache = use_cache_dir(config.compile_cache or cache_dir() / "inductor")
             log.info("compiling %d transformer blocks during the warm-up (cache %s)", adapter.enable_compile(), cache)
         # Warm-up through the whole path, not a user request (no metrics, no request log line).
         t0 = time.monotonic()

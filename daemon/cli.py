@@ -101,10 +101,9 @@ async def _generate(args: argparse.Namespace) -> int:
     from diffusiond.daemon.images import encode_image
     from diffusiond.engine.engine import Engine
     from diffusiond.engine.outputs import Cancelled, Completed, Failed, Preview, Progress
-    from diffusiond.engine.request import SamplingParams
-    from diffusiond.models.base import ParamError
     from diffusiond.models.declared import check_declared, read_declared, unknown_words
     from diffusiond.models.loader import load_adapter
+    from diffusiond.models.params import ParamError, SamplingParams
 
     model = resolve_model(args.model)
     fmt = {".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}.get(Path(args.out).suffix.lower(), "png")

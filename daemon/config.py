@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
-from diffusiond.engine.request import MAX_IMAGE_BYTES, MAX_STEPS
+from diffusiond.models.params import MAX_IMAGE_BYTES, MAX_STEPS
 
 # The most images one OpenAI request may ask for (`n`): OpenAI's own limit.
 MAX_N = 10

@@ -185,8 +185,9 @@ def run_rank(config: ServeConfig) -> int:
         rank.adapter.set_attention(config.attention)
         if config.compile:  # compiled at their first calls: rank 0's warm-up runs them on every rank
             from diffusiond.kernels.compile import use_cache_dir
+            from diffusiond.models.default import cache_dir
 
-            use_cache_dir(config.compile_cache)
+            use_cache_dir(config.compile_cache or cache_dir() / "inductor")
             rank.adapter.enable_compile()
         try:
             run_follower(rank.adapter, rank.comm)

@@ -27,7 +27,7 @@ from diffusiond.daemon.streaming import (
 )
 from diffusiond.daemon.video import EncodedVideo, encode_video
 from diffusiond.engine.outputs import Cancelled, Completed, Failed, Latent, Preview, Progress, Queued
-from diffusiond.engine.request import SamplingParams
+from diffusiond.models.params import SamplingParams
 
 
 def parse_generation(data: bytes) -> tuple[GenerationRequest, SamplingParams]:

@@ -47,8 +47,7 @@ from diffusiond.daemon.streaming import (
 )
 from diffusiond.engine.engine import Engine, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Completed, Event, Failed, Preview
-from diffusiond.engine.request import MAX_REFERENCES, MAX_SEED, SamplingParams
-from diffusiond.models.base import ParamError
+from diffusiond.models.params import MAX_REFERENCES, MAX_SEED, ParamError, SamplingParams
 
 Files = dict[str, list[bytes]]
 

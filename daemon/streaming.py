@@ -17,9 +17,8 @@ from diffusiond.daemon.api import ApiError
 from diffusiond.daemon.state import ENCODERS, METRICS, STATE, ServerState
 from diffusiond.engine.engine import Engine, QueueFullError, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Event, Failed
-from diffusiond.engine.request import SamplingParams
-from diffusiond.models.base import ParamError
 from diffusiond.models.inputs import check_image
+from diffusiond.models.params import ParamError, SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -49,8 +49,8 @@ from diffusiond.daemon.video import MEDIA_TYPES, encode_video
 from diffusiond.daemon.video_store import StoreFull, VideoJob, VideoStore, VideoTooLarge, write_video
 from diffusiond.engine.engine import Engine, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Completed, Failed, Progress
-from diffusiond.engine.request import MAX_FRAMES, SamplingParams
-from diffusiond.models.base import Capabilities, ParamError
+from diffusiond.models.base import Capabilities
+from diffusiond.models.params import MAX_FRAMES, ParamError, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -7,6 +7,8 @@ import logging
 import os
 from typing import Any, Protocol
 
+from diffusiond.kernels.collectives import CommError
+
 log = logging.getLogger(__name__)
 
 
@@ -108,10 +110,6 @@ class FaultBoard:
             # The store lives with rank 0 or the agent: unreachable means the group is going down anyway.
             return None
         return None
-
-
-class CommError(RuntimeError):
-    """A collective failed: a rank died or the group broke. Never a single request's fault."""
 
 
 class TorchComm:

@@ -31,7 +31,7 @@ from diffusiond.engine.outputs import (
     Progress,
     Queued,
 )
-from diffusiond.engine.request import RequestLimits, RequestStatus, SamplingParams
+from diffusiond.engine.request import RequestStatus
 from diffusiond.engine.scheduler import QueueFullError, SchedRequest, Scheduler, StepResult
 from diffusiond.engine.wire import (
     LoraOp,
@@ -44,7 +44,8 @@ from diffusiond.engine.wire import (
     decode_plan,
     encode_plan,
 )
-from diffusiond.models.base import ModelAdapter, ParamError
+from diffusiond.models.base import ModelAdapter
+from diffusiond.models.params import ParamError, RequestLimits, SamplingParams
 
 log = logging.getLogger(__name__)
 # One line per finished request; structured fields ride in `extra={"fields": ...}` for the JSON formatter.
@@ -552,8 +553,8 @@ class Engine:
         now = time.perf_counter()
         duration = now - clock.submitted
         queue_wait = (clock.admitted if clock.admitted is not None else now) - clock.submitted
-        self.observer.on_finished(request.request_id, status, duration, request.steps_done, request.total_steps)
         outcome = status.name.removeprefix("FINISHED_").lower()
+        self.observer.on_finished(request.request_id, outcome, duration, request.steps_done, request.total_steps)
         fields = {
             "request_id": request.request_id,
             "outcome": outcome,

@@ -35,10 +35,12 @@ import numpy as np
 import torch
 import torch.distributed
 
-from diffusiond.engine.comm import CommError, Communicator, LocalComm
+from diffusiond.engine.comm import Communicator, LocalComm
 from diffusiond.engine.timing import stage_timer
 from diffusiond.engine.wire import StepPlan
+from diffusiond.kernels.collectives import CommError
 from diffusiond.models.base import ModelAdapter, RequestState
+from diffusiond.models.params import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -92,11 +94,12 @@ class Executor:
             self._forget(plan.drop)
 
         if plan.new:
+            new = [(n.request_id, n.params) for n in plan.new]  # the adapter takes ids and parameters
             with stage("encode"):
                 if self.group:
-                    self._encode_together(plan.new, result)
+                    self._encode_together(new, result)
                 try:
-                    prepared = self._isolated(self._prepare, plan.new, lambda n: n.request_id, "preparing", result)
+                    prepared = self._isolated(self._prepare, new, _pair_id, "preparing", result)
                 finally:
                     self.adapter.prepared()
             for state in prepared:
@@ -177,7 +180,7 @@ class Executor:
             except Exception:
                 log.exception("rank %d: LoRA %s %s failed", self.rank, op.kind.name.lower(), op.name)
 
-    def _prepare(self, new: Sequence[Any]) -> list[RequestState]:
+    def _prepare(self, new: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
         """The family's prepare, then each request's LoRA adapters (loaded now if they are not resident), held
         until its state is freed."""
         states = self.adapter.prepare(new)
@@ -231,21 +234,21 @@ class Executor:
     def _decode(self, states: list[RequestState]) -> list[tuple[RequestState, np.ndarray]]:
         return list(zip(states, self.adapter.decode(states), strict=True))
 
-    def _encode_together(self, new: Sequence[Any], result: ExecResult) -> None:
+    def _encode_together(self, new: Sequence[tuple[str, SamplingParams]], result: ExecResult) -> None:
         """The group's shared encoding (`ModelAdapter.encode_prompts`, collectives inside), before prepare. A failure
         of the work on rank 0 reaches every rank as the same `SharedWorkFailed`, so the one-at-a-time retries stay in
         step and only the culprits fail; any other failure here leaves the ranks out of step: fatal to the group."""
         from diffusiond.kernels.collectives import SharedWorkFailed
 
-        def run(items: list[Any]) -> list[None]:
+        def run(items: list[tuple[str, SamplingParams]]) -> list[None]:
             try:
-                return self.adapter.encode_prompts(items)
+                return self.adapter.encode_prompts([params for _, params in items])
             except (SharedWorkFailed, *FATAL):
                 raise
             except Exception as exc:
                 raise GroupFault(f"rank {self.rank} failed while encoding prompts") from exc
 
-        self._isolated(run, new, lambda n: n.request_id, "encoding", result)
+        self._isolated(run, new, _pair_id, "encoding", result)
 
     def _decode_strips(self, finished: list[RequestState]) -> list[tuple[RequestState, np.ndarray]]:
         """Each image decoded in strips by the strip group's ranks (kernels/patch_vae.py); its collectives make a
@@ -373,3 +376,7 @@ def _state_id(state: RequestState) -> str:
 
 def _first_id(item: tuple[RequestState, Any]) -> str:
     return item[0].request_id
+
+
+def _pair_id(item: tuple[str, SamplingParams]) -> str:
+    return item[0]

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from diffusiond.engine.request import RequestStatus
-
 
 class EngineObserver(Protocol):
     def on_step(self, timings: dict[str, float], batch_size: int, advanced: int) -> None:
@@ -21,10 +19,9 @@ class EngineObserver(Protocol):
 
     def on_first_preview(self, request_id: str, since_submit: float) -> None: ...
 
-    def on_finished(
-        self, request_id: str, status: RequestStatus, duration: float, steps_done: int, total_steps: int
-    ) -> None:
-        """A request reached its terminal status `duration` seconds after it was submitted."""
+    def on_finished(self, request_id: str, outcome: str, duration: float, steps_done: int, total_steps: int) -> None:
+        """A request reached its terminal status (`outcome`: completed, cancelled or failed) `duration` seconds after
+        it was submitted."""
 
 
 class NullObserver:
@@ -40,7 +37,5 @@ class NullObserver:
     def on_first_preview(self, request_id: str, since_submit: float) -> None:
         pass
 
-    def on_finished(
-        self, request_id: str, status: RequestStatus, duration: float, steps_done: int, total_steps: int
-    ) -> None:
+    def on_finished(self, request_id: str, outcome: str, duration: float, steps_done: int, total_steps: int) -> None:
         pass

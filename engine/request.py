@@ -1,17 +1,12 @@
-"""Request status, sampling parameters and the bounds every request must respect: plain data shared by the HTTP
-edge, the scheduler, the wire and the executor."""
+"""A request's status in the engine, ordered so that `status.is_finished` is one comparison (as vLLM's
+`v1/request.py`). What a request asks for is `models/params.py`'s `SamplingParams`."""
 
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Literal
-
-import msgspec
 
 
 class RequestStatus(enum.IntEnum):
-    """Ordered so that `status.is_finished` is one comparison (as vLLM's `v1/request.py`)."""
-
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
@@ -22,148 +17,3 @@ class RequestStatus(enum.IntEnum):
     @property
     def is_finished(self) -> bool:
         return self >= RequestStatus.FINISHED_COMPLETED
-
-
-# Hard bounds of what may cross the wire, whatever the model or the operator allows (msgpack carries integers in
-# [-2**63, 2**64 - 1] only, and a number nobody can run is better refused at the edge than inside a step). The model's
-# capabilities and the operator's limits (`RequestLimits`) are narrower; these only keep absurd values out.
-MAX_SEED = 2**63 - 1
-MAX_SIDE = 1 << 16
-MAX_STEPS = 10_000
-MAX_GUIDANCE = 100.0
-MAX_PROMPT_CHARS = 10_000
-# An input image (edits, img2img) as its client sent the file: PNG, JPEG, WebP... The operator's --max-image-bytes is
-# narrower.
-MAX_IMAGE_BYTES = 64 << 20
-# Reference images a request may add after its `image` (families that declare "references" may take fewer).
-MAX_REFERENCES = 4
-
-Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)]
-Side = Annotated[int, msgspec.Meta(ge=1, le=MAX_SIDE)]
-Steps = Annotated[int, msgspec.Meta(ge=1, le=MAX_STEPS)]
-# Every K steps; 0: never.
-Every = Annotated[int, msgspec.Meta(ge=0, le=MAX_STEPS)]
-Guidance = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_GUIDANCE)]
-Prompt = Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
-Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
-ImageFile = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_IMAGE_BYTES)]
-References = Annotated[tuple[ImageFile, ...], msgspec.Meta(min_length=1, max_length=MAX_REFERENCES)]
-# Video: frames per clip and frames per second of its file.
-MAX_FRAMES = 1024
-Frames = Annotated[int, msgspec.Meta(ge=1, le=MAX_FRAMES)]
-Fps = Annotated[int, msgspec.Meta(ge=1, le=240)]
-Layers = Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=1000)], ...], msgspec.Meta(min_length=1, max_length=64)]
-
-
-# LoRA adapters a request applies (by the names the operator registered) and their scales.
-LORA_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
-MAX_LORAS = 8
-MAX_LORA_SCALE = 10.0
-
-
-class LoraChoice(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    name: Annotated[str, msgspec.Meta(pattern=LORA_NAME)]
-    scale: Annotated[float, msgspec.Meta(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)] = 1.0
-
-
-Loras = Annotated[tuple[LoraChoice, ...], msgspec.Meta(min_length=1, max_length=MAX_LORAS)]
-
-PreviewMode = Literal["fast", "vae"]
-CacheThreshold = Annotated[float, msgspec.Meta(ge=0, le=10)]
-
-
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, array_like=True, gc=False):
-    """Everything that decides a request's image. Fully resolved before it reaches the wire: every rank must compute
-    the same thing from it, so `None` never means "pick something" past `ModelAdapter.resolve`.
-
-    `guidance_scale` is the family's main guidance knob (classifier-free guidance for SD3, the distilled guidance
-    embedding for FLUX); `true_cfg_scale` is FLUX's optional real CFG, used with a negative prompt.
-
-    The annotated bounds are checked wherever the struct is decoded (HTTP bodies reuse the same types, and
-    `wire.check_request` round-trips every request before it is queued), never by the constructor.
-    """
-
-    prompt: Prompt
-    negative_prompt: Prompt | None = None
-    seed: Seed | None = None
-    width: Side | None = None
-    height: Side | None = None
-    num_inference_steps: Steps | None = None
-    guidance_scale: Guidance | None = None
-    true_cfg_scale: Guidance | None = None
-    # Emit a preview every K steps (0: never). Previews never change the final image.
-    preview_every: Every = 0
-    # With each preview, also hand out the raw latent.
-    stream_latents: bool = False
-    # How previews are made: "fast", the latent -> RGB map (latent resolution, about free); "vae", the predicted
-    # clean latent decoded by the model's VAE (exact colours, full resolution, one VAE decode per preview).
-    preview: PreviewMode = "fast"
-    # Step caching (models/stepcache.py): this request reuses its remaining blocks' residual while its first block's
-    # residual changes by less than this (relative L1). 0: every step computes (exact). Resolved from the server's
-    # --cache-threshold when the client sends none.
-    cache_threshold: CacheThreshold | None = None
-    # Skip-layer guidance (families that declare "skip-layer", SD3.5's recommendation: layers 7, 8, 9): with CFG,
-    # for steps i with start * steps < i < stop * steps, the image is also pushed away from the prediction of the
-    # transformer run with these blocks skipped, by `skip_layer_guidance_scale`. Unset: off.
-    skip_guidance_layers: Layers | None = None
-    skip_layer_guidance_scale: Guidance | None = None
-    skip_layer_guidance_start: Fraction | None = None
-    skip_layer_guidance_stop: Fraction | None = None
-    # Image to image: the request starts from this image (an encoded file, decoded on every rank when the request
-    # is prepared), noised to `strength` of the schedule: about the last strength * num_inference_steps steps run
-    # (`steps_to_run`), as in diffusers' Img2Img pipelines. At `strength` 1 only the image's aspect is kept.
-    image: ImageFile | None = None
-    strength: Fraction | None = None
-    # Inpainting (families that declare "mask"): only where this file is white (or, in a file with alpha, transparent:
-    # OpenAI's convention) is the image repainted; elsewhere each step pins it to the input noised to that step.
-    mask: ImageFile | None = None
-    # Multi-reference editing (families that declare "references"): more images after `image`, each conditioning
-    # every step ("put the cat of the second image on the sofa of the first").
-    reference_images: References | None = None
-    # Video families ("video" in the adapter's capabilities `modality`): frames of the clip (each family's rule, Wan's
-    # 4k + 1) and the frame rate its file plays at (changes no pixel). Refused by image families.
-    num_frames: Frames | None = None
-    fps: Fps | None = None
-    # LoRA adapters (families that declare `lora`), each at its scale, added to this request's rows of every forward
-    # while other requests of the same batch use others or none (kernels/lora.py).
-    lora: Loras | None = None
-
-    # The schedule position the request starts at: 0, or with `strength` its family's Img2Img pipeline's `t_start`
-    # (each family's arithmetic: 50 steps at strength 0.56 run 29 in the flow-matching ones, 28 in SDXL's). Set by
-    # `ModelAdapter.resolve`, never by clients.
-    start_step: Annotated[int, msgspec.Meta(ge=0, le=MAX_STEPS)] = 0
-
-    @property
-    def steps_to_run(self) -> int:
-        """Denoising steps the request runs (its forwards, progress total and preview spacing)."""
-        return (self.num_inference_steps or 0) - self.start_step
-
-
-class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
-    """What the operator lets one request ask for (`--max-pixels`, `--max-steps`, `--max-frames`), resolved at
-    start-up from the configuration and the model's capabilities. `n` (images per HTTP request) is the HTTP layer's
-    own limit."""
-
-    max_pixels: int
-    max_steps: int
-    # Frames per clip (video models; None: image models).
-    max_frames: int | None = None
-
-    def check(self, params: SamplingParams) -> tuple[str, str] | None:
-        """(field, message) for the first limit that resolved `params` exceed; None when within limits."""
-        pixels = (params.width or 0) * (params.height or 0)
-        if pixels > self.max_pixels:
-            return "width", (
-                f"{params.width}x{params.height} is {pixels} pixels; this server allows at most {self.max_pixels} "
-                f"per image (--max-pixels)"
-            )
-        if (params.num_inference_steps or 0) > self.max_steps:
-            return "num_inference_steps", (
-                f"num_inference_steps {params.num_inference_steps} is above this server's limit of {self.max_steps} "
-                f"(--max-steps)"
-            )
-        if self.max_frames is not None and (params.num_frames or 0) > self.max_frames:
-            return "num_frames", (
-                f"num_frames {params.num_frames} is above this server's limit of {self.max_frames} (--max-frames)"
-            )
-        return None

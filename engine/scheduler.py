@@ -19,8 +19,9 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from diffusiond.engine.request import RequestStatus, SamplingParams
+from diffusiond.engine.request import RequestStatus
 from diffusiond.engine.wire import NewRequest, StepPlan
+from diffusiond.models.params import SamplingParams
 
 
 class QueueFullError(Exception):

@@ -11,7 +11,7 @@ import re
 
 import msgspec
 
-from diffusiond.engine.request import SamplingParams
+from diffusiond.models.params import SamplingParams
 
 
 class PlanKind(enum.IntEnum):

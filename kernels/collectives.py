@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from diffusiond.engine.comm import CommError
+
+class CommError(RuntimeError):
+    """A collective failed: a rank died or the group broke. Never a single request's fault."""
 
 
 @contextlib.contextmanager

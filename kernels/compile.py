@@ -6,9 +6,9 @@ the Ulysses hooks stay eager. `dynamic=True` makes batch rows and token counts s
 size seen for the first time does not recompile in the middle of a request. torch still specialises a dimension
 of size 1, so the warm-up (daemon/app.py `warm_up_requests`) runs one row and several rows.
 
-Inductor's caches live in `TORCHINDUCTOR_CACHE_DIR`; diffusiond points it at `<cache dir>/inductor`
-(models/default.py `cache_dir`) unless it is set, so a restart reuses compiled kernels instead of recompiling (the
-default, under /tmp, does not survive a reboot or a service's private /tmp).
+Inductor's caches live in `TORCHINDUCTOR_CACHE_DIR`; diffusiond points it at `<cache dir>/inductor` (models/setup.py,
+from models/default.py `cache_dir`) unless it is set, so a restart reuses compiled kernels instead of recompiling
+(the default, under /tmp, does not survive a reboot or a service's private /tmp).
 """
 
 from __future__ import annotations
@@ -19,14 +19,10 @@ from pathlib import Path
 import torch
 
 
-def use_cache_dir(path: str | Path | None = None) -> str:
-    """Point inductor's on-disk caches at `path` (default: `<cache dir>/inductor`) unless TORCHINDUCTOR_CACHE_DIR is
-    set; the directory in use. Call before the first compile."""
+def use_cache_dir(path: str | Path) -> str:
+    """Point inductor's on-disk caches at `path` unless TORCHINDUCTOR_CACHE_DIR is set; the directory in use. Call
+    before the first compile."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        if path is None:
-            from diffusiond.models.default import cache_dir
-
-            path = cache_dir() / "inductor"
         Path(path).mkdir(parents=True, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]

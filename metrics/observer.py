@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from diffusiond.engine.request import RequestStatus
 from diffusiond.metrics.registry import Metrics
 
 
@@ -29,9 +28,6 @@ class PrometheusObserver:
     def on_first_preview(self, request_id: str, since_submit: float) -> None:
         self.metrics.time_to_first_preview.observe(since_submit)
 
-    def on_finished(
-        self, request_id: str, status: RequestStatus, duration: float, steps_done: int, total_steps: int
-    ) -> None:
-        outcome = status.name.removeprefix("FINISHED_").lower()
+    def on_finished(self, request_id: str, outcome: str, duration: float, steps_done: int, total_steps: int) -> None:
         self.metrics.requests.labels(outcome).inc()
         self.metrics.request_duration.labels(outcome).observe(duration)

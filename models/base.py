@@ -14,16 +14,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from diffusiond.engine.request import SamplingParams
-from diffusiond.engine.wire import NewRequest
-
-
-class ParamError(ValueError):
-    """A request parameter is invalid for this model; `param` names the field (OpenAI error `param`)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+from diffusiond.models.params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -182,16 +173,16 @@ class ModelAdapter(abc.ABC):
     def batch_key(self, params: SamplingParams) -> Hashable:
         """What must match for two requests to share one forward."""
 
-    def encode_prompts(self, new: Sequence[NewRequest]) -> list[None]:
+    def encode_prompts(self, params: Sequence[SamplingParams]) -> list[None]:
         """In a group, before `prepare`, on every rank together (collectives inside): what the ranks compute once
         and share. One None per request. Families without shared work do nothing."""
-        return [None] * len(new)
+        return [None] * len(params)
 
     def prepared(self) -> None:  # noqa: B027 - optional hook, a no-op unless the family shares work
         """After `prepare`: what `encode_prompts` kept for it may go."""
 
     @abc.abstractmethod
-    def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
+    def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
         """Encode prompts, draw initial latents from each request's seed, and set each request's own timesteps."""
 
     @abc.abstractmethod

@@ -83,8 +83,8 @@ def record_pairs(
     `load_options`: `load_adapter`'s (device, dtype, quantize, offload), as the checkpoint will be served."""
     from diffusiond.engine.engine import Engine
     from diffusiond.engine.outputs import Completed
-    from diffusiond.engine.request import SamplingParams
     from diffusiond.models.loader import load_adapter
+    from diffusiond.models.params import SamplingParams
 
     pairs: list[tuple[float, float]] = []
 

@@ -16,7 +16,7 @@ import re
 
 import msgspec
 
-from diffusiond.engine.request import SamplingParams
+from diffusiond.models.params import SamplingParams
 
 DEFAULTS_FILE = "diffusiond.json"
 WORD = re.compile(r"[a-z]+")
@@ -53,7 +53,7 @@ def read_declared(source: str) -> Declared:
 def check_declared(declared: Declared, params: SamplingParams) -> None:
     """Raises ParamError when a request asks for what the checkpoint does not serve. Sizes, steps and guidance left
     out are the model's defaults, which it serves by definition."""
-    from diffusiond.models.base import ParamError
+    from diffusiond.models.params import ParamError
 
     width = params.width if params.width is not None else declared.width
     height = params.height if params.height is not None else declared.height

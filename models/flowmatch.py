@@ -24,25 +24,21 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffusiond.engine.request import SamplingParams
 from diffusiond.kernels import attention
 from diffusiond.kernels.collectives import collective
 from diffusiond.kernels.lora import Lora, LoraLayers
 from diffusiond.kernels.parallel import CFGGroup
 from diffusiond.models import preview as preview_maps
 from diffusiond.models import stepcache
-from diffusiond.models.base import Capabilities, ModelAdapter, ParamError, RequestState
+from diffusiond.models.base import Capabilities, ModelAdapter, RequestState
 from diffusiond.models.declared import check_declared, read_declared
 from diffusiond.models.inputs import image_size, open_mask, open_rgb
 from diffusiond.models.lora import LoraRegistry, read_lora, resolve_loras
+from diffusiond.models.params import MAX_GUIDANCE, MAX_PROMPT_CHARS, MAX_SEED, MAX_STEPS, ParamError, SamplingParams
 from diffusiond.models.prompts import PROMPT_CACHE_BYTES, PromptCache
 from diffusiond.models.sampler import FlowMatchSampler, step_batch
 
 log = logging.getLogger(__name__)
-
-MAX_PROMPT_CHARS = 10_000
-MAX_STEPS = 1000
-MAX_SEED = 2**63 - 1
 
 
 def null_components(source: str) -> dict[str, None]:
@@ -263,11 +259,11 @@ class FlowMatchAdapter(ModelAdapter):
                 "num_inference_steps", f"num_inference_steps must be between 1 and {MAX_STEPS}, got {steps}"
             )
         guidance = params.guidance_scale if params.guidance_scale is not None else caps.default_guidance
-        if not math.isfinite(guidance) or guidance < 0 or guidance > 100:
-            raise ParamError("guidance_scale", f"guidance_scale must be between 0 and 100, got {guidance}")
+        if not math.isfinite(guidance) or guidance < 0 or guidance > MAX_GUIDANCE:
+            raise ParamError("guidance_scale", f"guidance_scale must be between 0 and {MAX_GUIDANCE:g}, got {guidance}")
         true_cfg = params.true_cfg_scale if params.true_cfg_scale is not None else self.default_true_cfg
-        if not math.isfinite(true_cfg) or true_cfg < 0 or true_cfg > 100:
-            raise ParamError("true_cfg_scale", f"true_cfg_scale must be between 0 and 100, got {true_cfg}")
+        if not math.isfinite(true_cfg) or true_cfg < 0 or true_cfg > MAX_GUIDANCE:
+            raise ParamError("true_cfg_scale", f"true_cfg_scale must be between 0 and {MAX_GUIDANCE:g}, got {true_cfg}")
         seed = params.seed
         if seed is None:
             # Random seeds stay below 2**53, so JavaScript clients (JSON numbers are doubles) can reuse them exactly.
@@ -534,16 +530,15 @@ class FlowMatchAdapter(ModelAdapter):
             raise RuntimeError(f"no shared encoding of {len(missing)} prompt(s) on this rank")
         return cfg, {t: self._shared_texts[t] for t in texts}
 
-    def encode_prompts(self, new: Sequence[Any]) -> list[None]:
-        """A group's stage before prepare, run by every rank together: the prompts of `new` encoded once (rank 0)
-        and shared, through the prompt cache, and kept for the next prepare. No-op on one rank."""
+    def encode_prompts(self, params: Sequence[SamplingParams]) -> list[None]:
+        """A group's stage before prepare, run by every rank together: the prompts of these requests encoded once
+        (rank 0) and shared, through the prompt cache, and kept for the next prepare. No-op on one rank."""
         if self.shared_encoding is None:
-            return [None] * len(new)
-        params = [n.params for n in new]
+            return [None] * len(params)
         cfg = [self._uses_cfg(p) for p in params]
         texts = [p.prompt for p in params] + [p.negative_prompt or "" for p, c in zip(params, cfg, strict=True) if c]
         self._shared_texts.update(self.prompts.lookup(texts, self._encode_shared))
-        return [None] * len(new)
+        return [None] * len(params)
 
     def prepared(self) -> None:
         """After prepare: the shared encodings of that plan are no longer needed here (the prompt cache keeps its

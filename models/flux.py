@@ -10,12 +10,11 @@ import torch
 from diffusers import FluxPipeline
 from diffusers.models.embeddings import apply_rotary_emb
 
-from diffusiond.engine.request import SamplingParams
-from diffusiond.engine.wire import NewRequest
 from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, ulysses_sdpa
 from diffusiond.models import stepcache
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
+from diffusiond.models.params import SamplingParams
 
 
 class FluxAdapter(FlowMatchAdapter):
@@ -41,13 +40,13 @@ class FluxAdapter(FlowMatchAdapter):
         return FluxPipeline._unpack_latents(latents, params.height, params.width, self.vae_scale_factor)
 
     @torch.inference_mode()
-    def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
-        params = [n.params for n in new]
+    def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
+        params = [p for _, p in requests]
         cfg, text = self._lookup_prompts(params)  # text -> (embeds, pooled)
         config = self.pipe.scheduler.config
         channels = self.transformer.config.in_channels // 4
         states = []
-        for i, (req, p) in enumerate(zip(new, params, strict=True)):
+        for i, (request_id, p) in enumerate(requests):
             embeds, pooled = text[p.prompt]  # [1, L, D], [1, D]
             sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
             if getattr(config, "use_flow_sigmas", False):
@@ -73,7 +72,7 @@ class FluxAdapter(FlowMatchAdapter):
             # Text position ids are zeros [L, 3] whatever the text (the pipeline's own `encode_prompt` builds them).
             text_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=embeds.dtype)
             shared = {"text_ids": text_ids, "image_ids": image_ids}
-            states.append(RequestState(req.request_id, p, latents, sampler, cond=cond, shared=shared, inpaint=inpaint))
+            states.append(RequestState(request_id, p, latents, sampler, cond=cond, shared=shared, inpaint=inpaint))
         return states
 
     def _initial_latents(self, p: SamplingParams, sampler, generator, channels: int, dtype: torch.dtype):

@@ -16,13 +16,12 @@ import numpy as np
 import torch
 from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline, compute_empirical_mu
 
-from diffusiond.engine.request import SamplingParams
-from diffusiond.engine.wire import NewRequest
 from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, ulysses_sdpa
-from diffusiond.models.base import ParamError, RequestState
+from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.flux import shard_image_tokens
 from diffusiond.models.inputs import image_size, open_rgb
+from diffusiond.models.params import ParamError, SamplingParams
 
 
 class Flux2KleinAdapter(FlowMatchAdapter):
@@ -88,12 +87,12 @@ class Flux2KleinAdapter(FlowMatchAdapter):
         return [(embeds[i : i + 1].clone(),) for i in range(len(texts))]
 
     @torch.inference_mode()
-    def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
-        params = [n.params for n in new]
+    def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
+        params = [p for _, p in requests]
         cfg, text = self._lookup_prompts(params)  # text -> ([1, L, D],)
         channels = self.transformer.config.in_channels // 4
         states = []
-        for i, (req, p) in enumerate(zip(new, params, strict=True)):
+        for i, (request_id, p) in enumerate(requests):
             (embeds,) = text[p.prompt]
             generator = self._generator(p)
             latents, latent_ids = self.pipe.prepare_latents(
@@ -122,7 +121,7 @@ class Flux2KleinAdapter(FlowMatchAdapter):
             shared = {"txt_ids": text_ids, "img_ids": img_ids}
             if context is not None:
                 cond["context"] = context.to(embeds.dtype)
-            states.append(RequestState(req.request_id, p, latents, sampler, cond=cond, shared=shared))
+            states.append(RequestState(request_id, p, latents, sampler, cond=cond, shared=shared))
         return states
 
     @torch.inference_mode()

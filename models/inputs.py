@@ -13,7 +13,7 @@ import warnings
 
 from PIL import Image, ImageOps
 
-from diffusiond.models.base import ParamError
+from diffusiond.models.params import ParamError
 
 # Larger inputs are refused before they are decoded (PIL's own bomb guard stops at 2 x 89 Mpx, and only warns
 # below): 64 Mpx is 8192 x 8192, four times the largest image any family here generates.

@@ -15,9 +15,9 @@ from typing import ClassVar
 import torch
 from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
-from diffusiond.engine.request import SamplingParams
 from diffusiond.models.flux import FluxAdapter
 from diffusiond.models.inputs import image_size, open_rgb
+from diffusiond.models.params import SamplingParams
 
 
 class FluxKontextAdapter(FluxAdapter):

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from diffusiond.engine.request import LORA_NAME
 from diffusiond.kernels.lora import Lora, LoraLayers, LoraWeights, Selection, fuse, unfuse
+from diffusiond.models.params import LORA_NAME
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +321,7 @@ def _release(entry: Entry) -> None:
 
 def resolve_loras(adapter: Any, params: Any) -> tuple | None:
     """A request's `lora`, checked against the served model's registry (ParamError naming `lora`)."""
-    from diffusiond.models.base import ParamError
+    from diffusiond.models.params import ParamError
 
     if not params.lora:
         return None

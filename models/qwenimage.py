@@ -17,12 +17,11 @@ import torch
 from diffusers import QwenImagePipeline
 from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 
-from diffusiond.engine.request import SamplingParams
-from diffusiond.engine.wire import NewRequest
 from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, ulysses_sdpa
 from diffusiond.models import stepcache
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
+from diffusiond.models.params import SamplingParams
 
 
 class QwenImageAdapter(FlowMatchAdapter):
@@ -77,12 +76,12 @@ class QwenImageAdapter(FlowMatchAdapter):
         return ((latents - mean) * std).transpose(1, 2)
 
     @torch.inference_mode()
-    def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
-        params = [n.params for n in new]
+    def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
+        params = [p for _, p in requests]
         cfg, text = self._lookup_prompts(params)  # text -> ([L, D],)
         channels = self.transformer.config.in_channels // 4
         states = []
-        for i, (req, p) in enumerate(zip(new, params, strict=True)):
+        for i, (request_id, p) in enumerate(requests):
             embeds = text[p.prompt][0]
             h, w = self._packed_latent_size(p)
             sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
@@ -110,7 +109,7 @@ class QwenImageAdapter(FlowMatchAdapter):
             patches = (1, p.height // self.vae_scale_factor // 2, p.width // self.vae_scale_factor // 2)
             shared = {"img_shapes": [[patches]]}  # the transformer reads the first entry only
             states.append(
-                RequestState(req.request_id, p, latents, sampler, cond=cond, rows=rows, shared=shared, inpaint=inpaint)
+                RequestState(request_id, p, latents, sampler, cond=cond, rows=rows, shared=shared, inpaint=inpaint)
             )
         return states
 

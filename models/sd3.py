@@ -8,13 +8,12 @@ from collections.abc import Sequence
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffusiond.engine.request import SamplingParams
-from diffusiond.engine.wire import NewRequest
 from diffusiond.kernels.attention import DispatchJointAttnProcessor
 from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, shard_output, ulysses_sdpa
 from diffusiond.models import stepcache
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
+from diffusiond.models.params import SamplingParams
 
 
 class SD3Adapter(FlowMatchAdapter):
@@ -52,12 +51,12 @@ class SD3Adapter(FlowMatchAdapter):
         return (params.guidance_scale or 0.0) > 1
 
     @torch.inference_mode()
-    def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
-        params = [n.params for n in new]
+    def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
+        params = [p for _, p in requests]
         cfg, text = self._lookup_prompts(params)  # text -> (embeds, pooled)
         config = self.pipe.scheduler.config
         states = []
-        for i, (req, p) in enumerate(zip(new, params, strict=True)):
+        for i, (request_id, p) in enumerate(requests):
             shape = (
                 1,
                 self.transformer.config.in_channels,
@@ -89,7 +88,7 @@ class SD3Adapter(FlowMatchAdapter):
                 }
             else:
                 cond = {"embeds": embeds, "pooled": pooled}
-            states.append(RequestState(req.request_id, p, latents, sampler, cond=cond, inpaint=inpaint))
+            states.append(RequestState(request_id, p, latents, sampler, cond=cond, inpaint=inpaint))
         return states
 
     def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -14,10 +14,9 @@ from typing import Any
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffusiond.engine.request import SamplingParams
-from diffusiond.engine.wire import NewRequest
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
+from diffusiond.models.params import SamplingParams
 from diffusiond.models.sampler import SchedulerSampler
 
 
@@ -60,12 +59,12 @@ class SDXLAdapter(FlowMatchAdapter):
         return (params.guidance_scale or 0.0) > 1 and self.transformer.config.time_cond_proj_dim is None
 
     @torch.inference_mode()
-    def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
-        params = [n.params for n in new]
+    def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
+        params = [p for _, p in requests]
         cfg, text = self._lookup_prompts(params)  # text -> (embeds [1, L, D], pooled [1, P])
         zeros_for_none = self.pipe.config.get("force_zeros_for_empty_prompt", False)
         states = []
-        for i, (req, p) in enumerate(zip(new, params, strict=True)):
+        for i, (request_id, p) in enumerate(requests):
             embeds, pooled = text[p.prompt]
             generator = self._generator(p)
             sampler = SchedulerSampler(
@@ -106,7 +105,7 @@ class SDXLAdapter(FlowMatchAdapter):
                     "time_ids": time_ids.expand(2, -1),
                     "scale": torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32),
                 }
-            states.append(RequestState(req.request_id, p, latents, sampler, cond=cond, inpaint=inpaint))
+            states.append(RequestState(request_id, p, latents, sampler, cond=cond, inpaint=inpaint))
         return states
 
     def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:

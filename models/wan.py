@@ -20,13 +20,12 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffusiond.engine.request import MAX_FRAMES, SamplingParams
-from diffusiond.engine.wire import NewRequest
 from diffusiond.kernels.lora import LoraLayers
 from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, ulysses_sdpa
-from diffusiond.models.base import Capabilities, ParamError, RequestState
+from diffusiond.models.base import Capabilities, RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.inputs import open_rgb
+from diffusiond.models.params import MAX_FRAMES, ParamError, SamplingParams
 from diffusiond.models.projections import ProjectionCache, tensor_digest, weights_version
 from diffusiond.models.sampler import SchedulerSampler
 
@@ -273,11 +272,11 @@ class WanAdapter(FlowMatchAdapter):
         return (1, self.vae.config.z_dim, frames, p.height // s, p.width // s)
 
     @torch.inference_mode()
-    def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
-        params = [n.params for n in new]
+    def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
+        params = [p for _, p in requests]
         cfg, text = self._lookup_prompts(params)  # text -> (embeds [1, 512, D],)
         states = []
-        for i, (req, p) in enumerate(zip(new, params, strict=True)):
+        for i, (request_id, p) in enumerate(requests):
             generator = self._generator(p)
             sampler = SchedulerSampler(self.pipe.scheduler, p.num_inference_steps, self.device, generator=generator)
             # float32 latents, as the pipeline draws and steps them (the transformer sees its own dtype).
@@ -287,7 +286,7 @@ class WanAdapter(FlowMatchAdapter):
             cond: dict[str, Any] = {"embeds": torch.cat(rows).to(self.dtype)}
             if cfg[i]:
                 cond["scale"] = torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)
-            state = RequestState(req.request_id, p, latents, sampler, cond=cond)
+            state = RequestState(request_id, p, latents, sampler, cond=cond)
             self._prepare_image(state, len(rows))
             # A request with LoRA projects its rows in the forward, where its adapters apply (its keys and values
             # are its own).

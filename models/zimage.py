@@ -14,11 +14,10 @@ from typing import Any
 import torch
 from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas
 
-from diffusiond.engine.request import SamplingParams
-from diffusiond.engine.wire import NewRequest
 from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, ulysses_sdpa
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
+from diffusiond.models.params import SamplingParams
 
 
 class ZImageAdapter(FlowMatchAdapter):
@@ -72,11 +71,11 @@ class ZImageAdapter(FlowMatchAdapter):
         return (params.guidance_scale or 0.0) > 0
 
     @torch.inference_mode()
-    def prepare(self, new: Sequence[NewRequest]) -> list[RequestState]:
-        params = [n.params for n in new]
+    def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
+        params = [p for _, p in requests]
         cfg, text = self._lookup_prompts(params)  # text -> ([L, D],)
         states = []
-        for i, (req, p) in enumerate(zip(new, params, strict=True)):
+        for i, (request_id, p) in enumerate(requests):
             h, w = self._packed_latent_size(p)
             sigmas = get_default_z_image_sigmas(p.num_inference_steps)
             generator = self._generator(p)
@@ -96,7 +95,7 @@ class ZImageAdapter(FlowMatchAdapter):
             if cfg[i]:
                 rows.append(text[p.negative_prompt or ""][0])
                 cond["scale"] = torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)
-            states.append(RequestState(req.request_id, p, latents, sampler, cond=cond, rows=rows, inpaint=inpaint))
+            states.append(RequestState(request_id, p, latents, sampler, cond=cond, rows=rows, inpaint=inpaint))
         return states
 
     def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor]]:

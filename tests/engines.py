@@ -14,7 +14,7 @@ import torch
 
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import TERMINAL, Completed, Progress
-from diffusiond.engine.request import SamplingParams
+from diffusiond.models.params import SamplingParams
 
 
 def generate(adapter, seeds=(1, 2), steps: int = 3) -> list[np.ndarray]:

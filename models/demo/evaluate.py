@@ -78,7 +78,7 @@ def eval_scenes(n: int | None = None) -> list[sc.Scene]:
 def score(
     adapter: Any, scenes: list[sc.Scene], *, steps: int | None = None, guidance: float | None = None
 ) -> dict[str, float]:
-    from diffusiond.engine.request import SamplingParams
+    from diffusiond.models.params import SamplingParams
 
     requests = [
         SamplingParams(prompt=s.caption, seed=SEED_BASE + i, num_inference_steps=steps, guidance_scale=guidance)
@@ -261,8 +261,8 @@ Regenerate this folder with `python -m diffusiond.models.demo.evaluate gallery -
 def cmd_gallery(args: argparse.Namespace) -> None:
     from PIL import Image
 
-    from diffusiond.engine.request import SamplingParams
     from diffusiond.models.demo.judge import judge
+    from diffusiond.models.params import SamplingParams
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -338,7 +338,7 @@ def cmd_gallery(args: argparse.Namespace) -> None:
 
 
 def cmd_timing(args: argparse.Namespace) -> None:
-    from diffusiond.engine.request import SamplingParams
+    from diffusiond.models.params import SamplingParams
 
     adapter = load(args.model)
     for threads in args.threads:
@@ -422,7 +422,7 @@ def judge_named(cases: list[tuple[sc.Scene, sc.Caption]], images: list[np.ndarra
 def cmd_partial(args: argparse.Namespace) -> None:
     """Accuracy on held-out scenes in held-out phrasings, full and partial: each attribute counted where a caption
     names it (the model picks the others: how varied its picks are is reported too)."""
-    from diffusiond.engine.request import SamplingParams
+    from diffusiond.models.params import SamplingParams
 
     adapter = load(args.model)
     if args.stochastic is not None:

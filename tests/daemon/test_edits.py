@@ -200,8 +200,8 @@ async def test_openai_client_edits_by_instruction(serve, tiny_kontext):
     assert [e.type for e in events] == ["image_edit.partial_image"] * 2 + ["image_edit.completed"]
     assert np.array_equal(png(events[-1].b64_json), image)  # the same seed streamed
 
-    from diffusiond.engine.request import SamplingParams
     from diffusiond.models.loader import load_adapter
+    from diffusiond.models.params import SamplingParams
 
     pipe = diffusers.FluxKontextPipeline.from_pretrained(tiny_kontext)
     pipe.set_progress_bar_config(disable=True)

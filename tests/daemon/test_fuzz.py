@@ -32,8 +32,8 @@ from diffusiond.daemon.openai_api import expand, parse_image_generation
 from diffusiond.daemon.videos_api import parse_video_create, resolve_video
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.wire import NewRequest, StepPlan, decode_plan, encode_plan
-from diffusiond.models.base import ParamError
 from diffusiond.models.loader import load_adapter
+from diffusiond.models.params import ParamError
 from diffusiond.models.tiny_lora import build_tiny_lora
 
 EXAMPLES = 1500

@@ -110,8 +110,7 @@ async def test_numbers_out_of_bounds_are_refused_naming_the_field(server, field)
 
 def test_the_engine_refuses_what_cannot_cross_the_wire(server):
     """Below the HTTP edge too: a SamplingParams built in Python with an unencodable number fails alone."""
-    from diffusiond.engine.request import SamplingParams
-    from diffusiond.models.base import ParamError
+    from diffusiond.models.params import ParamError, SamplingParams
 
     engine = server.state.engine
 

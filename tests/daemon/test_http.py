@@ -19,7 +19,7 @@ from PIL import Image
 from sse import sse_events
 
 from diffusiond.engine.outputs import Completed
-from diffusiond.engine.request import SamplingParams
+from diffusiond.models.params import SamplingParams
 
 # A request long enough to still be running when the test acts on it (max steps: 1000, ~10 ms each here).
 LONG_STEPS = 1000

@@ -24,7 +24,7 @@ from diffusiond.daemon.ranks import join_group, leave
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.follower import run_follower
 from diffusiond.engine.outputs import Completed, Progress
-from diffusiond.engine.request import SamplingParams
+from diffusiond.models.params import SamplingParams
 
 
 async def drive(rank, requests, out: Path) -> None:

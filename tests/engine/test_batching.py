@@ -12,8 +12,8 @@ from pictures import picture
 
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Completed
-from diffusiond.engine.request import SamplingParams
 from diffusiond.models.loader import load_adapter
+from diffusiond.models.params import SamplingParams
 
 STEPS = 3
 

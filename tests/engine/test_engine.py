@@ -9,8 +9,8 @@ import pytest_asyncio
 
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Cancelled, Completed, Failed, Preview, Progress, Queued
-from diffusiond.engine.request import SamplingParams
 from diffusiond.models.loader import load_adapter
+from diffusiond.models.params import SamplingParams
 
 
 def params(prompt: str = "a red circle", seed: int = 0, steps: int = 4, **kw) -> SamplingParams:
@@ -140,7 +140,7 @@ async def test_event_loop_stays_responsive(adapter):
 
 @pytest.mark.asyncio
 async def test_bad_params_raise_before_queueing(engine):
-    from diffusiond.models.base import ParamError
+    from diffusiond.models.params import ParamError
 
     with pytest.raises(ParamError) as info:
         engine.add_request(params(width=65))

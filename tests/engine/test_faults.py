@@ -11,8 +11,8 @@ import pytest
 from diffusiond.engine.comm import LocalComm
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Failed
-from diffusiond.engine.request import SamplingParams
 from diffusiond.models.loader import load_adapter
+from diffusiond.models.params import SamplingParams
 
 
 class HangingComm(LocalComm):

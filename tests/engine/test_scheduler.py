@@ -5,9 +5,10 @@ import sys
 
 import pytest
 
-from diffusiond.engine.request import RequestStatus, SamplingParams
+from diffusiond.engine.request import RequestStatus
 from diffusiond.engine.scheduler import QueueFullError, SchedRequest, Scheduler, StepResult
 from diffusiond.engine.wire import decode_plan, encode_plan
+from diffusiond.models.params import SamplingParams
 
 
 def make(request_id: str, key="a", steps: int = 3) -> SchedRequest:

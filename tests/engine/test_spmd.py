@@ -13,8 +13,8 @@ import pytest
 from pictures import mask, picture
 from spmd_runs import one_rank, two_ranks
 
-from diffusiond.engine.request import SamplingParams
 from diffusiond.models.loader import load_adapter
+from diffusiond.models.params import SamplingParams
 
 TOLERANCE = 1e-4
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from spmd_runs import one_rank, two_ranks
 
-from diffusiond.engine.request import LoraChoice, SamplingParams
+from diffusiond.models.params import LoraChoice, SamplingParams
 from diffusiond.models.tiny_lora import build_tiny_lora
 
 

@@ -14,7 +14,6 @@ from diffusers import StableDiffusion3Pipeline
 
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Completed
-from diffusiond.engine.request import SamplingParams
 from diffusiond.models.declared import DEFAULTS_FILE
 from diffusiond.models.default import SHIPPED, default_model
 from diffusiond.models.demo import scenes as sc
@@ -23,6 +22,7 @@ from diffusiond.models.demo.judge import ATTRIBUTES, accuracy, analyse, judge
 from diffusiond.models.demo.text import CLIP_MAX_LENGTH, make_tokenizer
 from diffusiond.models.demo.train import check_zero_token_trick, image_batch
 from diffusiond.models.loader import load_adapter
+from diffusiond.models.params import SamplingParams
 from diffusiond.models.preview import decode_pooled, load_preview_factors
 
 torch.set_num_threads(2)

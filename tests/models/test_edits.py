@@ -16,9 +16,8 @@ from engines import reference, run_staggered
 from pictures import decoded, mask, picture
 
 from diffusiond.engine.outputs import Completed
-from diffusiond.engine.request import SamplingParams
-from diffusiond.models.base import ParamError
 from diffusiond.models.loader import load_adapter
+from diffusiond.models.params import ParamError, SamplingParams
 
 TOLERANCE = 1e-4
 IMAGES = [picture(80, 64, seed=1), picture(64, 64, seed=2, fmt="JPEG"), picture(48, 96, seed=3, mode="RGBA")]

@@ -11,9 +11,8 @@ import aiohttp
 import pytest
 from procs import refused
 
-from diffusiond.engine.request import SamplingParams
-from diffusiond.models.base import ParamError
 from diffusiond.models.loader import load_adapter
+from diffusiond.models.params import ParamError, SamplingParams
 from diffusiond.models.registry import ADAPTERS, families_table
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,10 +18,10 @@ from safetensors.torch import load_file, save_file
 
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Completed, Progress
-from diffusiond.engine.request import LoraChoice, SamplingParams
 from diffusiond.kernels import lora as lora_kernels
 from diffusiond.models.loader import load_adapter
 from diffusiond.models.lora import LoraError
+from diffusiond.models.params import LoraChoice, SamplingParams
 from diffusiond.models.tiny_lora import build_tiny_lora
 
 TOLERANCE = 1e-4

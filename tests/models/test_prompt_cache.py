@@ -4,9 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from diffusiond.engine.request import SamplingParams
-from diffusiond.engine.wire import NewRequest
 from diffusiond.models.loader import load_adapter
+from diffusiond.models.params import SamplingParams
 from diffusiond.models.prompts import PromptCache
 
 
@@ -43,7 +42,7 @@ def test_a_cached_prompt_gives_the_same_image(family, request):
     )
 
     def run() -> np.ndarray:
-        (state,) = adapter.prepare([NewRequest("r", params)])
+        (state,) = adapter.prepare([("r", params)])
         while not state.finished:
             adapter.step([state], adapter.denoise([state]))
         return adapter.decode([state])[0]

@@ -17,10 +17,9 @@ import pytest
 
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Completed
-from diffusiond.engine.request import SamplingParams
 from diffusiond.models import stepcache
-from diffusiond.models.base import ParamError
 from diffusiond.models.loader import load_adapter
+from diffusiond.models.params import ParamError, SamplingParams
 
 # Batched rows may differ from a row computed alone in the last bits (matmul blocking); as tests/engine/test_batching.
 ATOL = 1e-5

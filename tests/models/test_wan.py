@@ -19,9 +19,8 @@ from pictures import picture
 from PIL import Image
 
 from diffusiond.engine.outputs import Completed
-from diffusiond.engine.request import LoraChoice, SamplingParams
-from diffusiond.models.base import ParamError
 from diffusiond.models.loader import load_adapter
+from diffusiond.models.params import LoraChoice, ParamError, SamplingParams
 from diffusiond.models.tiny_lora import build_tiny_lora
 
 TOLERANCE = 1e-4
@@ -193,9 +192,7 @@ def test_projection_budget_is_held(tiny_wan):
 def test_video_previews_are_strips_of_frames(tiny_wan):
     adapter = load_adapter(tiny_wan)
     params = adapter.resolve(clip("a red cat", 1, frames=9, steps=3, preview_every=1))
-    from diffusiond.engine.wire import NewRequest
-
-    (state,) = adapter.prepare([NewRequest("a", params)])
+    (state,) = adapter.prepare([("a", params)])
     out = adapter.denoise([state])
     x0 = adapter.predicted_x0(state, out)  # [C, T, h, w]: 3 latent frames of 4 x 6
     assert tuple(x0.shape) == (16, 3, 4, 6)

@@ -17,8 +17,9 @@ if _RANK is not None and os.environ.get("RANK") == _RANK:
         marker = f"fault:{name}"
 
         def stage(self, items):
-            # prepare() takes NewRequests, denoise() RequestStates: both carry .params.
-            if any(marker in item.params.prompt for item in items):
+            # prepare() takes (request id, params) pairs, denoise() RequestStates.
+            params = [item[1] if isinstance(item, tuple) else item.params for item in items]
+            if any(marker in p.prompt for p in params):
                 raise RuntimeError(f"injected {marker} on rank {_RANK}")
             return real(self, items)
 

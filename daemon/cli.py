@@ -237,21 +237,6 @@ def run_async(coro) -> int:
     return uvloop.run(coro)
 
 
-def cmd_calibrate_cache(args: argparse.Namespace) -> int:
-    configure_threads(args.threads)
-    quiet_libraries()
-    from diffusiond.models.calibrate import calibrate
-
-    return calibrate(args)
-
-
-def cmd_bench_spmd(args: argparse.Namespace) -> int:
-    quiet_libraries()
-    from diffusiond.bench.spmd import bench_spmd
-
-    return bench_spmd(args)
-
-
 def _load_config(args: argparse.Namespace):
     """The effective ServeConfig (CLI > environment > file > defaults), or None after printing the error."""
     from diffusiond.daemon.config import ConfigError, load_config
@@ -396,7 +381,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser(*, with_load_tools: bool = True) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     from diffusiond.daemon.serve_flags import add_log_args, add_serve_args
     from diffusiond.models.tiny import FAMILIES
 
@@ -450,65 +435,16 @@ def build_parser(*, with_load_tools: bool = True) -> argparse.ArgumentParser:
     gen.add_argument("--preview-every", type=int, default=1, help="a preview every N steps (default: 1)")
     gen.set_defaults(func=cmd_generate)
 
-    calibrate = sub.add_parser(
-        "calibrate-cache",
-        help="fit TeaCache's rescaling polynomial for a checkpoint and write it beside the weights",
-        description="Run prompts with every step computed, record each request-step's (modulated input change, "
-        "blocks' residual change) and fit a polynomial; `serve --cache teacache` reads it from "
-        "<model>/diffusiond_cache.json.",
-    )
-    add_model_args(calibrate)
-    calibrate.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: 16 built-in prompts)")
-    calibrate.add_argument("--size", type=parse_size, help="WIDTHxHEIGHT (default: the model's)")
-    calibrate.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
-    calibrate.add_argument("--guidance-scale", type=float, help="classifier-free guidance (default: the model's)")
-    calibrate.add_argument("--degree", type=int, default=4, help="polynomial degree (default: 4, as TeaCache's)")
-    calibrate.add_argument("--out", metavar="DIR", help="folder to write diffusiond_cache.json into (default: --model)")
-    calibrate.set_defaults(func=cmd_calibrate_cache)
-
     tiny = sub.add_parser("make-tiny", help="write a tiny random-weight checkpoint (offline) for tests and development")
     tiny.add_argument("--family", required=True, choices=FAMILIES)
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_make_tiny)
 
-    bench = sub.add_parser("bench", help="benchmarks that print ratios measured side by side in one run")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    spmd = bench_sub.add_parser("spmd", help="plan broadcast cost with 2 ranks; 1 rank vs 2 ranks CFG-parallel")
-    spmd.add_argument("--model", help="checkpoint (default: the bundled default model)")
-    spmd.add_argument("--size", type=parse_size, default=(64, 64))
-    spmd.add_argument("--steps", type=int, default=8)
-    spmd.add_argument("--images", type=int, default=32)
-    spmd.add_argument("--plans", type=int, default=2000, help="broadcast rounds per plan kind")
-    spmd.set_defaults(func=cmd_bench_spmd)
-    if with_load_tools:
-        add_load_tools(bench_sub)
+    # `diffusiond bench ...` never reaches this parser: the entry point (diffusiond/__main__.py) hands it to
+    # diffusiond.bench.cli, so serving never imports the benchmarks. Listed here for `diffusiond --help`.
+    sub.add_parser("bench", help="benchmarks that print ratios measured side by side in one run (diffusiond bench -h)")
     return parser
-
-
-def add_load_tools(bench_sub) -> None:
-    """`bench serve` and `bench compare`: their modules import the HTTP client side (aiohttp client, numpy), so
-    they are registered only when a bench command runs; `serve` never imports diffusiond.bench."""
-    from diffusiond.bench import serve as bench_serve
-
-    load = bench_sub.add_parser(
-        "serve",
-        help="drive a running daemon over HTTP: latency percentiles, images/s, time to first preview, SLO",
-        description=bench_serve.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench_serve.add_args(load)
-    load.set_defaults(func=lambda args: bench_serve.bench_serve(args))
-    from diffusiond.bench import compare as bench_compare
-
-    compare = bench_sub.add_parser(
-        "compare",
-        help="a daemon over HTTP vs a clean diffusers process on the same checkpoint: ratios, and a plot",
-        description=bench_compare.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench_compare.add_args(compare)
-    compare.set_defaults(func=lambda args: bench_compare.bench_compare(args))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -516,13 +452,15 @@ def main(argv: list[str] | None = None) -> int:
     from diffusiond.daemon.logs import quiet_library_noise
 
     quiet_library_noise()
-    args = build_parser(with_load_tools="bench" in argv).parse_args(argv)
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        print(
+            "diffusiond: error: run benchmarks as `diffusiond bench ...` (python -m diffusiond bench ...)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     if args.command not in ("serve", "config"):  # those two take logging from their configuration
         from diffusiond.daemon.logs import configure_logging
 
         configure_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
     return args.func(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -93,7 +93,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--cache",
         choices=["none", "fbcache", "teacache"],
         help="step caching, decided per request: fbcache = first-block cache, teacache = TeaCache (its polynomial: "
-        f"`diffusiond calibrate-cache`, or the family's published one) (default: {d.cache})",
+        f"`python -m diffusiond.tools.calibrate`, or the family's published one) (default: {d.cache})",
     )
     add(
         "--cache-threshold",

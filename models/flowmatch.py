@@ -407,7 +407,7 @@ class FlowMatchAdapter(ModelAdapter):
 
     step_cache: str = "none"
     default_cache_threshold: float = 0.0
-    # TeaCache's rescaling polynomial when the checkpoint has no calibration of its own (models/calibrate.py).
+    # TeaCache's rescaling polynomial when the checkpoint has no calibration of its own (tools/calibrate.py).
     teacache_coefficients: ClassVar[tuple[float, ...]] = stepcache.IDENTITY
 
     def enable_lora(self, budget_bytes: int) -> LoraRegistry:
@@ -428,8 +428,6 @@ class FlowMatchAdapter(ModelAdapter):
 
     def enable_step_cache(self, method: str, threshold: float) -> None:
         """Server-wide: the method, and the threshold of requests that send none. Families implement the forward."""
-        from diffusiond.models.calibrate import load_coefficients
-
         if method not in stepcache.METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose from {', '.join(stepcache.METHODS)}")
         if method != "none" and method not in self.cache_methods:
@@ -443,7 +441,7 @@ class FlowMatchAdapter(ModelAdapter):
             )
         self.step_cache = method
         self.default_cache_threshold = threshold if method != "none" else 0.0
-        coefficients = load_coefficients(self.source) if os.path.isdir(self.source) else None
+        coefficients = stepcache.load_coefficients(self.source) if os.path.isdir(self.source) else None
         self.cache_method = stepcache.Method(method, coefficients or self.teacache_coefficients)
 
     attention_backend: str = "sdpa"

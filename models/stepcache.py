@@ -10,7 +10,7 @@ previous step:
   fully computed step. Reusing skips the remaining blocks: the request adds the residual they added then.
 - **teacache**: only the first block's timestep-modulated input (`norm1(h, temb)`) is computed for every row; the
   signal is its relative L1 change since the previous step, rescaled by the family's polynomial (`Method.rescale`:
-  FLUX's published coefficients, or a fit by `diffusiond calibrate-cache`, see `models/calibrate.py`) and
+  FLUX's published coefficients, or a fit beside the weights by `tools/calibrate.py`) and
   accumulated over the steps the request reused. Reusing skips every block: the request adds the residual all blocks
   added at its last computed step; computing resets the accumulator.
 
@@ -23,6 +23,9 @@ same blocks in the same order as the pipeline's forward (tests compare with diff
 
 from __future__ import annotations
 
+import json
+import math
+import os
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -33,10 +36,24 @@ import torch
 from diffusiond.kernels.lora import LoraLayers
 
 METHODS = ("none", "fbcache", "teacache")
+# TeaCache's polynomial fitted for a checkpoint (tools/calibrate.py), beside its weights.
+CACHE_FILE = "diffusiond_cache.json"
 
 # TeaCache's published rescaling polynomial for FLUX.1 (highest degree first): a fact of those weights.
 FLUX_TEACACHE = (498.651651, -283.781631, 55.8554382, -3.82021401, 0.264230861)
 IDENTITY = (1.0, 0.0)
+
+
+def load_coefficients(source: str) -> tuple[float, ...] | None:
+    """The polynomial fitted for the checkpoint in `source` (highest degree first), or None without a calibration."""
+    path = os.path.join(source, CACHE_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        coefficients = json.load(f)["teacache"]["coefficients"]
+    if not coefficients or not all(isinstance(c, int | float) and math.isfinite(c) for c in coefficients):
+        raise ValueError(f"{path}: teacache coefficients must be a non-empty list of finite numbers")
+    return tuple(float(c) for c in coefficients)
 
 
 @dataclass
@@ -44,7 +61,7 @@ class Method:
     """The server's cache method; for TeaCache, the polynomial (highest degree first) that maps the modulated
     input's relative change to an estimate of the output's. `record`, when a list, receives (input change, change of
     the residual the blocks add) for every request-step computed after a computed step: the pairs
-    `calibrate-cache` fits."""
+    tools/calibrate.py fits."""
 
     name: str
     coefficients: tuple[float, ...] = IDENTITY

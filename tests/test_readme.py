@@ -39,11 +39,11 @@ ELSEWHERE: list[tuple[str, str]] = [
     (r"haproxy -f deploy/haproxy/haproxy\.cfg", "tests/deploy/test_haproxy.py"),
     (r"diffusiond serve --cache teacache --scheduler-config", "tests/models/test_demo.py"),
     (r"diffusiond serve --cache (fb|tea)cache", "tests/models/test_stepcache.py"),
-    (r"diffusiond calibrate-cache", "tests/models/test_stepcache.py"),
+    (r"python -m diffusiond\.tools\.calibrate", "tests/models/test_stepcache.py"),
     (r"diffusiond serve --quantize", "tests/kernels/test_quantize.py"),
     (r"pip install -c constraints/cpu\.txt -e '\.\[quant\]'", "tests/service/test_packaging.py"),
-    (r"python -m diffusiond\.bench\.cache", "tests/test_readme.py"),
-    (r"python -m diffusiond\.bench\.accel", "tests/test_readme.py"),
+    (r"python -m diffusiond\.tools\.cache", "tests/test_readme.py"),
+    (r"python -m diffusiond\.tools\.accel", "tests/test_readme.py"),
     (r"python -m diffusiond\.bench\.projections", "tests/test_readme.py"),
     (r"python -m diffusiond\.bench\.strategies", "tests/test_readme.py"),
     (r"diffusiond serve --attention math", "tests/kernels/test_attention.py"),
@@ -192,10 +192,10 @@ def test_bench_spmd_example(tmp_path):
 def test_bench_accel_example(tmp_path):
     """README's acceleration benchmark, at its smallest settings (the numbers are not checked): each configuration
     in a child process of its own, every row reported."""
-    (command,) = readme_commands("python -m diffusiond.bench.accel --scheduler-config")
+    (command,) = readme_commands("python -m diffusiond.tools.accel --scheduler-config")
     configs = "exact,teacache:0.4,int8"
-    cmd = f"{sys.executable} -m diffusiond.bench.accel --requests 2 --repeats 1 --steps 8 --configs {configs}"
-    cmd += " " + command.split("#")[0].split("bench.accel", 1)[1].strip()  # README's --scheduler-config
+    cmd = f"{sys.executable} -m diffusiond.tools.accel --requests 2 --repeats 1 --steps 8 --configs {configs}"
+    cmd += " " + command.split("#")[0].split("tools.accel", 1)[1].strip()  # README's --scheduler-config
     result = run(cmd, tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr.decode()[-2000:]
     for config in configs.split(","):
@@ -208,9 +208,9 @@ def test_bench_accel_example(tmp_path):
 @pytest.mark.slow
 def test_bench_cache_example(tmp_path):
     """README's step-cache benchmark, at its smallest settings (the numbers are not checked)."""
-    readme_commands("python -m diffusiond.bench.cache")
+    readme_commands("python -m diffusiond.tools.cache")
     cmd = (
-        f"{sys.executable} -m diffusiond.bench.cache --requests 2 --repeats 1 --steps 4 --thresholds 0.4 "
+        f"{sys.executable} -m diffusiond.tools.cache --requests 2 --repeats 1 --steps 4 --thresholds 0.4 "
         "--teacache-thresholds 0.3"
     )
     result = run(cmd, tmp_path, timeout=300)

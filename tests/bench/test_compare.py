@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from diffusiond.daemon.cli import main
+from diffusiond.__main__ import main
 
 
 def test_compare_runs_and_reports(tiny_sd3, tmp_path, capsys):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from diffusiond.daemon.cli import main
+from diffusiond.__main__ import main
 
 
 def bench(server, tmp_path, *flags: str) -> dict:
@@ -61,7 +61,7 @@ def test_serving_never_imports_the_bench_package():
 
     code = (
         "import sys; from diffusiond.daemon.cli import build_parser;"
-        "build_parser(with_load_tools=False).parse_args(['serve']);"
+        "build_parser().parse_args(['serve']);"
         "sys.exit(any(m.startswith('diffusiond.bench') for m in sys.modules))"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -182,7 +182,7 @@ def test_help_describes_every_flag():
 
 def test_the_shipped_declaration_is_what_training_writes():
     from diffusiond.models.declared import DEFAULTS_FILE, read_declared
-    from diffusiond.models.demo.train import declaration
+    from diffusiond.tools.demo.train import declaration
 
     path = Path(default_model())
     shipped = json.loads((path / DEFAULTS_FILE).read_text())

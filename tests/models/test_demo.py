@@ -16,14 +16,14 @@ from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Completed
 from diffusiond.models.declared import DEFAULTS_FILE
 from diffusiond.models.default import SHIPPED, default_model
-from diffusiond.models.demo import scenes as sc
-from diffusiond.models.demo.evaluate import SEED_BASE, eval_scenes
-from diffusiond.models.demo.judge import ATTRIBUTES, accuracy, analyse, judge
-from diffusiond.models.demo.text import CLIP_MAX_LENGTH, make_tokenizer
-from diffusiond.models.demo.train import check_zero_token_trick, image_batch
 from diffusiond.models.loader import load_adapter
 from diffusiond.models.params import SamplingParams
 from diffusiond.models.preview import decode_pooled, load_preview_factors
+from diffusiond.tools.demo import scenes as sc
+from diffusiond.tools.demo.evaluate import SEED_BASE, eval_scenes
+from diffusiond.tools.demo.judge import ATTRIBUTES, accuracy, analyse, judge
+from diffusiond.tools.demo.text import CLIP_MAX_LENGTH, make_tokenizer
+from diffusiond.tools.demo.train import check_zero_token_trick, image_batch
 
 torch.set_num_threads(2)
 
@@ -150,7 +150,7 @@ def test_preview_map_is_the_fitted_one(adapter) -> None:
 
 
 def test_previews_show_the_colours_the_image_will_have(adapter) -> None:
-    from diffusiond.models.demo.previewfit import colour_error
+    from diffusiond.tools.demo.previewfit import colour_error
 
     errors = colour_error(adapter.vae, load_preview_factors(SHIPPED), sc.split()[1])
     assert set(errors) == set(sc.COLOURS)
@@ -253,7 +253,7 @@ def test_caption_variants_name_exactly_what_they_say() -> None:
 def test_held_out_phrasings_are_never_trained_on() -> None:
     """A tenth of the phrasings is held out; training draws never produce one, the evaluation only those; captions
     in the grammar's own words are always trained."""
-    from diffusiond.models.demo.evaluate import caption_cases
+    from diffusiond.tools.demo.evaluate import caption_cases
 
     rng = np.random.default_rng(4)
     train = sc.split()[0]
@@ -277,13 +277,13 @@ def test_held_out_phrasings_are_never_trained_on() -> None:
 # shipped weights (v3, stochastic sampling) draw colour 96.8%, background 99.4%, shape 91.9%, position 100%, size
 # 93.6% here, and 95.7%, 98.9%, 92.6%, 99.7%, 93.0% on 648 other captions of the same scenes with other seeds
 # (`evaluate partial --seed-base 5000`). Sampled without the scheduler's fresh noise (`--no-stochastic`), the same
-# weights draw shape 88.0% here, and v2 drew colour 89.0%, shape 79.5% (models/demo/README.md). A model that
+# weights draw shape 88.0% here, and v2 drew colour 89.0%, shape 79.5% (tools/demo/README.md). A model that
 # ignores the prompt gets about 1/6 of colours and backgrounds, 1/3 of shapes and 1/2 of sizes, 1/9 of positions.
 MIN_PARTIAL = {"colour": 0.95, "background": 0.95, "shape": 0.90, "position": 0.95, "size": 0.9}
 
 
 def test_follows_partial_captions_it_was_never_trained_on(adapter) -> None:
-    from diffusiond.models.demo.evaluate import caption_cases, judge_named
+    from diffusiond.tools.demo.evaluate import caption_cases, judge_named
 
     cases = caption_cases("partial", len(sc.split()[1]), 4)
     images = asyncio.run(_serve(adapter, [c.text for _, c in cases]))

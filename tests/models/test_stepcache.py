@@ -178,12 +178,13 @@ def test_teacache_skips_every_block_and_accumulates(family, request, monkeypatch
 
 
 def test_calibration_fits_the_checkpoint(tmp_path, request):
-    """`calibrate-cache`: every request-step after the first gives a pair; the fit goes beside the weights and a
-    server with --cache teacache uses it instead of the family's default. The fit recovers a known polynomial."""
+    """`python -m diffusiond.tools.calibrate`: every request-step after the first gives a pair; the fit goes beside the
+    weights and a server with --cache teacache uses it instead of the family's default. The fit recovers a known
+    polynomial."""
     import json
     import shutil
 
-    from diffusiond.models import calibrate
+    from diffusiond.tools import calibrate
 
     x = np.linspace(0.01, 0.5, 40)
     known = (3.0, -2.0, 0.5, 0.1)
@@ -195,10 +196,8 @@ def test_calibration_fits_the_checkpoint(tmp_path, request):
     pairs = calibrate.record_pairs(str(model), ["a red circle", "a blue square", "a cat"], steps=5, size=(64, 64))
     assert len(pairs) == 3 * 4, "one pair per request-step after the first"
     assert all(a > 0 and b > 0 for a, b in pairs)
-    from diffusiond.daemon.cli import main
-
-    assert main(["calibrate-cache", "--model", str(model), "--steps", "5", "--size", "64x64", "--degree", "2"]) == 0
-    fitted = json.loads((model / calibrate.CACHE_FILE).read_text())["teacache"]
+    assert calibrate.main(["--model", str(model), "--steps", "5", "--size", "64x64", "--degree", "2"]) == 0
+    fitted = json.loads((model / stepcache.CACHE_FILE).read_text())["teacache"]
     assert fitted["pairs"] == 16 * 4 and len(fitted["coefficients"]) == 3
     adapter = load_adapter(str(model))
     adapter.enable_step_cache("teacache", 0.1)

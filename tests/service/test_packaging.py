@@ -110,8 +110,9 @@ def test_dockerfile_runs_diffusiond_serve_as_a_user_with_valid_settings():
 
 
 def test_the_wheel_ships_the_model_and_the_playground_without_warnings(tmp_path):
-    """What `pip install` builds: the bundled weights, the playground and the dashboard are in it, and setuptools
-    says nothing about data folders it "would ignore"."""
+    """What `pip install` builds: the bundled weights, the playground and the dashboard are in it, the tools of a
+    source checkout (tools/: the demo model's recipe and judge, calibration) are not, and setuptools says nothing
+    about data folders it "would ignore". The installed command starts from its entry point."""
     import zipfile
 
     result = subprocess.run(
@@ -134,6 +135,10 @@ def test_the_wheel_ships_the_model_and_the_playground_without_warnings(tmp_path)
     }
     assert expected and expected <= names, sorted(expected - names)
     assert any(name.startswith("diffusiond/metrics/") and name.endswith(".json") for name in names)
+    assert not [name for name in names if name.startswith("diffusiond/tools/")]
+    assert "diffusiond/bench/cli.py" in names and "diffusiond/__main__.py" in names
+    (entry_points,) = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
+    assert "diffusiond = diffusiond.__main__:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
 def test_the_test_extra_installs_what_the_quant_extra_does():

@@ -3,7 +3,7 @@ checkpoint, prompts and seeds) through the engine, 8 at a time (continuous batch
 Reports the speed-up, the agreement with the exact images (PSNR, SSIM, and the judge's accuracy for the bundled
 model) and the share of request-steps that reused their cache.
 
-    python -m diffusiond.bench.cache [--model DIR] [--steps N] [--requests 32] [--methods fbcache,teacache]
+    python -m diffusiond.tools.cache [--model DIR] [--steps N] [--requests 32] [--methods fbcache,teacache]
         [--thresholds 0.05,0.1,0.2] [--teacache-thresholds 0.1,0.2,0.4]
 """
 
@@ -86,8 +86,8 @@ async def main(args: argparse.Namespace) -> None:
     engine = Engine(load, max_batch=8, batch_wait=0.05)
     await engine.start()
     if bundled:
-        from diffusiond.models.demo import scenes as sc
-        from diffusiond.models.demo.judge import judge
+        from diffusiond.tools.demo import scenes as sc
+        from diffusiond.tools.demo.judge import judge
 
         scenes = sc.split()[1][: args.requests]
         prompts = [s.caption for s in scenes]

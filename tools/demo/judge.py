@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diffusiond.models.demo.scenes import COLOURS, IMAGE_SIZE, POSITIONS, SIZES, Scene, parse_caption
+from diffusiond.tools.demo.scenes import COLOURS, IMAGE_SIZE, POSITIONS, SIZES, Scene, parse_caption
 
 ATTRIBUTES: tuple[str, ...] = ("background", "colour", "shape", "position", "size")
 

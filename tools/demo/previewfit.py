@@ -1,6 +1,6 @@
 """The demo model's fast preview map (`diffusiond_preview.json`): fitted against its own VAE on rendered scenes, and
 how far its colours are from the image's. Used by `train.py` when it saves a checkpoint, and by
-`python -m diffusiond.models.demo.train --out DIR --refit-preview`."""
+`python -m diffusiond.tools.demo.train --out DIR --refit-preview`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffusiond.models.demo import scenes as sc
-from diffusiond.models.demo.train import image_batch
+from diffusiond.tools.demo import scenes as sc
+from diffusiond.tools.demo.train import image_batch
 
 
 @torch.no_grad()

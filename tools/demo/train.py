@@ -1,6 +1,6 @@
 """Train the demo text-to-image model from nothing, on procedural scenes, into a standard SD3 diffusers checkpoint.
 
-    python -m diffusiond.models.demo.train --out models/demo/weights [--minutes 46] [--vae-minutes 10]
+    python -m diffusiond.tools.demo.train --out models/demo/weights [--minutes 46] [--vae-minutes 10]
 
 Two phases, both on the CPU with fixed seeds:
 
@@ -45,8 +45,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from diffusiond.models.demo import scenes as sc
-from diffusiond.models.demo.text import (
+from diffusiond.tools.demo import scenes as sc
+from diffusiond.tools.demo.text import (
     CLIP_HIDDEN,
     CLIP_PROJECTION,
     FastTokenizer,
@@ -81,7 +81,7 @@ def declaration(captions: str = "variants") -> dict[str, Any]:
         "width": 64,
         "height": 64,
         "num_inference_steps": 16,
-        # Chosen on held-out partial captions (models/demo/README.md): 3 for v3; v1 was tuned at 2.
+        # Chosen on held-out partial captions (tools/demo/README.md): 3 for v3; v1 was tuned at 2.
         "guidance_scale": 3.0 if variants else 2.0,
         "sizes": [[64, 64]],
         "steps": [4, 100],
@@ -334,7 +334,7 @@ def make_deterministic(vae: Any) -> None:
 @torch.no_grad()
 def vae_report(vae: Any, scenes: list[sc.Scene], n: int = 300, seed: int = 7) -> dict[str, Any]:
     """Judge accuracy of VAE reconstructions (posterior mean) of `n` jittered scenes, overall and per shape."""
-    from diffusiond.models.demo.judge import accuracy
+    from diffusiond.tools.demo.judge import accuracy
 
     rng = np.random.default_rng(seed)
     batch = [sc.random_scene(rng, scenes) for _ in range(n)]
@@ -583,7 +583,7 @@ def save_checkpoint(
     try:
         build_pipeline(parts, shift=shift).save_pretrained(staging)
         write_defaults(staging, defaults)
-        from diffusiond.models.demo.previewfit import fit_preview
+        from diffusiond.tools.demo.previewfit import fit_preview
 
         rgb = fit_preview(parts["vae"], train)
         (staging / FACTORS_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(rgb)) + b"\n")
@@ -682,7 +682,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     if args.refit_preview:
-        from diffusiond.models.demo.previewfit import refit_preview
+        from diffusiond.tools.demo.previewfit import refit_preview
 
         print(json.dumps(refit_preview(args.out)))
         return

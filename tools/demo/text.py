@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from diffusiond.models.demo import scenes as sc
+from diffusiond.tools.demo import scenes as sc
 
 CLIP_MAX_LENGTH = 16
 CLIP_HIDDEN = 64

@@ -1,4 +1,7 @@
-"""TeaCache's rescaling polynomial fitted for one checkpoint: `diffusiond calibrate-cache --model DIR`.
+"""TeaCache's rescaling polynomial fitted for one checkpoint, written beside its weights:
+
+    python -m diffusiond.tools.calibrate --model DIR [--prompts FILE] [--size WxH] [--steps N] [--degree 4] [--out DIR]
+
 
 TeaCache (models/stepcache.py) estimates how much the residual all transformer blocks add changes from one step to
 the next from how much the first block's timestep-modulated input changes, which costs one norm instead of every
@@ -6,7 +9,8 @@ block. The two are related by a polynomial that depends on the weights (TeaCache
 checkpoint's own relation is measured: prompts run through the engine with every step computed (threshold 0), and
 for every request-step after its first the pair (relative L1 change of the modulated input, relative L1 change of
 the blocks' residual) is recorded; a least-squares polynomial through the pairs is written beside the weights as
-`diffusiond_cache.json`, which the adapter reads when it starts with `--cache teacache`.
+`diffusiond_cache.json` (models/stepcache.py `CACHE_FILE`), which the adapter reads when it starts with
+`--cache teacache`.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-CACHE_FILE = "diffusiond_cache.json"
+from diffusiond.models.stepcache import CACHE_FILE
 
 # Prompts any text-to-image model draws, the bundled one included (its words).
 PROMPTS = (
@@ -43,18 +46,6 @@ PROMPTS = (
     "a red triangle at the bottom on a white background",
     "a yellow ball on a blue background",
 )
-
-
-def load_coefficients(source: str) -> tuple[float, ...] | None:
-    """The polynomial fitted for the checkpoint in `source` (highest degree first), or None without a calibration."""
-    path = os.path.join(source, CACHE_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        coefficients = json.load(f)["teacache"]["coefficients"]
-    if not coefficients or not all(isinstance(c, int | float) and np.isfinite(c) for c in coefficients):
-        raise ValueError(f"{path}: teacache coefficients must be a non-empty list of finite numbers")
-    return tuple(float(c) for c in coefficients)
 
 
 def fit(pairs: list[tuple[float, float]], degree: int) -> tuple[tuple[float, ...], float]:
@@ -133,7 +124,7 @@ def calibrate(args: argparse.Namespace) -> int:
         offload.check(args.offload, args.device)
         scheduler = scheduler_changes(args.scheduler_config)
     except ValueError as exc:
-        print(f"diffusiond calibrate-cache: error: {exc}", file=sys.stderr)
+        print(f"diffusiond.tools.calibrate: error: {exc}", file=sys.stderr)
         return 2
     model = resolve_model(args.model)
     prompts = list(PROMPTS)
@@ -171,3 +162,29 @@ def calibrate(args: argparse.Namespace) -> int:
     print(f"coefficients (highest degree first): {', '.join(f'{c:.6g}' for c in coefficients)}")
     print(f"wrote {out}; serve it with --cache teacache")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from diffusiond.daemon.cli import add_model_args, configure_threads, parse_size, quiet_libraries
+
+    parser = argparse.ArgumentParser(
+        prog="python -m diffusiond.tools.calibrate",
+        description="Run prompts with every step computed, record each request-step's (modulated input change, "
+        "blocks' residual change) and fit a polynomial; `serve --cache teacache` reads it from "
+        "<model>/diffusiond_cache.json.",
+    )
+    add_model_args(parser)
+    parser.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: 16 built-in prompts)")
+    parser.add_argument("--size", type=parse_size, help="WIDTHxHEIGHT (default: the model's)")
+    parser.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
+    parser.add_argument("--guidance-scale", type=float, help="classifier-free guidance (default: the model's)")
+    parser.add_argument("--degree", type=int, default=4, help="polynomial degree (default: 4, as TeaCache's)")
+    parser.add_argument("--out", metavar="DIR", help="folder to write diffusiond_cache.json into (default: --model)")
+    args = parser.parse_args(argv)
+    configure_threads(args.threads)
+    quiet_libraries()
+    return calibrate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

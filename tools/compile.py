@@ -3,7 +3,7 @@ captions or "a shape N", seeds 0-7) through the engine, eager and then with the 
 after the daemon's own warm-up; best of --repeats. Prints the warm-up time, the time per batch of 8, the speed-up
 and the largest pixel difference from the eager images.
 
-    python -m diffusiond.bench.compile [--model DIR] [--steps 16] [--repeats 3] [--threads 2]
+    python -m diffusiond.tools.compile [--model DIR] [--steps 16] [--repeats 3] [--threads 2]
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     if args.model is None:
         from diffusiond.models.default import default_model
-        from diffusiond.models.demo.evaluate import eval_scenes
+        from diffusiond.tools.demo.evaluate import eval_scenes
 
         model, prompts = default_model(), [s.caption for s in eval_scenes(8)]
     else:

@@ -10,7 +10,7 @@ time (continuous batching); each configuration reports the best of --repeats rou
 Columns: time per round, speed-up, PSNR and SSIM against the exact images, the share of request-steps that reused
 their cache, and for the bundled model the judge's accuracy (all five attributes right; held-out captions).
 
-    python -m diffusiond.bench.accel [--model DIR] [--size 256] [--steps 20] [--requests 16] [--repeats 2]
+    python -m diffusiond.tools.accel [--model DIR] [--size 256] [--steps 20] [--requests 16] [--repeats 2]
         [--configs exact,fbcache:0.2,teacache:0.4,compile,int8,compile+teacache:0.4,...] [--scheduler-config JSON]
 
 The bundled model samples with fresh noise at every step (`stochastic_sampling`), which leaves the step caches
@@ -70,7 +70,7 @@ def workload(model: str | None, n: int, size: int) -> tuple[str, list[str], dict
     "a photo number i" at size x size, guidance 4.5, for another checkpoint."""
     if model is None:
         from diffusiond.models.default import default_model
-        from diffusiond.models.demo.evaluate import eval_scenes
+        from diffusiond.tools.demo.evaluate import eval_scenes
 
         return default_model(), [s.caption for s in eval_scenes(n)], {}
     return model, [f"a photo number {i}" for i in range(n)], {"width": size, "height": size, "guidance_scale": 4.5}
@@ -80,12 +80,12 @@ def worker(args: argparse.Namespace) -> None:
     """One configuration in this (clean) process: writes images, times and the reuse share to --out."""
     import torch
 
-    from diffusiond.bench.cache import count_reuse
     from diffusiond.daemon.app import warm_up_requests
     from diffusiond.daemon.config import scheduler_changes
     from diffusiond.engine.engine import Engine
     from diffusiond.models.loader import load_adapter
     from diffusiond.models.params import SamplingParams
+    from diffusiond.tools.cache import count_reuse
 
     torch.set_num_threads(args.threads)
     config = parse(args.worker)
@@ -137,7 +137,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def run_config(config: str, args: argparse.Namespace, folder: str) -> tuple[dict, np.ndarray]:
     out = os.path.join(folder, config.replace(":", "_").replace("+", "-"))
-    cmd = [sys.executable, "-m", "diffusiond.bench.accel", "--worker", config, "--out", out]
+    cmd = [sys.executable, "-m", "diffusiond.tools.accel", "--worker", config, "--out", out]
     cmd += ["--steps", str(args.steps), "--requests", str(args.requests), "--repeats", str(args.repeats)]
     cmd += ["--threads", str(args.threads), "--size", str(args.size)]
     if args.model:
@@ -175,12 +175,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     for config in args.configs:
         parse(config)  # refuse a typo before minutes of work
-    from diffusiond.bench.cache import psnr, ssim
+    from diffusiond.tools.cache import psnr, ssim
 
     bundled = args.model is None
     if bundled:
-        from diffusiond.models.demo.evaluate import eval_scenes
-        from diffusiond.models.demo.judge import judge
+        from diffusiond.tools.demo.evaluate import eval_scenes
+        from diffusiond.tools.demo.judge import judge
 
         scenes = eval_scenes(args.requests)
     configs = [c for c in args.configs if c != "exact"]

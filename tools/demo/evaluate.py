@@ -1,10 +1,10 @@
 """Evaluate, configure and illustrate the demo model, generating through diffusiond's own engine.
 
-    python -m diffusiond.models.demo.evaluate sweep      # shift x guidance grid on held-out captions
-    python -m diffusiond.models.demo.evaluate configure --shift S --steps N --guidance G
-    python -m diffusiond.models.demo.evaluate eval       # judge accuracy at 8, 16 and 30 steps
-    python -m diffusiond.models.demo.evaluate gallery --out docs/gallery
-    python -m diffusiond.models.demo.evaluate timing
+    python -m diffusiond.tools.demo.evaluate sweep      # shift x guidance grid on held-out captions
+    python -m diffusiond.tools.demo.evaluate configure --shift S --steps N --guidance G
+    python -m diffusiond.tools.demo.evaluate eval       # judge accuracy at 8, 16 and 30 steps
+    python -m diffusiond.tools.demo.evaluate gallery --out docs/gallery
+    python -m diffusiond.tools.demo.evaluate timing
 
 `--model` defaults to the shipped checkpoint (models/demo/weights). Every prompt of an evaluation is a held-out
 caption (a scene combination never seen in training), with seed 1000 + its index, so results are reproducible.
@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffusiond.models.demo import scenes as sc
-from diffusiond.models.demo.judge import accuracy, format_table
+from diffusiond.tools.demo import scenes as sc
+from diffusiond.tools.demo.judge import accuracy, format_table
 
 WEIGHTS = Path(__file__).parent / "weights"
 SEED_BASE = 1000
@@ -122,7 +122,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
 
 def cmd_configure(args: argparse.Namespace) -> None:
-    from diffusiond.models.demo.train import write_defaults
+    from diffusiond.tools.demo.train import write_defaults
 
     model = Path(args.model)
     path = model / "scheduler" / "scheduler_config.json"
@@ -212,7 +212,7 @@ PLAIN_SEEDS = 4
 
 def judge_partial(named: dict[str, str], image: np.ndarray) -> list[str]:
     """The named attributes the image gets wrong."""
-    from diffusiond.models.demo.judge import analyse
+    from diffusiond.tools.demo.judge import analyse
 
     seen = analyse(image)
     return [a for a, value in named.items() if getattr(seen, a) != value]
@@ -223,10 +223,10 @@ GALLERY_README = """\
 
 Images from `models/demo/weights`, the default model of `diffusiond`: a 64x64 text-to-image model in the standard
 SD3 diffusers format, trained from nothing on procedural shape scenes (see
-[models/demo/README.md](../../models/demo/README.md)). Every prompt below is a **held-out** caption: that
+[tools/demo/README.md](../../tools/demo/README.md)). Every prompt below is a **held-out** caption: that
 combination of shape, colour, size, position and background was never in the training set. Generated through
 diffusiond's engine at the checkpoint's defaults ({steps} steps, guidance {guidance}, 64x64), shown upscaled 4x
-(nearest neighbour); the last column is what `models/demo/judge.py` found wrong.
+(nearest neighbour); the last column is what `tools/demo/judge.py` found wrong.
 
 ![gallery](gallery.png)
 
@@ -254,15 +254,15 @@ names and picks the rest, differently per seed (seeds {plain_seeds}, one column 
 |---|---|
 {plain_rows}
 
-Regenerate this folder with `python -m diffusiond.models.demo.evaluate gallery --out docs/gallery`.
+Regenerate this folder with `python -m diffusiond.tools.demo.evaluate gallery --out docs/gallery`.
 """
 
 
 def cmd_gallery(args: argparse.Namespace) -> None:
     from PIL import Image
 
-    from diffusiond.models.demo.judge import judge
     from diffusiond.models.params import SamplingParams
+    from diffusiond.tools.demo.judge import judge
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -394,7 +394,7 @@ def caption_cases(
 def judge_named(cases: list[tuple[sc.Scene, sc.Caption]], images: list[np.ndarray]) -> dict[str, Any]:
     """Accuracy per attribute where the caption names it, and for attributes left out, how varied the model's own
     choices are: the share of the most common value and the number of distinct values seen."""
-    from diffusiond.models.demo.judge import ATTRIBUTES, analyse
+    from diffusiond.tools.demo.judge import ATTRIBUTES, analyse
 
     right: dict[str, list[bool]] = {a: [] for a in ATTRIBUTES}
     picked: dict[str, list[str | None]] = {a: [] for a in ATTRIBUTES}

@@ -92,7 +92,7 @@ def _child(job: Job) -> None:
 
     torch.set_num_threads(job.threads)
     from diffusiond.models.flowmatch import null_components
-    from diffusiond.models.loader import read_model_index
+    from diffusiond.models.registry import read_model_index
 
     index = read_model_index(job.model)
     # Components saved as None (SD3 without T5) are passed as None, as a user of such a checkpoint must.

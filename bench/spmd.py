@@ -103,9 +103,11 @@ def worker(args: Args) -> None:
     from diffusiond.engine.engine import Engine
     from diffusiond.engine.follower import run_follower
     from diffusiond.engine.wire import decode_plan, encode_plan
+    from diffusiond.kernels.layout import ParallelLayout
+    from diffusiond.models.setup import ModelSetup
 
     torch.set_num_threads(1)
-    rank = join_group(args.model, cfg_parallel=2)
+    rank = join_group(ModelSetup(model=args.model, layout=ParallelLayout(2, cfg_degree=2)))
     plans = _typical_plans()
     lines = []
     for name, plan in plans.items():

@@ -43,20 +43,13 @@ class Job(msgspec.Struct):
     threads: int
 
 
-def _layout(flags: list[str]) -> dict:
-    parser = argparse.ArgumentParser()
-    for name in ("--cfg-parallel", "--ulysses", "--ring", "--tp", "--vae-parallel"):
-        parser.add_argument(name, type=int, default=1)
-    parser.add_argument("--shard-weights", action="store_true")
-    ns = parser.parse_args(flags)
-    return {
-        "cfg_parallel": ns.cfg_parallel,
-        "ulysses": ns.ulysses,
-        "ring": ns.ring,
-        "tp": ns.tp,
-        "shard_weights": ns.shard_weights,
-        "vae_parallel": ns.vae_parallel,
-    }
+def _setup(model: str, flags: list[str]):
+    """The model setup `diffusiond serve --model MODEL FLAGS` would run, in this rank's group."""
+    from diffusiond.daemon.cli import build_parser
+    from diffusiond.daemon.config import load_config, model_setup
+
+    config, _ = load_config(vars(build_parser().parse_args(["serve", "--model", model, *flags])), {})
+    return model_setup(config)
 
 
 def worker(job: Job) -> None:
@@ -73,7 +66,7 @@ def worker(job: Job) -> None:
     from diffusiond.kernels.tensor_parallel import param_bytes
 
     torch.set_num_threads(job.threads)
-    rank = join_group(job.model, **_layout(job.flags))
+    rank = join_group(_setup(job.model, job.flags))
     weights = param_bytes(rank.adapter.transformer)
     steps: list[float] = []
     real = rank.adapter.denoise

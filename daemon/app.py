@@ -24,7 +24,7 @@ from prometheus_client.exposition import choose_encoder
 from diffusiond import __version__
 from diffusiond.daemon import loras_api, native_api, openai_api, videos_api
 from diffusiond.daemon.api import ApiError, body_limit, too_large
-from diffusiond.daemon.config import ServeConfig, lora_refusal, scheduler_changes
+from diffusiond.daemon.config import ServeConfig, model_setup
 from diffusiond.daemon.images import encoder_pool
 from diffusiond.daemon.state import ENCODERS, LOAD, METRICS, STATE, ServerState
 from diffusiond.daemon.streaming import ClientGone
@@ -96,22 +96,9 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def _default_loader(config: ServeConfig) -> Loader:
     def load() -> ModelAdapter:
-        from diffusiond.models.default import default_model
-        from diffusiond.models.loader import load_adapter
-        from diffusiond.models.lora import setup_loras, startup_specs
+        from diffusiond.models.setup import build_adapter
 
-        adapter = load_adapter(
-            config.model or default_model(),
-            device=config.device,
-            dtype=config.dtype,
-            quantize=config.quantize,
-            quantize_skip=config.quantize_skip,
-            offload=config.offload,
-            scheduler_config=scheduler_changes(config.scheduler_config),
-        )
-        specs = startup_specs(config.lora, config.lora_dir)
-        setup_loras(adapter, specs, config.lora_cache_bytes, config.lora_fuse, lora_refusal(config))
-        return adapter
+        return build_adapter(model_setup(config))
 
     return load
 
@@ -134,12 +121,6 @@ async def _load(app: web.Application) -> None:
         caps = adapter.capabilities
         state.model_id = config.served_model_name or caps.name or _model_id(config.model or adapter.source)
         engine.limits = request_limits(config, caps)
-        adapter.enable_step_cache(config.cache, config.cache_threshold)  # before any request resolves
-        backend = adapter.set_attention(config.attention)
-        if backend != "sdpa":
-            log.info("attention: %s", backend)
-        if adapter.quantized is not None:
-            log.info("quantized %d linear layers of the transformer (%s)", adapter.quantized[1], adapter.quantized[0])
         app[METRICS].lora.source = lambda: adapter.lora_registry
         app[METRICS].set_info(
             model=state.model_id,
@@ -150,12 +131,6 @@ async def _load(app: web.Application) -> None:
             version=__version__,
         )
         state.attach(engine)
-        if config.compile:
-            from diffusiond.kernels.compile import use_cache_dir
-            from diffusiond.models.default import cache_dir
-
-            cache = use_cache_dir(config.compile_cache or cache_dir() / "inductor")
-            log.info("compiling %d transformer blocks during the warm-up (cache %s)", adapter.enable_compile(), cache)
         # Warm-up through the whole path, not a user request (no metrics, no request log line).
         t0 = time.monotonic()
         for group in warm_up_requests(caps, compiled=config.compile, limits=engine.limits):

@@ -97,26 +97,25 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _generate(args: argparse.Namespace) -> int:
-    from diffusiond.daemon.images import encode_image
-    from diffusiond.engine.engine import Engine
-    from diffusiond.engine.outputs import Cancelled, Completed, Failed, Preview, Progress
-    from diffusiond.models.declared import check_declared, read_declared, unknown_words
-    from diffusiond.models.loader import load_adapter
+def generate_setup(args: argparse.Namespace):
+    """`generate`'s model setup, request and what checks it before anything loads (no torch): the checkpoint's
+    declarations (its sizes, steps, guidance), the input files, the setup's rules. (setup, params), or the exit code
+    after printing why."""
+    from diffusiond.daemon.config import ConfigError, scheduler_changes
+    from diffusiond.models.declared import check_declared, read_declared
+    from diffusiond.models.inputs import check_image
     from diffusiond.models.params import ParamError, SamplingParams
+    from diffusiond.models.setup import ModelSetup, SetupError, check_setup
 
     model = resolve_model(args.model)
-    fmt = {".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}.get(Path(args.out).suffix.lower(), "png")
     width, height = args.size or (None, None)
     files: dict[str, bytes | None] = {"image": None, "mask": None}
     for name in files:
         path = getattr(args, name)
         if path is None:
             continue
-        from diffusiond.models.inputs import check_image
-
         try:
-            files[name] = Path(path).read_bytes()  # noqa: ASYNC240 - before any work
+            files[name] = Path(path).read_bytes()
             check_image(files[name], name)
         except OSError as exc:
             print(f"diffusiond generate: error: --{name}: {exc}", file=sys.stderr)
@@ -138,38 +137,38 @@ async def _generate(args: argparse.Namespace) -> int:
         num_frames=args.num_frames,
         fps=args.fps,
     )
-    declared = read_declared(model) if Path(model).is_dir() else None  # noqa: ASYNC240 - before any work
     try:
-        if declared is not None:  # what the checkpoint says it serves, before seconds of loading
-            check_declared(declared, params)
+        if Path(model).is_dir():  # what the checkpoint says it serves, before seconds of loading
+            check_declared(read_declared(model), params)
     except ParamError as exc:
         return _refused(exc)
-    from diffusiond.daemon.config import ConfigError, scheduler_changes
-    from diffusiond.kernels import offload, quantize
-    from diffusiond.kernels.attention import AttentionUnavailable, resolve
-
     try:
-        resolve(args.attention, args.device)
-        quantize.check(args.quantize, args.device)
-        offload.check(args.offload, args.device)
-        scheduler = scheduler_changes(args.scheduler_config)
-    except (AttentionUnavailable, quantize.QuantizationUnavailable, offload.OffloadUnavailable, ConfigError) as exc:
-        print(f"diffusiond generate: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-
-    def load():  # on the engine's step thread: one thread owns torch
-        adapter = load_adapter(
-            model,
+        setup = ModelSetup(
+            model=model,
             device=args.device,
             dtype=args.dtype,
+            attention=args.attention,
             quantize=args.quantize,
             offload=args.offload,
-            scheduler_config=scheduler,
+            scheduler_config=scheduler_changes(args.scheduler_config),
         )
-        adapter.set_attention(args.attention)
-        return adapter
+        check_setup(setup)
+    except (ConfigError, SetupError) as exc:
+        print(f"diffusiond generate: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return setup, params
 
-    engine = Engine(load, max_batch=1)
+
+async def _generate(args: argparse.Namespace, setup, params) -> int:
+    from diffusiond.daemon.images import encode_image
+    from diffusiond.engine.engine import Engine
+    from diffusiond.engine.outputs import Cancelled, Completed, Failed, Preview, Progress
+    from diffusiond.models.declared import unknown_words
+    from diffusiond.models.params import ParamError
+    from diffusiond.models.setup import build_adapter
+
+    fmt = {".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}.get(Path(args.out).suffix.lower(), "png")
+    engine = Engine(lambda: build_adapter(setup), max_batch=1)  # loaded on the engine's step thread
     await engine.start()
     try:
         try:
@@ -224,9 +223,19 @@ def _write(path: Path, data: bytes) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    checked = generate_setup(args)  # everything that needs no torch, first
+    if isinstance(checked, int):
+        return checked
+    from diffusiond.models.setup import SetupError, check_kernels
+
+    try:
+        check_kernels(checked[0])
+    except SetupError as exc:
+        print(f"diffusiond generate: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     configure_threads(args.threads)
     quiet_libraries()
-    return run_async(_generate(args))
+    return run_async(_generate(args, *checked))
 
 
 def run_async(coro) -> int:
@@ -252,61 +261,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     loaded = _load_config(args)
     if loaded is None:
         return EXIT_USAGE
-    config, _ = loaded
-    from diffusiond.daemon.config import ConfigError, check_exposure, exposure_warning, scheduler_changes
-    from diffusiond.kernels import offload, quantize
-    from diffusiond.kernels.attention import AttentionUnavailable, resolve
+    from diffusiond.daemon.config import ConfigError, check_serving, exposure_warning
+    from diffusiond.daemon.launch import worker_config
+    from diffusiond.models.setup import SetupError, check_kernels
+
+    config = worker_config(loaded[0])  # a worker of our launch runs the launcher's configuration
 
     try:
-        check_exposure(config)
-        resolve(config.attention, config.device)  # before any rank starts or loads
-        quantize.check(config.quantize, config.device)
-        if config.compile and config.offload == "group":
-            # Its hooks move each layer's weights inside the blocks --compile would trace.
-            raise ConfigError("--compile does not run with --offload group; use --offload model, or drop one")
-        offload.check(config.offload, config.device)
-        if config.compile and config.ulysses > 1:
-            # Ulysses runs its all-to-alls inside the attention of the blocks --compile would trace.
-            raise ConfigError("--compile does not run with --ulysses yet; drop one (CFG-parallel ranks compile)")
-        if config.ring > 1 and (config.compile or config.attention not in ("auto", "sdpa")):
-            # Ring attention merges blocks by the log-sum-exp that only its SDPA kernels return.
-            raise ConfigError("--ring runs its own SDPA kernels: drop --compile and --attention other than sdpa")
-        if config.tp > 1 and (config.compile or config.quantize != "none" or config.offload != "none"):
-            raise ConfigError("--tp shards plain weights: drop --compile, --quantize and --offload with it")
-        if config.vae_parallel > config.nproc * config.nnodes:
-            raise ConfigError(
-                f"--vae-parallel {config.vae_parallel} decodes on that many ranks: it needs --nproc x --nnodes >= "
-                f"{config.vae_parallel}"
-            )
-        if config.shard_weights:
-            if config.nproc * config.nnodes < 2:
-                raise ConfigError("--shard-weights splits the weights over the ranks: it needs --nproc 2 or more")
-            if config.tp > 1 or config.compile or config.quantize != "none" or config.offload != "none":
-                raise ConfigError("--shard-weights: drop --tp, --compile, --quantize and --offload with it")
-        check_loras(config)
-        scheduler_changes(config.scheduler_config)
-        if config.video_dir is not None:
-            from diffusiond.daemon.video_store import folder_problem
-
-            if (problem := folder_problem(config.video_dir)) is not None:
-                raise ConfigError(f"--video-dir {config.video_dir}: {problem}")
-        if config.model is not None and os.path.isdir(config.model):  # hub ids: at load; the bundled model: SD3
-            from diffusiond.models.loader import check_features
-
-            try:
-                check_features(
-                    config.model,
-                    ulysses=config.ulysses,
-                    ring=config.ring,
-                    tp=config.tp,
-                    shard_weights=config.shard_weights,
-                    vae_parallel=config.vae_parallel,
-                    cache=config.cache,
-                    lora=bool(config.lora or config.lora_dir),
-                )
-            except (ValueError, FileNotFoundError) as exc:
-                raise ConfigError(str(exc)) from None
-    except (ConfigError, AttentionUnavailable, quantize.QuantizationUnavailable, offload.OffloadUnavailable) as exc:
+        setup = check_serving(config)  # before torch is imported
+        check_kernels(setup)  # before any rank starts or loads
+    except (ConfigError, SetupError) as exc:
         print(f"diffusiond serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     from diffusiond.daemon.logs import configure_logging
@@ -317,45 +281,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     code = _serve(config)
     # The last line of every run says how it ended (a service manager's journal shows it beside the exit status).
     logging.getLogger("diffusiond").info("exiting with code %d", code)
-    from diffusiond.daemon.ranks import in_launched_group, leave
+    from diffusiond.daemon.config import in_launched_group
 
     if in_launched_group():  # a rank: gloo's threads must not meet the interpreter's finalization (`leave`)
+        from diffusiond.daemon.ranks import leave
+
         leave(code)
     return code
 
 
-def check_loras(config) -> None:
-    """The LoRA settings, before any rank starts or loads: the NAME=PATH pairs, --lora-dir, each file's header
-    (ConfigError)."""
-    from diffusiond.daemon.config import ConfigError, lora_refusal
-
-    if not config.lora and config.lora_dir is None:
-        if config.lora_fuse is not None:
-            raise ConfigError("--lora-fuse adds an adapter into the weights: give it one with --lora NAME=PATH")
-        return
-    from diffusiond.models.lora import LoraError, check_safetensors, startup_specs
-
-    if (refusal := lora_refusal(config)) is not None:
-        raise ConfigError(f"LoRA adapters (--lora, --lora-dir): {refusal}")
-    try:
-        specs = startup_specs(config.lora, config.lora_dir)
-        for _, path in specs:
-            check_safetensors(path)
-    except LoraError as exc:
-        raise ConfigError(str(exc)) from None
-    if config.lora_fuse is not None and len(specs) != 1:
-        raise ConfigError(
-            f"--lora-fuse adds one adapter into the weights; --lora and --lora-dir give {len(specs)}: give exactly one"
-        )
-
-
 def _serve(config) -> int:
-    from diffusiond.daemon.ranks import in_launched_group
+    from diffusiond.daemon.config import in_launched_group
 
     if in_launched_group():  # a worker of torchrun or of our own launch below
-        from diffusiond.daemon.launch import run_rank, worker_config
+        from diffusiond.daemon.launch import run_rank
 
-        config = worker_config(config)
         configure_threads(config.threads)
         quiet_libraries()
         return run_rank(config)

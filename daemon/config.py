@@ -12,6 +12,7 @@ import difflib
 import ipaddress
 import json
 import math
+import os
 import re
 import tomllib
 from collections.abc import Mapping
@@ -19,7 +20,9 @@ from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
+from diffusiond.kernels.layout import ParallelLayout
 from diffusiond.models.params import MAX_IMAGE_BYTES, MAX_STEPS
+from diffusiond.models.setup import ModelSetup
 
 # The most images one OpenAI request may ask for (`n`): OpenAI's own limit.
 MAX_N = 10
@@ -121,9 +124,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # '{"shift": 3.0}' or, for the bundled model's step cache, '{"stochastic_sampling": false}'.
     scheduler_config: str | None = None
     cache_threshold: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.1
-    # LoRA per request (models/lora.py, families that declare it): adapters registered at start, NAME=PATH each (a
-    # .safetensors file), plus every *.safetensors file of lora_dir by its name without the suffix; lora_dir is also
-    # the only folder `POST /v1/loras` loads from (without it, adapters cannot be added at run time). Resident
+    # LoRA per request (models/lora_registry.py, families that declare it): adapters registered at start, NAME=PATH
+    # each (a .safetensors file), plus every *.safetensors file of lora_dir by its name without the suffix; lora_dir
+    # is also the only folder `POST /v1/loras` loads from (without it, adapters cannot be added at run time). Resident
     # adapters share lora_cache_bytes (least recently used ones that no request holds are evicted, reloaded on use).
     # lora_fuse: the one adapter is added into the weights at this scale for every request (no per-step cost).
     lora: tuple[str, ...] = ()
@@ -305,21 +308,6 @@ def _toml_value(value: Any) -> str:
     return json.dumps(str(value), ensure_ascii=False)
 
 
-def lora_refusal(config: ServeConfig) -> str | None:
-    """The configured feature LoRA per request does not compose with yet (None: none): tensor parallel and sharded
-    weights split the linears its deltas add to, offloading moves them between devices, and compiled blocks would
-    recompile for every batch's mix of adapters."""
-    for on, flag in (
-        (config.tp > 1, "--tp"),
-        (config.shard_weights, "--shard-weights"),
-        (config.offload != "none", "--offload"),
-        (config.compile, "--compile"),
-    ):
-        if on:
-            return f"not with {flag} yet"
-    return None
-
-
 def scheduler_changes(text: str | None) -> dict[str, Any]:
     """`scheduler_config`'s JSON object (empty when unset); ConfigError unless it is one. Whether the scheduler has
     those settings is checked when it loads (models/loader.change_scheduler)."""
@@ -332,3 +320,67 @@ def scheduler_changes(text: str | None) -> dict[str, Any]:
     if not isinstance(changes, dict):
         raise ConfigError(f"--scheduler-config: give a JSON object such as '{{\"shift\": 3.0}}', not {text!r}")
     return changes
+
+
+# ---- the model setup (models/setup.py) ----
+
+
+def in_launched_group() -> bool:
+    """True under torchrun or our elastic launch (the agent sets these for every worker)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def model_setup(config: ServeConfig) -> ModelSetup:
+    """What the served model is and how it runs, from the configuration (the bundled model when none is named).
+    The layout's ranks: the launched group's (torchrun may start more than --nproc says), else --nproc x --nnodes.
+    ConfigError for a --scheduler-config that is not a JSON object."""
+    from diffusiond.models.default import default_model
+
+    world = int(os.environ["WORLD_SIZE"]) if in_launched_group() else config.nproc * config.nnodes
+    layout = ParallelLayout(
+        world,
+        cfg_degree=config.cfg_parallel,
+        ulysses_degree=config.ulysses,
+        ring_degree=config.ring,
+        tp_degree=config.tp,
+        shard_weights=config.shard_weights,
+        vae_degree=config.vae_parallel,
+    )
+    return ModelSetup(
+        model=config.model or default_model(),
+        device=config.device,
+        dtype=config.dtype,
+        attention=config.attention,
+        compile=config.compile,
+        compile_cache=config.compile_cache,
+        quantize=config.quantize,
+        quantize_skip=config.quantize_skip,
+        offload=config.offload,
+        scheduler_config=scheduler_changes(config.scheduler_config),
+        cache=config.cache,
+        cache_threshold=config.cache_threshold,
+        layout=layout,
+        lora=config.lora,
+        lora_dir=config.lora_dir,
+        lora_budget=config.lora_cache_bytes,
+        lora_fuse=config.lora_fuse,
+    )
+
+
+def check_serving(config: ServeConfig) -> ModelSetup:
+    """Every start-up rule, before any rank starts or torch is imported: the daemon's own (exposure, several nodes,
+    the video folder) and the model setup's (models/setup.py `check_setup`). ConfigError or SetupError, saying
+    why; the checked setup."""
+    from diffusiond.models.setup import check_setup
+
+    check_exposure(config)
+    if config.nnodes > 1 and not config.rdzv_endpoint:
+        raise ConfigError(f"--nnodes {config.nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node")
+    if config.video_dir is not None:
+        from diffusiond.daemon.video_store import folder_problem
+
+        if (problem := folder_problem(config.video_dir)) is not None:
+            raise ConfigError(f"--video-dir {config.video_dir}: {problem}")
+    setup = model_setup(config)
+    check_setup(setup)
+    return setup

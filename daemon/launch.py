@@ -1,7 +1,7 @@
 """`diffusiond serve --nproc N`: N SPMD ranks under torch.distributed's elastic agent (the API behind torchrun).
 
 The agent starts `python -m diffusiond serve` N times with RANK/WORLD_SIZE/MASTER_* set; each worker finds itself in
-a launched group (`ranks.in_launched_group`) and runs `run_rank`. `torchrun --nproc-per-node N -m diffusiond serve
+a launched group (`config.in_launched_group`) and runs `run_rank`. `torchrun --nproc-per-node N -m diffusiond serve
 ...` takes exactly the same worker path. When a rank dies, rank 0 fails every request in flight and exits, the agent
 stops the group and starts it again (up to `max_restarts` times).
 
@@ -27,7 +27,6 @@ import uuid
 
 import msgspec
 
-from diffusiond.daemon.cli import EXIT_USAGE
 from diffusiond.daemon.config import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -49,18 +48,7 @@ def launch(config: ServeConfig) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from diffusiond.kernels.parallel import ParallelLayout
-
-    if config.nnodes > 1 and not config.rdzv_endpoint:
-        log.error("--nnodes %d needs --rdzv-endpoint HOST:PORT, the same on every node", config.nnodes)
-        return EXIT_USAGE
-    try:
-        ParallelLayout(
-            config.nnodes * config.nproc, config.cfg_parallel, config.ulysses, config.ring, config.tp
-        ).validate()
-    except ValueError as exc:
-        log.error("%s", exc)
-        return EXIT_USAGE
+    # `cmd_serve` checked the configuration and the model setup (daemon/config.py `check_serving`).
     if config.model is None:
         from diffusiond.models.default import default_model
 
@@ -125,39 +113,15 @@ def worker_config(loaded: ServeConfig) -> ServeConfig:
 def run_rank(config: ServeConfig) -> int:
     import torch.distributed as dist
 
-    from diffusiond.daemon.config import lora_refusal, scheduler_changes
+    from diffusiond.daemon.config import model_setup
     from diffusiond.daemon.ranks import join_group
     from diffusiond.engine.follower import run_follower
-    from diffusiond.models.lora import startup_specs
 
-    if config.model is None:
-        from diffusiond.models.default import default_model
-
-        config = msgspec.structs.replace(config, model=default_model())
-    model = config.model
-    assert model is not None
+    setup = model_setup(config)
     rank_id = int(os.environ["RANK"])
 
     def join():
-        rank = join_group(
-            model,
-            device=config.device,
-            dtype=config.dtype,
-            cfg_parallel=config.cfg_parallel,
-            ulysses=config.ulysses,
-            ring=config.ring,
-            tp=config.tp,
-            shard_weights=config.shard_weights,
-            vae_parallel=config.vae_parallel,
-            quantize=config.quantize,
-            quantize_skip=config.quantize_skip,
-            offload=config.offload,
-            scheduler_config=scheduler_changes(config.scheduler_config),
-            loras=startup_specs(config.lora, config.lora_dir),
-            lora_budget=config.lora_cache_bytes,
-            lora_fuse=config.lora_fuse,
-            lora_refusal=lora_refusal(config),
-        )
+        rank = join_group(setup)
         log.info("rank %d/%d joined (pid %d)", rank.rank, rank.world_size, os.getpid())
         return rank
 
@@ -180,15 +144,6 @@ def run_rank(config: ServeConfig) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         rank = join()
-        # Rank 0's app sets the same from the same configuration; requests carry their own thresholds.
-        rank.adapter.enable_step_cache(config.cache, config.cache_threshold)
-        rank.adapter.set_attention(config.attention)
-        if config.compile:  # compiled at their first calls: rank 0's warm-up runs them on every rank
-            from diffusiond.kernels.compile import use_cache_dir
-            from diffusiond.models.default import cache_dir
-
-            use_cache_dir(config.compile_cache or cache_dir() / "inductor")
-            rank.adapter.enable_compile()
         try:
             run_follower(rank.adapter, rank.comm)
         except Exception as exc:

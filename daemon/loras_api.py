@@ -12,10 +12,12 @@ import msgspec
 from aiohttp import web
 
 from diffusiond.daemon.api import ApiError, decode_body, too_large
-from diffusiond.daemon.config import lora_refusal
+from diffusiond.daemon.config import model_setup
 from diffusiond.daemon.state import STATE
 from diffusiond.engine.engine import Engine, EngineDeadError
-from diffusiond.models.lora import LoraError, LoraRegistry, check_name, in_directory
+from diffusiond.models.lora_files import LoraError, check_name, in_directory
+from diffusiond.models.lora_registry import LoraRegistry
+from diffusiond.models.setup import lora_refusal
 
 FilePath = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 
@@ -40,7 +42,7 @@ async def create_lora(request: web.Request) -> web.Response:
         raise too_large(state.config.max_body_bytes)
     body = decode_body(data, LoraCreateRequest)
     engine = state.require_engine()
-    registry = _registry(engine, lora_refusal(state.config))
+    registry = _registry(engine, lora_refusal(model_setup(state.config)))
     try:
         check_name(body.name)
     except LoraError as exc:

@@ -1,4 +1,5 @@
-"""One SPMD rank: join the group, load the model, apply the parallel layout, then either drive (rank 0) or follow.
+"""One SPMD rank: join the group and build the model with its share of the parallel layout; then it drives (rank 0)
+or follows.
 
 Used by `diffusiond serve` under torchrun / our elastic launch, and by the SPMD tests.
 """
@@ -11,19 +12,16 @@ import logging
 import os
 import secrets
 import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, NoReturn
+from dataclasses import dataclass, replace
+from typing import NoReturn
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from diffusiond.engine.comm import FaultBoard, TorchComm
-from diffusiond.kernels.parallel import ParallelLayout, build_groups
 from diffusiond.models.base import ModelAdapter
-from diffusiond.models.loader import load_adapter
-from diffusiond.models.lora import DEFAULT_BUDGET_BYTES as DEFAULT_LORA_BUDGET
-from diffusiond.models.lora import setup_loras
+from diffusiond.models.setup import ModelSetup, build_adapter, check_setup
 
 # Long enough for rank 0 to load and warm up while followers wait in their first broadcast; heartbeats keep idle
 # groups well inside it.
@@ -38,34 +36,13 @@ class Rank:
     comm: TorchComm
 
 
-def in_launched_group() -> bool:
-    """True under torchrun or our elastic launch (the agent sets these for every worker)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-
-
-def join_group(
-    model: str,
-    *,
-    device: str = "cpu",
-    dtype: str = "float32",
-    cfg_parallel: int = 1,
-    ulysses: int = 1,
-    ring: int = 1,
-    tp: int = 1,
-    shard_weights: bool = False,
-    vae_parallel: int = 1,
-    quantize: str = "none",
-    quantize_skip: str | None = None,
-    offload: str = "none",
-    scheduler_config: Mapping[str, Any] | None = None,
-    loras: Sequence[tuple[str, str]] = (),
-    lora_budget: int = DEFAULT_LORA_BUDGET,
-    lora_fuse: float | None = None,
-    lora_refusal: str | None = None,
-) -> Rank:
+def join_group(setup: ModelSetup) -> Rank:
+    """This process's rank (RANK, WORLD_SIZE and MASTER_* from torchrun or our launch): the group joined, its model
+    built (models/setup.py `build_adapter`: its share of the layout), its communicator."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    layout = ParallelLayout(world_size, cfg_parallel, ulysses, ring, tp)
-    layout.validate()
+    setup = msgspec.structs.replace(setup, layout=replace(setup.layout, world_size=world_size))
+    check_setup(setup)  # before the group forms: a layout that cannot run fails here, on every rank alike
+    device = setup.device
     if device.startswith("cuda"):
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         device = f"cuda:{local_rank}"
@@ -75,43 +52,7 @@ def join_group(
         backend = "gloo"
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     attempt = agree_on_attempt(device)
-    adapter = load_adapter(
-        model,
-        device=device,
-        dtype=dtype,
-        quantize=quantize,
-        quantize_skip=quantize_skip,
-        offload=offload,
-        scheduler_config=scheduler_config,
-    )
-    # Before the parallel layout: read through the whole model, as every rank's registry will keep doing.
-    setup_loras(adapter, loras, lora_budget, lora_fuse, lora_refusal)
-    groups = build_groups(layout, rank, torch.device(device).type, vae_parallel)
-    for degree, flag, strategy in (
-        (ring, "--ring", "ring"),
-        (tp, "--tp", "tp"),
-        (vae_parallel, "--vae-parallel", "vae-parallel"),
-    ):
-        if degree > 1 and strategy not in adapter.parallel:
-            raise ValueError(f"{flag} {degree}: the {adapter.family} family does not support {strategy}")
-    if groups.tp is not None:  # first: sharding replaces the linears the other strategies' processors call
-        adapter.enable_tp(groups.tp)
-    if shard_weights:
-        if groups.tp is not None:
-            raise ValueError("--shard-weights with --tp: shard over one of them (HSDP x TP is not built yet)")
-        from torch.distributed.device_mesh import init_device_mesh
-
-        adapter.enable_shard_weights(init_device_mesh(torch.device(device).type, (world_size,)))
-    if groups.vae is not None:
-        adapter.enable_vae_parallel(groups.vae)
-    if world_size > 1:  # prompts: rank 0 encodes, the others receive the embeddings and free their text encoders
-        from diffusiond.kernels.collectives import SharedEncoding
-
-        adapter.enable_encode_once(SharedEncoding(dist.group.WORLD, rank, torch.device(device)))
-    if groups.cfg is not None:
-        adapter.enable_cfg_parallel(groups.cfg)
-    if groups.sequence is not None:
-        adapter.enable_ulysses(groups.sequence)
+    adapter = build_adapter(msgspec.structs.replace(setup, device=device), rank)
     return Rank(rank, world_size, adapter, TorchComm(device=device, faults=FaultBoard.from_env(attempt)))
 
 

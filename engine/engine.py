@@ -311,7 +311,7 @@ class Engine:
     def _change_loras(self, command: _Lora) -> None:
         """Step thread: rank 0 changes its registry first (a bad file fails here, before any other rank reads it),
         then the others follow through a LORA plan."""
-        from diffusiond.models.lora import LoraError
+        from diffusiond.models.lora_files import LoraError
 
         op, loop = command.op, self._loop
         assert loop is not None

@@ -25,52 +25,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from diffusiond.kernels.layout import ParallelLayout
 from diffusiond.kernels.patch_vae import StripGroup
 from diffusiond.kernels.ulysses import UlyssesGroup
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    world_size: int
-    cfg_degree: int = 1
-    ulysses_degree: int = 1
-    ring_degree: int = 1
-    tp_degree: int = 1
-
-    @property
-    def sequence_degree(self) -> int:
-        return self.ulysses_degree * self.ring_degree
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (self.cfg_degree, self.ring_degree, self.ulysses_degree, self.tp_degree)
-
-    def validate(self) -> None:
-        if self.cfg_degree not in (1, 2):
-            raise ValueError(f"--cfg-parallel must be 1 or 2 (two CFG branches), got {self.cfg_degree}")
-        for flag, degree in (
-            ("--ulysses", self.ulysses_degree),
-            ("--ring", self.ring_degree),
-            ("--tp", self.tp_degree),
-        ):
-            if degree < 1:
-                raise ValueError(f"{flag} must be >= 1, got {degree}")
-        product = self.cfg_degree * self.sequence_degree * self.tp_degree
-        if product != self.world_size:
-            raise ValueError(
-                f"--cfg-parallel ({self.cfg_degree}) x --ulysses ({self.ulysses_degree}) x --ring "
-                f"({self.ring_degree}) x --tp ({self.tp_degree}) = {product} must equal the number of ranks "
-                f"({self.world_size}: --nproc x --nnodes)"
-            )
-
-    def rank_of(self, cfg: int, ring: int, ulysses: int, tp: int) -> int:
-        return ((cfg * self.ring_degree + ring) * self.ulysses_degree + ulysses) * self.tp_degree + tp
-
-    def coordinates(self, rank: int) -> tuple[int, int, int, int]:
-        """(cfg, ring, ulysses, tp) of `rank`."""
-        tp, rest = rank % self.tp_degree, rank // self.tp_degree
-        ulysses, rest = rest % self.ulysses_degree, rest // self.ulysses_degree
-        return rest // self.ring_degree, rest % self.ring_degree, ulysses, tp
 
 
 @dataclass(frozen=True)
@@ -92,10 +49,8 @@ class Groups:
     vae: StripGroup | None = None
 
 
-def build_groups(layout: ParallelLayout, rank: int, device_type: str = "cpu", vae_parallel: int = 1) -> Groups:
-    layout.validate()
-    if not 1 <= vae_parallel <= layout.world_size:
-        raise ValueError(f"--vae-parallel must be between 1 and the number of ranks ({layout.world_size})")
+def build_groups(layout: ParallelLayout, rank: int, device_type: str = "cpu") -> Groups:
+    """This rank's groups of a validated layout (models/setup.py `check_setup`)."""
     c, r, u, t = layout.shape
     cfg = sequence = tp = None
     if c > 1:
@@ -126,8 +81,8 @@ def build_groups(layout: ParallelLayout, rank: int, device_type: str = "cpu", va
         mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=("cfg", "ring", "ulysses", "tp"))
         tp = mesh["tp"]
     vae = None
-    if vae_parallel > 1:
-        group = dist.new_group(list(range(vae_parallel)))
-        if rank < vae_parallel:
-            vae = StripGroup(group, rank, vae_parallel)
+    if layout.vae_degree > 1:
+        group = dist.new_group(list(range(layout.vae_degree)))
+        if rank < layout.vae_degree:
+            vae = StripGroup(group, rank, layout.vae_degree)
     return Groups(cfg, sequence, tp, vae)

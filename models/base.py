@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from diffusiond.models.families import Family
 from diffusiond.models.params import SamplingParams
 
 
@@ -112,7 +113,7 @@ class RequestState:
     cache: Any = None
     # Inpainting: what pins the region outside the mask after each step (models/flowmatch.Inpaint).
     inpaint: Any = None
-    # Its LoRA adapters and scales, resident while it lives (kernels/lora.Selection; () for none).
+    # Its LoRA adapters and scales, resident while it lives (kernels/lora_rows.Selection; () for none).
     lora: tuple = ()
 
     @property
@@ -124,41 +125,36 @@ class RequestState:
         return self.step_index >= self.total_steps
 
 
-# How a family guides: "cfg" (a negative branch whenever `guidance_scale` says so), "distilled" (`guidance_scale`
-# feeds a guidance embedding, one row), "true-cfg" (a negative branch with `true_cfg_scale` and a negative prompt),
-# "skip-layer" (skip-layer guidance on top of CFG, `skip_guidance_layers`).
-GUIDANCE_STYLES = ("cfg", "distilled", "true-cfg", "skip-layer")
-
-
 class ModelAdapter(abc.ABC):
-    """Besides the verbs, a family declares what it supports in class attributes, readable without loading a model
-    (start-up validation, README's table); `capabilities` narrows them to the loaded checkpoint."""
+    """A family's adapter. What it supports is its `spec` (models/families.py, readable without torch: start-up
+    validation, README's table), copied onto the class as attributes (`parallel`, `lora`, ...); `capabilities`
+    narrows them to the loaded checkpoint."""
 
+    spec: ClassVar[Family]
     pipeline_class: ClassVar[str]
     family: ClassVar[str]
     guidance_styles: ClassVar[tuple[str, ...]]
-    # Parallel strategies over several ranks: "cfg-parallel" (the two CFG rows, or halves of a batch without CFG),
-    # "ulysses" (sequence parallel attention; its degree must divide the transformer's heads), "ring" (ring attention
-    # over the sharded sequence, alone or with Ulysses; families whose attention takes no mask), "tp" (tensor
-    # parallel linears, by the family's plan), "shard-weights" (FSDP2: weights gathered block by block).
-    parallel: ClassVar[tuple[str, ...]] = ("cfg-parallel",)
-    # Step caches it implements (models/stepcache.py), besides "none", and whether they run with Ulysses.
-    cache_methods: ClassVar[tuple[str, ...]] = ()
-    cache_with_ulysses: ClassVar[bool] = True
-    # Images a request may bring: "img2img" (starts from it, `strength`), "mask" (inpainting, with img2img), "edit"
-    # (instruction editing), "references" (edits with more images: `reference_images`).
-    image_inputs: ClassVar[tuple[str, ...]] = ()
-    # What it makes: "image" or "video" (clips of frames; `Capabilities` then carries the frame rules).
-    modality: ClassVar[str] = "image"
-    # LoRA per request (`SamplingParams.lora`, models/lora.py): adapters of the denoiser, mixed in one batch.
-    lora: ClassVar[bool] = False
-    # Packages its pipeline needs beyond diffusiond's own dependencies.
-    needs: ClassVar[tuple[str, ...]] = ()
+    parallel: ClassVar[tuple[str, ...]]
+    cache_methods: ClassVar[tuple[str, ...]]
+    cache_with_ulysses: ClassVar[bool]
+    image_inputs: ClassVar[tuple[str, ...]]
+    modality: ClassVar[str]
+    lora: ClassVar[bool]
+    needs: ClassVar[tuple[str, ...]]
     capabilities: Capabilities
-    # Registered LoRA adapters (models/lora.LoraRegistry), once enabled.
+    # Registered LoRA adapters (models/lora_registry.LoraRegistry), once enabled.
     lora_registry: Any = None
     # (choice, layers converted) when models/loader.py quantized the transformer (kernels/quantize.py).
     quantized: tuple[str, int] | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        spec = cls.__dict__.get("spec")
+        if spec is not None:  # a family's class (the shared bases declare none)
+            for name in ("pipeline_class", "family", "guidance_styles", "parallel", "cache_methods"):
+                setattr(cls, name, getattr(spec, name))
+            for name in ("cache_with_ulysses", "image_inputs", "modality", "lora", "needs"):
+                setattr(cls, name, getattr(spec, name))
 
     @classmethod
     @abc.abstractmethod

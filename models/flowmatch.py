@@ -26,14 +26,14 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from diffusiond.kernels import attention
 from diffusiond.kernels.collectives import collective
-from diffusiond.kernels.lora import Lora, LoraLayers
+from diffusiond.kernels.lora_rows import Lora, LoraLayers
 from diffusiond.kernels.parallel import CFGGroup
 from diffusiond.models import preview as preview_maps
 from diffusiond.models import stepcache
 from diffusiond.models.base import Capabilities, ModelAdapter, RequestState
 from diffusiond.models.declared import check_declared, read_declared
 from diffusiond.models.inputs import image_size, open_mask, open_rgb
-from diffusiond.models.lora import LoraRegistry, read_lora, resolve_loras
+from diffusiond.models.lora_registry import LoraRegistry, read_lora, resolve_loras
 from diffusiond.models.params import MAX_GUIDANCE, MAX_PROMPT_CHARS, MAX_SEED, MAX_STEPS, ParamError, SamplingParams
 from diffusiond.models.prompts import PROMPT_CACHE_BYTES, PromptCache
 from diffusiond.models.sampler import FlowMatchSampler, step_batch
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 def null_components(source: str) -> dict[str, None]:
     """Components the checkpoint saved as None (`[null, null]` in model_index.json, e.g. SD3 without T5), to pass
     as None again: diffusers drops them on load and then insists on every required component being there."""
-    from diffusiond.models.loader import read_model_index
+    from diffusiond.models.registry import read_model_index
 
     index = read_model_index(source)
     return {name: None for name, value in index.items() if isinstance(value, list) and value == [None, None]}
@@ -411,7 +411,7 @@ class FlowMatchAdapter(ModelAdapter):
     teacache_coefficients: ClassVar[tuple[float, ...]] = stepcache.IDENTITY
 
     def enable_lora(self, budget_bytes: int) -> LoraRegistry:
-        """LoRA per request: adapters of the denoiser, registered by name (models/lora.py)."""
+        """LoRA per request: adapters of the denoiser, registered by name (models/lora_registry.py)."""
         if not self.lora:
             raise ValueError(f"the {self.family} family does not serve LoRA adapters")
         self.lora_layers = LoraLayers(self.transformer)

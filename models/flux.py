@@ -11,21 +11,15 @@ from diffusers import FluxPipeline
 from diffusers.models.embeddings import apply_rotary_emb
 
 from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, ulysses_sdpa
-from diffusiond.models import stepcache
+from diffusiond.models import families, stepcache
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.params import SamplingParams
 
 
 class FluxAdapter(FlowMatchAdapter):
-    lora = True
-    pipeline_class = "FluxPipeline"
-    family = "flux"
+    spec = families.FLUX
     default_guidance = 3.5
-    guidance_styles = ("distilled", "true-cfg")
-    parallel = ("cfg-parallel", "ulysses", "ring", "tp", "shard-weights", "vae-parallel")
-    cache_methods = ("fbcache", "teacache")
-    image_inputs = ("img2img", "mask")
     max_sequence_length = 512
     teacache_coefficients = stepcache.FLUX_TEACACHE  # published for FLUX.1; a calibration beside the weights wins
 

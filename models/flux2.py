@@ -17,6 +17,7 @@ import torch
 from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline, compute_empirical_mu
 
 from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, ulysses_sdpa
+from diffusiond.models import families
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.flux import shard_image_tokens
@@ -25,15 +26,10 @@ from diffusiond.models.params import ParamError, SamplingParams
 
 
 class Flux2KleinAdapter(FlowMatchAdapter):
-    lora = True
-    pipeline_class = "Flux2KleinPipeline"
-    family = "flux2-klein"
+    spec = families.FLUX2_KLEIN
     vae_family = "flux2"
     default_steps = 50
     default_guidance = 4.0
-    guidance_styles = ("cfg",)
-    parallel = ("cfg-parallel", "ulysses", "ring", "tp", "shard-weights", "vae-parallel")
-    image_inputs = ("edit", "references")
     # Reference images above this area are scaled down to it (the pipeline's).
     max_context_area: ClassVar[int] = 1024 * 1024
     TEXT_ENCODERS = ("text_encoder",)

@@ -15,16 +15,14 @@ from typing import ClassVar
 import torch
 from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
+from diffusiond.models import families
 from diffusiond.models.flux import FluxAdapter
 from diffusiond.models.inputs import image_size, open_rgb
 from diffusiond.models.params import SamplingParams
 
 
 class FluxKontextAdapter(FluxAdapter):
-    pipeline_class = "FluxKontextPipeline"
-    lora = False  # not checked against its pipeline yet (edits with LoRA)
-    family = "flux-kontext"
-    image_inputs = ("edit",)
+    spec = families.FLUX_KONTEXT
     # The area PREFERRED_KONTEXT_RESOLUTIONS are made for.
     preferred_area: ClassVar[int] = 1024 * 1024
 

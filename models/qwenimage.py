@@ -18,28 +18,20 @@ from diffusers import QwenImagePipeline
 from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 
 from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, ulysses_sdpa
-from diffusiond.models import stepcache
+from diffusiond.models import families, stepcache
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.params import SamplingParams
 
 
 class QwenImageAdapter(FlowMatchAdapter):
-    lora = True
-    pipeline_class = "QwenImagePipeline"
-    family = "qwen-image"
+    spec = families.QWEN_IMAGE
     # The pipeline's own defaults: 50 steps, true CFG at 4 when a negative prompt is given.
     default_steps = 50
     default_guidance = 1.0  # the distilled guidance embedding, which only guidance-distilled checkpoints have
     default_true_cfg = 4.0
-    guidance_styles = ("true-cfg", "distilled")
     max_sequence_length = 512
     TEXT_ENCODERS = ("text_encoder",)
-    cache_methods = ("fbcache", "teacache")
-    image_inputs = ("img2img", "mask")
-    parallel = ("cfg-parallel", "ulysses", "tp", "shard-weights")
-    # Its cached forward does not shard tokens yet: --cache with --ulysses is refused at start.
-    cache_with_ulysses = False
 
     def _size_multiple(self) -> int:
         return self.vae_scale_factor * 2

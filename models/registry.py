@@ -1,67 +1,44 @@
-"""diffusers `model_index.json` `_class_name` -> adapter class. The only place that maps names to code."""
+"""diffusers `model_index.json` `_class_name` -> the family's declarations (models/families.py) and its adapter
+class. The only place that maps names to code; the adapter's module (torch, diffusers) is imported when it is asked
+for, so what a family supports is known before either is."""
 
 from __future__ import annotations
 
-from diffusiond.models.base import ModelAdapter
-from diffusiond.models.flux import FluxAdapter
-from diffusiond.models.flux2 import Flux2KleinAdapter
-from diffusiond.models.kontext import FluxKontextAdapter
-from diffusiond.models.qwenimage import QwenImageAdapter
-from diffusiond.models.sd3 import SD3Adapter
-from diffusiond.models.sdxl import SDXLAdapter
-from diffusiond.models.wan import WanAdapter, WanI2VAdapter
-from diffusiond.models.zimage import ZImageAdapter
+import importlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-ADAPTERS: dict[str, type[ModelAdapter]] = {
-    cls.pipeline_class: cls
-    for cls in (
-        SD3Adapter,
-        SDXLAdapter,
-        FluxAdapter,
-        FluxKontextAdapter,
-        Flux2KleinAdapter,
-        ZImageAdapter,
-        QwenImageAdapter,
-        WanAdapter,
-        WanI2VAdapter,
-    )
-}
+from diffusiond.models.families import Family, family_of
+
+if TYPE_CHECKING:
+    from diffusiond.models.base import ModelAdapter
 
 
-class UnsupportedModelError(ValueError):
-    pass
+def read_model_index(model: str) -> dict:
+    """A checkpoint's model_index.json: a local folder's, or a hub id's (downloaded)."""
+    if os.path.isdir(model):
+        path = Path(model) / "model_index.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{model} has no model_index.json: not a diffusers checkpoint folder")
+    elif model.startswith((".", "/", "~")) or os.path.exists(model):
+        raise FileNotFoundError(f"{model} is not a checkpoint folder")
+    else:
+        from huggingface_hub import hf_hub_download
+
+        path = Path(hf_hub_download(model, "model_index.json"))
+    return json.loads(path.read_text())
+
+
+def family_of_checkpoint(model: str) -> Family:
+    return family_of(read_model_index(model).get("_class_name", "<missing _class_name>"))
+
+
+def adapter_class(family: Family) -> type[ModelAdapter]:
+    module, name = family.adapter.split(":")
+    return getattr(importlib.import_module(f"diffusiond.models.{module}"), name)
 
 
 def adapter_for(pipeline_class: str) -> type[ModelAdapter]:
-    try:
-        return ADAPTERS[pipeline_class]
-    except KeyError:
-        supported = ", ".join(sorted(ADAPTERS))
-        raise UnsupportedModelError(
-            f"no adapter for pipeline class {pipeline_class!r}; supported: {supported}"
-        ) from None
-
-
-def families_table() -> str:
-    """README's table of supported families, from each adapter's declarations (a test keeps README equal to it)."""
-
-    def listed(values) -> str:
-        return ", ".join(values) or "-"
-
-    lines = [
-        "| `_class_name` | family | output | guidance | parallel | step cache | image inputs | needs |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name, cls in ADAPTERS.items():
-        cells = [
-            f"`{name}`",
-            cls.family,
-            cls.modality,
-            listed(cls.guidance_styles),
-            listed(cls.parallel),
-            listed(cls.cache_methods),
-            listed(cls.image_inputs),
-            listed(cls.needs),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return adapter_class(family_of(pipeline_class))

@@ -10,21 +10,15 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from diffusiond.kernels.attention import DispatchJointAttnProcessor
 from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, shard_output, ulysses_sdpa
-from diffusiond.models import stepcache
+from diffusiond.models import families, stepcache
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.params import SamplingParams
 
 
 class SD3Adapter(FlowMatchAdapter):
-    lora = True
-    pipeline_class = "StableDiffusion3Pipeline"
-    family = "sd3"
+    spec = families.SD3
     default_guidance = 7.0
-    guidance_styles = ("cfg", "skip-layer")
-    parallel = ("cfg-parallel", "ulysses", "ring", "tp", "shard-weights", "vae-parallel")
-    cache_methods = ("fbcache", "teacache")
-    image_inputs = ("img2img", "mask")
     repeated_blocks = ("JointTransformerBlock",)  # diffusers 0.42's SD3 transformer names none
     # The pipeline's default T5 length; the text context length is fixed, so any prompts can share a batch.
     max_sequence_length = 256

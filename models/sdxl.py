@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from diffusiond.models import families
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.params import SamplingParams
@@ -21,15 +22,10 @@ from diffusiond.models.sampler import SchedulerSampler
 
 
 class SDXLAdapter(FlowMatchAdapter):
-    lora = True
-    pipeline_class = "StableDiffusionXLPipeline"
-    family = "sdxl"
+    spec = families.SDXL
     denoiser = "unet"
     default_steps = 50
     default_guidance = 5.0
-    guidance_styles = ("cfg",)
-    parallel = ("cfg-parallel", "shard-weights", "vae-parallel")
-    image_inputs = ("img2img", "mask")
     default_strength = 0.3  # StableDiffusionXLImg2ImgPipeline's
     default_inpaint_strength = 0.9999  # StableDiffusionXLInpaintPipeline's
     TEXT_ENCODERS = ("text_encoder", "text_encoder_2")

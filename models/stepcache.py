@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from diffusiond.kernels.lora import LoraLayers
+from diffusiond.kernels.lora_rows import LoraLayers
 
 METHODS = ("none", "fbcache", "teacache")
 # TeaCache's polynomial fitted for a checkpoint (tools/calibrate.py), beside its weights.

@@ -20,8 +20,9 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffusiond.kernels.lora import LoraLayers
+from diffusiond.kernels.lora_rows import LoraLayers
 from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, ulysses_sdpa
+from diffusiond.models import families
 from diffusiond.models.base import Capabilities, RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.inputs import open_rgb
@@ -155,14 +156,9 @@ class ProjectionPlan:
 
 
 class WanAdapter(FlowMatchAdapter):
-    pipeline_class = "WanPipeline"
-    family = "wan"
-    modality = "video"
+    spec = families.WAN
     default_steps = 50
     default_guidance = 5.0
-    guidance_styles = ("cfg",)
-    parallel = ("cfg-parallel", "ulysses", "ring", "shard-weights")
-    lora = True
     # The pipelines' defaults: 81 frames at 832x480, played at 16 frames per second (Wan 2.1's rate).
     default_num_frames: ClassVar[int] = 81
     default_fps: ClassVar[int] = 16
@@ -413,10 +409,7 @@ class WanI2VAdapter(WanAdapter):
     """Image-to-video: the first frame is given. Its VAE latents (with a mask of the given frames) join the noise
     as extra input channels at every step, and its CLIP image embedding is a second context for every block."""
 
-    pipeline_class = "WanImageToVideoPipeline"
-    family = "wan-i2v"
-    image_inputs = ("first-frame",)
-    needs = ("ftfy",)
+    spec = families.WAN_I2V
 
     def context_size(self, params: SamplingParams) -> Hashable:
         return None

@@ -15,22 +15,18 @@ import torch
 from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas
 
 from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, ulysses_sdpa
+from diffusiond.models import families
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.params import SamplingParams
 
 
 class ZImageAdapter(FlowMatchAdapter):
-    lora = True
-    pipeline_class = "ZImagePipeline"
-    family = "z-image"
+    spec = families.Z_IMAGE
     vae_family = "flux"  # Z-Image decodes with FLUX.1's VAE
     # The pipeline's own defaults.
     default_steps = 50
     default_guidance = 5.0
-    guidance_styles = ("cfg",)
-    parallel = ("cfg-parallel", "ulysses", "shard-weights", "vae-parallel")
-    image_inputs = ("img2img", "mask")
     default_inpaint_strength = 1.0  # ZImageInpaintPipeline's
     max_sequence_length = 512
     TEXT_ENCODERS = ("text_encoder",)

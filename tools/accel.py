@@ -83,8 +83,8 @@ def worker(args: argparse.Namespace) -> None:
     from diffusiond.daemon.app import warm_up_requests
     from diffusiond.daemon.config import scheduler_changes
     from diffusiond.engine.engine import Engine
-    from diffusiond.models.loader import load_adapter
     from diffusiond.models.params import SamplingParams
+    from diffusiond.models.setup import ModelSetup, build_adapter
     from diffusiond.tools.cache import count_reuse
 
     torch.set_num_threads(args.threads)
@@ -92,12 +92,17 @@ def worker(args: argparse.Namespace) -> None:
     model, prompts, extra = workload(args.model, args.requests, args.size)
     counts = count_reuse()
 
+    setup = ModelSetup(
+        model=model,
+        quantize=config["quantize"],
+        scheduler_config=scheduler_changes(args.scheduler_config),
+        cache=config["cache"],
+        cache_threshold=config["threshold"],
+    )
+
     def load():  # on the engine's step thread, as the daemon loads
-        adapter = load_adapter(
-            model, quantize=config["quantize"], scheduler_config=scheduler_changes(args.scheduler_config)
-        )
-        adapter.enable_step_cache(config["cache"], config["threshold"])
-        if config["compile"]:
+        adapter = build_adapter(setup)
+        if config["compile"]:  # not `setup.compile`: no configuration may reuse another's inductor cache
             adapter.enable_compile()
         return adapter
 

@@ -68,20 +68,20 @@ def record_pairs(
     steps: int | None = None,
     size: tuple[int, int] | None = None,
     guidance: float | None = None,
-    **load_options: Any,
+    **setup: Any,
 ) -> list[tuple[float, float]]:
     """(input change, output change) for every request-step after the first, every step computed, batched as served.
-    `load_options`: `load_adapter`'s (device, dtype, quantize, offload), as the checkpoint will be served."""
+    `setup`: fields of the model setup (device, dtype, quantize, offload, scheduler_config), as it will be served."""
     from diffusiond.engine.engine import Engine
     from diffusiond.engine.outputs import Completed
-    from diffusiond.models.loader import load_adapter
     from diffusiond.models.params import SamplingParams
+    from diffusiond.models.setup import ModelSetup, build_adapter
 
     pairs: list[tuple[float, float]] = []
+    model_setup = ModelSetup(model=model, cache="teacache", cache_threshold=0.0, **setup)
 
     def load() -> Any:  # on the engine's step thread, which owns torch
-        adapter = load_adapter(model, **load_options)
-        adapter.enable_step_cache("teacache", 0.0)
+        adapter = build_adapter(model_setup)
         adapter.cache_method.record = pairs
         return adapter
 
@@ -117,16 +117,18 @@ def record_pairs(
 def calibrate(args: argparse.Namespace) -> int:
     from diffusiond.daemon.cli import resolve_model
     from diffusiond.daemon.config import scheduler_changes
-    from diffusiond.kernels import offload, quantize
+    from diffusiond.models.setup import ModelSetup, check_kernels, check_setup
 
+    model = resolve_model(args.model)
     try:
-        quantize.check(args.quantize, args.device)
-        offload.check(args.offload, args.device)
         scheduler = scheduler_changes(args.scheduler_config)
+        options = dict(device=args.device, dtype=args.dtype, quantize=args.quantize, offload=args.offload)
+        setup = ModelSetup(model=model, attention=args.attention, scheduler_config=scheduler, **options)
+        check_setup(setup)
+        check_kernels(setup)
     except ValueError as exc:
         print(f"diffusiond.tools.calibrate: error: {exc}", file=sys.stderr)
         return 2
-    model = resolve_model(args.model)
     prompts = list(PROMPTS)
     if args.prompts:
         prompts = [line.strip() for line in Path(args.prompts).read_text().splitlines() if line.strip()]
@@ -137,11 +139,9 @@ def calibrate(args: argparse.Namespace) -> int:
         steps=args.steps,
         size=args.size,
         guidance=args.guidance_scale,
-        device=args.device,
-        dtype=args.dtype,
-        quantize=args.quantize,
-        offload=args.offload,
+        attention=args.attention,
         scheduler_config=scheduler,
+        **options,
     )
     coefficients, r2 = fit(pairs, args.degree)
     out = Path(args.out or model) / CACHE_FILE

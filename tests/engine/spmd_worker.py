@@ -24,7 +24,9 @@ from diffusiond.daemon.ranks import join_group, leave
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.follower import run_follower
 from diffusiond.engine.outputs import Completed, Progress
+from diffusiond.kernels.layout import ParallelLayout
 from diffusiond.models.params import SamplingParams
+from diffusiond.models.setup import ModelSetup
 
 
 async def drive(rank, requests, out: Path) -> None:
@@ -132,16 +134,17 @@ def main() -> None:
     torch.set_num_threads(1)
     model, out, cfg, ulysses, requests_json = sys.argv[1:6]
     requests = msgspec.json.decode(requests_json, type=list[SamplingParams])
-    rank = join_group(
-        model,
-        cfg_parallel=int(cfg),
-        ulysses=int(ulysses),
-        ring=int(os.environ.get("SPMD_RING", "1")),
-        tp=int(os.environ.get("SPMD_TP", "1")),
+    layout = ParallelLayout(
+        int(os.environ["WORLD_SIZE"]),
+        cfg_degree=int(cfg),
+        ulysses_degree=int(ulysses),
+        ring_degree=int(os.environ.get("SPMD_RING", "1")),
+        tp_degree=int(os.environ.get("SPMD_TP", "1")),
         shard_weights=os.environ.get("SPMD_SHARD") == "1",
-        vae_parallel=int(os.environ.get("SPMD_VAE", "1")),
-        loras=[tuple(pair) for pair in json.loads(os.environ.get("SPMD_LORA", "[]"))],
+        vae_degree=int(os.environ.get("SPMD_VAE", "1")),
     )
+    loras = tuple(f"{name}={path}" for name, path in json.loads(os.environ.get("SPMD_LORA", "[]")))
+    rank = join_group(ModelSetup(model=model, layout=layout, lora=loras))
     forwards = record_forwards(rank.adapter)
     encodings = [0]  # text encoder calls on this rank
     real_encode = rank.adapter._encode

@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 from procs import refused
 
+from diffusiond.models.families import FAMILIES, families_table
 from diffusiond.models.loader import load_adapter
 from diffusiond.models.params import ParamError, SamplingParams
-from diffusiond.models.registry import ADAPTERS, families_table
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,7 +82,7 @@ def test_readme_table_is_generated_from_the_declarations():
     table = re.search(r"<!-- families:start -->\n(.*?)<!-- families:end -->", readme, re.S)
     assert table is not None, "README has no families table"
     assert table.group(1) == families_table(), "README's table drifted: paste families_table()'s output"
-    for name in ADAPTERS:
+    for name in FAMILIES:
         assert f"`{name}`" in table.group(1)
 
 

@@ -1,6 +1,7 @@
-"""LoRA per request (models/lora.py, kernels/lora.py): requests with different adapters, or none, share one batched
-forward, and each image equals diffusers' pipeline with `load_lora_weights` + `set_adapters(..., adapter_weights)`
-for the same seed. Tolerance 1e-4 (measured: at most 5e-6 on these checkpoints, float32 on CPU)."""
+"""LoRA per request (models/lora_registry.py, kernels/lora_rows.py): requests with different adapters, or none,
+share one batched forward, and each image equals diffusers' pipeline with `load_lora_weights` +
+`set_adapters(..., adapter_weights)` for the same seed. Tolerance 1e-4 (measured: at most 5e-6 on these
+checkpoints, float32 on CPU)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ from safetensors.torch import load_file, save_file
 
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Completed, Progress
-from diffusiond.kernels import lora as lora_kernels
+from diffusiond.kernels import lora_rows as lora_kernels
 from diffusiond.models.loader import load_adapter
-from diffusiond.models.lora import LoraError
+from diffusiond.models.lora_files import LoraError
 from diffusiond.models.params import LoraChoice, SamplingParams
 from diffusiond.models.tiny_lora import build_tiny_lora
 
@@ -44,7 +45,7 @@ def request(seed: int, *loras: tuple[str, float], prompt: str = "a shape", steps
     return SamplingParams(prompt=prompt, seed=seed, width=64, height=64, num_inference_steps=steps, lora=choices)
 
 
-# Three adapters and none: each LoRA row's factors gathered into one batched matmul (kernels/lora._Gathered).
+# Three adapters and none: each LoRA row's factors gathered into one batched matmul (kernels/lora_rows._Gathered).
 MIXED = [
     request(1, ("a", 1.0), prompt="a red shape"),
     request(2, ("b", 0.5), prompt="a blue shape"),

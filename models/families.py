@@ -1,0 +1,179 @@
+"""What each family declares it supports, readable without torch: start-up validation (models/setup.py), README's
+table and `/v1/models` read these, and each adapter class takes its own (`ModelAdapter.spec`), so they are said
+once. The adapter's module is imported only when a model of the family loads (models/registry.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# How a family guides: "cfg" (a negative branch whenever `guidance_scale` says so), "distilled" (`guidance_scale`
+# feeds a guidance embedding, one row), "true-cfg" (a negative branch with `true_cfg_scale` and a negative prompt),
+# "skip-layer" (skip-layer guidance on top of CFG, `skip_guidance_layers`).
+GUIDANCE_STYLES = ("cfg", "distilled", "true-cfg", "skip-layer")
+
+
+@dataclass(frozen=True)
+class Family:
+    # diffusers' pipeline class, as `model_index.json` names it (`_class_name`).
+    pipeline_class: str
+    family: str
+    # "module:Class" of its adapter, under diffusiond.models.
+    adapter: str
+    guidance_styles: tuple[str, ...]
+    # Parallel strategies over several ranks: "cfg-parallel" (the two CFG rows, or halves of a batch without CFG),
+    # "ulysses" (sequence parallel attention; its degree must divide the transformer's heads), "ring" (ring attention
+    # over the sharded sequence, alone or with Ulysses; families whose attention takes no mask), "tp" (tensor
+    # parallel linears, by the family's plan), "shard-weights" (FSDP2: weights gathered block by block),
+    # "vae-parallel" (one image decoded in strips by several ranks: 2D VAEs).
+    parallel: tuple[str, ...] = ("cfg-parallel",)
+    # Step caches it implements (models/stepcache.py), besides "none", and whether they run with Ulysses.
+    cache_methods: tuple[str, ...] = ()
+    cache_with_ulysses: bool = True
+    # Images a request may bring: "img2img" (starts from it, `strength`), "mask" (inpainting, with img2img), "edit"
+    # (instruction editing), "references" (edits with more images: `reference_images`), "first-frame" (a video
+    # that starts from the image).
+    image_inputs: tuple[str, ...] = ()
+    # What it makes: "image" or "video" (clips of frames; `Capabilities` then carries the frame rules).
+    modality: str = "image"
+    # LoRA per request (`SamplingParams.lora`, models/lora_registry.py): adapters of the denoiser, mixed in one batch.
+    lora: bool = False
+    # Packages its pipeline needs beyond diffusiond's own dependencies.
+    needs: tuple[str, ...] = ()
+
+
+ALL_PARALLEL = ("cfg-parallel", "ulysses", "ring", "tp", "shard-weights", "vae-parallel")
+
+SD3 = Family(
+    "StableDiffusion3Pipeline",
+    "sd3",
+    "sd3:SD3Adapter",
+    guidance_styles=("cfg", "skip-layer"),
+    parallel=ALL_PARALLEL,
+    cache_methods=("fbcache", "teacache"),
+    image_inputs=("img2img", "mask"),
+    lora=True,
+)
+SDXL = Family(
+    "StableDiffusionXLPipeline",
+    "sdxl",
+    "sdxl:SDXLAdapter",
+    guidance_styles=("cfg",),
+    parallel=("cfg-parallel", "shard-weights", "vae-parallel"),
+    image_inputs=("img2img", "mask"),
+    lora=True,
+)
+FLUX = Family(
+    "FluxPipeline",
+    "flux",
+    "flux:FluxAdapter",
+    guidance_styles=("distilled", "true-cfg"),
+    parallel=ALL_PARALLEL,
+    cache_methods=("fbcache", "teacache"),
+    image_inputs=("img2img", "mask"),
+    lora=True,
+)
+FLUX_KONTEXT = Family(
+    "FluxKontextPipeline",
+    "flux-kontext",
+    "kontext:FluxKontextAdapter",
+    guidance_styles=FLUX.guidance_styles,
+    parallel=FLUX.parallel,
+    cache_methods=FLUX.cache_methods,
+    image_inputs=("edit",),
+    # Not checked against its pipeline yet (edits with LoRA).
+    lora=False,
+)
+FLUX2_KLEIN = Family(
+    "Flux2KleinPipeline",
+    "flux2-klein",
+    "flux2:Flux2KleinAdapter",
+    guidance_styles=("cfg",),
+    parallel=ALL_PARALLEL,
+    image_inputs=("edit", "references"),
+    lora=True,
+)
+Z_IMAGE = Family(
+    "ZImagePipeline",
+    "z-image",
+    "zimage:ZImageAdapter",
+    guidance_styles=("cfg",),
+    parallel=("cfg-parallel", "ulysses", "shard-weights", "vae-parallel"),
+    image_inputs=("img2img", "mask"),
+    lora=True,
+)
+QWEN_IMAGE = Family(
+    "QwenImagePipeline",
+    "qwen-image",
+    "qwenimage:QwenImageAdapter",
+    guidance_styles=("true-cfg", "distilled"),
+    parallel=("cfg-parallel", "ulysses", "tp", "shard-weights"),
+    cache_methods=("fbcache", "teacache"),
+    # Its cached forward does not shard tokens yet: --cache with --ulysses is refused at start.
+    cache_with_ulysses=False,
+    image_inputs=("img2img", "mask"),
+    lora=True,
+)
+WAN = Family(
+    "WanPipeline",
+    "wan",
+    "wan:WanAdapter",
+    guidance_styles=("cfg",),
+    parallel=("cfg-parallel", "ulysses", "ring", "shard-weights"),
+    modality="video",
+    lora=True,
+)
+WAN_I2V = Family(
+    "WanImageToVideoPipeline",
+    "wan-i2v",
+    "wan:WanI2VAdapter",
+    guidance_styles=WAN.guidance_styles,
+    parallel=WAN.parallel,
+    modality="video",
+    image_inputs=("first-frame",),
+    lora=True,
+    needs=("ftfy",),
+)
+
+FAMILIES: dict[str, Family] = {
+    f.pipeline_class: f for f in (SD3, SDXL, FLUX, FLUX_KONTEXT, FLUX2_KLEIN, Z_IMAGE, QWEN_IMAGE, WAN, WAN_I2V)
+}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def family_of(pipeline_class: str) -> Family:
+    try:
+        return FAMILIES[pipeline_class]
+    except KeyError:
+        supported = ", ".join(sorted(FAMILIES))
+        raise UnsupportedModelError(
+            f"no adapter for pipeline class {pipeline_class!r}; supported: {supported}"
+        ) from None
+
+
+def families_table() -> str:
+    """README's table of supported families, from the declarations (a test keeps README equal to it)."""
+
+    def listed(values) -> str:
+        return ", ".join(values) or "-"
+
+    lines = [
+        "| `_class_name` | family | output | guidance | parallel | step cache | image inputs | needs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, f in FAMILIES.items():
+        cells = [
+            f"`{name}`",
+            f.family,
+            f.modality,
+            listed(f.guidance_styles),
+            listed(f.parallel),
+            listed(f.cache_methods),
+            listed(f.image_inputs),
+            listed(f.needs),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

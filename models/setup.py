@@ -1,0 +1,281 @@
+"""One model setup: what to load and how (family, dtype, device, attention, compile, quantization, offload, step
+cache, parallel layout, LoRA), resolved once into a frozen `ModelSetup` (daemon/config.py `model_setup` from the
+serving configuration; `generate` and the tools from their flags), checked once, and built by one function.
+
+- `check_setup`: every rule about which settings go together and what the family can do, with the messages users
+  see at start, from the family's declarations (models/families.py) and the checkpoint's files; no torch.
+- `check_kernels`: what only torch can tell (a backend, quantization or offload this device cannot run).
+- `build_adapter`: on every rank's step thread (the thread that owns torch), the adapter loaded, checked again
+  against what loaded (a hub id's family, the heads), and wired: LoRA, the parallel layout, step cache, attention,
+  compile.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from diffusiond.kernels.layout import ParallelLayout
+from diffusiond.models.families import Family
+from diffusiond.models.lora_files import LoraError, check_safetensors, startup_specs
+from diffusiond.models.registry import family_of_checkpoint
+
+if TYPE_CHECKING:
+    from diffusiond.models.base import ModelAdapter
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LORA_BUDGET = 2 << 30
+
+
+class SetupError(ValueError):
+    """Settings that cannot be served together, or that the model's family cannot serve; the message says why and
+    names the flags."""
+
+
+class ModelSetup(msgspec.Struct, frozen=True, kw_only=True):
+    # A local diffusers folder or a hub id.
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    # kernels/attention.py CHOICES.
+    attention: str = "auto"
+    compile: bool = False
+    # Inductor's cache folder (None: <cache dir>/inductor, models/default.py).
+    compile_cache: str | None = None
+    quantize: str = "none"
+    # Comma-separated fnmatch patterns of layers left unquantized (None: kernels/quantize.py DEFAULT_SKIP).
+    quantize_skip: str | None = None
+    offload: str = "none"
+    # Settings of the checkpoint's scheduler changed at load (models/loader.py `change_scheduler`).
+    scheduler_config: dict[str, Any] = {}
+    # Step cache method (models/stepcache.py METHODS) and the threshold of requests that send none.
+    cache: str = "none"
+    cache_threshold: float = 0.1
+    layout: ParallelLayout = msgspec.field(default_factory=lambda: ParallelLayout(1))
+    # LoRA adapters registered at start (NAME=PATH each, and every .safetensors file of lora_dir), the bytes resident
+    # adapters may take, and the scale the one adapter is fused into the weights at (None: per request).
+    lora: tuple[str, ...] = ()
+    lora_dir: str | None = None
+    lora_budget: int = DEFAULT_LORA_BUDGET
+    lora_fuse: float | None = None
+
+
+def lora_refusal(setup: ModelSetup) -> str | None:
+    """The setting LoRA per request does not compose with yet (None: none): tensor parallel and sharded weights
+    split the linears its deltas add to, offloading moves them between devices, and compiled blocks would recompile
+    for every batch's mix of adapters."""
+    layout = setup.layout
+    for on, flag in (
+        (layout.tp_degree > 1, "--tp"),
+        (layout.shard_weights, "--shard-weights"),
+        (setup.offload != "none", "--offload"),
+        (setup.compile, "--compile"),
+    ):
+        if on:
+            return f"not with {flag} yet"
+    return None
+
+
+def check_setup(setup: ModelSetup, *, family: Family | None = None, heads: int | None = None) -> Family | None:
+    """Every rule of `setup`, without torch; raises SetupError. `family` and `heads`: the loaded model's, else read
+    from a local checkpoint (a hub id's family is checked when it loads). Returns the family checked against."""
+    _check_combinations(setup)
+    _check_loras(setup)
+    if family is None and os.path.isdir(setup.model):
+        try:
+            family = family_of_checkpoint(setup.model)
+        except (ValueError, FileNotFoundError) as exc:
+            raise SetupError(str(exc)) from None
+        heads = heads or _heads(setup.model)
+    if family is not None:
+        _check_family(setup, family, heads)
+    try:
+        setup.layout.validate()
+    except ValueError as exc:
+        raise SetupError(str(exc)) from None
+    return family
+
+
+def _check_combinations(setup: ModelSetup) -> None:
+    layout, compiled = setup.layout, setup.compile
+    if compiled and setup.offload == "group":
+        # Its hooks move each layer's weights inside the blocks --compile would trace.
+        raise SetupError("--compile does not run with --offload group; use --offload model, or drop one")
+    if compiled and layout.ulysses_degree > 1:
+        # Ulysses runs its all-to-alls inside the attention of the blocks --compile would trace.
+        raise SetupError("--compile does not run with --ulysses yet; drop one (CFG-parallel ranks compile)")
+    if layout.ring_degree > 1 and (compiled or setup.attention not in ("auto", "sdpa")):
+        # Ring attention merges blocks by the log-sum-exp that only its SDPA kernels return.
+        raise SetupError("--ring runs its own SDPA kernels: drop --compile and --attention other than sdpa")
+    plain = not compiled and setup.quantize == "none" and setup.offload == "none"
+    if layout.tp_degree > 1 and not plain:
+        raise SetupError("--tp shards plain weights: drop --compile, --quantize and --offload with it")
+    if layout.vae_degree > layout.world_size:
+        raise SetupError(
+            f"--vae-parallel {layout.vae_degree} decodes on that many ranks: it needs --nproc x --nnodes >= "
+            f"{layout.vae_degree}"
+        )
+    if layout.shard_weights:
+        if layout.world_size < 2:
+            raise SetupError("--shard-weights splits the weights over the ranks: it needs --nproc 2 or more")
+        if layout.tp_degree > 1 or not plain:
+            raise SetupError("--shard-weights: drop --tp, --compile, --quantize and --offload with it")
+
+
+def _check_loras(setup: ModelSetup) -> None:
+    """The NAME=PATH pairs, --lora-dir, each file's header, --lora-fuse, and what LoRA does not compose with."""
+    if not setup.lora and setup.lora_dir is None:
+        if setup.lora_fuse is not None:
+            raise SetupError("--lora-fuse adds an adapter into the weights: give it one with --lora NAME=PATH")
+        return
+    if (refusal := lora_refusal(setup)) is not None:
+        raise SetupError(f"LoRA adapters (--lora, --lora-dir): {refusal}")
+    try:
+        specs = startup_specs(setup.lora, setup.lora_dir)
+        for _, path in specs:
+            check_safetensors(path)
+    except LoraError as exc:
+        raise SetupError(str(exc)) from None
+    if setup.lora_fuse is not None and len(specs) != 1:
+        raise SetupError(
+            f"--lora-fuse adds one adapter into the weights; --lora and --lora-dir give {len(specs)}: give exactly one"
+        )
+
+
+def _supports(family: Family, strategy: str, flag: str, what: str) -> None:
+    if strategy not in family.parallel:
+        raise SetupError(
+            f"{flag}: the {family.family} family ({family.pipeline_class}) does not support {what}; it supports: "
+            f"{', '.join(family.parallel)}"
+        )
+
+
+def _heads(model: str) -> int | None:
+    """The transformer's attention heads from its config.json (Z-Image calls them `n_heads`); None if unknown."""
+    config = Path(model) / "transformer" / "config.json"
+    fields = json.loads(config.read_text()) if config.is_file() else {}
+    return fields.get("num_attention_heads") or fields.get("n_heads")
+
+
+def _check_family(setup: ModelSetup, family: Family, heads: int | None) -> None:
+    """What the family declares it can run: the parallel layout, the step cache, LoRA."""
+    layout, cache = setup.layout, setup.cache
+    ulysses, ring, tp, vae = layout.ulysses_degree, layout.ring_degree, layout.tp_degree, layout.vae_degree
+    if (setup.lora or setup.lora_dir) and not family.lora:
+        raise SetupError(f"--lora: the {family.family} family ({family.pipeline_class}) does not serve LoRA adapters")
+    if ulysses > 1:
+        _supports(family, "ulysses", f"--ulysses {ulysses}", "Ulysses sequence parallelism")
+        if heads and heads % ulysses:
+            raise SetupError(f"--ulysses {ulysses} must divide the number of attention heads ({heads})")
+    if ring > 1:
+        _supports(family, "ring", f"--ring {ring}", "ring attention")
+    if tp > 1:
+        _supports(family, "tp", f"--tp {tp}", "tensor parallelism")
+        if heads and heads % (tp * ulysses):
+            raise SetupError(f"--tp {tp} x --ulysses {ulysses} must divide the number of attention heads ({heads})")
+        if cache != "none":
+            raise SetupError(f"--cache {cache} with --tp {tp}: step caching does not run with tensor parallelism yet")
+    if vae > 1 and "vae-parallel" not in family.parallel:
+        raise SetupError(
+            f"--vae-parallel {vae}: the {family.family} family's VAE ({family.pipeline_class}) does not decode in "
+            "strips (a video VAE)"
+        )
+    if layout.shard_weights:
+        if "shard-weights" not in family.parallel:
+            raise SetupError(
+                f"--shard-weights: the {family.family} family ({family.pipeline_class}) does not support it"
+            )
+        if cache != "none":
+            raise SetupError(f"--cache {cache} with --shard-weights: step caching does not run on sharded weights yet")
+    if cache != "none" and ring > 1:
+        raise SetupError(f"--cache {cache} with --ring {ring}: step caching does not run with ring attention yet")
+    if cache != "none" and ulysses > 1 and not family.cache_with_ulysses:
+        raise SetupError(
+            f"--cache {cache} with --ulysses {ulysses}: the {family.family} family cannot combine them yet"
+        )
+    if cache != "none" and cache not in family.cache_methods:
+        offered = ", ".join(family.cache_methods) or "none"
+        raise SetupError(f"--cache {cache}: the {family.family} family implements {offered}")
+
+
+def check_kernels(setup: ModelSetup) -> None:
+    """What only torch can tell: the attention backend, quantization and offload on this device (SetupError)."""
+    from diffusiond.kernels import offload, quantize
+    from diffusiond.kernels.attention import AttentionUnavailable, resolve
+
+    try:
+        resolve(setup.attention, setup.device)
+        quantize.check(setup.quantize, setup.device)
+        offload.check(setup.offload, setup.device)
+    except (AttentionUnavailable, quantize.QuantizationUnavailable, offload.OffloadUnavailable) as exc:
+        raise SetupError(str(exc)) from None
+
+
+def build_adapter(setup: ModelSetup, rank: int = 0) -> ModelAdapter:
+    """The adapter `setup` describes, on the thread that owns torch in this process. With several ranks
+    (torch.distributed initialised, `setup.device` this rank's device), its share of the parallel layout."""
+    from diffusiond.models.loader import load_adapter
+    from diffusiond.models.lora_registry import setup_loras
+
+    adapter = load_adapter(
+        setup.model,
+        device=setup.device,
+        dtype=setup.dtype,
+        quantize=setup.quantize,
+        quantize_skip=setup.quantize_skip,
+        offload=setup.offload,
+        scheduler_config=setup.scheduler_config,
+    )
+    config = adapter.transformer.config
+    check_setup(setup, family=adapter.spec, heads=config.get("num_attention_heads") or config.get("n_heads"))
+    if adapter.quantized is not None:
+        log.info("quantized %d linear layers of the transformer (%s)", adapter.quantized[1], adapter.quantized[0])
+    # Before the parallel layout: read through the whole model, as every rank's registry will keep doing.
+    specs = startup_specs(setup.lora, setup.lora_dir)
+    setup_loras(adapter, specs, setup.lora_budget, setup.lora_fuse, lora_refusal(setup))
+    if setup.layout.world_size > 1:
+        _wire_parallel(adapter, setup, rank)
+    adapter.enable_step_cache(setup.cache, setup.cache_threshold)  # before any request resolves
+    backend = adapter.set_attention(setup.attention)
+    if backend != "sdpa":
+        log.info("attention: %s", backend)
+    if setup.compile:  # compiled at their first calls: the warm-up runs them (on every rank)
+        from diffusiond.kernels.compile import use_cache_dir
+        from diffusiond.models.default import cache_dir
+
+        cache = use_cache_dir(setup.compile_cache or cache_dir() / "inductor")
+        log.info("compiling %d transformer blocks during the warm-up (cache %s)", adapter.enable_compile(), cache)
+    return adapter
+
+
+def _wire_parallel(adapter: ModelAdapter, setup: ModelSetup, rank: int) -> None:
+    """This rank's part of the layout: tensor parallel first (sharding replaces the linears the other strategies'
+    processors call), then sharded weights, strip decoding, prompt encoding once, CFG-parallel rows, Ulysses."""
+    import torch
+    import torch.distributed as dist
+
+    from diffusiond.kernels.collectives import SharedEncoding
+    from diffusiond.kernels.parallel import build_groups
+
+    layout, device = setup.layout, torch.device(setup.device)
+    groups = build_groups(layout, rank, device.type)
+    if groups.tp is not None:
+        adapter.enable_tp(groups.tp)
+    if layout.shard_weights:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        adapter.enable_shard_weights(init_device_mesh(device.type, (layout.world_size,)))
+    if groups.vae is not None:
+        adapter.enable_vae_parallel(groups.vae)
+    # Prompts: rank 0 encodes, the others receive the embeddings and free their text encoders.
+    adapter.enable_encode_once(SharedEncoding(dist.group.WORLD, rank, device))
+    if groups.cfg is not None:
+        adapter.enable_cfg_parallel(groups.cfg)
+    if groups.sequence is not None:
+        adapter.enable_ulysses(groups.sequence)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import io
 import logging
 import os
@@ -24,14 +23,15 @@ from prometheus_client.exposition import choose_encoder
 from diffusiond import __version__
 from diffusiond.daemon import loras_api, native_api, openai_api, videos_api
 from diffusiond.daemon.api import ApiError, body_limit, too_large
+from diffusiond.daemon.auth import api_key_middleware
 from diffusiond.daemon.config import ServeConfig, model_setup
-from diffusiond.daemon.images import encoder_pool
+from diffusiond.daemon.image_encoding import encoder_pool
 from diffusiond.daemon.state import ENCODERS, LOAD, METRICS, STATE, ServerState
 from diffusiond.daemon.streaming import ClientGone
 from diffusiond.engine.engine import Engine, Loader, QueueFullError
 from diffusiond.engine.outputs import Completed
+from diffusiond.metrics.engine_metrics import PrometheusObserver
 from diffusiond.metrics.loop_lag import watch_loop_lag
-from diffusiond.metrics.observer import PrometheusObserver
 from diffusiond.metrics.registry import Metrics
 from diffusiond.models.base import Capabilities, ModelAdapter
 from diffusiond.models.params import MAX_REFERENCES, ParamError, RequestLimits, SamplingParams
@@ -43,7 +43,9 @@ def create_app(config: ServeConfig, *, load: Loader | None = None) -> web.Applic
     """`load`: how the model is loaded (an SPMD rank 0 joins its group there too; tests pass their checkpoint).
     Default: `config.model`, else the bundled default model. It runs on the engine's step thread, the one thread
     that owns torch in this process; the event loop answers /health and pings the watchdog meanwhile."""
-    app = web.Application(client_max_size=json_limit(config), middlewares=[error_middleware, auth_middleware])
+    app = web.Application(
+        client_max_size=json_limit(config), middlewares=[error_middleware, api_key_middleware(config.api_key)]
+    )
     app[STATE] = ServerState(config)
     app[METRICS] = Metrics()
     app[LOAD] = load or _default_loader(config)
@@ -250,28 +252,6 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return ApiError(500, "internal server error; details are in the server log", type="server_error").response()
-
-
-# Liveness, readiness and scraping stay open when an API key is set (probes and scrapers carry no key).
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/"})
-
-
-@web.middleware
-async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
-    key = request.app[STATE].config.api_key
-    if key and request.path not in OPEN_PATHS:
-        given = request.headers.get("Authorization", "")
-        scheme, _, token = given.partition(" ")
-        # Header bytes that are not UTF-8 arrive as surrogates: compare bytes, never fail on them.
-        token_bytes = token.strip().encode("utf-8", "surrogateescape")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token_bytes, key.encode()):
-            raise ApiError(
-                401,
-                "missing or invalid API key (send 'Authorization: Bearer KEY')",
-                type="invalid_request_error",
-                code="invalid_api_key",
-            )
-    return await handler(request)
 
 
 # ---- health ----

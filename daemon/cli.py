@@ -160,7 +160,7 @@ def generate_setup(args: argparse.Namespace):
 
 
 async def _generate(args: argparse.Namespace, setup, params) -> int:
-    from diffusiond.daemon.images import encode_image
+    from diffusiond.daemon.image_encoding import encode_image
     from diffusiond.engine.engine import Engine
     from diffusiond.engine.outputs import Cancelled, Completed, Failed, Preview, Progress
     from diffusiond.models.declared import unknown_words
@@ -184,7 +184,7 @@ async def _generate(args: argparse.Namespace, setup, params) -> int:
                 path = Path(args.previews, f"step{event.step:03d}.png")
                 await asyncio.to_thread(_write, path, encode_image(event.image))
             elif isinstance(event, Completed) and event.image.ndim == 4:  # a video model's clip [F, H, W, 3]
-                from diffusiond.daemon.video import encode_video
+                from diffusiond.daemon.video_encoding import encode_video
 
                 video_fmt = "webp" if fmt == "webp" else "mp4"
                 clip = await asyncio.to_thread(encode_video, event.image, handle.params.fps or 16, video_fmt)
@@ -261,7 +261,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     loaded = _load_config(args)
     if loaded is None:
         return EXIT_USAGE
-    from diffusiond.daemon.config import ConfigError, check_serving, exposure_warning
+    from diffusiond.daemon.auth import exposure_warning
+    from diffusiond.daemon.config import ConfigError, check_serving
     from diffusiond.daemon.launch import worker_config
     from diffusiond.models.setup import SetupError, check_kernels
 

@@ -9,7 +9,6 @@ converted by msgspec ("4" -> 4); an empty one counts as unset, so an env file ma
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import json
 import math
 import os
@@ -45,7 +44,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     host: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     api_key: str | None = None
-    # Binding anything but loopback without an API key must be asked for (check_exposure).
+    # Binding anything but loopback without an API key must be asked for (daemon/auth.py `check_exposure`).
     allow_unauthenticated: bool = False
     max_batch: Positive = 8
     # Admission window: an idle engine waits up to this long for a burst of requests to start together. It stops at
@@ -157,31 +156,6 @@ HIDDEN = "<hidden>"
 
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the key and its source."""
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a name may resolve to anything
-
-
-def check_exposure(config: ServeConfig) -> None:
-    """Listening beyond loopback without an API key is a choice the operator makes explicitly."""
-    if not is_loopback(config.host) and not config.api_key and not config.allow_unauthenticated:
-        raise ConfigError(
-            f"refusing to listen on {config.host} without an API key: anyone who reaches the port could use it. Set "
-            f"--api-key (or {env_var('api_key')}), or pass --allow-unauthenticated "
-            f"({env_var('allow_unauthenticated')}=true) if something in front of the daemon authenticates"
-        )
-
-
-def exposure_warning(config: ServeConfig) -> str | None:
-    if not is_loopback(config.host) and not config.api_key:
-        return f"listening on {config.host} with no API key (--allow-unauthenticated): whoever reaches it can use it"
-    return None
 
 
 def flag(name: str) -> str:
@@ -371,6 +345,7 @@ def check_serving(config: ServeConfig) -> ModelSetup:
     """Every start-up rule, before any rank starts or torch is imported: the daemon's own (exposure, several nodes,
     the video folder) and the model setup's (models/setup.py `check_setup`). ConfigError or SetupError, saying
     why; the checked setup."""
+    from diffusiond.daemon.auth import check_exposure
     from diffusiond.models.setup import check_setup
 
     check_exposure(config)

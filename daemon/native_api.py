@@ -10,7 +10,7 @@ import msgspec
 from aiohttp import web
 
 from diffusiond.daemon.api import ApiError, GenerationRequest, decode_body, lora_choices
-from diffusiond.daemon.images import encode_image
+from diffusiond.daemon.image_encoding import encode_image
 from diffusiond.daemon.state import STATE, Record
 from diffusiond.daemon.streaming import (
     KEEPALIVE,
@@ -25,7 +25,7 @@ from diffusiond.daemon.streaming import (
     unknown_words,
     with_keepalive,
 )
-from diffusiond.daemon.video import EncodedVideo, encode_video
+from diffusiond.daemon.video_encoding import EncodedVideo, encode_video
 from diffusiond.engine.outputs import Cancelled, Completed, Failed, Latent, Preview, Progress, Queued
 from diffusiond.models.params import SamplingParams
 

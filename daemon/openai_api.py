@@ -28,7 +28,7 @@ from diffusiond.daemon.api import (
     too_large,
     validate_openai,
 )
-from diffusiond.daemon.images import encode_image, encode_preview
+from diffusiond.daemon.image_encoding import encode_image, encode_preview
 from diffusiond.daemon.state import STATE, ServerState
 from diffusiond.daemon.streaming import (
     KEEPALIVE,

@@ -19,7 +19,8 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from diffusiond.engine.comm import FaultBoard, TorchComm
+from diffusiond.engine.comm import TorchComm
+from diffusiond.engine.fault_board import FaultBoard
 from diffusiond.models.base import ModelAdapter
 from diffusiond.models.setup import ModelSetup, build_adapter, check_setup
 

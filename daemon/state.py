@@ -103,7 +103,7 @@ class ServerState:
 
 STATE = web.AppKey("state", ServerState)
 METRICS = web.AppKey("metrics", Metrics)
-# Image encoding threads (images.encoder_pool).
+# Image encoding threads (image_encoding.encoder_pool).
 ENCODERS = web.AppKey("encoders", concurrent.futures.ThreadPoolExecutor)
 # How the engine's step thread gets its model (engine.Loader).
 LOAD = web.AppKey("load_model", Callable)

@@ -79,7 +79,7 @@ async def with_keepalive(events: AsyncIterator[T], every: float) -> AsyncIterato
 
 
 async def encode_off_loop(request: web.Request, fn: Callable[..., T], *args) -> T:
-    """Image encoding in the encoder pool (`images.encoder_pool`), timed as the encode_response stage."""
+    """Image encoding in the encoder pool (`image_encoding.encoder_pool`), timed as the encode_response stage."""
     return await run_encoder(request.app, fn, *args)
 
 

@@ -45,7 +45,7 @@ from diffusiond.daemon.api import (
 )
 from diffusiond.daemon.state import ENCODERS, STATE
 from diffusiond.daemon.streaming import check_images, queue_requests, run_encoder
-from diffusiond.daemon.video import MEDIA_TYPES, encode_video
+from diffusiond.daemon.video_encoding import MEDIA_TYPES, encode_video
 from diffusiond.daemon.video_store import StoreFull, VideoJob, VideoStore, VideoTooLarge, write_video
 from diffusiond.engine.engine import Engine, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Completed, Failed, Progress

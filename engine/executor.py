@@ -147,7 +147,7 @@ class Executor:
         if finished:
             shared = self.group and len(finished) >= self.comm.world_size
             # Fewer than the ranks: with patch-parallel decoding the strip group decodes each image together.
-            strips = getattr(self.adapter, "vae_strips", None) if self.group and not shared else None
+            strips = self.adapter.vae_strips if self.group and not shared else None
             if shared or self.driver or (strips is not None and self.rank < strips.size):
                 with stage("decode"):
                     if shared:
@@ -330,9 +330,7 @@ class Executor:
         return result
 
     def _forget(self, request_ids: Sequence[str]) -> None:
-        forget = getattr(self.adapter, "forget", None)
-        if forget is not None:
-            forget(request_ids)
+        self.adapter.forget(request_ids)
 
     def _preview_vae(self, part: list[tuple[RequestState, torch.Tensor]], result: ExecResult) -> list[None]:
         images = self.adapter.preview_vae(torch.cat([x0[None] for _, x0 in part]))

@@ -188,8 +188,3 @@ def gather_output(module: torch.nn.Module, g: UlyssesGroup, dim: int = 1) -> Non
         return g.gather_seq(output, dim=dim)
 
     module.register_forward_hook(hook)
-
-
-def check_heads(num_heads: int, degree: int) -> None:
-    if num_heads % degree:
-        raise ValueError(f"--ulysses {degree} must divide the number of attention heads ({num_heads})")

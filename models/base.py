@@ -142,10 +142,17 @@ class ModelAdapter(abc.ABC):
     lora: ClassVar[bool]
     needs: ClassVar[tuple[str, ...]]
     capabilities: Capabilities
+    # The folder or hub id it was loaded from.
+    source: str
     # Registered LoRA adapters (models/lora_registry.LoraRegistry), once enabled.
     lora_registry: Any = None
     # (choice, layers converted) when models/loader.py quantized the transformer (kernels/quantize.py).
     quantized: tuple[str, int] | None = None
+    # The strip group (kernels/patch_vae.StripGroup) once patch-parallel decoding is enabled: the executor then has
+    # images that finish with fewer others than there are ranks decoded by `decode_strips`.
+    vae_strips: Any = None
+    # (bytes of the denoiser's parameters on this rank, before) once tensor parallel or sharded.
+    weight_bytes: tuple[int, int] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -214,3 +221,61 @@ class ModelAdapter(abc.ABC):
     @abc.abstractmethod
     def preview(self, x0: torch.Tensor) -> np.ndarray:
         """A small uint8 RGB image [h, w, 3] of a predicted clean latent."""
+
+    # ---- optional hooks of the step (defaults: nothing to share, nothing cached) ----
+
+    def forget(self, request_ids: Sequence[str]) -> None:  # noqa: B027 - optional hook
+        """States were freed: drop whatever the adapter keeps for them (batched conditioning)."""
+
+    def decode_strips(self, states: Sequence[RequestState]) -> list[np.ndarray]:
+        """`decode`, every rank of `vae_strips` decoding its strip of each image (all of them call it together)."""
+        raise NotImplementedError(f"the {self.family} family does not decode in strips")
+
+    def attention_heads(self) -> int | None:
+        """The denoiser's attention heads (what Ulysses and tensor parallel degrees must divide); None if it has
+        no such count."""
+        return None
+
+    # ---- how the model runs: models/setup.py `build_adapter` calls these, after loading and in this order ----
+    # Each default refuses: the family does not have it (start-up validation refused the setting before).
+
+    def enable_lora(self, budget_bytes: int) -> Any:
+        """LoRA per request: a registry of adapters of the denoiser (models/lora_registry.LoraRegistry)."""
+        raise ValueError(f"the {self.family} family does not serve LoRA adapters")
+
+    def enable_tp(self, mesh: Any) -> None:
+        """Shard the denoiser's block linears over the tensor-parallel `mesh`."""
+        raise ValueError(f"the {self.family} family does not support tensor parallelism")
+
+    def enable_shard_weights(self, mesh: Any) -> None:
+        """FSDP2: the denoiser's weights sharded over `mesh`, gathered block by block."""
+        raise ValueError(f"the {self.family} family does not support sharded weights")
+
+    def enable_vae_parallel(self, group: Any) -> None:
+        """Decode one image in strips across `group` (sets `vae_strips`)."""
+        raise ValueError(f"the {self.family} family's VAE does not decode in strips")
+
+    def enable_encode_once(self, shared: Any) -> None:  # noqa: B027 - optional hook
+        """In a group: prompts encoded once on rank 0 and shared (kernels/collectives.SharedEncoding), through
+        `encode_prompts`. Default: every rank encodes its own."""
+
+    def enable_cfg_parallel(self, group: Any) -> None:
+        """The two CFG rows of every request on the two ranks of `group` (kernels/parallel.CFGGroup)."""
+        raise ValueError(f"the {self.family} family does not support CFG-parallel")
+
+    def enable_ulysses(self, group: Any) -> None:
+        """Sequence-parallel attention over `group` (kernels/ulysses.UlyssesGroup)."""
+        raise ValueError(f"the {self.family} family does not support Ulysses sequence parallelism")
+
+    def enable_step_cache(self, method: str, threshold: float) -> None:
+        """Step caching (models/stepcache.py) with `threshold` for requests that send none; "none": off."""
+        if method != "none":
+            raise ValueError(f"--cache {method} is not implemented for the {self.family} family yet")
+
+    def set_attention(self, choice: str) -> str:
+        """Route attention to the backend `choice` means on this device (kernels/attention.py); the backend."""
+        return "sdpa"
+
+    def enable_compile(self) -> int:
+        """torch.compile the denoiser's repeated blocks; how many."""
+        raise ValueError(f"--compile: the {self.family} family has no compiled blocks")

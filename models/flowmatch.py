@@ -1,6 +1,8 @@
-"""What every family shares: loading through the diffusers pipeline class, request validation (sizes, strengths,
-masks, edit images), per-request samplers, the batched Euler step, inpainting's blend, CFG-parallel rows, x0
-prediction, decoding and previews. Families override what their pipelines do differently (SDXL: a UNet and its
+"""What every flow-matching family shares, the step itself: loading through the diffusers pipeline class, the
+capabilities, per-request samplers and first latents, the batched transformer call, the batched Euler step,
+inpainting's blend, x0 prediction, decoding and previews; and how the model runs (LoRA rows, step cache, offload,
+compile, attention). Request resolution is models/resolution.py's part of the class, running on several ranks
+models/parallel_wiring.py's. Families override what their pipelines do differently (SDXL: a UNet and its
 scheduler's own step).
 
 The pipeline object is only a holder for the components and their helpers (`encode_prompt`, `prepare_latents`);
@@ -10,32 +12,31 @@ its `__call__` never runs while serving.
 from __future__ import annotations
 
 import logging
-import math
 import os
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any, ClassVar
 
 import diffusers
 import numpy as np
 import torch
-import torch.distributed as dist
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 from diffusers.utils.torch_utils import randn_tensor
 
 from diffusiond.kernels import attention
-from diffusiond.kernels.collectives import collective
 from diffusiond.kernels.lora_rows import Lora, LoraLayers
 from diffusiond.kernels.parallel import CFGGroup
 from diffusiond.models import preview as preview_maps
 from diffusiond.models import stepcache
 from diffusiond.models.base import Capabilities, ModelAdapter, RequestState
-from diffusiond.models.declared import check_declared, read_declared
-from diffusiond.models.inputs import image_size, open_mask, open_rgb
-from diffusiond.models.lora_registry import LoraRegistry, read_lora, resolve_loras
-from diffusiond.models.params import MAX_GUIDANCE, MAX_PROMPT_CHARS, MAX_SEED, MAX_STEPS, ParamError, SamplingParams
+from diffusiond.models.declared import read_declared
+from diffusiond.models.inputs import open_mask, open_rgb
+from diffusiond.models.lora_registry import LoraRegistry, read_lora
+from diffusiond.models.parallel_wiring import ParallelWiring
+from diffusiond.models.params import SamplingParams
 from diffusiond.models.prompts import PROMPT_CACHE_BYTES, PromptCache
+from diffusiond.models.resolution import RequestResolution
 from diffusiond.models.sampler import FlowMatchSampler, step_batch
 
 log = logging.getLogger(__name__)
@@ -70,14 +71,19 @@ class Inpaint:
         return (1 - self.mask) * proper + self.mask * latents
 
 
-class FlowMatchAdapter(ModelAdapter):
+class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
     family: ClassVar[str]
+
     # Whose VAE the family uses, for published preview factors (models/preview.py); None: its own.
     vae_family: ClassVar[str | None] = None
+
     default_steps: ClassVar[int] = 28
+
     default_guidance: ClassVar[float]
+
     # `true_cfg_scale` when a request sends none (families with true CFG beside a guidance embedding).
     default_true_cfg: ClassVar[float] = 1.0
+
     # The pipeline component that denoises.
     denoiser: ClassVar[str] = "transformer"
 
@@ -109,8 +115,6 @@ class FlowMatchAdapter(ModelAdapter):
                 module.eval().requires_grad_(False)
         return cls(pipe, source=path)
 
-    # ---- family hooks ----
-
     def _vae_scale_factor(self, pipe: Any) -> int:
         """Pixels per latent along each side."""
         return pipe.vae_scale_factor
@@ -129,8 +133,6 @@ class FlowMatchAdapter(ModelAdapter):
     def _unpack(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """Model-space latents [B, ...] -> VAE-shaped latents [B, C, h, w]."""
         return latents
-
-    # ---- contract ----
 
     def _capabilities(self) -> Capabilities:
         width, height = self._default_size()
@@ -169,244 +171,10 @@ class FlowMatchAdapter(ModelAdapter):
             return tuple(s for s in self.guidance_styles if s != "distilled")
         return self.guidance_styles
 
-    def _ulysses_degrees(self) -> tuple[int, ...]:
-        if "ulysses" not in self.parallel:
-            return ()
-        heads = self.transformer.config.num_attention_heads
-        return tuple(d for d in range(2, heads + 1) if heads % d == 0)
-
-    def enable_ulysses(self, group: Any) -> None:
-        raise ValueError(f"the {self.family} family does not support Ulysses sequence parallelism")
-
-    # (bytes of the transformer's parameters on this rank, before) once tensor parallel or sharded.
-    weight_bytes: tuple[int, int] | None = None
-
-    def enable_tp(self, mesh: Any) -> None:
-        """Shard the transformer's block linears over the tensor-parallel `mesh` (kernels/tensor_parallel.py) by the
-        family's plan. The text encoders and the VAE stay whole on every rank (they run once per request)."""
-        from diffusiond.kernels.tensor_parallel import shard
-
-        plan = self._tp_plan()
-        if "tp" not in self.parallel or not plan:
-            raise ValueError(f"the {self.family} family does not support tensor parallelism")
-        heads = self.transformer.config.num_attention_heads
-        if heads % mesh.size():
-            raise ValueError(f"--tp {mesh.size()} must divide the number of attention heads ({heads})")
-        self.weight_bytes = shard(self.transformer, plan, mesh)
-        self._after_tp(mesh.size())
-
-    def enable_shard_weights(self, mesh: Any) -> None:
-        """The transformer's (or UNet's) weights sharded over `mesh` with FSDP2, gathered block by block as each
-        runs (kernels/tensor_parallel.py): for a model that does not fit one device, at the cost of an all-gather of
-        every block's weights per forward. Text encoders and the VAE stay whole."""
-        from diffusiond.kernels.tensor_parallel import fully_shard_blocks
-
-        self.weight_bytes = fully_shard_blocks(self.transformer, mesh)
-
-    # Patch-parallel decoding (kernels/patch_vae.py) once enabled.
-    vae_strips: Any = None
-
-    def enable_vae_parallel(self, group: Any) -> None:
-        """Decode one image in horizontal strips across `group`'s ranks (a 2D VAE decoder: AutoencoderKL's)."""
-        from diffusers.models.autoencoders.vae import Decoder
-
-        from diffusiond.kernels.patch_vae import make_strip_aware
-
-        if "vae-parallel" not in self.parallel or not isinstance(getattr(self.vae, "decoder", None), Decoder):
-            raise ValueError(f"the {self.family} family's VAE does not decode in strips")
-        make_strip_aware(self.vae.decoder, group)
-        self.vae_strips = group
-
-    @torch.inference_mode()
-    def decode_strips(self, states: Sequence[RequestState]) -> list[np.ndarray]:
-        """`decode`, every rank of the strip group decoding its strip of each image (all of them call it together);
-        every rank gets the images."""
-        from diffusiond.kernels.patch_vae import active
-
-        self._stage("vae")
-        latents = self._unpack(torch.cat([s.latents for s in states]), states[0].params)  # [B, C, h, w]
-        with active(self.vae_strips, latents.shape[-2]):
-            return self.postprocess(self._decode(latents))
-
-    def _tp_plan(self) -> dict[str, Any]:
-        """The transformer's plan in diffusers' `_tp_plan` format (diffusers ships FLUX's, FLUX.2's, Qwen-Image's)."""
-        return dict(getattr(self.transformer, "_tp_plan", None) or {})
-
-    def _after_tp(self, degree: int) -> None:
-        """Attention processors that count heads from `attn.heads` now see 1/degree of them."""
-
-    def resolve(self, params: SamplingParams) -> SamplingParams:
-        caps = self.capabilities
-        if not isinstance(params.prompt, str) or not params.prompt.strip():
-            raise ParamError("prompt", "prompt must be a non-empty string")
-        for name in ("prompt", "negative_prompt"):
-            text = getattr(params, name)
-            if text is not None and len(text) > MAX_PROMPT_CHARS:
-                raise ParamError(name, f"{name} is {len(text)} characters long; the limit is {MAX_PROMPT_CHARS}")
-        check_declared(self.declared, params)
-        strength = self._strength(params)
-        width, height = self._size(params)
-        for name, side in (("width", width), ("height", height)):
-            if side < caps.size_multiple or side > caps.max_side or side % caps.size_multiple:
-                raise ParamError(
-                    name,
-                    f"{name} must be a multiple of {caps.size_multiple} between {caps.size_multiple} and "
-                    f"{caps.max_side} for this model, got {side}",
-                )
-        steps = params.num_inference_steps if params.num_inference_steps is not None else caps.default_steps
-        if not 1 <= steps <= MAX_STEPS:
-            raise ParamError(
-                "num_inference_steps", f"num_inference_steps must be between 1 and {MAX_STEPS}, got {steps}"
-            )
-        guidance = params.guidance_scale if params.guidance_scale is not None else caps.default_guidance
-        if not math.isfinite(guidance) or guidance < 0 or guidance > MAX_GUIDANCE:
-            raise ParamError("guidance_scale", f"guidance_scale must be between 0 and {MAX_GUIDANCE:g}, got {guidance}")
-        true_cfg = params.true_cfg_scale if params.true_cfg_scale is not None else self.default_true_cfg
-        if not math.isfinite(true_cfg) or true_cfg < 0 or true_cfg > MAX_GUIDANCE:
-            raise ParamError("true_cfg_scale", f"true_cfg_scale must be between 0 and {MAX_GUIDANCE:g}, got {true_cfg}")
-        seed = params.seed
-        if seed is None:
-            # Random seeds stay below 2**53, so JavaScript clients (JSON numbers are doubles) can reuse them exactly.
-            seed = int.from_bytes(os.urandom(8), "little") & (2**53 - 1)
-        elif not 0 <= seed <= MAX_SEED:
-            raise ParamError("seed", f"seed must be between 0 and {MAX_SEED}, got {seed}")
-        if params.preview_every < 0:
-            raise ParamError("preview_every", f"preview_every must be >= 0, got {params.preview_every}")
-        if params.image is not None and params.skip_guidance_layers is not None:
-            # As diffusers: its SD3 Img2Img pipeline has no skip-layer guidance.
-            raise ParamError("skip_guidance_layers", "skip-layer guidance is for requests without an input image")
-        resolved = SamplingParams(
-            prompt=params.prompt,
-            negative_prompt=params.negative_prompt,
-            seed=seed,
-            width=width,
-            height=height,
-            num_inference_steps=steps,
-            guidance_scale=float(guidance),
-            true_cfg_scale=float(true_cfg),
-            preview_every=params.preview_every,
-            stream_latents=params.stream_latents,
-            preview=params.preview,
-            cache_threshold=self._cache_threshold(params),
-            **self._skip_layer_guidance(params),
-            image=params.image,
-            strength=strength,
-            mask=self._mask(params),
-            reference_images=self._references(params),
-            start_step=self._start_step(steps, strength),
-            **self._video(params),
-            lora=resolve_loras(self, params),
-        )
-        if resolved.steps_to_run < 1:
-            raise ParamError(
-                "strength", f"strength {strength} leaves none of the {steps} steps to run; raise either of them"
-            )
-        return resolved
-
-    def _video(self, params: SamplingParams) -> dict[str, Any]:
-        """The resolved video fields (`num_frames`, `fps`); image families refuse them."""
-        for name in ("num_frames", "fps"):
-            if getattr(params, name) is not None:
-                raise ParamError(name, f"the {self.family} family makes images; {name} is for video models")
-        return {}
-
-    # Img2img's strength when a request with an image sends none (the Img2Img pipelines' default), and with a mask
-    # (the Inpaint pipelines').
-    default_strength: ClassVar[float] = 0.6
-    default_inpaint_strength: ClassVar[float] = 0.6
-
-    def _start_step(self, steps: int, strength: float | None) -> int:
-        """Img2img's first schedule position, as the flow-matching Img2Img pipelines' `get_timesteps` computes
-        `t_start` (in floats: 50 steps at strength 0.56 start at 21, so 29 run)."""
-        if strength is None:
-            return 0
-        return int(max(steps - min(steps * strength, steps), 0))
-
-    def _strength(self, params: SamplingParams) -> float | None:
-        """The resolved strength: None without an input image."""
-        if params.image is None:
-            if params.strength is not None:
-                raise ParamError("strength", "strength applies to requests with an input image")
-            return None
-        if "edit" in self.image_inputs:  # instruction editing: the image conditions every step, no strength
-            if params.strength is not None:
-                raise ParamError("strength", f"the {self.family} family edits by instruction; strength does not apply")
-            self.context_size(params)  # a file that is not an image (or too small) is refused here, naming it
-            return None
-        if "img2img" not in self.image_inputs:
-            raise ParamError("image", f"the {self.family} family takes no input image")
-        default = self.default_inpaint_strength if params.mask is not None else self.default_strength
-        strength = params.strength if params.strength is not None else default
-        if not 0 <= strength <= 1:
-            raise ParamError("strength", f"strength must be between 0 and 1, got {strength}")
-        return float(strength)
-
-    def _references(self, params: SamplingParams) -> tuple[bytes, ...] | None:
-        if not params.reference_images:
-            return None
-        if "references" not in self.image_inputs:
-            raise ParamError("reference_images", f"the {self.family} family edits one image; it takes no references")
-        if params.image is None:
-            raise ParamError("reference_images", "reference images follow the image to edit (image)")
-        for data in params.reference_images:
-            image_size(data, "reference_images")
-        return tuple(params.reference_images)
-
-    def _mask(self, params: SamplingParams) -> bytes | None:
-        if params.mask is None:
-            return None
-        if "mask" not in self.image_inputs:
-            raise ParamError("mask", f"the {self.family} family edits whole images; it takes no mask")
-        if params.image is None:
-            raise ParamError("mask", "a mask needs the image it masks (image)")
-        image_size(params.mask, "mask")
-        return params.mask
-
-    def _size(self, params: SamplingParams) -> tuple[int, int]:
-        """The requested size; a side not given is the model's default, or with an input image, the image's aspect
-        ratio at the model's default area (so that an edit's cost does not depend on the file's resolution)."""
-        caps = self.capabilities
-        if params.image is None or params.width is not None or params.height is not None:
-            width = params.width if params.width is not None else caps.default_width
-            height = params.height if params.height is not None else caps.default_height
-            return width, height
-        image_width, image_height = image_size(params.image)
-        area, ratio, m = caps.default_width * caps.default_height, image_width / image_height, caps.size_multiple
-        if caps.sizes:  # a checkpoint that draws some sizes only: the one closest in aspect
-            return min(caps.sizes, key=lambda size: abs(math.log(size[0] / size[1] / ratio)))
-        width = max(m, min(caps.max_side, round(math.sqrt(area * ratio) / m) * m))
-        height = max(m, min(caps.max_side, round(math.sqrt(area / ratio) / m) * m))
-        return width, height
-
-    # The pipeline's defaults (StableDiffusion3Pipeline.__call__).
-    SKIP_LAYER_DEFAULTS: ClassVar[dict[str, float]] = {
-        "skip_layer_guidance_scale": 2.8,
-        "skip_layer_guidance_start": 0.01,
-        "skip_layer_guidance_stop": 0.2,
-    }
-
-    def _skip_layer_guidance(self, params: SamplingParams) -> dict[str, Any]:
-        """The resolved skip-layer guidance fields: all set when the request skips layers, else none."""
-        layers = params.skip_guidance_layers
-        if layers is None:
-            return {}
-        if "skip-layer" not in self.guidance_styles:
-            raise ParamError("skip_guidance_layers", f"the {self.family} family has no skip-layer guidance")
-        blocks = self.transformer.config.num_layers
-        if max(layers) >= blocks:
-            raise ParamError(
-                "skip_guidance_layers", f"this model's transformer has blocks 0 to {blocks - 1}, got {max(layers)}"
-            )
-        resolved: dict[str, Any] = {"skip_guidance_layers": tuple(sorted(set(layers)))}
-        for name, default in self.SKIP_LAYER_DEFAULTS.items():
-            value = getattr(params, name)
-            resolved[name] = float(value if value is not None else default)
-        return resolved
-
-    # ---- step caching (models/stepcache.py) ----
-
     step_cache: str = "none"
+
     default_cache_threshold: float = 0.0
+
     # TeaCache's rescaling polynomial when the checkpoint has no calibration of its own (tools/calibrate.py).
     teacache_coefficients: ClassVar[tuple[float, ...]] = stepcache.IDENTITY
 
@@ -445,11 +213,16 @@ class FlowMatchAdapter(ModelAdapter):
         self.cache_method = stepcache.Method(method, coefficients or self.teacache_coefficients)
 
     attention_backend: str = "sdpa"
+
     compiled: bool = False
+
     # The transformer's repeated block classes, where it does not name them itself (`_repeated_blocks`).
     repeated_blocks: ClassVar[tuple[str, ...]] = ()
+
     offload: str = "none"
+
     _stages: Any = None  # kernels/offload.StageOffload with `model` offload
+
     TEXT_ENCODERS: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
     def enable_offload(self, mode: str, device: str) -> None:
@@ -493,75 +266,6 @@ class FlowMatchAdapter(ModelAdapter):
         attention.apply(self.transformer, backend)
         self.attention_backend = backend
         return backend
-
-    def _cache_threshold(self, params: SamplingParams) -> float:
-        if params.cache_threshold is None:
-            return self.default_cache_threshold
-        if params.cache_threshold > 0 and self.step_cache == "none":
-            raise ParamError("cache_threshold", "this server runs without step caching (start it with --cache)")
-        return params.cache_threshold
-
-    def batch_key(self, params: SamplingParams) -> Hashable:
-        # An edit's image tokens are part of every forward's sequence: edits batch with edits of the same context.
-        return (params.width, params.height, self._uses_cfg(params), self.context_size(params))
-
-    def context_size(self, params: SamplingParams) -> Hashable:
-        """Instruction-edit families: the size(s) the request's image(s) are conditioned at; None without one."""
-        return None
-
-    def _uses_cfg(self, params: SamplingParams) -> bool:
-        raise NotImplementedError
-
-    def _lookup_prompts(
-        self, params: Sequence[SamplingParams]
-    ) -> tuple[list[bool], dict[str, tuple[torch.Tensor, ...]]]:
-        """Which requests use CFG, and the encoded prompts (and negative prompts of those) by text, through the
-        prompt cache: one encoder call for the texts it misses."""
-        cfg = [self._uses_cfg(p) for p in params]
-        negatives = [p.negative_prompt or "" for p, c in zip(params, cfg, strict=True) if c]
-        texts = [p.prompt for p in params] + negatives
-        if self.shared_encoding is None:
-            return cfg, self.prompts.lookup(texts, self._encode)
-        # In a group the encodings were shared before prepare (`encode_prompts`): prepare runs no collective.
-        missing = [t for t in texts if t not in self._shared_texts]
-        if missing:
-            raise RuntimeError(f"no shared encoding of {len(missing)} prompt(s) on this rank")
-        return cfg, {t: self._shared_texts[t] for t in texts}
-
-    def encode_prompts(self, params: Sequence[SamplingParams]) -> list[None]:
-        """A group's stage before prepare, run by every rank together: the prompts of these requests encoded once
-        (rank 0) and shared, through the prompt cache, and kept for the next prepare. No-op on one rank."""
-        if self.shared_encoding is None:
-            return [None] * len(params)
-        cfg = [self._uses_cfg(p) for p in params]
-        texts = [p.prompt for p in params] + [p.negative_prompt or "" for p, c in zip(params, cfg, strict=True) if c]
-        self._shared_texts.update(self.prompts.lookup(texts, self._encode_shared))
-        return [None] * len(params)
-
-    def prepared(self) -> None:
-        """After prepare: the shared encodings of that plan are no longer needed here (the prompt cache keeps its
-        own)."""
-        if self.shared_encoding is not None:
-            self._shared_texts.clear()
-
-    # Prompt encoding once for a group of ranks (kernels/collectives.SharedEncoding), once enabled, and the
-    # encodings shared for the plan being prepared.
-    shared_encoding: Any = None
-    _shared_texts: dict[str, tuple[torch.Tensor, ...]]
-
-    def enable_encode_once(self, shared: Any) -> None:
-        """Rank 0 encodes every prompt and broadcasts the embeddings; the other ranks receive them and free their
-        text encoders (unless weights are offloaded: then the stages own them)."""
-        self.shared_encoding = shared
-        self._shared_texts = {}
-        if shared.rank != 0 and self.offload == "none":
-            for name in self.TEXT_ENCODERS:
-                module = getattr(self.pipe, name, None)
-                if isinstance(module, torch.nn.Module):
-                    module.to("meta")  # frees the weights; this rank never runs it
-
-    def _encode_shared(self, texts: list[str]) -> list[tuple[torch.Tensor, ...]]:
-        return self.shared_encoding.run("\x00".join(texts), lambda: self._encode(texts))
 
     def _shift_mu(self, image_seq_len: int, max_shift: float = 1.15) -> float:
         """The dynamic shift for `image_seq_len` tokens from the scheduler's config, as the pipelines compute it
@@ -655,10 +359,6 @@ class FlowMatchAdapter(ModelAdapter):
         """The batch's conditioning of varying length (`RequestState.rows`) as the family's transformer takes it."""
         return {}
 
-    def enable_cfg_parallel(self, group: CFGGroup) -> None:
-        """The two CFG branches of every request run on the two ranks of `group`; outputs are all-gathered."""
-        self.cfg_group = group
-
     def _forward(
         self, batched: dict[str, torch.Tensor], shared: dict[str, torch.Tensor], rows: int, states: Sequence[Any]
     ) -> torch.Tensor:
@@ -674,50 +374,6 @@ class FlowMatchAdapter(ModelAdapter):
 
     def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
         raise NotImplementedError
-
-    def _transformer_rows(
-        self,
-        rows: int,
-        batched: dict[str, torch.Tensor],
-        shared: dict[str, torch.Tensor],
-        states: Sequence[RequestState],
-    ) -> torch.Tensor:
-        """One transformer call over B requests x `rows` rows (interleaved per request); returns [B, rows, ...].
-
-        With CFG-parallel and two rows per request, each rank of the CFG group computes one row of every request
-        and the halves are all-gathered."""
-        n = batched["hidden_states"].shape[0] // rows
-        if rows == 2 and self.cfg_group is not None:
-            local = {name: t[self.cfg_group.rank :: 2] for name, t in batched.items()}
-            with self._lora_rows([s.lora for s in states]):
-                out = self._forward(local, shared, 1, states).contiguous()  # [B, ...]
-            halves = [torch.empty_like(out) for _ in range(2)]
-            with collective("cfg-parallel all_gather"):
-                dist.all_gather(halves, out, group=self.cfg_group.group)
-            return torch.stack(halves, dim=1)
-        if self.cfg_group is not None and n > 1 and self.step_cache == "none":
-            # No CFG in this batch: the two ranks split the requests instead of both computing all of them. (Not with
-            # step caching: a request's cache lives on the rank that computed it, and the split moves requests.)
-            return self._split_requests(n, batched, shared, states).unflatten(0, (n, 1))
-        with self._lora_rows([s.lora for s in states for _ in range(rows)]):
-            return self._forward(batched, shared, rows, states).unflatten(0, (n, rows))
-
-    def _split_requests(
-        self, n: int, batched: dict[str, torch.Tensor], shared: dict[str, torch.Tensor], states: Sequence[Any]
-    ) -> torch.Tensor:
-        """Rows [0, k) on CFG rank 0 and [k, n) on rank 1 (k = ceil(n / 2)), all-gathered; returns [n, ...]."""
-        assert self.cfg_group is not None
-        k = (n + 1) // 2
-        lo, hi = (0, k) if self.cfg_group.rank == 0 else (k, n)
-        local = {name: t[lo:hi] for name, t in batched.items()}
-        with self._lora_rows([s.lora for s in states[lo:hi]]):
-            out = self._call(local, shared).contiguous()  # [hi - lo, ...]
-        if out.shape[0] < k:  # odd n: rank 1 pads its half to k rows for the gather
-            out = torch.cat([out, out.new_zeros((k - out.shape[0], *out.shape[1:]))])
-        halves = [torch.empty_like(out) for _ in range(2)]
-        with collective("cfg-parallel all_gather"):
-            dist.all_gather(halves, out, group=self.cfg_group.group)
-        return torch.cat([halves[0], halves[1][: n - k]])
 
     def forget(self, request_ids: Sequence[str]) -> None:
         """States were freed: drop cached batch tensors that hold them."""
@@ -773,6 +429,11 @@ class FlowMatchAdapter(ModelAdapter):
         if published is not None and len(published.factors) == channels:
             return published
         return preview_maps.fit_decoder(self._decode, channels, self.vae_scale_factor)
+
+    def attention_heads(self) -> int | None:
+        config = self.transformer.config  # Z-Image calls them `n_heads`; a UNet has a count per block
+        heads = config.get("num_attention_heads") or config.get("n_heads")
+        return heads if isinstance(heads, int) else None
 
     def _latent_channels(self) -> int:
         return self.vae.config.latent_channels

@@ -10,7 +10,7 @@ import torch
 from diffusers import FluxPipeline
 from diffusers.models.embeddings import apply_rotary_emb
 
-from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, ulysses_sdpa
+from diffusiond.kernels.ulysses import UlyssesGroup, gather_output, ulysses_sdpa
 from diffusiond.models import families, stepcache
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
@@ -135,7 +135,6 @@ class FluxAdapter(FlowMatchAdapter):
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:
         self.ulysses_group = group
-        check_heads(self.transformer.config.num_attention_heads, group.ulysses_size)
         self.transformer.set_attn_processor(UlyssesFluxAttnProcessor(group))
         shard_image_tokens(self.transformer, group)
 

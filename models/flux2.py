@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline, compute_empirical_mu
 
-from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, ulysses_sdpa
+from diffusiond.kernels.ulysses import UlyssesGroup, ulysses_sdpa
 from diffusiond.models import families
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
@@ -163,7 +163,6 @@ class Flux2KleinAdapter(FlowMatchAdapter):
         """Image tokens (with an edit's reference tokens) and their rotary ids sharded across `group`; the text stays
         whole on every rank, the replicated prefix of each joint attention (as FLUX.1's)."""
         self.ulysses_group = group
-        check_heads(self.transformer.config.num_attention_heads, group.ulysses_size)
         for block in self.transformer.transformer_blocks:
             block.attn.set_processor(UlyssesFlux2AttnProcessor(group))
         for block in self.transformer.single_transformer_blocks:

@@ -17,7 +17,7 @@ import torch
 from diffusers import QwenImagePipeline
 from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 
-from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, ulysses_sdpa
+from diffusiond.kernels.ulysses import UlyssesGroup, gather_output, ulysses_sdpa
 from diffusiond.models import families, stepcache
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
@@ -158,7 +158,6 @@ class QwenImageAdapter(FlowMatchAdapter):
             # Edit checkpoints modulate each token by whether it is the image's or the reference's: not sharded yet.
             raise ValueError("Ulysses is not supported for Qwen-Image checkpoints with zero_cond_t yet")
         self.ulysses_group = group
-        check_heads(self.transformer.config.num_attention_heads, group.ulysses_size)
         self.transformer.set_attn_processor(UlyssesQwenAttnProcessor(group))
 
         def shard_inputs(module, args, kwargs):

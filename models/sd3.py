@@ -9,7 +9,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from diffusiond.kernels.attention import DispatchJointAttnProcessor
-from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, shard_output, ulysses_sdpa
+from diffusiond.kernels.ulysses import UlyssesGroup, gather_output, shard_output, ulysses_sdpa
 from diffusiond.models import families, stepcache
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
@@ -181,7 +181,6 @@ class SD3Adapter(FlowMatchAdapter):
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:
         self.ulysses_group = group
-        check_heads(self.transformer.config.num_attention_heads, group.ulysses_size)
         self.transformer.set_attn_processor(UlyssesJointAttnProcessor(group))
         shard_output(self.transformer.pos_embed, group)  # patch tokens [B, S, D] -> this rank's slice
         gather_output(self.transformer.proj_out, group)  # [B, S_local, p*p*C] -> [B, S, p*p*C] before unpatchify

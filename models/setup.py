@@ -232,8 +232,7 @@ def build_adapter(setup: ModelSetup, rank: int = 0) -> ModelAdapter:
         offload=setup.offload,
         scheduler_config=setup.scheduler_config,
     )
-    config = adapter.transformer.config
-    check_setup(setup, family=adapter.spec, heads=config.get("num_attention_heads") or config.get("n_heads"))
+    check_setup(setup, family=adapter.spec, heads=adapter.attention_heads())
     if adapter.quantized is not None:
         log.info("quantized %d linear layers of the transformer (%s)", adapter.quantized[1], adapter.quantized[0])
     # Before the parallel layout: read through the whole model, as every rank's registry will keep doing.

@@ -127,24 +127,31 @@ def _signals(states: Sequence[Any]) -> list[torch.Tensor | None]:
     return [None if s.cache is None else s.cache.signal for s in states]
 
 
+@dataclass
+class Batch:
+    """One cached forward's inputs: B requests x `rows` rows of image tokens `h` [B * rows, S, D], text tokens
+    `enc` [B * rows, L, D] and `temb` [B * rows, D]. `row_kwargs`: block arguments with a row per batch row (a text
+    mask, or None), sub-batched with the rows; `lora`: the transformer's LoRA layers, whose row plan narrows to a
+    sub-batch; `block_kwargs`: the other block arguments."""
+
+    h: torch.Tensor
+    enc: torch.Tensor
+    temb: torch.Tensor
+    rows: int
+    states: Sequence[Any]
+    row_kwargs: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    lora: LoraLayers | None = None
+    block_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
 def _run_blocks(
-    blocks: Sequence[Any],
-    h: torch.Tensor,
-    enc: torch.Tensor,
-    temb: torch.Tensor,
-    computing: list[int],
-    rows: int,
-    row_kwargs: dict[str, torch.Tensor] | None = None,
-    lora: LoraLayers | None = None,
-    **block_kwargs: Any,
+    blocks: Sequence[Any], h: torch.Tensor, enc: torch.Tensor, batch: Batch, computing: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`blocks` over the rows of the `computing` requests (a sub-batch; all of `h` when every request computes,
-    exactly as the pipeline's forward): (`h` with those rows replaced by their tokens after the blocks, a new
-    tensor; their tokens after the blocks, in `computing` order). Without `computing`: (a copy of `h`, None).
-    `row_kwargs`: block arguments with a row per batch row (a text mask, or None), sub-batched with the rows; `lora`:
-    the transformer's LoRA layers, whose row plan narrows to the sub-batch."""
+    """`blocks` over `h` and `enc`'s rows of the `computing` requests (a sub-batch; all of `h` when every request
+    computes, exactly as the pipeline's forward): (`h` with those rows replaced by their tokens after the blocks, a
+    new tensor; their tokens after the blocks, in `computing` order). Without `computing`: (a copy of `h`, None)."""
+    rows, temb, row_kwargs, lora = batch.rows, batch.temb, batch.row_kwargs, batch.lora
     n = h.shape[0] // rows
-    row_kwargs = row_kwargs or {}
     if len(computing) == n:
         hc, ec, tc, index = h, enc, temb, None
     else:
@@ -157,32 +164,21 @@ def _run_blocks(
         row_kwargs = {name: None if t is None else t[index] for name, t in row_kwargs.items()}
     with lora.narrow(picked if index is not None else None) if lora is not None else nullcontext():
         for block in blocks:
-            ec, hc = block(hidden_states=hc, encoder_hidden_states=ec, temb=tc, **row_kwargs, **block_kwargs)
+            ec, hc = block(hidden_states=hc, encoder_hidden_states=ec, temb=tc, **row_kwargs, **batch.block_kwargs)
     if index is None:
         return hc, hc
     out[index] = hc
     return out, hc
 
 
-def cached_blocks(
-    method: Method,
-    blocks: Sequence[Any],
-    h: torch.Tensor,
-    enc: torch.Tensor,
-    temb: torch.Tensor,
-    rows: int,
-    states: Sequence[Any],
-    row_kwargs: dict[str, torch.Tensor] | None = None,
-    modulated: Any = None,
-    lora: LoraLayers | None = None,
-    **block_kwargs: Any,
-) -> torch.Tensor:
-    """The transformer's blocks over B requests x `rows` rows with a decision per request: image tokens after the last
-    block [B * rows, S, D]. Every block takes (hidden_states, encoder_hidden_states, temb, **block_kwargs) and returns
-    (encoder_hidden_states, hidden_states), as diffusers' SD3 and FLUX blocks do."""
+def cached_blocks(method: Method, blocks: Sequence[Any], batch: Batch, modulated: Any = None) -> torch.Tensor:
+    """The transformer's blocks over `batch` with a decision per request: image tokens after the last block
+    [B * rows, S, D]. Every block takes (hidden_states, encoder_hidden_states, temb, **block_kwargs) and returns
+    (encoder_hidden_states, hidden_states), as diffusers' SD3 and FLUX blocks do. `modulated`: how the first block
+    modulates its input, for TeaCache (default: its `norm1`)."""
     if method.name == "teacache":
-        return _teacache(method, blocks, h, enc, temb, rows, states, row_kwargs, modulated, lora, **block_kwargs)
-    return _fbcache(blocks, h, enc, temb, rows, states, row_kwargs, lora, **block_kwargs)
+        return _teacache(method, blocks, batch, modulated or _modulated_input)
+    return _fbcache(blocks, batch)
 
 
 def _modulated_input(block: Any, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
@@ -191,16 +187,18 @@ def _modulated_input(block: Any, h: torch.Tensor, temb: torch.Tensor) -> torch.T
     return block.norm1(h, emb=temb)[0]
 
 
-def _fbcache(blocks, h, enc, temb, rows, states, row_kwargs, lora, **block_kwargs) -> torch.Tensor:
-    row_kwargs = row_kwargs or {}
-    enc1, h1 = blocks[0](hidden_states=h, encoder_hidden_states=enc, temb=temb, **row_kwargs, **block_kwargs)
+def _fbcache(blocks: Sequence[Any], batch: Batch) -> torch.Tensor:
+    h, rows, states = batch.h, batch.rows, batch.states
+    enc1, h1 = blocks[0](
+        hidden_states=h, encoder_hidden_states=batch.enc, temb=batch.temb, **batch.row_kwargs, **batch.block_kwargs
+    )
     first = h1 - h
     computing: list[int] = []  # requests whose rows run the remaining blocks
     reusing: list[int] = []
     for i, (state, change) in enumerate(zip(states, changes(first, rows, _signals(states)), strict=True)):
         (reusing if reuse(state, change) else computing).append(i)
 
-    out, hc = _run_blocks(blocks[1:], h1, enc1, temb, computing, rows, row_kwargs, lora, **block_kwargs)
+    out, hc = _run_blocks(blocks[1:], h1, enc1, batch, computing)
     for k, i in enumerate(computing):
         mine = slice(i * rows, (i + 1) * rows)
         _renew(states[i], first[mine], hc[k * rows : (k + 1) * rows] - h1[mine])
@@ -211,10 +209,9 @@ def _fbcache(blocks, h, enc, temb, rows, states, row_kwargs, lora, **block_kwarg
     return out
 
 
-def _teacache(
-    method: Method, blocks, h, enc, temb, rows, states, row_kwargs, modulated, lora, **block_kwargs
-) -> torch.Tensor:
-    modulated = (modulated or _modulated_input)(blocks[0], h, temb)
+def _teacache(method: Method, blocks: Sequence[Any], batch: Batch, modulate: Any) -> torch.Tensor:
+    h, rows, states = batch.h, batch.rows, batch.states
+    modulated = modulate(blocks[0], h, batch.temb)
     raw = changes(modulated, rows, _signals(states))
     computing: list[int] = []
     reusing: list[int] = []
@@ -224,7 +221,7 @@ def _teacache(
         estimates.append(estimate)
         (reusing if reuse(state, estimate) else computing).append(i)
 
-    out, hc = _run_blocks(blocks, h, enc, temb, computing, rows, row_kwargs, lora, **block_kwargs)
+    out, hc = _run_blocks(blocks, h, batch.enc, batch, computing)
     for k, i in enumerate(computing):
         mine = slice(i * rows, (i + 1) * rows)
         residual = hc[k * rows : (k + 1) * rows] - h[mine]
@@ -265,9 +262,8 @@ def sd3_forward(
     h = t.pos_embed(x).contiguous()
     temb = t.time_text_embed(batched["timestep"], batched["pooled_projections"])
     enc = t.context_embedder(batched["encoder_hidden_states"])
-    out = cached_blocks(
-        method, t.transformer_blocks, h, enc, temb, rows, states, lora=LoraLayers.of(t), joint_attention_kwargs=None
-    )
+    batch = Batch(h, enc, temb, rows, states, lora=LoraLayers.of(t), block_kwargs={"joint_attention_kwargs": None})
+    out = cached_blocks(method, t.transformer_blocks, batch)
     hidden = t.proj_out(t.norm_out(out, temb))
     p = t.config.patch_size
     hidden = hidden.reshape(hidden.shape[0], height // p, width // p, p, p, t.out_channels)
@@ -305,17 +301,9 @@ def flux_forward(
     enc = t.context_embedder(batched["encoder_hidden_states"])
     rotary = t.pos_embed(torch.cat((shared["txt_ids"], img_ids), dim=0))
     blocks = [*t.transformer_blocks, *t.single_transformer_blocks]
+    block_kwargs = {"image_rotary_emb": rotary, "joint_attention_kwargs": None}
     out = cached_blocks(
-        method,
-        blocks,
-        h,
-        enc,
-        temb,
-        rows,
-        states,
-        lora=LoraLayers.of(t),
-        image_rotary_emb=rotary,
-        joint_attention_kwargs=None,
+        method, blocks, Batch(h, enc, temb, rows, states, lora=LoraLayers.of(t), block_kwargs=block_kwargs)
     )
     return t.proj_out(t.norm_out(out, temb))
 
@@ -350,9 +338,7 @@ def qwen_forward(
     else:
         temb = t.time_text_embed(timestep, guidance.to(h.dtype) * 1000, h, None)
     rotary = t.pos_embed(shared["img_shapes"], max_txt_seq_len=text_len, device=h.device)
-    out = cached_blocks(
-        method,
-        t.transformer_blocks,
+    batch = Batch(
         h,
         enc,
         temb,
@@ -360,8 +346,7 @@ def qwen_forward(
         states,
         row_kwargs={"encoder_hidden_states_mask": mask},  # a padded batch's: a row per batch row
         lora=LoraLayers.of(t),
-        modulated=_qwen_modulated,
-        image_rotary_emb=rotary,
-        joint_attention_kwargs=None,
+        block_kwargs={"image_rotary_emb": rotary, "joint_attention_kwargs": None},
     )
+    out = cached_blocks(method, t.transformer_blocks, batch, modulated=_qwen_modulated)
     return t.proj_out(t.norm_out(out, temb))

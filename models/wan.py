@@ -21,7 +21,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.utils.torch_utils import randn_tensor
 
 from diffusiond.kernels.lora_rows import LoraLayers
-from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, ulysses_sdpa
+from diffusiond.kernels.ulysses import UlyssesGroup, gather_output, ulysses_sdpa
 from diffusiond.models import families
 from diffusiond.models.base import Capabilities, RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
@@ -182,7 +182,6 @@ class WanAdapter(FlowMatchAdapter):
         angles); self-attention all-to-alls, cross-attention needs nothing (each rank's queries attend to the whole
         text), and the last block's output is gathered for the output projection."""
         self.ulysses_group = group
-        check_heads(self.transformer.config.num_attention_heads, group.ulysses_size)
         blocks = self.transformer.blocks
         span: dict[str, int] = {}
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas
 
-from diffusiond.kernels.ulysses import UlyssesGroup, check_heads, gather_output, ulysses_sdpa
+from diffusiond.kernels.ulysses import UlyssesGroup, gather_output, ulysses_sdpa
 from diffusiond.models import families
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
@@ -37,16 +37,11 @@ class ZImageAdapter(FlowMatchAdapter):
     def _size_multiple(self) -> int:
         return self.vae_scale_factor * 2
 
-    def _ulysses_degrees(self) -> tuple[int, ...]:
-        heads = self.transformer.config.n_heads
-        return tuple(d for d in range(2, heads + 1) if heads % d == 0)
-
     def enable_ulysses(self, group: UlyssesGroup) -> None:
         """The main layers' unified sequence ([image, caption], padded per batch) is sharded across `group`, with its
         rotary angles; each attention all-to-alls to whole sequences of its heads, the padding mask kept whole. The
         refiners before (image and caption apart) run whole on every rank."""
         self.ulysses_group = group
-        check_heads(self.transformer.config.n_heads, group.ulysses_size)
         layers = self.transformer.layers
         span: dict[str, int] = {}
 

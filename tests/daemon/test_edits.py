@@ -17,7 +17,7 @@ import torch
 from pictures import decoded, mask, picture
 from PIL import Image
 
-from diffusiond.daemon.images import to_uint8
+from diffusiond.daemon.image_encoding import to_uint8
 
 PROMPT = "a red circle on a white background"
 IMAGE = picture(80, 64, seed=1)

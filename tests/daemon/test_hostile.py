@@ -316,8 +316,9 @@ async def test_an_engine_failure_tells_clients_their_request_id_and_nothing_inte
 
 
 def test_listening_beyond_loopback_needs_an_api_key_or_an_explicit_flag(capsys):
+    from diffusiond.daemon.auth import check_exposure
     from diffusiond.daemon.cli import main
-    from diffusiond.daemon.config import ConfigError, ServeConfig, check_exposure
+    from diffusiond.daemon.config import ConfigError, ServeConfig
 
     assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
     assert "--allow-unauthenticated" in capsys.readouterr().err

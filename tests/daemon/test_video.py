@@ -1,5 +1,5 @@
-"""Clips to files (daemon/video.py): MP4 that decodes back to the same frames, frame count, size and rate; odd sides
-padded; lossless animated WebP, asked for or as the fallback when H.264 is unavailable."""
+"""Clips to files (daemon/video_encoding.py): MP4 that decodes back to the same frames, frame count, size and rate;
+odd sides padded; lossless animated WebP, asked for or as the fallback when H.264 is unavailable."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffusiond.daemon import video
-from diffusiond.daemon.video import encode_video, h264_unavailable
+from diffusiond.daemon import video_encoding as video
+from diffusiond.daemon.video_encoding import encode_video, h264_unavailable
 
 
 def moving_clip(frames: int, height: int, width: int) -> np.ndarray:

@@ -6,7 +6,7 @@ to the batch without LoRA.
 The adapters are random, in diffusers' format (models/tiny_lora.py: every attention projection), for the bundled
 default model unless --model names another checkpoint.
 
-    python -m diffusiond.bench.lora [--model DIR] [--batch 8] [--rank 16] [--rounds 15] [--size 64x64]
+    python -m diffusiond.bench.lora_batches [--model DIR] [--batch 8] [--rank 16] [--rounds 15] [--size 64x64]
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """A video family's clip (float32 [F, H, W, 3] in [0, 1]) -> a file: MP4 (H.264, yuv420p) through PyAV, whose wheels
 ship FFmpeg with libx264, or lossless animated WebP through PIL, asked for or when no H.264 encoder is available.
 
-numpy, PIL and PyAV only, never torch: this runs in the encoder pool (`images.encoder_pool`), off the event loop.
+numpy, PIL and PyAV only, never torch: this runs in the encoder pool (`image_encoding.encoder_pool`), off the event
+loop.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from diffusiond.daemon.images import to_uint8
+from diffusiond.daemon.image_encoding import to_uint8
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ MEDIA_TYPES = {"mp4": "video/mp4", "webp": "image/webp"}
 CRF = "18"
 PRESET = "veryfast"
 # One x264 thread per encode: the encoder pool's threads share the CPU with the step thread's torch threads
-# (images.encoder_pool); two threads gained 0-25% per encode.
+# (image_encoding.encoder_pool); two threads gained 0-25% per encode.
 X264_THREADS = 1
 
 

@@ -11,9 +11,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from diffusiond.daemon.config import MAX_N
 from diffusiond.models.params import (
-    LORA_NAME,
     MAX_IMAGE_BYTES,
-    MAX_LORA_SCALE,
     MAX_LORAS,
     CacheThreshold,
     Every,
@@ -76,20 +74,9 @@ def _dumps(obj) -> str:
     return msgspec.json.encode(obj).decode()
 
 
-class LoraRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """One adapter of a request's `lora`: a name the server lists at `GET /v1/loras`, and how strongly it applies."""
-
-    name: Annotated[str, msgspec.Meta(pattern=LORA_NAME)]
-    scale: Annotated[float, msgspec.Meta(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)] = 1.0
-
-
-# `[]` is the same as no `lora` (clients that build the list need not leave the field out).
-LoraRequests = Annotated[tuple[LoraRequest, ...], msgspec.Meta(max_length=MAX_LORAS)]
-
-
-def lora_choices(loras: tuple[LoraRequest, ...] | None) -> tuple[LoraChoice, ...] | None:
-    """A body's `lora` as the engine takes it; the engine checks the names against the registered adapters."""
-    return tuple(LoraChoice(lora.name, lora.scale) for lora in loras) if loras else None
+# `[]` is the same as no `lora` (clients that build the list need not leave the field out): `params_from` makes it
+# None. The engine checks the names against the registered adapters.
+LoraRequests = Annotated[tuple[LoraChoice, ...], msgspec.Meta(max_length=MAX_LORAS)]
 
 
 class ImageGenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

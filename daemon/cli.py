@@ -104,7 +104,7 @@ def generate_setup(args: argparse.Namespace):
     from diffusiond.daemon.config import ConfigError, scheduler_changes
     from diffusiond.models.declared import check_declared, read_declared
     from diffusiond.models.inputs import check_image
-    from diffusiond.models.params import ParamError, SamplingParams
+    from diffusiond.models.params import ParamError, params_from
     from diffusiond.models.setup import ModelSetup, SetupError, check_setup
 
     model = resolve_model(args.model)
@@ -122,20 +122,14 @@ def generate_setup(args: argparse.Namespace):
             return EXIT_USAGE
         except ParamError as exc:
             return _refused(exc)
-    params = SamplingParams(
-        prompt=args.prompt,
-        image=files["image"],
-        mask=files["mask"],
-        strength=args.strength,
-        negative_prompt=args.negative_prompt,
-        seed=args.seed,
+    # The flags are the parameters, by name (`--steps`: num_inference_steps), as HTTP bodies are.
+    params = params_from(
+        vars(args),
+        {"steps": "num_inference_steps"},
         width=width,
         height=height,
-        num_inference_steps=args.steps,
-        guidance_scale=args.guidance_scale,
         preview_every=args.preview_every if args.previews else 0,
-        num_frames=args.num_frames,
-        fps=args.fps,
+        **files,
     )
     try:
         if Path(model).is_dir():  # what the checkpoint says it serves, before seconds of loading

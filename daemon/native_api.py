@@ -9,7 +9,7 @@ import contextlib
 import msgspec
 from aiohttp import web
 
-from diffusiond.daemon.api import ApiError, GenerationRequest, decode_body, lora_choices
+from diffusiond.daemon.api import ApiError, GenerationRequest, decode_body
 from diffusiond.daemon.image_encoding import encode_image
 from diffusiond.daemon.state import STATE, Record
 from diffusiond.daemon.streaming import (
@@ -27,7 +27,7 @@ from diffusiond.daemon.streaming import (
 )
 from diffusiond.daemon.video_encoding import EncodedVideo, encode_video
 from diffusiond.engine.outputs import Cancelled, Completed, Failed, Latent, Preview, Progress, Queued
-from diffusiond.models.params import SamplingParams
+from diffusiond.models.params import SamplingParams, params_from
 
 
 def parse_generation(data: bytes) -> tuple[GenerationRequest, SamplingParams]:
@@ -39,31 +39,8 @@ def parse_generation(data: bytes) -> tuple[GenerationRequest, SamplingParams]:
         )
     if body.latents and not body.preview_every:
         raise ApiError(400, "latents are streamed with previews: set preview_every > 0", param="latents")
-    params = SamplingParams(
-        prompt=body.prompt,
-        negative_prompt=body.negative_prompt,
-        seed=body.seed,
-        width=body.width,
-        height=body.height,
-        num_inference_steps=body.num_inference_steps,
-        guidance_scale=body.guidance_scale,
-        true_cfg_scale=body.true_cfg_scale,
-        skip_guidance_layers=body.skip_guidance_layers,
-        skip_layer_guidance_scale=body.skip_layer_guidance_scale,
-        skip_layer_guidance_start=body.skip_layer_guidance_start,
-        skip_layer_guidance_stop=body.skip_layer_guidance_stop,
-        preview_every=body.preview_every,
-        stream_latents=body.latents,
-        preview=body.preview,
-        cache_threshold=body.cache_threshold,
-        image=body.image,
-        strength=body.strength,
-        mask=body.mask,
-        reference_images=body.reference_images,
-        num_frames=body.num_frames,
-        fps=body.fps,
-        lora=lora_choices(body.lora),
-    )
+    # The body's fields are the parameters, by name (`latents`: stream_latents).
+    params = params_from(msgspec.structs.asdict(body), {"latents": "stream_latents"})
     return body, params
 
 

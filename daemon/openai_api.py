@@ -22,7 +22,6 @@ from diffusiond.daemon.api import (
     convert_fields,
     decode_body,
     json_fields,
-    lora_choices,
     parse_size,
     read_form,
     too_large,
@@ -47,7 +46,7 @@ from diffusiond.daemon.streaming import (
 )
 from diffusiond.engine.engine import Engine, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Completed, Event, Failed, Preview
-from diffusiond.models.params import MAX_REFERENCES, MAX_SEED, ParamError, SamplingParams
+from diffusiond.models.params import MAX_REFERENCES, MAX_SEED, ParamError, SamplingParams, params_from
 
 Files = dict[str, list[bytes]]
 
@@ -64,21 +63,10 @@ def parse_image_generation(data: bytes, max_n: int) -> tuple[ImageGenerationRequ
     return body, _params(body)
 
 
-def _params(body: ImageGenerationRequest, **image: Any) -> SamplingParams:
+def _params(body: ImageGenerationRequest, **files: Any) -> SamplingParams:
+    """The body's parameters (its fields of the same names), its `size` as width and height, and an edit's files."""
     width, height = parse_size(body.size)
-    return SamplingParams(
-        prompt=body.prompt,
-        negative_prompt=body.negative_prompt,
-        seed=body.seed,
-        width=width,
-        height=height,
-        num_inference_steps=body.num_inference_steps,
-        guidance_scale=body.guidance_scale,
-        preview=body.preview,
-        cache_threshold=body.cache_threshold,
-        lora=lora_choices(body.lora),
-        **image,
-    )
+    return params_from(msgspec.structs.asdict(body), width=width, height=height, **files)
 
 
 IMAGE_PARTS = ("image", "image[]")
@@ -118,21 +106,24 @@ def refuse_video(engine: Engine) -> None:
 
 
 def expand(engine: Engine, body: ImageGenerationRequest, base: SamplingParams) -> list[SamplingParams]:
-    """The `n` requests of one OpenAI request, checked against the model, the limits and the wire (ParamError)."""
+    """The `n` requests of one OpenAI request: resolved against the model and the limits once, each image checked
+    against the wire once (ParamError). Queue them `checked`."""
     try:
-        resolved = engine.check(base)
+        resolved = engine.resolve(base)
+        assert resolved.seed is not None
+        every = _partial_every(resolved.steps_to_run or 1, body.partial_images or 0)
+        # Seeds stay within the wire's bounds; preview_every is at most the step count.
+        return [
+            engine.check_wire(
+                msgspec.structs.replace(resolved, seed=(resolved.seed + i) % (MAX_SEED + 1), preview_every=every)
+            )
+            for i in range(body.n or 1)
+        ]
     except ParamError as exc:
         if exc.param in ("width", "height"):
             # OpenAI clients send `size`, not width and height.
             raise ParamError("size", str(exc)) from None
         raise
-    assert resolved.seed is not None
-    every = _partial_every(resolved.steps_to_run or 1, body.partial_images or 0)
-    # Seeds stay within the wire's bounds; preview_every is at most the step count.
-    return [
-        msgspec.structs.replace(resolved, seed=(resolved.seed + i) % (MAX_SEED + 1), preview_every=every)
-        for i in range(body.n or 1)
-    ]
 
 
 async def images_generations(request: web.Request) -> web.StreamResponse:
@@ -159,7 +150,7 @@ async def images_edits(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "this model edits one image per request; send one image", param="image")
     mask = files["mask"][0] if files["mask"] else None
     await check_images(request, {"image": image, "mask": mask, "reference_images": references})
-    params = _params(body, image=image, mask=mask, reference_images=tuple(references) or None, strength=body.strength)
+    params = _params(body, image=image, mask=mask, reference_images=tuple(references) or None)
     return await _images(request, state, body, params, "image_edit")
 
 
@@ -180,7 +171,7 @@ async def _images(
     many = expand(engine, body, base)  # before anything is queued
     resolved = many[0]
     partial = body.partial_images or 0
-    handles = queue_requests(engine, state, many, progress=False)  # OpenAI clients get no progress events
+    handles = queue_requests(engine, state, many, progress=False, checked=True)  # OpenAI clients: no progress events
     fmt = body.output_format or "png"
     meta = {
         "size": f"{resolved.width}x{resolved.height}",

@@ -117,16 +117,17 @@ def unknown_words(engine: Engine, prompt: str) -> list[str]:
 
 
 def queue_requests(
-    engine: Engine, state: ServerState, params: list[SamplingParams], *, progress: bool = True
+    engine: Engine, state: ServerState, params: list[SamplingParams], *, progress: bool = True, checked: bool = False
 ) -> list[RequestHandle]:
     """`progress`: whether the client is sent a progress event every step (the native stream); without, the
-    engine emits none and status comes from `Engine.steps_done`."""
+    engine emits none and status comes from `Engine.steps_done`. `checked`: `params` are resolved and wire-checked
+    already (`Engine.check`), so the engine queues them as they are."""
     if not engine.has_capacity(len(params)):
         raise QueueFullError(f"{engine.num_in_flight} requests in flight")
     handles = []
     try:
         for p in params:
-            handles.append(engine.add_request(p, progress=progress))
+            handles.append(engine.add_request(p, checked=checked, progress=progress))
             state.record(handles[-1])
     except Exception:
         for h in handles:

@@ -38,7 +38,6 @@ from diffusiond.daemon.api import (
     convert_fields,
     decode_body,
     json_fields,
-    lora_choices,
     parse_size,
     read_form,
     too_large,
@@ -50,7 +49,7 @@ from diffusiond.daemon.video_store import StoreFull, VideoJob, VideoStore, Video
 from diffusiond.engine.engine import Engine, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Completed, Failed, Progress
 from diffusiond.models.base import Capabilities
-from diffusiond.models.params import MAX_FRAMES, ParamError, SamplingParams
+from diffusiond.models.params import MAX_FRAMES, ParamError, SamplingParams, params_from
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +212,7 @@ async def create_video(request: web.Request) -> web.Response:
         raise ApiError(
             429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
         ) from None
-    (handle,) = queue_requests(engine, state, [resolved])
+    (handle,) = queue_requests(engine, state, [resolved], checked=True)
     assert resolved.num_frames is not None and resolved.fps is not None and resolved.seed is not None
     job = VideoJob(
         id=f"video_{handle.request_id}",
@@ -301,27 +300,16 @@ def resolve_video(engine: Engine, body: VideoCreateRequest, reference: bytes | N
     seconds = parse_seconds(body.seconds)
     if seconds is not None and body.num_frames is not None:
         raise ApiError(400, "send seconds or num_frames, not both", param="seconds")
-    params = SamplingParams(
-        prompt=body.prompt,
-        negative_prompt=body.negative_prompt,
-        seed=body.seed,
-        width=width,
-        height=height,
-        num_inference_steps=body.num_inference_steps,
-        guidance_scale=body.guidance_scale,
-        num_frames=body.num_frames,
-        fps=body.fps,
-        image=reference,
-        lora=lora_choices(body.lora),
-    )
+    caps = engine.adapter.capabilities
+    computed: dict = {"width": width, "height": height, "image": reference}
     renames = {"width": "size", "height": "size", "image": "input_reference"}
+    if seconds is not None:
+        fps = body.fps or caps.default_fps  # the model's default unless the client chose one
+        assert fps is not None
+        computed["num_frames"] = frames_for(seconds, fps, caps)
+        renames["num_frames"] = "seconds"
+    params = params_from(msgspec.structs.asdict(body), **computed)
     try:
-        if seconds is not None:
-            fps = engine.check(params).fps  # the model's default unless the client chose one
-            assert fps is not None
-            num_frames = frames_for(seconds, fps, engine.adapter.capabilities)
-            params = msgspec.structs.replace(params, num_frames=num_frames)
-            renames["num_frames"] = "seconds"
         return engine.check(params)
     except ParamError as exc:
         if exc.param in renames:

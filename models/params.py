@@ -9,7 +9,8 @@ capabilities and the operator's limits (`RequestLimits`) are narrower.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -138,6 +139,20 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
 
 # The fields a client may set (HTTP bodies convert into these; `start_step` is the adapter's to set).
 CLIENT_FIELDS: frozenset[str] = frozenset(SamplingParams.__struct_fields__) - {"start_step"}
+
+
+def params_from(values: Mapping[str, Any], renames: Mapping[str, str] | None = None, **computed: Any) -> SamplingParams:
+    """The one conversion of a request (an HTTP body's fields, the command line's flags) into parameters: every value
+    whose name, or its name in `renames`, is a client field, then `computed` (what the caller worked out: a size from
+    `size`, a file it read). Values were checked against these types where they were decoded; the model and the wire
+    check the result (`Engine.check`). An empty `lora` is no LoRA."""
+    renames = renames or {}
+    fields = {renames.get(name, name): value for name, value in values.items()}
+    chosen = {name: value for name, value in fields.items() if name in CLIENT_FIELDS}
+    chosen.update(computed)
+    if not chosen.get("lora"):
+        chosen["lora"] = None
+    return SamplingParams(**chosen)
 
 
 class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):

@@ -12,21 +12,16 @@ from aiohttp.http_exceptions import HttpProcessingError
 from diffusiond.daemon.config import MAX_N
 from diffusiond.models.params import (
     MAX_IMAGE_BYTES,
-    MAX_LORAS,
     CacheThreshold,
-    Every,
     Fps,
     Fraction,
     Frames,
     Guidance,
-    ImageFile,
-    Layers,
-    LoraChoice,
+    Loras,
     PreviewMode,
     Prompt,
-    References,
+    RequestFields,
     Seed,
-    Side,
     Steps,
 )
 
@@ -74,11 +69,6 @@ def _dumps(obj) -> str:
     return msgspec.json.encode(obj).decode()
 
 
-# `[]` is the same as no `lora` (clients that build the list need not leave the field out): `params_from` makes it
-# None. The engine checks the names against the registered adapters.
-LoraRequests = Annotated[tuple[LoraChoice, ...], msgspec.Meta(max_length=MAX_LORAS)]
-
-
 class ImageGenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """OpenAI `POST /v1/images/generations`, plus our extensions (from `negative_prompt` on)."""
 
@@ -106,7 +96,7 @@ class ImageGenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only
     # Step caching threshold for this request (servers started with --cache); 0: exact.
     cache_threshold: CacheThreshold | None = None
     # LoRA adapters for this request: [{"name": "style", "scale": 0.8}] (multipart edits: the same, as a JSON string).
-    lora: LoraRequests | None = None
+    lora: Loras | None = None
 
 
 class ImageEditRequest(ImageGenerationRequest, kw_only=True):
@@ -147,46 +137,18 @@ class VideoCreateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     num_frames: Frames | None = None
     fps: Fps | None = None
     # LoRA adapters for this request (multipart bodies: as a JSON string), for families that serve them.
-    lora: LoraRequests | None = None
+    lora: Loras | None = None
 
 
-class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Native `POST /v1/generations`: an SSE stream of everything the engine knows about one request."""
+class GenerationRequest(RequestFields, frozen=True, forbid_unknown_fields=True):
+    """Native `POST /v1/generations`: an SSE stream of everything the engine knows about one request. Its fields are
+    what a request can ask for (models/params.py `RequestFields`, with their bounds), and how the answer is encoded."""
 
-    prompt: Prompt
-    negative_prompt: Prompt | None = None
-    seed: Seed | None = None
-    width: Side | None = None
-    height: Side | None = None
-    num_inference_steps: Steps | None = None
-    guidance_scale: Guidance | None = None
-    true_cfg_scale: Guidance | None = None
-    skip_guidance_layers: Layers | None = None
-    skip_layer_guidance_scale: Guidance | None = None
-    skip_layer_guidance_start: Fraction | None = None
-    skip_layer_guidance_stop: Fraction | None = None
-    preview_every: Every = 0
-    # "fast": the latent -> RGB map, at latent resolution; "vae": a real decode of the predicted image, full size.
-    preview: PreviewMode = "fast"
-    # Step caching threshold for this request (servers started with --cache); 0: exact.
-    cache_threshold: CacheThreshold | None = None
     # Also stream the raw latent (base64, with dtype and shape) with each preview.
-    latents: bool = False
+    stream_latents: bool = msgspec.field(default=False, name="latents")
     output_format: Short = "png"
-    # Image to image: the input file (PNG, JPEG, WebP...) in base64, and how much of the schedule runs from it.
-    image: ImageFile | None = None
-    strength: Fraction | None = None
-    # Inpainting: only where this file (base64) is white, or transparent in a file with alpha, is the image repainted.
-    mask: ImageFile | None = None
-    # Multi-reference edits: more images (base64) after `image`, for families that declare "references".
-    reference_images: References | None = None
-    # Video models: frames of the clip (the family's rule, Wan's 4k + 1) and the frame rate of its file (default:
-    # the model's); the file's format ("mp4", H.264; "webp", lossless animated WebP: the exact frames).
-    num_frames: Frames | None = None
-    fps: Fps | None = None
+    # Video models: the file's format ("mp4", H.264; "webp", lossless animated WebP: the exact frames).
     video_format: VideoFormat | None = None
-    # LoRA adapters registered on the server (GET /v1/loras), each at its scale: [{"name": "style", "scale": 0.8}].
-    lora: LoraRequests | None = None
 
 
 _PARAM_PATTERNS = (

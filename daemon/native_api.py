@@ -37,10 +37,9 @@ def parse_generation(data: bytes) -> tuple[GenerationRequest, SamplingParams]:
         raise ApiError(
             400, f"output_format must be png, jpeg or webp; got {body.output_format!r}", param="output_format"
         )
-    if body.latents and not body.preview_every:
+    if body.stream_latents and not body.preview_every:
         raise ApiError(400, "latents are streamed with previews: set preview_every > 0", param="latents")
-    # The body's fields are the parameters, by name (`latents`: stream_latents).
-    params = params_from(msgspec.structs.asdict(body), {"latents": "stream_latents"})
+    params = params_from(msgspec.structs.asdict(body))  # the body's fields are the parameters
     return body, params
 
 

@@ -17,7 +17,7 @@ from diffusiond.daemon.api import (
     ApiError,
     ImageEditRequest,
     ImageGenerationRequest,
-    LoraRequests,
+    Loras,
     check_choice,
     convert_fields,
     decode_body,
@@ -87,7 +87,7 @@ async def read_image_edit(request: web.Request, max_n: int, max_image_bytes: int
     fields, files = await read_form(request, limits, max_image_bytes, aliases=dict.fromkeys(IMAGE_PARTS, "image"))
     if not files["image"]:
         raise ApiError(400, "image is required: the file to edit", param="image")
-    body = convert_fields(json_fields(fields, {"lora": LoraRequests}), ImageEditRequest)
+    body = convert_fields(json_fields(fields, {"lora": Loras}), ImageEditRequest)
     validate_openai(body, max_n)
     check_choice("input_fidelity", body.input_fidelity, ("high", "low"))
     return body, files

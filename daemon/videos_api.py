@@ -32,7 +32,7 @@ from aiohttp import web
 from diffusiond.daemon.api import (
     ApiError,
     InputReference,
-    LoraRequests,
+    Loras,
     VideoCreateRequest,
     body_limit,
     convert_fields,
@@ -239,7 +239,7 @@ async def read_video_create(request: web.Request) -> tuple[VideoCreateRequest, b
     if request.content_type == "multipart/form-data":
         fields, files = await read_form(request, {"input_reference": 1}, config.max_image_bytes)
         nested = {k[len("input_reference[") : -1]: fields.pop(k) for k in list(fields) if _NESTED.fullmatch(k)}
-        form = json_fields(fields, {"lora": LoraRequests})
+        form = json_fields(fields, {"lora": Loras})
         if nested:
             form["input_reference"] = nested
         body = convert_fields(form, VideoCreateRequest)

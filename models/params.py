@@ -58,7 +58,8 @@ class LoraChoice(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fal
     scale: Annotated[float, msgspec.Meta(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)] = 1.0
 
 
-Loras = Annotated[tuple[LoraChoice, ...], msgspec.Meta(min_length=1, max_length=MAX_LORAS)]
+# `[]` is the same as no `lora` (clients that build the list need not leave the field out).
+Loras = Annotated[tuple[LoraChoice, ...], msgspec.Meta(max_length=MAX_LORAS)]
 
 
 class ParamError(ValueError):
@@ -69,16 +70,14 @@ class ParamError(ValueError):
         self.param = param
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, array_like=True, gc=False):
-    """Everything that decides a request's image. Fully resolved before it reaches the wire: every rank must compute
-    the same thing from it, so `None` never means "pick something" past `ModelAdapter.resolve`.
+class RequestFields(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
+    """What a client may ask of one request, and the bounds of each field: the native API's body is these fields
+    (daemon/api.py `GenerationRequest`), every other request shape converts into them (`params_from`), and the
+    resolved `SamplingParams` crosses the wire. The bounds are checked wherever a struct is decoded (HTTP bodies, the
+    engine's round trip of every request through the wire before it is queued), never by the constructor.
 
     `guidance_scale` is the family's main guidance knob (classifier-free guidance for SD3, the distilled guidance
     embedding for FLUX); `true_cfg_scale` is FLUX's optional real CFG, used with a negative prompt.
-
-    The annotated bounds are checked wherever the struct is decoded or converted (HTTP bodies become parameters
-    through `msgspec.convert`, and the engine round-trips every request through the wire before it is queued),
-    never by the constructor.
     """
 
     prompt: Prompt
@@ -123,8 +122,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     num_frames: Frames | None = None
     fps: Fps | None = None
     # LoRA adapters (families that declare `lora`), each at its scale, added to this request's rows of every forward
-    # while other requests of the same batch use others or none (kernels/lora_rows.py).
+    # while other requests of the same batch use others or none (kernels/lora_rows.py). `[]` is none.
     lora: Loras | None = None
+
+
+class SamplingParams(RequestFields, frozen=True, kw_only=True, array_like=True):
+    """Everything that decides a request's image, fully resolved before it reaches the wire: every rank must compute
+    the same thing from it, so `None` never means "pick something" past `ModelAdapter.resolve`."""
 
     # The schedule position the request starts at: 0, or with `strength` its family's Img2Img pipeline's `t_start`
     # (each family's arithmetic: 50 steps at strength 0.56 run 29 in the flow-matching ones, 28 in SDXL's). Set by
@@ -137,8 +141,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         return (self.num_inference_steps or 0) - self.start_step
 
 
-# The fields a client may set (HTTP bodies convert into these; `start_step` is the adapter's to set).
-CLIENT_FIELDS: frozenset[str] = frozenset(SamplingParams.__struct_fields__) - {"start_step"}
+# The fields a client may set (`start_step` is the adapter's to set).
+CLIENT_FIELDS: frozenset[str] = frozenset(RequestFields.__struct_fields__)
 
 
 def params_from(values: Mapping[str, Any], renames: Mapping[str, str] | None = None, **computed: Any) -> SamplingParams:

@@ -38,7 +38,7 @@ from diffusiond.models.tiny_lora import build_tiny_lora
 
 EXAMPLES = 1500
 HTTP_INPUTS = 1000
-NATIVE_FIELDS = set(GenerationRequest.__struct_fields__)
+NATIVE_FIELDS = set(GenerationRequest.__struct_encode_fields__)  # as clients name them (`latents`)
 OPENAI_FIELDS = set(ImageGenerationRequest.__struct_fields__)
 VIDEO_FIELDS = set(VideoCreateRequest.__struct_fields__)
 

@@ -49,7 +49,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     max_batch: Positive = 8
     # Admission window: an idle engine waits up to this long for a burst of requests to start together. It stops at
     # max_batch, or after 1/40 of it without a new request (all a lone request pays: 0.5 ms), 1/4 while clients of
-    # requests that finished together are coming back (engine.Engine._gather).
+    # requests that finished together are coming back (engine/admission.py).
     batch_wait_ms: Annotated[float, msgspec.Meta(ge=0, le=1000)] = 20.0
     max_queue: NonNegative = 64
     # What one request may ask for. None: from the model (4x its default image area, up to its largest sides; 4x

@@ -23,6 +23,9 @@ from diffusiond.models.params import SamplingParams
 
 
 class ParallelWiring:
+    """`FlowMatchAdapter`'s parallel wiring (a part of the class: the families override its hooks, `_tp_plan`,
+    `_after_tp`, `enable_ulysses`)."""
+
     def _ulysses_degrees(self) -> tuple[int, ...]:
         if "ulysses" not in self.parallel:
             return ()

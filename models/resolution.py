@@ -22,6 +22,9 @@ from diffusiond.models.params import MAX_GUIDANCE, MAX_PROMPT_CHARS, MAX_SEED, M
 
 
 class RequestResolution:
+    """`FlowMatchAdapter`'s request resolution (a part of the class, not an object of its own: the families override
+    its hooks as they override the step's)."""
+
     def resolve(self, params: SamplingParams) -> SamplingParams:
         caps = self.capabilities
         if not isinstance(params.prompt, str) or not params.prompt.strip():

@@ -1,0 +1,48 @@
+"""The admission window's policy alone (engine/admission.py), without torch or threads: when it opens, how long it
+waits for each arrival, and when it closes. tests/engine/test_batching.py checks that a burst through the engine
+becomes one batch."""
+
+from diffusiond.engine.admission import RETURN_WITHIN_S, AdmissionWindow
+
+
+def test_opens_only_when_requests_wait_and_none_runs():
+    window = AdmissionWindow(0.02, max_batch=8)
+    assert window.opens(waiting=1, running=0)
+    assert not window.opens(waiting=0, running=0)
+    assert not window.opens(waiting=3, running=1)
+    assert not AdmissionWindow(0.0, max_batch=8).opens(waiting=1, running=0)
+
+
+def test_a_lone_burst_waits_short_gaps_until_the_deadline_or_a_full_batch():
+    window = AdmissionWindow(0.04, max_batch=4)
+    window.start(now=10.0)
+    assert window.next_wait(waiting=1, now=10.0) == 0.04 / 40
+    assert window.next_wait(waiting=3, now=10.03) == 0.04 / 40
+    assert abs(window.next_wait(waiting=3, now=10.0395) - 0.0005) < 1e-9  # the deadline is nearer than a gap
+    assert window.next_wait(waiting=3, now=10.05) is None  # past the deadline
+    assert window.next_wait(waiting=4, now=10.0) is None  # a full batch
+
+
+def test_clients_that_finished_together_are_waited_for_with_long_gaps():
+    window = AdmissionWindow(0.04, max_batch=8)
+    window.finished_together(3, now=5.0)
+    window.start(now=5.5)
+    assert window.next_wait(waiting=1, now=5.5) == 0.04 / 4  # two more of the three are expected
+    assert window.next_wait(waiting=3, now=5.5) is None  # all three are back
+    window.close()
+    window.start(now=5.6)
+    assert window.next_wait(waiting=1, now=5.6) == 0.04 / 40  # closed: nobody is expected any more
+
+
+def test_a_return_older_than_a_second_expects_nobody():
+    window = AdmissionWindow(0.04, max_batch=8)
+    window.finished_together(5, now=1.0)
+    window.start(now=1.0 + RETURN_WITHIN_S + 0.01)
+    assert window.next_wait(waiting=1, now=2.02) == 0.04 / 40
+
+
+def test_one_request_finishing_alone_is_not_a_round():
+    window = AdmissionWindow(0.04, max_batch=8)
+    window.finished_together(1, now=1.0)
+    window.start(now=1.1)
+    assert window.next_wait(waiting=1, now=1.1) == 0.04 / 40

@@ -4,6 +4,8 @@ and `diffusiond config` printing the effective configuration."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import tomllib
 
 import msgspec
@@ -286,3 +288,30 @@ def test_scheduler_config_must_be_a_json_object(args, message):
     from procs import refused
 
     assert message in refused(*args)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "a red circle", "--size", "4096x4096"], "--size: this model draws 64x64 only, not 4096x4096"),
+        (
+            ["serve", "--model", "{tiny_sd3}", "--nproc", "3", "--ulysses", "3"],
+            "must divide the number of attention heads",
+        ),
+        (
+            ["serve", "--nproc", "2", "--cfg-parallel", "2", "--tp", "2"],
+            "x --tp (2) = 4 must equal the number of ranks",
+        ),
+    ],
+)
+def test_what_needs_no_torch_is_refused_before_torch_is_imported(argv, message, tiny_sd3):
+    """The checkpoint's declarations, the family's and every flag rule (models/setup.py `check_setup`) are read
+    without torch: a refusal costs a tenth of a second, not the imports (6-9 s)."""
+    code = (
+        "import sys; from diffusiond.__main__ import main; "
+        f"code = main({[arg.format(tiny_sd3=tiny_sd3) for arg in argv]!r}); "
+        "sys.exit(10 + code if 'torch' in sys.modules else code)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)  # 12: refused, but after importing torch
+    assert message in proc.stderr, proc.stderr

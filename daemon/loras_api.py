@@ -12,7 +12,7 @@ import msgspec
 from aiohttp import web
 
 from diffusiond.daemon.api import ApiError, decode_body, too_large
-from diffusiond.daemon.config import model_setup
+from diffusiond.daemon.config import ServeConfig, model_setup
 from diffusiond.daemon.state import STATE
 from diffusiond.engine.engine import Engine, EngineDeadError
 from diffusiond.models.lora_files import LoraError, check_name, in_directory
@@ -42,7 +42,7 @@ async def create_lora(request: web.Request) -> web.Response:
         raise too_large(state.config.max_body_bytes)
     body = decode_body(data, LoraCreateRequest)
     engine = state.require_engine()
-    registry = _registry(engine, lora_refusal(model_setup(state.config)))
+    registry = _registry(engine, state.config)
     try:
         check_name(body.name)
     except LoraError as exc:
@@ -76,12 +76,15 @@ async def delete_lora(request: web.Request) -> web.Response:
     return _json({"name": name, "object": "lora.deleted", "deleted": True})
 
 
-def _registry(engine: Engine, refusal: str | None) -> LoraRegistry:
+def _registry(engine: Engine, config: ServeConfig) -> LoraRegistry:
     """The model's LoRA registry, or a 400 saying why this server has none."""
     registry = engine.adapter.lora_registry
     if registry is None:
         caps = engine.adapter.capabilities
-        why = f"its model's family ({caps.family}) does not serve them" if not caps.lora else refusal
+        if not caps.lora:
+            why = f"its model's family ({caps.family}) does not serve them"
+        else:  # a setting it does not compose with yet
+            why = lora_refusal(model_setup(config))
         raise ApiError(400, f"this server serves no LoRA adapters: {why or 'they are off'}", code="lora_unsupported")
     return registry
 

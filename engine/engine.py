@@ -23,7 +23,7 @@ from diffusiond.engine.mailbox import Mailbox
 from diffusiond.engine.observer import EngineObserver, NullObserver
 from diffusiond.engine.outputs import TERMINAL, Event, Failed
 from diffusiond.engine.scheduler import QueueFullError, SchedRequest, Scheduler
-from diffusiond.engine.step_loop import Add, Cancel, StepLoop, Stop, engine_failed
+from diffusiond.engine.step_loop import Add, Cancel, EngineDeadError, StepLoop, Stop, engine_failed
 from diffusiond.engine.wire import LoraOp, LoraOpKind, NewRequest, WireError, check_request
 from diffusiond.models.base import ModelAdapter
 from diffusiond.models.params import ParamError, RequestLimits, SamplingParams
@@ -36,10 +36,6 @@ __all__ = ["Engine", "EngineDeadError", "QueueFullError", "RequestHandle"]
 FAULT_POLL_S = 0.5
 # How long stop() waits for a step thread that died stuck in a collective before leaving it behind (a daemon thread).
 STUCK_JOIN_S = 2.0
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop stopped on an engine-level error; no request can be served."""
 
 
 class RequestHandle:

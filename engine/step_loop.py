@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class EngineDeadError(RuntimeError):
+    """The step loop stopped on an engine-level error; no request can be served."""
+
+
 @dataclass(frozen=True)
 class Add:
     request: SchedRequest
@@ -181,8 +185,6 @@ class StepLoop:
 
     def _fail_lora_commands(self) -> None:
         """The step loop ends: LoRA changes still queued never happen; their callers hear so."""
-        from diffusiond.engine.engine import EngineDeadError
-
         while True:
             try:
                 command = self.commands.get_nowait()

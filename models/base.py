@@ -7,6 +7,7 @@ Tensors stay inside `RequestState`s, which only the adapter reads or writes.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -158,10 +159,9 @@ class ModelAdapter(abc.ABC):
         super().__init_subclass__(**kwargs)
         spec = cls.__dict__.get("spec")
         if spec is not None:  # a family's class (the shared bases declare none)
-            for name in ("pipeline_class", "family", "guidance_styles", "parallel", "cache_methods"):
-                setattr(cls, name, getattr(spec, name))
-            for name in ("cache_with_ulysses", "image_inputs", "modality", "lora", "needs"):
-                setattr(cls, name, getattr(spec, name))
+            for field in dataclasses.fields(spec):
+                if field.name != "adapter":  # where the class is, not what it supports
+                    setattr(cls, field.name, getattr(spec, field.name))
 
     @classmethod
     @abc.abstractmethod

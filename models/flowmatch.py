@@ -36,6 +36,7 @@ from diffusiond.models.lora_registry import LoraRegistry, read_lora
 from diffusiond.models.parallel_wiring import ParallelWiring
 from diffusiond.models.params import SamplingParams
 from diffusiond.models.prompts import PROMPT_CACHE_BYTES, PromptCache
+from diffusiond.models.registry import attention_heads, read_model_index
 from diffusiond.models.resolution import RequestResolution
 from diffusiond.models.sampler import FlowMatchSampler, step_batch
 
@@ -45,8 +46,6 @@ log = logging.getLogger(__name__)
 def null_components(source: str) -> dict[str, None]:
     """Components the checkpoint saved as None (`[null, null]` in model_index.json, e.g. SD3 without T5), to pass
     as None again: diffusers drops them on load and then insists on every required component being there."""
-    from diffusiond.models.registry import read_model_index
-
     index = read_model_index(source)
     return {name: None for name, value in index.items() if isinstance(value, list) and value == [None, None]}
 
@@ -431,9 +430,7 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
         return preview_maps.fit_decoder(self._decode, channels, self.vae_scale_factor)
 
     def attention_heads(self) -> int | None:
-        config = self.transformer.config  # Z-Image calls them `n_heads`; a UNet has a count per block
-        heads = config.get("num_attention_heads") or config.get("n_heads")
-        return heads if isinstance(heads, int) else None
+        return attention_heads(self.transformer.config)
 
     def _latent_channels(self) -> int:
         return self.vae.config.latent_channels

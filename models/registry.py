@@ -7,8 +7,9 @@ from __future__ import annotations
 import importlib
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from diffusiond.models.families import Family, family_of
 
@@ -29,6 +30,13 @@ def read_model_index(model: str) -> dict:
 
         path = Path(hf_hub_download(model, "model_index.json"))
     return json.loads(path.read_text())
+
+
+def attention_heads(config: Mapping[str, Any]) -> int | None:
+    """The attention heads a transformer's config declares (Z-Image calls them `n_heads`; a UNet has a count per
+    block): what Ulysses and tensor-parallel degrees must divide. None if it declares no one count."""
+    heads = config.get("num_attention_heads") or config.get("n_heads")
+    return heads if isinstance(heads, int) else None
 
 
 def family_of_checkpoint(model: str) -> Family:

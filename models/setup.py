@@ -23,7 +23,7 @@ import msgspec
 from diffusiond.kernels.layout import ParallelLayout
 from diffusiond.models.families import Family
 from diffusiond.models.lora_files import LoraError, check_safetensors, startup_specs
-from diffusiond.models.registry import family_of_checkpoint
+from diffusiond.models.registry import attention_heads, family_of_checkpoint
 
 if TYPE_CHECKING:
     from diffusiond.models.base import ModelAdapter
@@ -157,10 +157,9 @@ def _supports(family: Family, strategy: str, flag: str, what: str) -> None:
 
 
 def _heads(model: str) -> int | None:
-    """The transformer's attention heads from its config.json (Z-Image calls them `n_heads`); None if unknown."""
+    """The transformer's attention heads from its config.json; None if unknown."""
     config = Path(model) / "transformer" / "config.json"
-    fields = json.loads(config.read_text()) if config.is_file() else {}
-    return fields.get("num_attention_heads") or fields.get("n_heads")
+    return attention_heads(json.loads(config.read_text())) if config.is_file() else None
 
 
 def _check_family(setup: ModelSetup, family: Family, heads: int | None) -> None:

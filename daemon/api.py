@@ -6,8 +6,7 @@ import re
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
-from aiohttp import BodyPartReader, web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp import web
 
 from diffusiond.daemon.config import MAX_N
 from diffusiond.models.params import (
@@ -49,8 +48,11 @@ class ApiError(Exception):
         code: str | None = None,
         type: str = "invalid_request_error",
         headers: dict[str, str] | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
+        # Close the connection after the answer (a body left unread is not worth reading).
+        self.close = close
         self.status = status
         self.message = message
         self.param = param
@@ -62,7 +64,10 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers, dumps=_dumps)
+        response = web.json_response(self.body(), status=self.status, headers=self.headers, dumps=_dumps)
+        if self.close:
+            response.force_close()
+        return response
 
 
 def _dumps(obj) -> str:
@@ -205,9 +210,9 @@ def base64_size(size: int) -> int:
     return 4 * -(-size // 3)
 
 
-def body_limit(max_body_bytes: int, max_image_bytes: int, images: int) -> int:
-    """The largest JSON body of a route that carries up to `images` base64 images."""
-    return max_body_bytes + images * base64_size(max_image_bytes)
+def body_limit(max_body_bytes: int, max_image_bytes: int) -> int:
+    """The largest JSON body of a route whose images (at most `max_image_bytes` together) come in base64."""
+    return max_body_bytes + base64_size(max_image_bytes)
 
 
 def too_large(limit: int) -> ApiError:
@@ -216,6 +221,7 @@ def too_large(limit: int) -> ApiError:
         f"request body is larger than {limit} bytes, this route's limit (--max-body-bytes; routes that take an image "
         "add --max-image-bytes)",
         code="request_too_large",
+        close=True,
     )
 
 
@@ -256,54 +262,3 @@ def validate_openai(req: ImageGenerationRequest, max_n: int = MAX_N) -> None:
         raise ApiError(400, "output_compression applies to jpeg and webp only", param="output_compression")
     if req.partial_images and not req.stream:
         raise ApiError(400, "partial_images needs stream=true", param="partial_images")
-
-
-# A multipart body: its text fields are short (the longest, a prompt, is 10,000 characters), its files few; anything
-# more is refused as it arrives, so no body is read whole.
-MAX_FORM_PARTS = 64
-MAX_FIELD_BYTES = 64 << 10
-
-
-async def read_form(
-    request: web.Request, files: dict[str, int], file_bytes: int, *, aliases: dict[str, str] | None = None
-) -> tuple[dict[str, str], dict[str, list[bytes]]]:
-    """A multipart/form-data body, part by part: its text fields, and its files by name (at most `files[name]` of
-    each, of at most `file_bytes` each; `aliases` maps other part names onto them, as `image[]` onto `image`).
-    ApiError (400) names the part that breaks a limit."""
-    fields: dict[str, str] = {}
-    found: dict[str, list[bytes]] = {name: [] for name in files}
-    aliases = aliases or {}
-    try:
-        reader = await request.multipart()
-        for _ in range(MAX_FORM_PARTS + 1):
-            part = await reader.next()
-            if part is None:
-                break
-            if not isinstance(part, BodyPartReader) or not part.name:
-                raise ApiError(400, "every multipart part must be a named field", code="invalid_multipart")
-            name = aliases.get(part.name, part.name)
-            if name in found:
-                found[name].append(await _read_part(part, name, file_bytes))
-                if len(found[name]) > files[name]:
-                    raise ApiError(400, f"send at most {files[name]} {name} file(s) per request", param=name)
-            elif name in fields:
-                raise ApiError(400, f"{name} is sent twice", param=name)
-            else:
-                try:
-                    fields[name] = (await _read_part(part, name, MAX_FIELD_BYTES)).decode()
-                except UnicodeDecodeError:
-                    raise ApiError(400, f"{name} is not UTF-8 text", param=name) from None
-        else:
-            raise ApiError(400, f"more than {MAX_FORM_PARTS} multipart parts", code="invalid_multipart")
-    except (ValueError, HttpProcessingError) as exc:  # aiohttp's words for a malformed multipart body
-        raise ApiError(400, f"malformed multipart body: {exc}", code="invalid_multipart") from None
-    return fields, found
-
-
-async def _read_part(part: BodyPartReader, name: str, limit: int) -> bytes:
-    data = bytearray()
-    while chunk := await part.read_chunk(1 << 16):
-        data += chunk
-        if len(data) > limit:
-            raise ApiError(400, f"{name} is larger than {limit} bytes", param=name, code="too_large")
-    return bytes(data)

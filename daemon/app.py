@@ -22,10 +22,13 @@ from prometheus_client.exposition import choose_encoder
 
 from diffusiond import __version__
 from diffusiond.daemon import loras_api, native_api, openai_api, videos_api
-from diffusiond.daemon.api import ApiError, body_limit, too_large
+from diffusiond.daemon.api import ApiError, too_large
 from diffusiond.daemon.auth import api_key_middleware
 from diffusiond.daemon.config import ServeConfig, model_setup
+from diffusiond.daemon.connections import CONNECTIONS, ConnectionGuard, connection_limit, open_files_limit
+from diffusiond.daemon.edge import READ_BUDGET, ReadBudget, edge_middleware
 from diffusiond.daemon.image_encoding import encoder_pool
+from diffusiond.daemon.native_api import native_limit
 from diffusiond.daemon.state import ENCODERS, LOAD, METRICS, STATE, ServerState
 from diffusiond.daemon.streaming import ClientGone
 from diffusiond.engine.engine import Engine, Loader, QueueFullError
@@ -34,7 +37,7 @@ from diffusiond.metrics.engine_metrics import PrometheusObserver
 from diffusiond.metrics.loop_lag import watch_loop_lag
 from diffusiond.metrics.registry import Metrics
 from diffusiond.models.base import Capabilities, ModelAdapter
-from diffusiond.models.params import MAX_REFERENCES, ParamError, RequestLimits, SamplingParams
+from diffusiond.models.params import ParamError, RequestLimits, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +46,14 @@ def create_app(config: ServeConfig, *, load: Loader | None = None) -> web.Applic
     """`load`: how the model is loaded (an SPMD rank 0 joins its group there too; tests pass their checkpoint).
     Default: `config.model`, else the bundled default model. It runs on the engine's step thread, the one thread
     that owns torch in this process; the event loop answers /health and pings the watchdog meanwhile."""
+    guard = ConnectionGuard(connection_limit(config, open_files_limit()), config.write_timeout)
     app = web.Application(
-        client_max_size=json_limit(config), middlewares=[error_middleware, api_key_middleware(config.api_key)]
+        client_max_size=native_limit(config),  # bodies are read by `edge.read_body`, against their route's limit
+        middlewares=[error_middleware, guard.middleware(), edge_middleware(config), api_key_middleware(config.api_key)],
     )
+    app[CONNECTIONS] = guard
     app[STATE] = ServerState(config)
+    app[READ_BUDGET] = ReadBudget(config.max_reading_bytes)
     app[METRICS] = Metrics()
     app[LOAD] = load or _default_loader(config)
     app.cleanup_ctx.append(engine_ctx)
@@ -70,12 +77,6 @@ def create_app(config: ServeConfig, *, load: Loader | None = None) -> web.Applic
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/", playground)
     return app
-
-
-def json_limit(config: ServeConfig) -> int:
-    """aiohttp's bound on any body read whole: the native route's, which may carry an image, its mask and its
-    reference images in base64. Routes without images check their own, smaller limit."""
-    return body_limit(config.max_body_bytes, config.max_image_bytes, 2 + MAX_REFERENCES)
 
 
 async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -238,7 +239,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         ).response()
     except web.HTTPException as exc:
         if exc.status == 413:
-            return too_large(json_limit(request.app[STATE].config)).response()
+            return too_large(native_limit(request.app[STATE].config)).response()
         if exc.status < 400:
             raise
         headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None

@@ -65,8 +65,22 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     threads: Positive | None = None
     max_body_bytes: Positive = 1 << 20
-    # The largest image file a request may bring (edits, img2img): multipart parts, or base64 in native JSON bodies,
-    # whose limit grows by what the images take.
+    # The HTTP edge (daemon/edge.py, daemon/connections.py). keepalive_timeout: seconds a connection may go without a
+    # whole request head (idle between requests, or sending its head slowly) before it is closed. max_connections:
+    # open connections (also kept below the open-file limit); past it the longest idle are closed, and when none is
+    # idle a new one reaches only /health, /ready and /metrics. max_reading_bytes: request body bytes being read at
+    # once over all requests (a body past it waits for none: 503). write_timeout: seconds one write may wait for a
+    # client to read before its stream is cut and its request cancelled.
+    keepalive_timeout: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 15.0
+    max_connections: Annotated[int, msgspec.Meta(ge=16)] = 1000
+    max_reading_bytes: Positive = 256 << 20
+    write_timeout: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    # Browsers: the host names clients call this server by, besides IP addresses and localhost ("*": any;
+    # ".example.com": it and its subdomains), against DNS rebinding; the web origins allowed to call it (CORS).
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    # The input image bytes one request may bring, all its files together (image, mask, references): multipart parts,
+    # or base64 in JSON bodies, whose limit grows by what they take.
     max_image_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_IMAGE_BYTES)] = 16 << 20
     # Video jobs (`/v1/videos`): the folder finished videos are kept in (default: a temporary folder of this process,
     # removed when it exits; a folder given here keeps them across restarts), the bytes they may take there (the
@@ -150,7 +164,7 @@ CONFIG_ENV = "DIFFUSIOND_CONFIG"
 # Variables with the prefix that are not fields: the config file path, and the model cache (models/default.py).
 ENV_NOT_FIELDS = frozenset({CONFIG_ENV, "DIFFUSIOND_CACHE"})
 SECRET_FIELDS = frozenset({"api_key"})
-LIST_FIELDS = frozenset({"lora"})
+LIST_FIELDS = frozenset({"lora", "allowed_hosts", "cors_origins"})
 HIDDEN = "<hidden>"
 
 

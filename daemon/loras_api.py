@@ -11,8 +11,9 @@ from typing import Annotated
 import msgspec
 from aiohttp import web
 
-from diffusiond.daemon.api import ApiError, decode_body, too_large
+from diffusiond.daemon.api import ApiError, decode_body
 from diffusiond.daemon.config import ServeConfig, model_setup
+from diffusiond.daemon.edge import read_body
 from diffusiond.daemon.state import STATE
 from diffusiond.engine.engine import Engine, EngineDeadError
 from diffusiond.models.lora_files import LoraError, check_name, in_directory
@@ -37,9 +38,7 @@ async def list_loras(request: web.Request) -> web.Response:
 
 async def create_lora(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    data = await request.read()
-    if len(data) > state.config.max_body_bytes:
-        raise too_large(state.config.max_body_bytes)
+    data = await read_body(request, state.config.max_body_bytes)
     body = decode_body(data, LoraCreateRequest)
     engine = state.require_engine()
     registry = _registry(engine, state.config)

@@ -9,7 +9,9 @@ import contextlib
 import msgspec
 from aiohttp import web
 
-from diffusiond.daemon.api import ApiError, GenerationRequest, decode_body
+from diffusiond.daemon.api import ApiError, GenerationRequest, body_limit, decode_body
+from diffusiond.daemon.config import ServeConfig
+from diffusiond.daemon.edge import read_body
 from diffusiond.daemon.image_encoding import encode_image
 from diffusiond.daemon.state import STATE, Record
 from diffusiond.daemon.streaming import (
@@ -30,6 +32,12 @@ from diffusiond.engine.outputs import Cancelled, Completed, Failed, Latent, Prev
 from diffusiond.models.params import SamplingParams, params_from
 
 
+def native_limit(config: ServeConfig) -> int:
+    """The largest native body: it may carry an image, its mask and its reference images in base64 (together at most
+    --max-image-bytes)."""
+    return body_limit(config.max_body_bytes, config.max_image_bytes)
+
+
 def parse_generation(data: bytes) -> tuple[GenerationRequest, SamplingParams]:
     """The body of `POST /v1/generations`, validated as far as it can be without the model (ApiError: 400)."""
     body = decode_body(data, GenerationRequest)
@@ -45,7 +53,7 @@ def parse_generation(data: bytes) -> tuple[GenerationRequest, SamplingParams]:
 
 async def generations(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body, params = parse_generation(await request.read())
+    body, params = parse_generation(await read_body(request, native_limit(state.config)))
     engine = state.require_engine()
     video = engine.adapter.capabilities.modality == "video"
     if body.video_format is not None and not video:

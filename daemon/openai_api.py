@@ -23,10 +23,9 @@ from diffusiond.daemon.api import (
     decode_body,
     json_fields,
     parse_size,
-    read_form,
-    too_large,
     validate_openai,
 )
+from diffusiond.daemon.edge import read_body, read_form
 from diffusiond.daemon.image_encoding import encode_image, encode_preview
 from diffusiond.daemon.state import STATE, ServerState
 from diffusiond.daemon.streaming import (
@@ -128,9 +127,7 @@ def expand(engine: Engine, body: ImageGenerationRequest, base: SamplingParams) -
 
 async def images_generations(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    data = await request.read()
-    if len(data) > state.config.max_body_bytes:
-        raise too_large(state.config.max_body_bytes)
+    data = await read_body(request, state.config.max_body_bytes)
     body, base = parse_image_generation(data, state.config.max_n)
     return await _images(request, state, body, base, "image_generation")
 

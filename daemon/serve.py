@@ -24,6 +24,7 @@ from aiohttp import web
 
 from diffusiond.daemon.app import create_app
 from diffusiond.daemon.config import ServeConfig
+from diffusiond.daemon.connections import listen, raise_open_files_limit, runner_options
 from diffusiond.daemon.notify import Notifier
 from diffusiond.daemon.state import STATE, ServerState
 
@@ -95,15 +96,18 @@ class Service:
             self.notifier.close()
 
     async def _serve(self) -> int:
+        raise_open_files_limit()  # before the app sizes its connection cap by it
         app = create_app(self.config, **self.app_options)
         state = app[STATE]
         # handler_cancellation: a client that disconnects cancels its handler, which cancels its request.
-        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=HANDLER_GRACE_S)
+        runner = web.AppRunner(
+            app, handler_cancellation=True, shutdown_timeout=HANDLER_GRACE_S, **runner_options(self.config)
+        )
         self.notifier.status(f"loading {self.config.model or 'the default model'}")
         await runner.setup()  # starts the model load (app cleanup_ctx)
         try:
             try:
-                await web.TCPSite(runner, self.config.host, self.config.port).start()
+                await listen(runner, self.config)
             except OSError as exc:
                 log.error("cannot listen on %s: %s", self.address, exc)
                 self.notifier.status(f"failed: cannot listen on {self.address}: {exc}")

@@ -41,7 +41,43 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add(
         "--max-image-bytes",
         type=int,
-        help=f"largest input image file (edits); bodies may grow by it (default: {d.max_image_bytes})",
+        help=f"input image bytes per request, all files together; bodies may grow by it (default: {d.max_image_bytes})",
+    )
+    add(
+        "--keepalive-timeout",
+        type=float,
+        metavar="S",
+        help=f"close a connection S seconds without a whole request head (default: {d.keepalive_timeout:g})",
+    )
+    add(
+        "--max-connections",
+        type=int,
+        help=f"open connections; past it the longest idle are closed (default: {d.max_connections})",
+    )
+    add(
+        "--max-reading-bytes",
+        type=int,
+        help=f"body bytes read at once over all requests; past it 503 (default: {d.max_reading_bytes})",
+    )
+    add(
+        "--write-timeout",
+        type=float,
+        metavar="S",
+        help=f"cut a client that reads nothing for S seconds of one write (default: {d.write_timeout:g})",
+    )
+    add(
+        "--allowed-hosts",
+        action="append",
+        metavar="NAME",
+        help="a Host name clients use besides IP addresses and localhost ('*': any; '.example.com': its "
+        "subdomains); repeat for more (DIFFUSIOND_ALLOWED_HOSTS: comma-separated)",
+    )
+    add(
+        "--cors-origins",
+        action="append",
+        metavar="ORIGIN",
+        help="a web origin (https://app.example.com) allowed to call from a browser; repeat for more "
+        "(DIFFUSIOND_CORS_ORIGINS: comma-separated)",
     )
     add(
         "--sse-keepalive",

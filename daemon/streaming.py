@@ -35,9 +35,16 @@ class ClientGone(Exception):
         self.request_ids = request_ids
 
 
+# Large events (a video in base64) are written in pieces: a client that reads slowly then holds one piece of ours in
+# the transport's buffer, not a copy of the whole event (daemon/connections.py cuts one that reads nothing).
+WRITE_PIECE = 1 << 20
+
+
 async def send(response: web.StreamResponse, data: bytes, request_ids: list[str]) -> None:
     try:
-        await response.write(data)
+        view = memoryview(data)
+        for start in range(0, len(view), WRITE_PIECE):
+            await response.write(view[start : start + WRITE_PIECE])
     except ConnectionError:
         raise ClientGone(response, request_ids) from None
 
@@ -97,10 +104,13 @@ async def check_images(request: web.Request, images: dict[str, bytes | Sequence[
     queued."""
     limit = request.app[STATE].config.max_image_bytes
     files = [(p, d) for p, v in images.items() if v is not None for d in ([v] if isinstance(v, bytes) else v)]
+    total = 0
     for param, data in files:
-        if len(data) > limit:
-            message = f"{param} is {len(data)} bytes; this server takes at most {limit} (--max-image-bytes)"
-            raise ParamError(param, message)
+        total += len(data)
+        if total > limit:
+            message = f"{param} brings the request's images to {total} bytes; this server takes at most {limit} "
+            raise ParamError(param, message + "per request, all images together (--max-image-bytes)")
+    for param, data in files:
         await asyncio.get_running_loop().run_in_executor(request.app[ENCODERS], check_image, data, param)
 
 

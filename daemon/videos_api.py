@@ -39,9 +39,8 @@ from diffusiond.daemon.api import (
     decode_body,
     json_fields,
     parse_size,
-    read_form,
-    too_large,
 )
+from diffusiond.daemon.edge import read_body, read_form
 from diffusiond.daemon.state import ENCODERS, STATE
 from diffusiond.daemon.streaming import check_images, queue_requests, run_encoder
 from diffusiond.daemon.video_encoding import MEDIA_TYPES, encode_video
@@ -247,18 +246,9 @@ async def read_video_create(request: web.Request) -> tuple[VideoCreateRequest, b
             if body.input_reference is not None:
                 raise ApiError(400, "input_reference is sent twice", param="input_reference")
             reference = files["input_reference"][0]
-    elif request.content_type == "application/x-www-form-urlencoded":
-        raise ApiError(
-            400,
-            "POST /v1/videos takes multipart/form-data (curl -F) or JSON, not a URL-encoded form",
-            code="invalid_content_type",
-        )
-    else:
-        data = await request.read()
-        limit = body_limit(config.max_body_bytes, config.max_image_bytes, 1)
-        if len(data) > limit:
-            raise too_large(limit)
-        return parse_video_create(data)
+    else:  # JSON (edge.check_content_type refused anything else)
+        limit = body_limit(config.max_body_bytes, config.max_image_bytes)
+        return parse_video_create(await read_body(request, limit))
     if body.input_reference is not None:
         reference = _reference_image(body.input_reference)
     return body, reference

@@ -18,12 +18,14 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 import pytest
 import torch
 from aiohttp import web
 
 from diffusiond.daemon.app import create_app
 from diffusiond.daemon.config import ServeConfig
+from diffusiond.daemon.connections import listen, runner_options
 from diffusiond.daemon.state import STATE, ServerState
 from diffusiond.models.tiny import build_tiny
 
@@ -234,10 +236,11 @@ class ServerThread:
 
     async def _setup(self) -> None:
         self.app = create_app(self.config)  # its own loader: config.model, as `diffusiond serve` loads
-        self.runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=5.0)
+        self.runner = web.AppRunner(
+            self.app, handler_cancellation=True, shutdown_timeout=5.0, **runner_options(self.config)
+        )
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
+        await listen(self.runner, msgspec.structs.replace(self.config, host="127.0.0.1", port=0))
         self.port = self.runner.addresses[0][1]
 
     async def _teardown(self) -> None:

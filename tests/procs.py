@@ -108,7 +108,12 @@ def wait_not_ready(base: str, within: float = 30.0) -> float:
 
 def stream(base: str, body: dict, timeout: float = 60.0):
     """Native SSE events as (name, data) pairs."""
-    req = urllib.request.Request(f"{base}/v1/generations", data=json.dumps(body).encode(), method="POST")
+    req = urllib.request.Request(
+        f"{base}/v1/generations",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         name = None
         for raw in resp:

@@ -109,7 +109,7 @@ def test_openai_client_edit_errors(server, model_id):
 
 
 async def _post_form(url: str, fields: list[tuple[str, bytes | str]]) -> tuple[int, dict]:
-    form = aiohttp.FormData()
+    form = aiohttp.FormData(default_to_multipart=True)  # also without a file, as OpenAI's clients send it
     for name, value in fields:
         if isinstance(value, bytes):
             form.add_field(name, value, filename=f"{name}.png", content_type="image/png")

@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 
 TIMEOUT = aiohttp.ClientTimeout(total=60)
+JSON = {"Content-Type": "application/json"}
 SMALL = {"prompt": "a red circle", "seed": 1, "width": 64, "height": 64, "num_inference_steps": 2}
 
 
@@ -95,7 +96,7 @@ async def test_numbers_out_of_bounds_are_refused_naming_the_field(server, field)
     body = json.dumps({**SMALL, field: 0}).replace('"' + field + '": 0', f'"{field}": {NATIVE_NUMBERS[field]}')
     async with (
         aiohttp.ClientSession(timeout=TIMEOUT) as session,
-        session.post(f"{server.base_url}/v1/generations", data=body) as resp,
+        session.post(f"{server.base_url}/v1/generations", data=body, headers=JSON) as resp,
     ):
         assert resp.status == 400, await resp.text()
         error = (await resp.json())["error"]
@@ -130,7 +131,8 @@ def test_the_engine_refuses_what_cannot_cross_the_wire(server):
 def test_non_utf8_credentials_answer_401(auth_server, token):
     sock = raw_request(
         auth_server.port,
-        b"POST /v1/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer " + token,
+        b"POST /v1/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nAuthorization: Bearer "
+        + token,
         json.dumps(SMALL).encode(),
     )
     status, _, _ = read_head(sock)
@@ -181,7 +183,7 @@ def test_hang_ups_mid_stream_log_one_info_line_and_no_error(server, caplog):
     ids = []
     body = json.dumps({**SMALL, "num_inference_steps": 200, "preview_every": 1, "latents": True}).encode()
     for i in range(20):
-        sock = raw_request(server.port, b"POST /v1/generations HTTP/1.1\r\nHost: x", body)
+        sock = raw_request(server.port, b"POST /v1/generations HTTP/1.1\r\nHost: 127.0.0.1", body)
         status, headers, _ = read_head(sock)
         assert status == 200
         ids.append(headers["x-request-id"])
@@ -204,7 +206,9 @@ def test_hang_ups_mid_stream_log_one_info_line_and_no_error(server, caplog):
 def test_status_of_a_slow_reader_follows_the_engine(server):
     """A client that never reads a stream of large latents: the engine finishes, and GET and DELETE say so."""
     body = {**SMALL, "width": 256, "height": 256, "num_inference_steps": 150, "preview_every": 1, "latents": True}
-    sock = raw_request(server.port, b"POST /v1/generations HTTP/1.1\r\nHost: x", json.dumps(body).encode(), rcvbuf=4096)
+    sock = raw_request(
+        server.port, b"POST /v1/generations HTTP/1.1\r\nHost: 127.0.0.1", json.dumps(body).encode(), rcvbuf=4096
+    )
     try:
         status, headers, _ = read_head(sock)
         assert status == 200
@@ -213,7 +217,7 @@ def test_status_of_a_slow_reader_follows_the_engine(server):
         record = server.record(rid)
         assert (record["status"], record["step"], record["total"]) == ("completed", 150, 150), record
         conn = socket.create_connection(("127.0.0.1", server.port))
-        conn.sendall(f"DELETE /v1/generations/{rid} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        conn.sendall(f"DELETE /v1/generations/{rid} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
         assert read_all(conn).split(b" ")[1] == b"409"
     finally:
         sock.close()

@@ -43,7 +43,11 @@ def test_only_the_step_thread_runs_the_model(serve, monkeypatch):
     server = serve(max_queue=7)  # a server of its own, loaded after the wrappers are in place
     body = {"prompt": "a red circle", "width": 64, "height": 64, "num_inference_steps": 4, "seed": 3}
     body |= {"preview_every": 1, "latents": True}
-    request = urllib.request.Request(f"{server.base_url}/v1/generations", data=json.dumps(body).encode())
+    request = urllib.request.Request(
+        f"{server.base_url}/v1/generations",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=60) as resp:
         events = [line for line in resp.read().decode().splitlines() if line.startswith("event:")]
     assert events[-1] == "event: completed"

@@ -428,7 +428,7 @@ async def test_a_url_encoded_form_is_refused(video_server):
         session.post(f"{video_server.base_url}/v1/videos", data={"prompt": PROMPT, "size": SIZE}) as resp,
     ):
         error = (await resp.json())["error"]
-    assert resp.status == 400 and error["code"] == "invalid_content_type" and "multipart" in error["message"]
+    assert resp.status == 415 and error["code"] == "unsupported_media_type" and "multipart" in error["message"]
 
 
 @pytest.mark.asyncio

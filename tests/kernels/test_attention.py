@@ -78,7 +78,9 @@ def test_a_served_model_attends_with_the_configured_backend(serve, monkeypatch) 
     warm_up_calls = calls[0]
     assert warm_up_calls > 0
     body = b'{"prompt": "a shape", "seed": 1, "num_inference_steps": 2, "response_format": "b64_json"}'
-    request = urllib.request.Request(f"{server.base_url}/v1/images/generations", data=body)
+    request = urllib.request.Request(
+        f"{server.base_url}/v1/images/generations", data=body, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.status == 200
     assert calls[0] > warm_up_calls

@@ -77,7 +77,9 @@ def test_a_served_model_is_quantized(serve) -> None:
     adapter = server.state.engine.adapter
     assert adapter.quantized is not None and adapter.quantized[1] > 0
     body = b'{"prompt": "a shape", "seed": 1, "num_inference_steps": 2, "response_format": "b64_json"}'
-    request = urllib.request.Request(f"{server.base_url}/v1/images/generations", data=body)
+    request = urllib.request.Request(
+        f"{server.base_url}/v1/images/generations", data=body, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.status == 200
 

@@ -119,7 +119,8 @@ def start_daemon(tiny_sd3, tmp_path) -> Iterator[Callable[..., Daemon]]:
     # AF_UNIX paths are limited to 108 bytes: pytest's tmp_path can be longer.
     sock_dir = tempfile.mkdtemp(prefix="diffusiond-notify-")
 
-    def start(*flags: str) -> Daemon:
+    def start(*flags: str, open_files: int | None = None) -> Daemon:
+        """`open_files`: the daemon's soft and hard RLIMIT_NOFILE (as a unit's LimitNOFILE sets them)."""
         notify = NotifyListener(os.path.join(sock_dir, f"{len(started)}.sock"))
         port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("DIFFUSIOND_")}
@@ -128,6 +129,8 @@ def start_daemon(tiny_sd3, tmp_path) -> Iterator[Callable[..., Daemon]]:
         argv = [sys.executable, "-m", "diffusiond", "serve", "--model", tiny_sd3, "--port", str(port), "--threads", "1"]
         # Tests run long requests (1000 steps) to act on them mid-flight.
         argv += ["--max-steps", "1000"]
+        if open_files is not None:
+            argv = ["sh", "-c", f'ulimit -n {open_files} && exec "$@"', "sh", *argv]
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [*argv, *flags],

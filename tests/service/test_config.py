@@ -84,7 +84,9 @@ def test_every_serve_flag_maps_to_its_field():
         "--offload", "group", "--video-dir", "/var/lib/videos", "--video-store-bytes", "5000", "--video-ttl", "60",
         "--video-max-jobs", "7", "--lora", "style=/loras/style.safetensors", "--lora", "ink=ink.safetensors",
         "--lora-dir", "/var/lib/loras", "--lora-cache-bytes", "1000", "--lora-fuse",
-        "--scheduler-config", '{"shift": 3.0}',
+        "--scheduler-config", '{"shift": 3.0}', "--keepalive-timeout", "5", "--max-connections", "100",
+        "--max-reading-bytes", "4096", "--write-timeout", "7", "--allowed-hosts", "a.example", "--allowed-hosts",
+        ".b.example", "--cors-origins", "https://ui.example",
     ]  # fmt: skip
     config, sources = load_config(cli(*argv), {})
     assert config == ServeConfig(
@@ -99,7 +101,9 @@ def test_every_serve_flag_maps_to_its_field():
         quantize="int8", quantize_skip="proj_out", offload="group", video_dir="/var/lib/videos",
         video_store_bytes=5000, video_ttl=60.0, video_max_jobs=7,
         lora=("style=/loras/style.safetensors", "ink=ink.safetensors"), lora_dir="/var/lib/loras",
-        lora_cache_bytes=1000, lora_fuse=1.0, scheduler_config='{"shift": 3.0}',
+        lora_cache_bytes=1000, lora_fuse=1.0, scheduler_config='{"shift": 3.0}', keepalive_timeout=5.0,
+        max_connections=100, max_reading_bytes=4096, write_timeout=7.0, allowed_hosts=("a.example", ".b.example"),
+        cors_origins=("https://ui.example",),
     )  # fmt: skip
     assert all(source.startswith("--") for source in sources.values()), sources
     # The global logging flags, before the subcommand, still work.

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -145,3 +148,33 @@ def test_a_model_that_does_not_load_exits_1(start_daemon, tmp_path):
     lines = daemon.notify.assignments()
     assert "READY=1" not in lines
     assert any(line.startswith("STATUS=failed: model did not load") for line in lines), lines
+
+
+def test_idle_connections_under_the_units_file_limit_starve_no_one(start_daemon):
+    """The daemon under a soft and hard limit of 1024 open files (systemd's default soft limit, which it cannot raise
+    here): it keeps its connections below the limit, so 1,200 idle ones cannot stop /health, /ready or a generation.
+    Broken on purpose (no connection cap): /health could not connect (EMFILE on accept)."""
+    daemon = start_daemon("--log-level", "WARNING", open_files=1024)
+    daemon.wait_ready()
+    idle = []
+    try:
+        for _ in range(1200):
+            idle.append(socket.create_connection(("127.0.0.1", daemon.port), timeout=10))
+        time.sleep(0.5)
+        body = json.dumps({"prompt": "a red circle", "width": 64, "height": 64, "num_inference_steps": 2}).encode()
+        for path, data in (("/health", None), ("/ready", None), ("/v1/generations", body)):
+            t0 = time.monotonic()
+            req = urllib.request.Request(
+                f"{daemon.base_url}{path}", data=data, headers={"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                text = resp.read()
+                assert resp.status == 200, text
+            assert time.monotonic() - t0 < 2.0, path
+        assert b"event: completed" in text
+        fds = len(os.listdir(f"/proc/{daemon.proc.pid}/fd"))
+        assert fds < 1024, fds
+        assert "serving at most" in daemon.log()  # it said why it serves fewer than --max-connections
+    finally:
+        for sock in idle:
+            sock.close()

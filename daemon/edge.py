@@ -1,0 +1,257 @@
+"""The HTTP edge, before any route runs: who may call from a browser (Host, Origin, CORS, Content-Type), and bodies
+read against their route's limit and a budget of bytes being read at once.
+
+A page the operator opens in a browser may send requests to the loopback daemon: a "simple" POST (text/plain, a
+form) needs no preflight, and a DNS rebinding name can make the page same-origin with it. So a body must say it is
+JSON (or a multipart form where a route takes one), a `Host` must be an address or a name the operator allows, and
+an `Origin` other than the daemon's own must be listed in `--cors-origins`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+from collections.abc import Iterator
+
+from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from diffusiond.daemon.api import ApiError, too_large
+from diffusiond.daemon.config import ServeConfig
+
+# Names that always mean this machine; any IP literal is also fine (rebinding needs a name).
+LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain"})
+JSON_TYPES = frozenset({"application/json"})
+FORM_TYPE = "multipart/form-data"
+# Routes that take a multipart form besides (or instead of) JSON.
+FORM_ROUTES = frozenset({"/v1/images/edits", "/v1/videos"})
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+CORS_METHODS = "GET, POST, DELETE, OPTIONS"
+CORS_HEADERS = "Authorization, Content-Type"
+CHUNK = 1 << 16
+
+
+def host_allowed(host: str | None, allowed: tuple[str, ...]) -> bool:
+    """`host`: a Host header (name or address, with or without a port). True for IP literals, local names, and
+    names in `allowed` ("*": any; ".example.com": it and its subdomains)."""
+    if not host:
+        return True  # HTTP/1.0 clients; a browser always sends one
+    name = _hostname(host)
+    if name is None:
+        return False
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        pass
+    if name in LOCAL_NAMES or name.endswith(".localhost"):
+        return True
+    for entry in allowed:
+        entry = entry.lower()
+        if entry == "*" or name == entry or (entry.startswith(".") and (name.endswith(entry) or name == entry[1:])):
+            return True
+    return False
+
+
+def _hostname(host: str) -> str | None:
+    host = host.strip().lower()
+    if host.startswith("["):
+        end = host.find("]")
+        return host[1:end] if end > 0 else None
+    name, _, port = host.rpartition(":") if host.count(":") == 1 else (host, "", "")
+    if port and not port.isdigit():
+        return None
+    return name.rstrip(".") or None
+
+
+def edge_middleware(config: ServeConfig):
+    """Host, Origin and Content-Type checks, and CORS for the origins the operator lists."""
+    allowed_hosts = config.allowed_hosts
+    cors = frozenset(origin.rstrip("/") for origin in config.cors_origins)
+
+    @web.middleware
+    async def edge(request: web.Request, handler) -> web.StreamResponse:
+        if not host_allowed(request.headers.get("Host"), allowed_hosts):
+            raise ApiError(
+                421,
+                f"Host {request.headers.get('Host')!r} is not this server's; list the name in --allowed-hosts",
+                code="host_not_allowed",
+            )
+        origin = request.headers.get("Origin")
+        listed = origin is not None and origin.rstrip("/") in cors
+        if origin is not None and not listed and not _same_origin(request, origin):
+            raise ApiError(
+                403,
+                f"cross-origin request from {origin!r} refused; list the origin in --cors-origins to allow it",
+                code="origin_not_allowed",
+            )
+        if request.method == "OPTIONS" and listed and "Access-Control-Request-Method" in request.headers:
+            return web.Response(status=204, headers=_cors_headers(origin, preflight=True))
+        if request.method in BODY_METHODS:
+            check_content_type(request)
+        response = await handler(request)
+        if listed and not response.prepared:
+            response.headers.update(_cors_headers(origin))
+        return response
+
+    return edge
+
+
+def _same_origin(request: web.Request, origin: str) -> bool:
+    host = request.headers.get("Host")
+    return host is not None and origin.lower() in (f"http://{host.lower()}", f"https://{host.lower()}")
+
+
+def _cors_headers(origin: str, *, preflight: bool = False) -> dict[str, str]:
+    headers = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+    if preflight:
+        headers |= {
+            "Access-Control-Allow-Methods": CORS_METHODS,
+            "Access-Control-Allow-Headers": CORS_HEADERS,
+            "Access-Control-Max-Age": "600",
+        }
+    return headers
+
+
+def check_content_type(request: web.Request) -> None:
+    """A body is JSON, or a multipart form on the routes that take one. No Content-Type at all is taken as JSON (a
+    browser always sends one; scripts often do not)."""
+    if "Content-Type" not in request.headers and not request.body_exists:
+        return
+    given = request.content_type if "Content-Type" in request.headers else None
+    if given is None or given in JSON_TYPES or given.endswith("+json"):
+        return
+    forms = request.path in FORM_ROUTES
+    if forms and given == FORM_TYPE:
+        return
+    takes = "application/json" + (" or multipart/form-data (curl -F)" if forms else "")
+    raise ApiError(
+        415,
+        f"Content-Type {given!r} is not taken here: send {takes} (curl --json, or -H 'Content-Type: application/json')",
+        param="Content-Type",
+        code="unsupported_media_type",
+    )
+
+
+class ReadBudget:
+    """Bytes of request bodies being read at once, over all requests. Beyond it a new body is refused (503,
+    Retry-After) instead of read: 64 clients sending their largest body together must not take the memory."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.reading = 0
+
+    def take(self, size: int) -> None:
+        if self.reading and self.reading + size > self.limit:
+            raise ApiError(
+                503,
+                f"the server is reading {self.reading} bytes of other bodies; try again (--max-reading-bytes)",
+                type="server_error",
+                code="server_busy",
+                headers={"Retry-After": "1"},
+            )
+        self.reading += size
+
+    def release(self, size: int) -> None:
+        self.reading -= size
+
+    @contextlib.contextmanager
+    def hold(self, size: int) -> Iterator[None]:
+        self.take(size)
+        try:
+            yield
+        finally:
+            self.release(size)
+
+
+READ_BUDGET = web.AppKey("read_budget", ReadBudget)
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The body, read as it arrives: 413 as soon as its declared length or the bytes so far pass `limit`, without
+    reading the rest; held against the app's read budget while it is read."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise too_large(limit)
+    budget = request.app[READ_BUDGET]
+    data = bytearray()
+    counted = declared or 0
+    budget.take(counted)
+    try:
+        async for chunk in request.content.iter_chunked(CHUNK):
+            data += chunk
+            if len(data) > limit:
+                raise too_large(limit)
+            if len(data) > counted:  # a chunked body (or one longer than declared): counted as it grows
+                budget.take(len(data) - counted)
+                counted = len(data)
+    finally:
+        budget.release(counted)
+    return bytes(data)
+
+
+# A multipart body: its text fields are short (the longest, a prompt, is 10,000 characters), its files few; anything
+# more is refused as it arrives, so no body is read whole.
+MAX_FORM_PARTS = 64
+MAX_FIELD_BYTES = 64 << 10
+# A part's headers and boundary.
+FORM_OVERHEAD = 4 << 10
+
+
+async def read_form(
+    request: web.Request, files: dict[str, int], file_bytes: int, *, aliases: dict[str, str] | None = None
+) -> tuple[dict[str, str], dict[str, list[bytes]]]:
+    """A multipart/form-data body, part by part: its text fields, and its files by name (at most `files[name]` of
+    each, of at most `file_bytes` all together; `aliases` maps other part names onto them, as `image[]` onto `image`).
+    ApiError (400) names the part that breaks a limit; 413 for a body declared larger than its parts may be. Held
+    against the read budget (its declared size, else the most it may hold) while it is read."""
+    limit = file_bytes + MAX_FORM_PARTS * (MAX_FIELD_BYTES + FORM_OVERHEAD)
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise too_large(limit)
+    with request.app[READ_BUDGET].hold(limit if declared is None else declared):
+        return await _read_parts(request, files, file_bytes, aliases or {})
+
+
+async def _read_parts(
+    request: web.Request, files: dict[str, int], file_bytes: int, aliases: dict[str, str]
+) -> tuple[dict[str, str], dict[str, list[bytes]]]:
+    fields: dict[str, str] = {}
+    found: dict[str, list[bytes]] = {name: [] for name in files}
+    left = file_bytes
+    try:
+        reader = await request.multipart()
+        for _ in range(MAX_FORM_PARTS + 1):
+            part = await reader.next()
+            if part is None:
+                break
+            if not isinstance(part, BodyPartReader) or not part.name:
+                raise ApiError(400, "every multipart part must be a named field", code="invalid_multipart")
+            name = aliases.get(part.name, part.name)
+            if name in found:
+                found[name].append(await _read_part(part, name, left, "all files together (--max-image-bytes)"))
+                left -= len(found[name][-1])
+                if len(found[name]) > files[name]:
+                    raise ApiError(400, f"send at most {files[name]} {name} file(s) per request", param=name)
+            elif name in fields:
+                raise ApiError(400, f"{name} is sent twice", param=name)
+            else:
+                try:
+                    fields[name] = (await _read_part(part, name, MAX_FIELD_BYTES)).decode()
+                except UnicodeDecodeError:
+                    raise ApiError(400, f"{name} is not UTF-8 text", param=name) from None
+        else:
+            raise ApiError(400, f"more than {MAX_FORM_PARTS} multipart parts", code="invalid_multipart")
+    except (ValueError, HttpProcessingError) as exc:  # aiohttp's words for a malformed multipart body
+        raise ApiError(400, f"malformed multipart body: {exc}", code="invalid_multipart") from None
+    return fields, found
+
+
+async def _read_part(part: BodyPartReader, name: str, limit: int, what: str = "") -> bytes:
+    data = bytearray()
+    while chunk := await part.read_chunk(1 << 16):
+        data += chunk
+        if len(data) > limit:
+            what = f" ({what})" if what else ""
+            raise ApiError(400, f"{name} is larger than the {limit} bytes left{what}", param=name, code="too_large")
+    return bytes(data)

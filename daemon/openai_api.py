@@ -111,11 +111,11 @@ def expand(engine: Engine, body: ImageGenerationRequest, base: SamplingParams) -
         resolved = engine.resolve(base)
         assert resolved.seed is not None
         every = _partial_every(resolved.steps_to_run or 1, body.partial_images or 0)
-        # Seeds stay within the wire's bounds; preview_every is at most the step count.
+        # Seeds stay within the wire's bounds; preview_every is at most the step count. The copies differ from the
+        # first only in a seed within those bounds: the first is wire-checked (its images encoded) once for all.
+        first = engine.check_wire(msgspec.structs.replace(resolved, preview_every=every))
         return [
-            engine.check_wire(
-                msgspec.structs.replace(resolved, seed=(resolved.seed + i) % (MAX_SEED + 1), preview_every=every)
-            )
+            msgspec.structs.replace(first, seed=(first.seed + i) % (MAX_SEED + 1)) if i else first
             for i in range(body.n or 1)
         ]
     except ParamError as exc:

@@ -17,7 +17,7 @@ from diffusiond.daemon.api import ApiError
 from diffusiond.daemon.state import ENCODERS, METRICS, STATE, ServerState
 from diffusiond.engine.engine import Engine, QueueFullError, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Event, Failed
-from diffusiond.models.inputs import check_image
+from diffusiond.models.inputs import check_image, input_pixel_limit
 from diffusiond.models.params import ParamError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -110,8 +110,11 @@ async def check_images(request: web.Request, images: dict[str, bytes | Sequence[
         if total > limit:
             message = f"{param} brings the request's images to {total} bytes; this server takes at most {limit} "
             raise ParamError(param, message + "per request, all images together (--max-image-bytes)")
+    engine = request.app[STATE].engine
+    max_pixels = input_pixel_limit(engine.limits.max_pixels if engine is not None and engine.limits else None)
     for param, data in files:
-        await asyncio.get_running_loop().run_in_executor(request.app[ENCODERS], check_image, data, param)
+        pool = request.app[ENCODERS]
+        await asyncio.get_running_loop().run_in_executor(pool, check_image, data, param, max_pixels)
 
 
 # Words of the prompt the model does not know (a checkpoint that declares its vocabulary): they are drawn as if

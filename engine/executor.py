@@ -40,6 +40,7 @@ from diffusiond.engine.timing import stage_timer
 from diffusiond.engine.wire import StepPlan
 from diffusiond.kernels.collectives import CommError
 from diffusiond.models.base import ModelAdapter, RequestState
+from diffusiond.models.inputs import DECODED_INPUTS
 from diffusiond.models.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -183,7 +184,10 @@ class Executor:
     def _prepare(self, new: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
         """The family's prepare, then each request's LoRA adapters (loaded now if they are not resident), held
         until its state is freed."""
-        states = self.adapter.prepare(new)
+        try:
+            states = self.adapter.prepare(new)
+        finally:
+            DECODED_INPUTS.clear()
         registry = self.adapter.lora_registry
         if registry is not None:
             for state in states:

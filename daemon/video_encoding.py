@@ -13,6 +13,7 @@ import logging
 import os
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -68,9 +69,10 @@ def h264_unavailable() -> str | None:
     return reason
 
 
-def encode_video(frames: np.ndarray, fps: int, fmt: str = "mp4") -> EncodedVideo:
+def encode_video(frames: np.ndarray, fps: int, fmt: str = "mp4", scratch: Path | None = None) -> EncodedVideo:
     """frames: [F, H, W, 3], float in [0, 1] (or uint8). "mp4" falls back to "webp" where H.264 is unavailable;
-    the result says so in `fallback`."""
+    the result says so in `fallback`. `scratch`: the folder of the MP4's staging file (the video store's, so that
+    it is counted on that disk, not on a small /tmp); default: the system's temporary folder."""
     if frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError(f"a clip is [frames, height, width, 3]; got shape {frames.shape}")
     if fmt not in VIDEO_FORMATS:
@@ -80,16 +82,16 @@ def encode_video(frames: np.ndarray, fps: int, fmt: str = "mp4") -> EncodedVideo
         fmt = "webp"
     num_frames, height, width = frames.shape[:3]
     if fmt == "mp4":
-        data, width, height = _mp4_bytes(frames, fps)
+        data, width, height = _mp4_bytes(frames, fps, scratch)
     else:
         data = _encode_webp(frames, fps)
     return EncodedVideo(data, fmt, width, height, num_frames, fps, fallback)
 
 
-def _mp4_bytes(frames: np.ndarray, fps: int) -> tuple[bytes, int, int]:
+def _mp4_bytes(frames: np.ndarray, fps: int, scratch: Path | None = None) -> tuple[bytes, int, int]:
     """MP4 with its index first (`+faststart`: plays while it downloads), which FFmpeg writes only to a file it can
     reopen: written to a temporary file and read back."""
-    fd, path = tempfile.mkstemp(prefix="diffusiond-", suffix=".mp4")
+    fd, path = tempfile.mkstemp(prefix="diffusiond-", suffix=".mp4", dir=scratch)
     os.close(fd)
     try:
         width, height = _encode_mp4(frames, fps, path)

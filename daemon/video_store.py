@@ -9,6 +9,11 @@ evicted, expired or forgotten (it has no file yet; the engine's queue bounds how
 Bookkeeping runs on the event loop and never awaits; files are written in the encoder pool (`write_video`), and
 removed here (an unlink each). In a folder the operator gives, every completed video has a JSON file beside it, so
 that a restarted daemon serves it again (`load`).
+
+A full or failing disk fails the job it hits, never the daemon: a write checks the free space first (and leaves no
+temporary file on any error), the budget counts each video's JSON file too, a file is on disk (fsync of the file
+and its folder) before its job says completed, expiry logs what it cannot remove and goes on, and a JSON file is
+checked field by field before it names a file.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -27,13 +34,18 @@ log = logging.getLogger(__name__)
 
 FINISHED = ("completed", "failed", "cancelled")
 # The files of a job: its video, the JSON beside it, and a video being written.
-_OURS = re.compile(r"video_[0-9a-f]{32}\.(mp4|webp|json|tmp)")
+_OURS = re.compile(r"video_[0-9a-f]{32}\.(mp4|webp|json|tmp)|diffusiond-\w+\.mp4")
+JobId = Annotated[str, msgspec.Meta(pattern=r"^video_[0-9a-f]{32}$")]
+# What a video's JSON file takes on disk, counted in the budget beside the video.
+SIDECAR_BYTES = 4096
+# Free space a write leaves on the store's disk, and that a new job needs to be taken.
+MIN_FREE_BYTES = 8 << 20
 
 
 class VideoJob(msgspec.Struct, kw_only=True):
     """One `/v1/videos` job: OpenAI's video object, plus what the clip is (frames, fps, seed) and its file."""
 
-    id: str
+    id: JobId
     # The engine's request id (`/v1/generations/{request_id}` reports its steps).
     request_id: str
     created_at: int
@@ -51,7 +63,7 @@ class VideoJob(msgspec.Struct, kw_only=True):
     expires_at: int | None = None
     error: dict[str, str] | None = None
     # The file: "mp4", or "webp" (asked for, or `fallback` says why), and its size.
-    format: str | None = None
+    format: Literal["mp4", "webp"] | None = None
     fallback: str | None = None
     bytes: int = 0
     # When it finished, on the store's clock: expiry and eviction order.
@@ -100,11 +112,27 @@ class VideoTooLarge(Exception):
     """A video that cannot fit in the byte budget."""
 
 
+class DiskFull(OSError):
+    """The store's disk has no room for a file (checked before writing it)."""
+
+
+def free_bytes(directory: Path) -> int:
+    return shutil.disk_usage(directory).free
+
+
 class VideoStore:
     def __init__(
-        self, directory: Path, *, max_bytes: int, ttl: float, max_jobs: int, clock: Callable[[], float] = time.time
+        self,
+        directory: Path,
+        *,
+        max_bytes: int,
+        ttl: float,
+        max_jobs: int,
+        clock: Callable[[], float] = time.time,
+        sidecar_bytes: int = SIDECAR_BYTES,
     ) -> None:
         self.directory = directory
+        self.sidecar_bytes = sidecar_bytes
         self.max_bytes = max_bytes
         self.ttl = ttl
         self.max_jobs = max_jobs
@@ -113,6 +141,10 @@ class VideoStore:
         self.jobs: dict[str, VideoJob] = {}
         # Bytes of the videos on disk and of those being written.
         self.used = 0
+
+    def cost(self, job: VideoJob) -> int:
+        """What a job's files take of the budget: its video and the JSON beside it."""
+        return job.bytes + self.sidecar_bytes if job.bytes else 0
 
     def path(self, job: VideoJob) -> Path | None:
         name = job.file_name
@@ -129,10 +161,11 @@ class VideoStore:
         return list(self.jobs.values())
 
     def make_room(self) -> None:
-        """Room for one more job: forgets the jobs that finished first (StoreFull when none has)."""
+        """Room for one more job: forgets the jobs that finished first, those without a video before any video
+        (creating and cancelling jobs in a loop must not push out others' videos), StoreFull when none has."""
         self.sweep()
         while len(self.jobs) >= self.max_jobs:
-            oldest = self._first_finished(with_file=False)
+            oldest = self._first_finished(with_file=False, without_file=True) or self._first_finished(with_file=False)
             if oldest is None:
                 raise StoreFull(f"{len(self.jobs)} video jobs are queued or running (--video-max-jobs)")
             self.remove(oldest.id)
@@ -145,15 +178,22 @@ class VideoStore:
         """Forgets a job and removes its files."""
         job = self.jobs.pop(job_id, None)
         if job is not None:
-            self.used -= job.bytes
+            self.used -= self.cost(job)
             self.discard_files(job)
         return job
 
     def discard_files(self, job: VideoJob) -> None:
-        for name in (job.file_name, f"{job.id}.json"):
-            if name is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.directory / name)
+        """Its video, JSON and temporary files; one that cannot be removed (a read-only disk) is logged, not
+        raised: the job is forgotten all the same."""
+        for name in (job.file_name, f"{job.id}.json", f"{job.id}.tmp"):
+            if name is None:
+                continue
+            try:
+                os.unlink(self.directory / name)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("video store: cannot remove %s: %s", name, exc)
 
     def sweep(self) -> list[str]:
         """Forgets expired jobs, with their files; returns their ids."""
@@ -163,8 +203,12 @@ class VideoStore:
             self.remove(job_id)
         return expired
 
-    def _first_finished(self, *, with_file: bool) -> VideoJob | None:
-        done = [j for j in self.jobs.values() if j.finished and (j.file_name is not None or not with_file)]
+    def _first_finished(self, *, with_file: bool, without_file: bool = False) -> VideoJob | None:
+        done = [
+            j
+            for j in self.jobs.values()
+            if j.finished and (j.file_name is not None or not with_file) and (j.file_name is None or not without_file)
+        ]
         return min(done, key=lambda j: j.finished_at or 0.0, default=None)
 
     # ---- a job's end ----
@@ -172,20 +216,21 @@ class VideoStore:
     def reserve(self, job: VideoJob, size: int) -> None:
         """Room for a job's video of `size` bytes, made by evicting the videos that finished first. VideoTooLarge
         when it cannot fit; nothing is evicted then."""
-        if size > self.max_bytes:
+        needed = size + self.sidecar_bytes
+        if needed > self.max_bytes:
             raise VideoTooLarge(
                 f"the video is {size} bytes; this server keeps at most {self.max_bytes} (--video-store-bytes)"
             )
-        evictable = sum(j.bytes for j in self.jobs.values() if j.finished and j.file_name is not None)
-        if self.used - evictable + size > self.max_bytes:  # the rest is being written
+        evictable = sum(self.cost(j) for j in self.jobs.values() if j.finished and j.file_name is not None)
+        if self.used - evictable + needed > self.max_bytes:  # the rest is being written
             raise VideoTooLarge(f"no room for {size} more bytes while other videos are being written; retry")
-        while self.used + size > self.max_bytes:
+        while self.used + needed > self.max_bytes:
             oldest = self._first_finished(with_file=True)
             assert oldest is not None
             log.info("video store: evicting %s (%d bytes) to make room", oldest.id, oldest.bytes)
             self.remove(oldest.id)
         job.bytes = size
-        self.used += size
+        self.used += needed
 
     def completion(self, job: VideoJob, fmt: str, fallback: str | None) -> VideoJob:
         """The job as it will be once its file is written (what `write_video` writes beside the file)."""
@@ -212,7 +257,7 @@ class VideoStore:
         if job.finished:
             return
         if job.id in self.jobs:
-            self.used -= job.bytes
+            self.used -= self.cost(job)
         job.bytes = 0
         now = self.clock()
         job.status, job.error = status, {"code": code, "message": message}
@@ -240,7 +285,7 @@ class VideoStore:
                 os.unlink(self.directory / name)
         for job in sorted(kept, key=lambda j: j.created_at):
             self.jobs[job.id] = job
-            self.used += job.bytes
+            self.used += self.cost(job)
         self.sweep()
         while len(self.jobs) > self.max_jobs or self.used > self.max_bytes:
             first = self._first_finished(with_file=False)
@@ -251,13 +296,30 @@ class VideoStore:
 
 def write_video(directory: Path, job: VideoJob, data: bytes) -> None:
     """A completed job's file and the JSON beside it (`job` from `VideoStore.completion`). Blocking file I/O: in the
-    encoder pool. Written to a temporary name and renamed, so that no reader sees half a file."""
+    encoder pool. Each is written to a temporary name, synced and renamed, so that no reader sees half a file and a
+    completed job's file survives a power cut; DiskFull before anything is written when the disk has no room."""
     name = job.file_name
     assert name is not None
-    for target, content in ((name, data), (f"{job.id}.json", msgspec.json.encode(job))):
-        tmp = directory / f"{job.id}.tmp"
-        tmp.write_bytes(content)
-        os.replace(tmp, directory / target)
+    sidecar = msgspec.json.encode(job)
+    free = free_bytes(directory)
+    if free < len(data) + len(sidecar) + MIN_FREE_BYTES:
+        raise DiskFull(f"{free} bytes free on the video store's disk; the video needs {len(data) + len(sidecar)}")
+    tmp = directory / f"{job.id}.tmp"
+    try:
+        for target, content in ((name, data), (f"{job.id}.json", sidecar)):
+            with open(tmp, "wb") as f:
+                f.write(content)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, directory / target)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 def folder_problem(path: str) -> str | None:

@@ -18,6 +18,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import errno
 import logging
 import math
 import re
@@ -44,7 +45,16 @@ from diffusiond.daemon.edge import read_body, read_form
 from diffusiond.daemon.state import ENCODERS, STATE
 from diffusiond.daemon.streaming import check_images, queue_requests, run_encoder
 from diffusiond.daemon.video_encoding import MEDIA_TYPES, encode_video
-from diffusiond.daemon.video_store import StoreFull, VideoJob, VideoStore, VideoTooLarge, write_video
+from diffusiond.daemon.video_store import (
+    MIN_FREE_BYTES,
+    DiskFull,
+    StoreFull,
+    VideoJob,
+    VideoStore,
+    VideoTooLarge,
+    free_bytes,
+    write_video,
+)
 from diffusiond.engine.engine import Engine, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Completed, Failed, Progress
 from diffusiond.models.base import Capabilities
@@ -116,7 +126,13 @@ class VideoJobs:
 
     async def _store(self, app: web.Application, job: VideoJob, event: Completed) -> None:
         store = self.store
-        clip = await run_encoder(app, encode_video, event.image, job.fps, "mp4")
+        try:
+            clip = await run_encoder(app, encode_video, event.image, job.fps, "mp4", store.directory)
+        except OSError as exc:  # its staging file (in the store's folder) found no room
+            log.error("video job %s: cannot encode into %s: %s", job.id, store.directory, exc)
+            code = "storage_full" if exc.errno == errno.ENOSPC else "storage_error"
+            store.end(job, "failed", code, f"the server could not store the video ({exc.strerror or exc}); retry later")
+            return
         if store.jobs.get(job.id) is not job:  # deleted meanwhile
             return
         try:
@@ -128,6 +144,11 @@ class VideoJobs:
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(app[ENCODERS], write_video, store.directory, done, clip.data)
+        except DiskFull as exc:
+            log.error("video job %s: %s", job.id, exc)
+            store.end(job, "failed", "storage_full", f"the server's video store is full: {exc}; retry later")
+            store.discard_files(done)
+            return
         except OSError as exc:
             log.error("video job %s: cannot write its file to %s: %s", job.id, store.directory, exc)
             store.end(job, "failed", "storage_error", "the server could not store the video")
@@ -171,8 +192,11 @@ async def videos_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _sweep(store: VideoStore, every: float) -> None:
     while True:
         await asyncio.sleep(every)
-        for job_id in store.sweep():
-            log.debug("video store: %s expired", job_id)
+        try:
+            for job_id in store.sweep():
+                log.debug("video store: %s expired", job_id)
+        except Exception:  # expiry goes on; routes sweep too, and answer what they can
+            log.exception("video store: expiry failed; trying again in %gs", every)
 
 
 # ---- routes ----
@@ -211,6 +235,16 @@ async def create_video(request: web.Request) -> web.Response:
         raise ApiError(
             429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
         ) from None
+    try:
+        free = free_bytes(jobs.store.directory)  # one statfs call
+    except OSError as exc:
+        free, why = 0, f"the video store cannot be read ({exc.strerror or exc})"
+    else:
+        why = f"the video store's disk has {free} bytes free"
+    if free < MIN_FREE_BYTES:
+        raise ApiError(
+            507, f"{why}; no new video jobs until there is room", type="server_error", code="insufficient_storage"
+        )
     (handle,) = queue_requests(engine, state, [resolved], checked=True)
     assert resolved.num_frames is not None and resolved.fps is not None and resolved.seed is not None
     job = VideoJob(

@@ -6,9 +6,19 @@ from __future__ import annotations
 
 import os
 
+import msgspec
 import pytest
 
-from diffusiond.daemon.video_store import StoreFull, VideoJob, VideoStore, VideoTooLarge, write_video
+from diffusiond.daemon.video_store import (
+    MIN_FREE_BYTES,
+    SIDECAR_BYTES,
+    DiskFull,
+    StoreFull,
+    VideoJob,
+    VideoStore,
+    VideoTooLarge,
+    write_video,
+)
 
 
 class Clock:
@@ -25,7 +35,8 @@ def clock() -> Clock:
 
 
 def make_store(tmp_path, clock, **limits) -> VideoStore:
-    options = {"max_bytes": 1000, "ttl": 60.0, "max_jobs": 100, **limits}
+    # JSON files counted as nothing, so that budgets here count video bytes alone (one test counts them).
+    options = {"max_bytes": 1000, "ttl": 60.0, "max_jobs": 100, "sidecar_bytes": 0, **limits}
     return VideoStore(tmp_path, clock=clock, **options)
 
 
@@ -173,3 +184,80 @@ def test_a_given_folder_is_served_again_after_a_restart(tmp_path, clock):
     assert again.path(restored).read_bytes() == b"v" * 100 and again.used == 100
     assert files(again) == {f"{newest.id}.mp4", f"{newest.id}.json", "notes.txt"}
     assert running.status == "queued"
+
+
+# ---- a full or failing disk (issue 30) ----
+
+
+def test_a_write_that_finds_no_room_fails_and_leaves_nothing(tmp_path, clock, monkeypatch):
+    store = make_store(tmp_path, clock)
+    job = new_job(store, 1)
+    store.reserve(job, 100)
+    done = store.completion(job, "mp4", None)
+    monkeypatch.setattr("diffusiond.daemon.video_store.free_bytes", lambda _: MIN_FREE_BYTES)
+    with pytest.raises(DiskFull, match="bytes free"):
+        write_video(store.directory, done, b"v" * 100)
+    assert files(store) == set()
+    monkeypatch.undo()
+    # A write that fails half-way (ENOSPC while writing) leaves no temporary file either.
+    real_fsync = os.fsync
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space"):
+        write_video(store.directory, done, b"v" * 100)
+    assert files(store) == set()
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    write_video(store.directory, done, b"v" * 100)
+    assert files(store) == {f"{job.id}.mp4", f"{job.id}.json"}
+
+
+def test_json_files_are_counted_in_the_budget(tmp_path, clock):
+    store = make_store(tmp_path, clock, sidecar_bytes=SIDECAR_BYTES, max_bytes=2 * (100 + SIDECAR_BYTES))
+    a, b, c = (new_job(store, n) for n in (1, 2, 3))
+    finish(store, a, 100)
+    finish(store, b, 100)
+    assert store.used == 2 * (100 + SIDECAR_BYTES)
+    finish(store, c, 100)  # a third evicts the first: the JSON files count
+    assert store.get(a.id) is None and store.used == 2 * (100 + SIDECAR_BYTES)
+
+
+def test_a_json_file_is_checked_before_it_names_a_file(tmp_path, clock):
+    store = make_store(tmp_path, clock)
+    good = new_job(store, 1)
+    finish(store, good, 100)
+    bad = msgspec.json.decode((tmp_path / f"{good.id}.json").read_bytes())
+    for n, changes in enumerate(({"format": "../../etc/passwd"}, {"format": "avi"}, {"id": "video_../x"}), start=2):
+        job_id = f"video_{n:032x}"
+        (tmp_path / f"{job_id}.json").write_bytes(msgspec.json.encode({**bad, "id": job_id, **changes}))
+    again = make_store(tmp_path, clock)
+    assert again.load() == 1 and set(again.jobs) == {good.id}
+    assert files(again) == {f"{good.id}.mp4", f"{good.id}.json"}  # the broken JSON files removed
+
+
+def test_expiry_that_cannot_remove_a_file_logs_and_goes_on(tmp_path, clock, monkeypatch, caplog):
+    store = make_store(tmp_path, clock, ttl=10.0)
+    job = new_job(store, 1)
+    finish(store, job, 100)
+    clock.now += 11
+
+    def read_only(path):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(os, "unlink", read_only)
+    assert store.sweep() == [job.id] and store.used == 0
+    assert "cannot remove" in caplog.text
+
+
+def test_jobs_without_a_video_are_forgotten_before_videos(tmp_path, clock):
+    """Someone creating and cancelling jobs in a loop forgets their own cancelled jobs, not others' videos."""
+    store = make_store(tmp_path, clock, max_jobs=3)
+    video = new_job(store, 1)
+    finish(store, video, 100)
+    for n in range(2, 12):
+        clock.now += 1
+        job = new_job(store, n)
+        store.end(job, "cancelled", "cancelled", "cancelled by its client")
+    assert store.get(video.id) is video and store.path(video).is_file()

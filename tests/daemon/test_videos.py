@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from PIL import Image
 from sse import sse_events
 
 from diffusiond.daemon.config import ServeConfig
+from diffusiond.daemon.video_store import MIN_FREE_BYTES, SIDECAR_BYTES
 from diffusiond.daemon.videos_api import VIDEOS
 
 # OpenAI's client marks its Videos API deprecated (the Sora API's shutdown), which this suite's `error` filter would
@@ -266,9 +268,10 @@ async def test_byte_budget_evicts_the_oldest_finished_video_never_a_running_one(
     async with aiohttp.ClientSession(timeout=TIMEOUT, headers=AUTH) as session:
         size = await wait_for(session, probe, (await create(session, probe, **clip))["id"], "completed")
         size = probe.app[VIDEOS].store.jobs[size["id"]].bytes
-        # Room for one of these videos and a half: each new one evicts the one before.
+        # Room for one of these videos and a half, each with its JSON file: each new one evicts the one before.
         folder = tmp_path_factory.mktemp("videos")
-        server = serve(model=tiny_wan, api_key=API_KEY, max_pixels=64 * 64, video_store_bytes=size * 3 // 2,
+        budget = (size + SIDECAR_BYTES) * 3 // 2
+        server = serve(model=tiny_wan, api_key=API_KEY, max_pixels=64 * 64, video_store_bytes=budget,
                        video_dir=str(folder))  # fmt: skip
         running = await create(session, server, size="64x64", num_frames=17, num_inference_steps=LONG_STEPS)
         first = await wait_for(session, server, (await create(session, server, **clip))["id"], "completed")
@@ -281,7 +284,7 @@ async def test_byte_budget_evicts_the_oldest_finished_video_never_a_running_one(
         # Served whole: the bytes its job recorded (not the probe's: the probe's server is shared with other tests,
         # and a request still ending there can share the probe clip's forwards and change its H.264 bytes).
         stored = server.app[VIDEOS].store.jobs[second["id"]].bytes
-        assert size // 2 < stored <= size * 3 // 2
+        assert size // 2 < stored <= size * 3 // 2 + SIDECAR_BYTES
         async with session.get(f"{server.base_url}/v1/videos/{second['id']}/content") as resp:
             assert resp.status == 200 and len(await resp.read()) == stored
         async with session.delete(f"{server.base_url}/v1/videos/{running['id']}") as resp:
@@ -565,3 +568,52 @@ def test_generate_writes_a_clip(tiny_wan, tiny_sd3, tmp_path, capsys):
     code = cli.main(["generate", "a red circle", "--model", tiny_sd3, "--num-frames", "9", "--out", str(out)])
     err = capsys.readouterr().err
     assert code == 2 and "--num-frames" in err and "Traceback" not in err, err
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A 50 MiB tmpfs (needs CAP_SYS_ADMIN: CI runs as root)."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=50m", "tmpfs", str(mount)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.asyncio
+async def test_a_store_on_a_full_disk_refuses_clearly_and_recovers(serve, tiny_wan, tmpfs):
+    """The store on a 50 MiB tmpfs, filled to the brim: new jobs are refused (507), a job whose video finds no room
+    fails (`storage_full`) and leaves no file; with room again, jobs complete. Broken on purpose (no free-space
+    check): the write hit ENOSPC and left its temporary file behind."""
+    server = serve(model=tiny_wan, api_key=API_KEY, max_pixels=64 * 64, video_dir=str(tmpfs / "videos"))
+    clip = {"size": SIZE, "num_frames": 9, "num_inference_steps": 2, "seed": 7}
+    filler = tmpfs / "filler"
+
+    def fill(leave: int) -> None:
+        free = shutil.disk_usage(tmpfs).free + (filler.stat().st_size if filler.exists() else 0)
+        with open(filler, "wb") as f:
+            f.truncate(0)
+            f.write(b"\0" * max(0, free - leave))
+
+    async with aiohttp.ClientSession(timeout=TIMEOUT, headers=AUTH) as session:
+        fill(0)  # to the brim
+        async with session.post(f"{server.base_url}/v1/videos", json={"prompt": PROMPT, **clip}) as resp:
+            error = (await resp.json())["error"]
+            assert resp.status == 507 and error["code"] == "insufficient_storage", error
+        # Room to take a job, and the disk full again before its video is written.
+        fill(MIN_FREE_BYTES + (1 << 20))
+        job = await create(session, server, **{**clip, "num_inference_steps": 200})
+        fill(0)
+        failed = await wait_for(session, server, job["id"], "failed", within=60)
+        assert failed["error"]["code"] == "storage_full", failed
+        ours = [name for name in os.listdir(tmpfs / "videos") if name != "filler"]
+        assert ours == [], ours  # no temporary file, no half video
+        async with session.delete(f"{server.base_url}/v1/videos/{job['id']}") as resp:
+            assert resp.status == 200
+        filler.unlink()
+        done = await wait_for(session, server, (await create(session, server, **clip))["id"], "completed")
+        assert sorted(os.listdir(tmpfs / "videos")) == sorted(f"{done['id']}.{ext}" for ext in ("mp4", "json"))
+        async with session.get(f"{server.base_url}/v1/videos/{done['id']}/content") as resp:
+            assert resp.status == 200 and len(await resp.read()) > 0

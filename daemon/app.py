@@ -33,6 +33,7 @@ from diffusiond.daemon.state import ENCODERS, LOAD, METRICS, STATE, ServerState
 from diffusiond.daemon.streaming import ClientGone
 from diffusiond.engine.engine import Engine, Loader, QueueFullError
 from diffusiond.engine.outputs import Completed
+from diffusiond.engine.step_loop import CONFIG_ERRORS
 from diffusiond.metrics.engine_metrics import PrometheusObserver
 from diffusiond.metrics.loop_lag import watch_loop_lag
 from diffusiond.metrics.registry import Metrics
@@ -149,6 +150,7 @@ async def _load(app: web.Application) -> None:
         raise
     except Exception as exc:
         state.load_error = f"{type(exc).__name__}: {exc}"
+        state.config_error = isinstance(exc, CONFIG_ERRORS)
         if engine.error is not exc:  # the step thread logged its own failure with the traceback
             log.exception("model failed to load")
 

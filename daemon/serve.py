@@ -5,7 +5,8 @@ model is warm. SIGTERM or SIGINT starts the drain: admission stops (`/ready` and
 the socket stays open so load balancers see it), requests in flight get `drain_timeout` seconds to finish, the rest
 are cancelled so each client still gets its terminal event, then the app's cleanup stops the engine.
 
-Exit codes: 0 after a drain; 1 when the model fails to load, the engine dies or the address cannot be bound;
+Exit codes: 0 after a drain; 1 when the model fails to load, the engine dies or the address cannot be bound; 2 when
+loading finds a setting or file the operator gave wrong (a LoRA file that does not fit the model);
 128 + the signal number when a second signal arrives during the drain (exit at once, nothing more is awaited).
 """
 
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
+# A setting or file the operator gave that only loading could find wrong (a LoRA file that does not fit the model).
+EXIT_CONFIG = 2
 # After the engine is idle: time for handlers to write their last event before aiohttp cancels them.
 HANDLER_GRACE_S = 5.0
 # How often the drain's progress and the engine's liveness are checked.
@@ -124,7 +127,7 @@ class Service:
             if not state.ready:
                 # _load logged the exception; exit so the service manager restarts us.
                 self.notifier.status(f"failed: model did not load: {state.load_error}")
-                return EXIT_FAILED
+                return EXIT_CONFIG if state.config_error else EXIT_FAILED
             self.notifier.ready(f"ready: serving {state.model_id} on {self.address}")
             if await _first(self.stop.wait(), _until(lambda: not _engine_alive(state), every=LIVENESS_POLL_S)) == 1:
                 error = state.engine.error if state.engine is not None else None

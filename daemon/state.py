@@ -55,6 +55,8 @@ class ServerState:
     leaving: bool = False
     draining: bool = False
     load_error: str | None = None
+    # The load failed on a setting or file the operator gave (exit code 2, as a bad flag), not on the model.
+    config_error: bool = False
     # Set once loading ended, ready or failed (`serve.py` then notifies the service manager).
     loaded: asyncio.Event = field(default_factory=asyncio.Event)
     records: OrderedDict[str, Record] = field(default_factory=OrderedDict)

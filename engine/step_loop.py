@@ -18,11 +18,15 @@ from diffusiond.engine.outputs import Cancelled, Completed, Event, Failed, Laten
 from diffusiond.engine.request import RequestStatus
 from diffusiond.engine.scheduler import QueueFullError, SchedRequest, StepResult
 from diffusiond.engine.wire import PlanKind, StepPlan, decode_plan, encode_plan
+from diffusiond.models.lora_files import LoraError
+from diffusiond.models.setup import SetupError
 
 if TYPE_CHECKING:
     from diffusiond.engine.engine import Engine
 
 log = logging.getLogger(__name__)
+# Loading errors that name a setting or file to fix (exit code 2, as a bad flag): LoRA files that do not fit.
+CONFIG_ERRORS = (SetupError, LoraError)
 
 
 class EngineDeadError(RuntimeError):
@@ -65,7 +69,10 @@ class StepLoop:
                 model = engine.loader()
                 engine.attach(*(model if isinstance(model, tuple) else (model, None)))
         except BaseException as exc:
-            log.exception("the model failed to load")
+            if isinstance(exc, CONFIG_ERRORS):  # the operator's to fix: the message says what, no traceback needed
+                log.error("the model cannot be served as configured: %s", exc)
+            else:
+                log.exception("the model failed to load")
             engine.error = exc
             engine.settle(loaded, exc)
             return

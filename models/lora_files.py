@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from diffusiond.models.params import LORA_NAME
 
 NAME = re.compile(LORA_NAME)
-# A safetensors header larger than this is not a LoRA file (the format allows 100 MB).
-MAX_HEADER_BYTES = 100 << 20
+# A safetensors header larger than this is not a LoRA file (the format allows 100 MB; a LoRA of 10,000 tensors has
+# ~1.5 MB), and it is parsed before anything else is read.
+MAX_HEADER_BYTES = 8 << 20
 
 
 class LoraError(ValueError):
@@ -30,12 +31,17 @@ def check_name(name: str) -> str:
     return name
 
 
-def check_safetensors(path: str) -> None:
-    """A readable file whose header is safetensors' (8-byte length, then a JSON object), before anything parses it."""
+def check_safetensors(path: str, max_bytes: int | None = None) -> None:
+    """A readable file whose header is safetensors' (8-byte length, then a JSON object), before anything parses it,
+    and of at most `max_bytes` (it is read whole on every rank)."""
     if not path.endswith(".safetensors"):
         raise LoraError(f"{path}: LoRA files must be .safetensors (pickled checkpoints are never loaded)")
+    if "\x00" in path:
+        raise LoraError(f"{path!r}: a path has no NUL characters")
     try:
         with open(path, "rb") as f:
+            if max_bytes is not None and (size := os.fstat(f.fileno()).st_size) > max_bytes:
+                raise LoraError(f"{path}: {size} bytes, more than fits in the LoRA budget (--lora-cache-bytes)")
             head = f.read(8)
             size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
             if not 2 <= size <= MAX_HEADER_BYTES:
@@ -67,7 +73,8 @@ def startup_specs(pairs: Sequence[str], directory: str | None) -> list[tuple[str
             raise LoraError(f"--lora-dir {directory}: not a directory")
         for entry in sorted(os.listdir(directory)):
             if entry.endswith(".safetensors"):
-                specs.append((check_name(entry.removesuffix(".safetensors")), os.path.join(directory, entry)))
+                # The rule run-time loading follows: no symlink out of the folder.
+                specs.append((check_name(entry.removesuffix(".safetensors")), in_directory(directory, entry)))
     names = [name for name, _ in specs]
     if duplicate := next((n for n in names if names.count(n) > 1), None):
         raise LoraError(f"two LoRA adapters are named {duplicate!r}")
@@ -79,6 +86,8 @@ def in_directory(directory: str | None, path: str) -> str:
     nothing else); LoraError otherwise."""
     if directory is None:
         raise LoraError("adding adapters at run time needs --lora-dir: the folder they may be loaded from")
+    if "\x00" in path:
+        raise LoraError(f"{path!r}: a path has no NUL characters")
     root = os.path.realpath(directory)
     full = os.path.realpath(os.path.join(root, path))
     if os.path.commonpath([root, full]) != root:

@@ -28,11 +28,13 @@ from typing import Any
 import torch
 
 from diffusiond.kernels.lora_rows import Lora, LoraLayers, LoraWeights, Selection, fuse, unfuse
-from diffusiond.models.lora_files import LoraError, check_name, check_safetensors
+from diffusiond.models.lora_files import MAX_HEADER_BYTES, LoraError, check_name, check_safetensors
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUDGET_BYTES = 2 << 30
+# Registered adapters (each a row of the listing and a label value of the LoRA metrics).
+MAX_ADAPTERS = 256
 
 
 def read_lora(
@@ -177,6 +179,10 @@ class LoraRegistry:
             raise LoraError(f"a LoRA named {name!r} is already loaded; delete it first")
         if self.fused is not None:
             raise LoraError(f"this server fused {self.fused[0]!r} into its weights (--lora-fuse): no other adapters")
+        if len(self.entries) >= MAX_ADAPTERS:
+            raise LoraError(f"{len(self.entries)} LoRA adapters are registered, the most there may be; delete some")
+        # Before it is read whole: its factors take at least half the file (float32 served in half precision).
+        check_safetensors(path, 2 * self.budget + MAX_HEADER_BYTES + 8)
         lora = self.reader(name, path)
         if lora.nbytes > self.budget:
             raise LoraError(
@@ -217,7 +223,8 @@ class LoraRegistry:
 
     def fits(self, names: Iterable[str]) -> bool:
         """Whether these adapters (those of the requests in flight and one more) fit in the budget together."""
-        return sum(self.entries[n].nbytes for n in set(names) if n in self.entries) <= self.budget
+        entries = [self.entries.get(n) for n in set(names)]  # the step thread may unregister one meanwhile
+        return sum(entry.nbytes for entry in entries if entry is not None) <= self.budget
 
     def acquire(self, choices: Sequence[Any], owner: object) -> Selection:
         """The resident adapters of a request's `lora` choices (loaded now if needed), held until `owner` (its

@@ -8,7 +8,9 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import shutil
+import struct
 import subprocess
 import urllib.request
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from diffusiond.models.lora_files import LoraError, startup_specs
 from diffusiond.models.tiny_lora import build_tiny_lora
 
 TIMEOUT = aiohttp.ClientTimeout(total=120)
@@ -445,3 +448,48 @@ async def test_video_requests_name_their_adapters(serve, tiny_wan):
         async with session.post(f"{server.base_url}/v1/videos", json={**video, "lora": [{"name": "a"}]}) as resp:
             assert resp.status == 400
             assert "unknown LoRA adapter 'a'" in assert_error(await resp.json(), "lora")["message"]
+
+
+# ---- bounds (issue 30) ----
+
+
+@pytest.mark.asyncio
+async def test_registrations_are_bounded_before_any_file_is_read(lora_server, files, monkeypatch):
+    """A NUL in a path, a 9 MiB header, a file that cannot fit the LoRA budget: each a 400 naming `path` before
+    the file is read; past MAX_ADAPTERS registrations a new one is refused."""
+    huge_header = files.dir / "more" / "header.safetensors"
+    huge_header.write_bytes(struct.pack("<Q", 9 << 20) + b"{" + b" " * (9 << 20))
+    sparse = files.dir / "more" / "sparse.safetensors"
+    head = b'{"__metadata__": {}}'
+    sparse.write_bytes(struct.pack("<Q", len(head)) + head)
+    os.truncate(sparse, 3 * lora_server.config.lora_cache_bytes)  # sparse: nothing is written
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        before = await listing(session, lora_server)
+        for path, words in (
+            ("a\u0000.safetensors", "no NUL"),
+            ("more/header.safetensors", "not a safetensors file"),
+            ("more/sparse.safetensors", "more than fits in the LoRA budget"),
+        ):
+            status, body = await post_lora(session, lora_server, "new", path)
+            assert status == 400 and words in assert_error(body, "path")["message"], (path, body)
+        monkeypatch.setattr("diffusiond.models.lora_registry.MAX_ADAPTERS", len(before) + 1)
+        status, body = await post_lora(session, lora_server, "one", "more/b.safetensors")
+        assert status == 201, body
+        status, body = await post_lora(session, lora_server, "two", "more/c.safetensors")
+        assert status == 400 and "the most there may be" in body["error"]["message"], body
+        async with session.delete(f"{lora_server.base_url}/v1/loras/one") as resp:
+            assert resp.status == 200
+        assert await listing(session, lora_server) == before
+    huge_header.unlink()
+    sparse.unlink()
+
+
+def test_start_up_follows_no_symlink_out_of_the_lora_dir(tmp_path, files):
+    folder = tmp_path / "loras"
+    folder.mkdir()
+    shutil.copy(files.a, folder / "ok.safetensors")
+    (folder / "out.safetensors").symlink_to(files.outside / "evil.safetensors")
+    with pytest.raises(LoraError, match="outside --lora-dir"):
+        startup_specs((), str(folder))
+    (folder / "out.safetensors").unlink()
+    assert startup_specs((), str(folder)) == [("ok", str((folder / "ok.safetensors").resolve()))]

@@ -150,6 +150,26 @@ def test_a_model_that_does_not_load_exits_1(start_daemon, tmp_path):
     assert any(line.startswith("STATUS=failed: model did not load") for line in lines), lines
 
 
+def test_a_start_up_lora_that_does_not_fit_exits_2_naming_the_file(start_daemon, tiny_sd3, tmp_path):
+    """A LoRA given with --lora whose shapes do not fit the model: one clear error line naming the file, no
+    traceback, exit code 2 (a setting to fix, as a bad flag). Before: a traceback and exit code 1."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from diffusiond.models.tiny_lora import build_tiny_lora
+
+    good = build_tiny_lora(tiny_sd3, tmp_path / "good.safetensors", seed=1)
+    tensors = load_file(str(good))
+    key = next(k for k in sorted(tensors) if "lora_A" in k)
+    tensors[key] = torch.cat([tensors[key], tensors[key][:, :1]], dim=1)  # a column wider than its linear
+    bad = tmp_path / "shapes.safetensors"
+    save_file(tensors, str(bad))
+    daemon = start_daemon("--lora", f"style={bad}")
+    assert daemon.wait_exit() == 2, daemon.log()
+    log = daemon.log()
+    assert f"{bad}: does not fit this SD3Transformer2DModel" in log and "Traceback" not in log, log
+
+
 def test_idle_connections_under_the_units_file_limit_starve_no_one(start_daemon):
     """The daemon under a soft and hard limit of 1024 open files (systemd's default soft limit, which it cannot raise
     here): it keeps its connections below the limit, so 1,200 idle ones cannot stop /health, /ready or a generation.

@@ -277,9 +277,10 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """Prometheus text format, or OpenMetrics when the scraper asks for it."""
+    """Prometheus text format, or OpenMetrics when the scraper asks for it. Rendered in a pool thread (it touches no
+    torch): with many label values it takes milliseconds the event loop owes to streams."""
     encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-    body = encoder(request.app[METRICS].registry)
+    body = await asyncio.get_running_loop().run_in_executor(None, encoder, request.app[METRICS].registry)
     response = web.Response(body=body)
     response.headers["Content-Type"] = content_type
     return response

@@ -36,6 +36,8 @@ __all__ = ["Engine", "EngineDeadError", "QueueFullError", "RequestHandle"]
 FAULT_POLL_S = 0.5
 # How long stop() waits for a step thread that died stuck in a collective before leaving it behind (a daemon thread).
 STUCK_JOIN_S = 2.0
+# LoRA registrations and deletions waiting for the step thread at once; more are answered 429.
+MAX_LORA_COMMANDS = 16
 
 
 class RequestHandle:
@@ -110,6 +112,10 @@ class Engine:
         self.step_loop = StepLoop(self)
         self.heartbeat = heartbeat
         self._mailboxes: dict[str, Mailbox] = {}
+        # Requests whose Cancel is queued for the step thread: one each, however often a client asks.
+        self._cancelling: set[str] = set()
+        # LoRA commands queued or running on the step thread (at most MAX_LORA_COMMANDS).
+        self._lora_commands = 0
         self._capacity = max_waiting + self.scheduler.max_running
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -221,7 +227,8 @@ class Engine:
 
     def cancel(self, request_id: str) -> None:
         """Stops the request at the next step boundary; its terminal event is Cancelled (unless it finished first)."""
-        if request_id in self._mailboxes:
+        if request_id in self._mailboxes and request_id not in self._cancelling:
+            self._cancelling.add(request_id)
             self.step_loop.commands.put(Cancel(request_id))
 
     def cancel_all(self) -> int:
@@ -249,9 +256,15 @@ class Engine:
     async def _lora_command(self, op: LoraOp) -> dict:
         if not self.alive:
             raise EngineDeadError("engine is not running")
+        if self._lora_commands >= MAX_LORA_COMMANDS:
+            raise QueueFullError(f"{self._lora_commands} LoRA registrations and deletions are waiting; retry")
         future = asyncio.get_running_loop().create_future()
-        self.step_loop.commands.put(lora_commands.LoraCommand(op, future))
-        return await future
+        self._lora_commands += 1
+        try:
+            self.step_loop.commands.put(lora_commands.LoraCommand(op, future))
+            return await future
+        finally:
+            self._lora_commands -= 1
 
     # ---- events, from the step thread to the loop ----
 
@@ -266,15 +279,21 @@ class Engine:
             self._loop.call_soon_threadsafe(_settle, future, error, value)
 
     def _deliver(self, events: list[Event]) -> None:
+        """Each event to its mailbox. An observer that raises costs its own record of that event, never another
+        event's delivery: a terminal event lost here would leave its client waiting and its capacity taken."""
         for event in events:
             if self.on_event is not None and event.request_id in self._mailboxes:
-                self.on_event(event)
+                try:
+                    self.on_event(event)
+                except Exception:
+                    log.exception("observer failed on %s of request %s", type(event).__name__, event.request_id)
             mailbox = self._mailboxes.get(event.request_id)
             if mailbox is None:
                 continue
             mailbox.put(event)
             if isinstance(event, TERMINAL):
                 del self._mailboxes[event.request_id]
+                self._cancelling.discard(event.request_id)
                 self.steps_done.pop(event.request_id, None)
 
     # ---- failures of the group ----

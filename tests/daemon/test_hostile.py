@@ -17,6 +17,8 @@ import time
 import aiohttp
 import pytest
 
+from diffusiond.daemon.state import METRICS
+
 TIMEOUT = aiohttp.ClientTimeout(total=60)
 JSON = {"Content-Type": "application/json"}
 SMALL = {"prompt": "a red circle", "seed": 1, "width": 64, "height": 64, "num_inference_steps": 2}
@@ -355,3 +357,78 @@ async def test_a_queued_stream_gets_keepalive_comments(serve):
         assert (await events_of(second))[-1][0] == "completed"
         first.close()
     await asyncio.to_thread(server.wait_idle)
+
+
+# ---- 7. below the request (issue 30): observers, command queues, scrapes ----
+
+
+@pytest.mark.asyncio
+async def test_an_observer_that_raises_loses_no_terminal_event(server):
+    """The engine's observer (the status records) raising on every event: each request still gets its terminal
+    event and its capacity back. Broken on purpose (no guard in `_deliver`): the client waited for good."""
+    engine = server.state.engine
+    original = engine.on_event
+
+    def broken(event) -> None:
+        raise RuntimeError("observer bug")
+
+    server.call(lambda: setattr(engine, "on_event", broken))
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            bodies = [{**SMALL, "seed": i} for i in range(3)]
+
+            async def one(body) -> str:
+                async with session.post(f"{server.base_url}/v1/generations", json=body) as resp:
+                    return (await resp.text()).rsplit("event: ", 1)[-1].split("\n")[0]
+
+            assert await asyncio.gather(*(one(b) for b in bodies)) == ["completed"] * 3
+    finally:
+        server.call(lambda: setattr(engine, "on_event", original))
+    server.wait_idle()
+
+
+def test_a_cancel_storm_queues_one_command(server):
+    """10,000 DELETEs of one running request put one Cancel on the step thread's queue, not 10,000."""
+    engine = server.state.engine
+    body = {**SMALL, "num_inference_steps": 1000}
+    sock = raw_request(server.port, b"POST /v1/generations HTTP/1.1\r\nHost: 127.0.0.1", json.dumps(body).encode())
+    try:
+        _, headers, _ = read_head(sock)
+        rid = headers["x-request-id"]
+
+        def storm() -> int:
+            before = engine.step_loop.commands.qsize()
+            for _ in range(10_000):
+                engine.cancel(rid)
+            return engine.step_loop.commands.qsize() - before
+
+        assert server.call(storm) <= 1
+        server.wait_until(lambda: server.record(rid)["status"] == "cancelled", 30, "the cancel")
+    finally:
+        sock.close()
+    server.wait_idle()
+
+
+@pytest.mark.asyncio
+async def test_a_slow_scrape_does_not_stall_the_event_loop(server):
+    """/metrics is rendered off the event loop: a collector that takes 1 s does not delay /health."""
+
+    class Slow:
+        def collect(self):
+            time.sleep(1.0)
+            return []
+
+    registry = server.app[METRICS].registry
+    slow = Slow()
+    registry.register(slow)
+    try:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            scrape = asyncio.create_task(session.get(f"{server.base_url}/metrics"))
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            async with session.get(f"{server.base_url}/health") as resp:
+                assert resp.status == 200
+            assert time.monotonic() - t0 < 0.5
+            (await scrape).release()
+    finally:
+        registry.unregister(slow)

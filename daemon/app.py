@@ -29,6 +29,7 @@ from diffusiond.daemon.connections import CONNECTIONS, ConnectionGuard, connecti
 from diffusiond.daemon.edge import READ_BUDGET, ReadBudget, edge_middleware
 from diffusiond.daemon.image_encoding import encoder_pool
 from diffusiond.daemon.native_api import native_limit
+from diffusiond.daemon.openapi import document
 from diffusiond.daemon.state import ENCODERS, LOAD, METRICS, STATE, ServerState
 from diffusiond.daemon.streaming import ClientGone
 from diffusiond.engine.engine import Engine, Loader, QueueFullError
@@ -41,6 +42,7 @@ from diffusiond.models.base import Capabilities, ModelAdapter
 from diffusiond.models.params import ParamError, RequestLimits, SamplingParams
 
 log = logging.getLogger(__name__)
+_OPENAPI = msgspec.json.encode(document())
 
 
 def create_app(config: ServeConfig, *, load: Loader | None = None) -> web.Application:
@@ -76,6 +78,7 @@ def create_app(config: ServeConfig, *, load: Loader | None = None) -> web.Applic
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi_document)
     app.router.add_get("/", playground)
     return app
 
@@ -284,6 +287,10 @@ async def metrics(request: web.Request) -> web.Response:
     response = web.Response(body=body)
     response.headers["Content-Type"] = content_type
     return response
+
+
+async def openapi_document(request: web.Request) -> web.Response:
+    return web.Response(body=_OPENAPI, content_type="application/json")
 
 
 PLAYGROUND = Path(__file__).parent / "static" / "index.html"

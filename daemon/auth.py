@@ -11,8 +11,9 @@ from aiohttp import web
 from diffusiond.daemon.api import ApiError
 from diffusiond.daemon.config import ConfigError, ServeConfig, env_var
 
-# Liveness, readiness and scraping stay open when an API key is set (probes and scrapers carry no key).
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/"})
+# Liveness, readiness, scraping and the API document stay open when an API key is set (probes and scrapers carry
+# no key).
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/", "/openapi.json"})
 
 
 def api_key_middleware(key: str | None):

@@ -1,0 +1,240 @@
+"""`GET /openapi.json`: an OpenAPI 3.1 document of every route. Request bodies' schemas come from the msgspec Structs
+the routes decode (`msgspec.json.schema_components`), so the document cannot drift from what is accepted; responses
+are the shapes the routes write, errors always OpenAI's. `tests/daemon/test_openapi.py` runs schemathesis against
+it: no 5xx, no status, content type or body outside what is documented here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from diffusiond import __version__
+from diffusiond.daemon.api import GenerationRequest, ImageEditRequest, ImageGenerationRequest, VideoCreateRequest
+from diffusiond.daemon.loras_api import LoraCreateRequest
+
+REF = "#/components/schemas/{name}"
+JSON = "application/json"
+SSE = "text/event-stream"
+# What any route may answer besides its own: a bad body or Host, a browser's request from elsewhere, a key, the
+# edge's budgets (daemon/edge.py, daemon/connections.py), not ready yet.
+COMMON_ERRORS = {
+    "400": "invalid request (`param` names the field)",
+    "401": "missing or invalid API key (--api-key)",
+    "403": "cross-origin request from an origin not in --cors-origins",
+    "413": "body larger than the route's limit",
+    "415": "body not JSON (or multipart where the route takes a form)",
+    "421": "Host not this server's (--allowed-hosts)",
+    "429": "too many requests in flight (Retry-After)",
+    "503": "not ready, draining, or past the connection or read budget (Retry-After)",
+}
+
+
+def _obj(required: dict[str, Any], optional: dict[str, Any] | None = None) -> dict:
+    return {
+        "type": "object",
+        "properties": {**required, **(optional or {})},
+        "required": list(required),
+        "additionalProperties": True,
+    }
+
+
+STR, INT, NUM, BOOL = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+NULLABLE_STR = {"type": ["string", "null"]}
+ERROR = _obj(
+    {
+        "error": _obj(
+            {"message": STR, "type": STR, "param": NULLABLE_STR, "code": NULLABLE_STR},
+        )
+    }
+)
+IMAGES = _obj(
+    {"created": INT, "data": {"type": "array", "items": _obj({"b64_json": STR})}},
+    {"size": STR, "quality": STR, "background": STR, "output_format": STR, "usage": {"type": "object"}},
+)
+VIDEO = _obj(
+    {"id": STR, "object": {"const": "video"}, "status": STR, "progress": INT, "created_at": INT, "model": STR},
+    {"prompt": STR, "seconds": STR, "size": STR, "num_frames": INT, "fps": INT, "seed": INT},
+)
+LORA = _obj({"object": {"const": "lora"}, "name": STR}, {"path": STR, "bytes": INT, "resident": BOOL})
+RECORD = _obj({"id": STR, "created": INT, "status": STR, "step": INT, "total": INT}, {"error": NULLABLE_STR})
+
+
+def _list(item: dict) -> dict:
+    return _obj({"object": {"const": "list"}, "data": {"type": "array", "items": item}})
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": REF.format(name=name)}
+
+
+def _responses(ok: dict[str, dict], *errors: str) -> dict:
+    out: dict[str, Any] = dict(ok)
+    described = dict(COMMON_ERRORS)
+    described.update({code: why for code, why in (e.split(" ", 1) for e in errors)})
+    for code, why in sorted(described.items()):
+        out[code] = {"description": why, "content": {JSON: {"schema": _ref("Error")}}}
+    return out
+
+
+def _ok(description: str, content: dict[str, dict], status: str = "200") -> dict[str, dict]:
+    return {status: {"description": description, "content": {kind: {"schema": s} for kind, s in content.items()}}}
+
+
+def _body(schema: dict, *, form: dict | None = None) -> dict:
+    content = {JSON: {"schema": schema}}
+    if form is not None:
+        content["multipart/form-data"] = {"schema": form}
+    return {"required": True, "content": content}
+
+
+def _edit_form(components: dict) -> dict:
+    """The edit's multipart form: the struct's text fields (as a form sends them: text) and its image files."""
+    fields = components["ImageEditRequest"]["properties"]
+    properties: dict[str, Any] = {name: {"type": "string"} for name in fields}
+    binary = {"type": "string", "contentMediaType": "application/octet-stream"}
+    properties |= {"image": binary, "mask": binary}
+    return {"type": "object", "properties": properties, "required": ["image", "prompt"]}
+
+
+def _id_param(name: str) -> list[dict]:
+    return [{"name": name, "in": "path", "required": True, "schema": {"type": "string", "maxLength": 256}}]
+
+
+def document() -> dict:
+    """The OpenAPI document (built once per process: it depends on nothing but the code)."""
+    _, components = msgspec.json.schema_components(
+        [ImageGenerationRequest, ImageEditRequest, GenerationRequest, VideoCreateRequest, LoraCreateRequest],
+        ref_template=REF,
+    )
+    components["Error"] = ERROR
+    images = _ok(
+        "images (or, with stream=true, an SSE stream of partial and completed images)", {JSON: IMAGES, SSE: STR}
+    )
+    generated = ("404 `model` is not the served model", "500 the generation failed")
+    paths = {
+        "/v1/images/generations": {
+            "post": {
+                "summary": "OpenAI Images: generations",
+                "requestBody": _body(_ref("ImageGenerationRequest")),
+                "responses": _responses(images, *generated),
+            }
+        },
+        "/v1/images/edits": {
+            "post": {
+                "summary": "OpenAI Images: edits (multipart)",
+                "requestBody": {
+                    "required": True,
+                    "content": {"multipart/form-data": {"schema": _edit_form(components)}},
+                },
+                "responses": _responses(images, *generated),
+            }
+        },
+        "/v1/generations": {
+            "post": {
+                "summary": "Native: one request's progress, previews, latents and result as Server-Sent Events",
+                "requestBody": _body(_ref("GenerationRequest")),
+                "responses": _responses(_ok("an SSE stream", {SSE: STR})),
+            }
+        },
+        "/v1/generations/{id}": {
+            "parameters": _id_param("id"),
+            "get": {
+                "summary": "A request's status",
+                "responses": _responses(_ok("status", {JSON: RECORD}), "404 no such request"),
+            },
+            "delete": {
+                "summary": "Cancel a request at its next step",
+                "responses": _responses(
+                    _ok("cancel requested", {JSON: RECORD}, "202"), "404 no such request", "409 already finished"
+                ),
+            },
+        },
+        "/v1/videos": {
+            "post": {
+                "summary": "OpenAI Videos: create a job (JSON or multipart)",
+                "requestBody": _body(
+                    _ref("VideoCreateRequest"), form={"type": "object", "properties": {"prompt": STR}}
+                ),
+                "responses": _responses(
+                    _ok("the job", {JSON: VIDEO}), "404 `model` is not the served model", "507 the video store is full"
+                ),
+            },
+            "get": {"summary": "Video jobs", "responses": _responses(_ok("jobs", {JSON: _list(VIDEO)}))},
+        },
+        "/v1/videos/{id}": {
+            "parameters": _id_param("id"),
+            "get": {
+                "summary": "A video job",
+                "responses": _responses(_ok("the job", {JSON: VIDEO}), "404 no such job"),
+            },
+            "delete": {
+                "summary": "Delete a job and its file",
+                "responses": _responses(_ok("deleted", {JSON: _obj({"id": STR, "deleted": BOOL})}), "404 no such job"),
+            },
+        },
+        "/v1/videos/{id}/content": {
+            "parameters": _id_param("id"),
+            "get": {
+                "summary": "A completed job's file",
+                "responses": _responses(
+                    _ok("the video", {"video/mp4": STR, "image/webp": STR}), "404 no such job", "409 not completed"
+                ),
+            },
+        },
+        "/v1/loras": {
+            "get": {"summary": "LoRA adapters", "responses": _responses(_ok("adapters", {JSON: _list(LORA)}))},
+            "post": {
+                "summary": "Register a LoRA file of --lora-dir",
+                "requestBody": _body(_ref("LoraCreateRequest")),
+                "responses": _responses(_ok("registered", {JSON: LORA}, "201"), "409 the name is taken"),
+            },
+        },
+        "/v1/loras/{name}": {
+            "parameters": _id_param("name"),
+            "delete": {
+                "summary": "Forget an adapter",
+                "responses": _responses(
+                    _ok("deleted", {JSON: _obj({"name": STR, "deleted": BOOL})}), "404 no such adapter"
+                ),
+            },
+        },
+        "/v1/models": {
+            "get": {
+                "summary": "The served model",
+                "responses": _responses(_ok("models", {JSON: _list(_obj({"id": STR}))})),
+            }
+        },
+        "/health": {"get": {"summary": "Liveness", "responses": _probe("alive")}},
+        "/ready": {"get": {"summary": "Readiness", "responses": _probe("ready (503: loading, draining or failed)")}},
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics",
+                "responses": _responses(
+                    _ok(
+                        "text format (OpenMetrics when asked for)",
+                        {"text/plain": STR, "application/openmetrics-text": STR},
+                    )
+                ),
+            }
+        },
+        "/openapi.json": {
+            "get": {"summary": "This document", "responses": _responses(_ok("OpenAPI 3.1", {JSON: {"type": "object"}}))}
+        },
+        "/": {"get": {"summary": "The playground", "responses": _responses(_ok("HTML", {"text/html": STR}))}},
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "diffusiond", "version": __version__},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+def _probe(ok: str) -> dict:
+    out = _responses(_ok(ok, {JSON: _obj({"status": STR})}))
+    out["503"] = {"description": "not so", "content": {JSON: {"schema": {"anyOf": [_obj({"status": STR}), ERROR]}}}}
+    return out

@@ -1,6 +1,6 @@
 """Soak a daemon as a hostile client would, and report what was lost, duplicated or leaked.
 
-    python bench/soak.py [--model DIR] [--requests 2000] [--concurrency 32] [--json OUT]
+    python bench/soak.py [--model DIR] [--requests 2000] [--concurrency 32] [--warmup 200] [--json OUT]
 
 Starts `diffusiond serve` (bundled model unless --model; an API key is set), then:
 1. mixed requests at the given concurrency: native SSE streams, OpenAI non-streaming and streaming with partial
@@ -159,17 +159,18 @@ async def run(args, base: str, pid: int) -> dict:
         soak = Soak(base, rng)
         # Warm the allocator at full concurrency first: the first batches of every size raise its high-water mark
         # (measured: +7.8% over the first 500 requests after a warm-up at concurrency 8, then +0.45% per 1500).
-        await soak.mixed(session, 200, args.concurrency)
+        await soak.mixed(session, args.warmup, args.concurrency)
         rss0 = rss_kib(pid)
         t0 = time.perf_counter()
         trajectory = []
-        for _ in range(4):  # RSS after each quarter: growth that levels off is the allocator, not a leak
-            await soak.mixed(session, args.requests // 4, args.concurrency)
+        parts = max(4, args.requests // 1000)
+        for _ in range(parts):  # RSS after each part: growth that levels off is the allocator, not a leak
+            await soak.mixed(session, args.requests // parts, args.concurrency)
             trajectory.append(rss_kib(pid))
         report["mixed_seconds"] = round(time.perf_counter() - t0, 1)
         await asyncio.sleep(1)
         rss1 = rss_kib(pid)
-        report["rss_kib after each quarter"] = trajectory
+        report["rss_kib after each part"] = trajectory
 
         # a burst past the queue
         burst = Soak(base, rng)
@@ -237,6 +238,7 @@ def main() -> int:
     parser.add_argument("--model")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--warmup", type=int, default=200, help="requests before RSS is first measured")
     parser.add_argument("--seed", type=int, default=10)
     parser.add_argument("--log", default="soak-daemon.log")
     parser.add_argument("--json")

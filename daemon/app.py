@@ -25,7 +25,7 @@ from diffusiond.daemon import loras_api, native_api, openai_api, videos_api
 from diffusiond.daemon.api import ApiError, too_large
 from diffusiond.daemon.auth import api_key_middleware
 from diffusiond.daemon.config import ServeConfig, model_setup
-from diffusiond.daemon.connections import CONNECTIONS, ConnectionGuard, connection_limit, open_files_limit
+from diffusiond.daemon.connections import CONNECTIONS, PROBES, ConnectionGuard, connection_limit, open_files_limit
 from diffusiond.daemon.edge import READ_BUDGET, ReadBudget, edge_middleware
 from diffusiond.daemon.image_encoding import encoder_pool
 from diffusiond.daemon.native_api import native_limit
@@ -42,17 +42,27 @@ from diffusiond.models.base import Capabilities, ModelAdapter
 from diffusiond.models.params import ParamError, RequestLimits, SamplingParams
 
 log = logging.getLogger(__name__)
+# How long a request that arrives while a restarted group loads waits for it before it gets 503.
+HEAL_WAIT_S = 60.0
 _OPENAPI = msgspec.json.encode(document())
 
 
-def create_app(config: ServeConfig, *, load: Loader | None = None) -> web.Application:
+def create_app(config: ServeConfig, *, load: Loader | None = None, healing: bool = False) -> web.Application:
     """`load`: how the model is loaded (an SPMD rank 0 joins its group there too; tests pass their checkpoint).
     Default: `config.model`, else the bundled default model. It runs on the engine's step thread, the one thread
-    that owns torch in this process; the event loop answers /health and pings the watchdog meanwhile."""
+    that owns torch in this process; the event loop answers /health and pings the watchdog meanwhile. `healing`:
+    this is a group's restart, so requests that arrive while it loads wait for it (up to HEAL_WAIT_S) rather than
+    get 503: they were made to the same socket during the heal."""
     guard = ConnectionGuard(connection_limit(config, open_files_limit()), config.write_timeout)
     app = web.Application(
         client_max_size=native_limit(config),  # bodies are read by `edge.read_body`, against their route's limit
-        middlewares=[error_middleware, guard.middleware(), edge_middleware(config), api_key_middleware(config.api_key)],
+        middlewares=[
+            error_middleware,
+            guard.middleware(),
+            edge_middleware(config),
+            api_key_middleware(config.api_key),
+            *([wait_for_heal] if healing else []),
+        ],
     )
     app[CONNECTIONS] = guard
     app[STATE] = ServerState(config)
@@ -258,6 +268,16 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return ApiError(500, "internal server error; details are in the server log", type="server_error").response()
+
+
+@web.middleware
+async def wait_for_heal(request: web.Request, handler) -> web.StreamResponse:
+    """A restarted group's rank 0: API requests wait for the model to be ready again (probes answer at once)."""
+    state = request.app[STATE]
+    if not state.ready and request.path not in PROBES:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(state.loaded.wait(), HEAL_WAIT_S)
+    return await handler(request)
 
 
 # ---- health ----

@@ -28,6 +28,7 @@ import uuid
 import msgspec
 
 from diffusiond.daemon.config import ServeConfig
+from diffusiond.daemon.listener import LISTENER_ENV, SocketLender, listening_socket
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,16 @@ def launch(config: ServeConfig) -> int:
         config.max_restarts,
         f", rendezvous {config.rdzv_endpoint} ({config.rdzv_id})" if several else "",
     )
+    lender = None
+    if not several:
+        # The listening socket outlives every rank 0 (daemon/listener.py): a heal refuses no connection. With
+        # several nodes, rank 0's node is known only at the rendezvous: rank 0 binds its own there.
+        try:
+            lender = SocketLender(listening_socket(config.host, config.port))
+        except OSError as exc:
+            log.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
+            return 1
+        os.environ[LISTENER_ENV] = lender.path
     try:
         elastic_launch(launch_config, sys.executable)("-m", "diffusiond", "serve")
     except ChildFailedError as exc:
@@ -101,6 +112,10 @@ def launch(config: ServeConfig) -> int:
         # SIGTERM/SIGINT: the agent forwarded it; rank 0 drained and told the followers to leave.
         log.info("stopped by %s", signal.Signals(exc.sigval).name)
         return 0
+    finally:
+        if lender is not None:
+            lender.close()
+            os.environ.pop(LISTENER_ENV, None)
     return 0
 
 
@@ -137,7 +152,9 @@ def run_rank(config: ServeConfig) -> int:
                 return rank.adapter, rank.comm
 
             # The server (and its watchdog pings) is up while the engine's step thread joins the group and loads.
-            code = serve(config, load=join_driver)
+            # A restart of the group: what clients sent to the socket during the heal waits for it.
+            healing = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+            code = serve(config, load=join_driver, healing=healing)
             return code
         # Followers leave when rank 0 sends the shutdown plan at the end of its drain; a signal must not kill them
         # first, or rank 0's last steps would fail. (A Python handler could not run inside gloo anyway.)

@@ -118,7 +118,7 @@ async def generations(request: web.Request) -> web.StreamResponse:
                 out = ("cancelled", {"reason": event.reason})
             else:
                 assert isinstance(event, Failed)
-                out = ("failed", {"error": event.error})
+                out = ("failed", {"error": event.error, **({"retry": True} if event.retry else {})})
             await send(response, sse_event(out[0], {"type": out[0], "id": rid, **out[1]}), [rid])
     await finish(response, [rid])
     return response

@@ -26,6 +26,7 @@ from aiohttp import web
 from diffusiond.daemon.app import create_app
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.connections import listen, raise_open_files_limit, runner_options
+from diffusiond.daemon.listener import listening_socket
 from diffusiond.daemon.notify import Notifier
 from diffusiond.daemon.state import STATE, ServerState
 
@@ -77,6 +78,7 @@ class Service:
         self.app_options = app_options or {}
         self.stop = asyncio.Event()
         self.address = f"{config.host}:{config.port}"
+        self.site: web.BaseSite | None = None
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -110,7 +112,7 @@ class Service:
         await runner.setup()  # starts the model load (app cleanup_ctx)
         try:
             try:
-                await listen(runner, self.config)
+                self.site = await listen(runner, self.config, listening_socket(self.config.host, self.config.port))
             except OSError as exc:
                 log.error("cannot listen on %s: %s", self.address, exc)
                 self.notifier.status(f"failed: cannot listen on {self.address}: {exc}")
@@ -130,6 +132,10 @@ class Service:
                 return EXIT_CONFIG if state.config_error else EXIT_FAILED
             self.notifier.ready(f"ready: serving {state.model_id} on {self.address}")
             if await _first(self.stop.wait(), _until(lambda: not _engine_alive(state), every=LIVENESS_POLL_S)) == 1:
+                # Accept nothing more: new connections wait in the socket's backlog for the next rank 0 (the
+                # launcher holds the socket, daemon/listener.py) instead of meeting an engine that is gone.
+                if self.site is not None:
+                    await self.site.stop()
                 error = state.engine.error if state.engine is not None else None
                 log.error("engine stopped (%r); exiting", error)
                 self.notifier.status(f"failed: engine stopped: {error!r}")

@@ -164,6 +164,14 @@ def terminal_error(event: Event) -> ApiError:
             503, f"request {event.request_id} cancelled: {event.reason}", type="server_error", code="cancelled"
         )
     message = event.error if isinstance(event, Failed) else "no result"
+    if isinstance(event, Failed) and event.retry:
+        return ApiError(
+            503,
+            f"not started: {message}; send it again",
+            type="server_error",
+            code="engine_restarting",
+            headers={"Retry-After": "1"},
+        )
     return ApiError(500, f"generation failed: {message}", type="server_error", code="generation_failed")
 
 

@@ -327,7 +327,12 @@ class Engine:
         self.fatal.set()
 
     def _fail_orphans(self, reason: str) -> None:
-        self._deliver([Failed(rid, engine_failed(rid, reason)) for rid in list(self._mailboxes)])
+        self._deliver(
+            [
+                Failed(rid, engine_failed(rid, reason), retry=not self.steps_done.get(rid))
+                for rid in list(self._mailboxes)
+            ]
+        )
 
 
 def _settle(future: asyncio.Future, error: BaseException | None, value: object = None) -> None:

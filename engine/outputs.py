@@ -60,6 +60,9 @@ class Cancelled:
 class Failed:
     request_id: str
     error: str
+    # The engine (or its group) stopped before the request ran a step: sending it again is safe, and a restarted
+    # group serves it (HTTP: 503 with Retry-After rather than 500).
+    retry: bool = False
 
 
 Event = Queued | Progress | Preview | Latent | Completed | Cancelled | Failed

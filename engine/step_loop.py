@@ -118,7 +118,9 @@ class StepLoop:
             failed = scheduler.fail_all(reason)
             for request in failed:
                 engine.clocks.finished(request, RequestStatus.FINISHED_FAILED)
-            engine.emit([Failed(r.request_id, engine_failed(r.request_id, reason)) for r in failed])
+            engine.emit(
+                [Failed(r.request_id, engine_failed(r.request_id, reason), retry=r.steps_done == 0) for r in failed]
+            )
             self._report_counts()
             engine.step_loop_failed(reason)  # requests whose add command never reached the scheduler end too
         finally:

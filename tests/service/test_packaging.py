@@ -18,6 +18,7 @@ from diffusiond.daemon.serve import HANDLER_GRACE_S
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "systemd" / "diffusiond.service"
+SOCKET_UNIT = ROOT / "systemd" / "diffusiond.socket"
 ENV_FILE = ROOT / "systemd" / "diffusiond.env"
 EXAMPLE_TOML = ROOT / "systemd" / "diffusiond.toml"
 DOCKERFILE = ROOT / "Dockerfile"
@@ -50,8 +51,13 @@ def test_systemd_analyze_verify_prints_nothing(tmp_path):
     assert "ExecStart=/opt/diffusiond/bin/diffusiond " in text
     copy = tmp_path / "diffusiond.service"
     copy.write_text(text.replace("ExecStart=/opt/diffusiond/bin/diffusiond ", f"ExecStart={diffusiond} "))
+    (tmp_path / "diffusiond.socket").write_text(SOCKET_UNIT.read_text())
     result = subprocess.run(
-        ["systemd-analyze", "verify", str(copy)], capture_output=True, text=True, timeout=60, cwd=tmp_path
+        ["systemd-analyze", "verify", str(copy), str(tmp_path / "diffusiond.socket")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
     )
     assert result.stdout + result.stderr == "", result.stdout + result.stderr
     assert result.returncode == 0

@@ -198,3 +198,46 @@ def test_idle_connections_under_the_units_file_limit_starve_no_one(start_daemon)
     finally:
         for sock in idle:
             sock.close()
+
+
+def test_systemd_socket_activation_serves_on_the_passed_socket(tiny_sd3, tmp_path):
+    """As systemd passes `diffusiond.socket`: the listening socket as fd 3, LISTEN_FDS=1, LISTEN_PID the daemon's
+    own pid. It serves there, and never binds --port (here a port another socket holds)."""
+    import subprocess
+    import sys
+
+    passed = socket.socket()
+    passed.bind(("127.0.0.1", 0))
+    passed.listen(16)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = passed.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DIFFUSIOND_")}
+    argv = [sys.executable, "-m", "diffusiond", "serve", "--model", tiny_sd3, "--threads", "1"]
+    argv += ["--port", str(taken.getsockname()[1])]
+    script = 'exec 3<&"$1"; shift; LISTEN_PID=$$ LISTEN_FDS=1 exec "$@"'
+    with open(tmp_path / "daemon.log", "wb") as log:
+        proc = subprocess.Popen(
+            ["bash", "-c", script, "bash", str(passed.fileno()), *argv],
+            pass_fds=[passed.fileno()],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    passed.close()  # the daemon holds it now
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if get(f"http://127.0.0.1:{port}/ready")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()
+            time.sleep(0.2)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        taken.close()
+    assert proc.returncode == 0, (tmp_path / "daemon.log").read_text()

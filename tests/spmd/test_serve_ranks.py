@@ -284,3 +284,60 @@ def test_rank_local_faults_fail_alone_or_restart_the_group(faulty_daemon):
     assert rank_pid(proc.pid, 1) not in (None, follower)
     events = list(stream(base, {"prompt": "after the restart", "num_inference_steps": 2, "seed": 6, **cfg}))
     assert events[-1][0] == "completed", events[-1]
+
+
+def test_a_heal_refuses_no_connection(daemon):
+    """A follower killed while idle: /ready stops answering 200 within 2 s; 20 clients that connect during the heal
+    get no refused connection, and each is served once the group is back (a request the dying group had queued ends
+    `failed` with `retry`, and is sent again, as its Retry-After says). Before: the listening socket closed with
+    rank 0 for the heal, and every client got connection refused."""
+    proc, base, log = daemon
+    follower = rank_pid(proc.pid, 1)
+    assert follower is not None
+    os.kill(follower, signal.SIGKILL)
+    killed_at = time.monotonic()
+    # Not ready, as a balancer's probe (1 s timeout) sees it: 503 from the failing rank 0, or no answer while the
+    # socket waits for the next one (a connection in the backlog is never refused).
+    noticed = None
+    while time.monotonic() - killed_at < 5:
+        try:
+            status = get(f"{base}/ready", timeout=1.0)[0]
+        except OSError:
+            status = None
+        if status != 200:
+            noticed = time.monotonic() - killed_at
+            break
+        time.sleep(0.05)
+    assert noticed is not None and noticed < 2.0, (noticed, log.read_text()[-2000:])
+    outcomes: list[tuple[str, int]] = []
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        body = {"prompt": "during the heal", "width": 64, "height": 64, "num_inference_steps": 2, "seed": i}
+        for attempt in range(5):
+            try:
+                events = list(stream(base, body, timeout=120))
+            except ConnectionRefusedError:
+                outcome = "refused"
+            except OSError as exc:  # urllib wraps it
+                outcome = "refused" if isinstance(exc.__cause__ or exc.args[0], ConnectionRefusedError) else repr(exc)
+            else:
+                last = events[-1] if events else ("none", {})
+                if last[0] == "failed" and last[1].get("retry"):
+                    time.sleep(1)  # what Retry-After asks
+                    continue
+                outcome = last[0]
+            with lock:
+                outcomes.append((outcome, attempt))
+            return
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join(180)
+    assert [o for o, _ in outcomes] == ["completed"] * 20, (outcomes, log.read_text()[-3000:])
+    wait_ready(base, proc)
+    assert rank_pid(proc.pid, 1) not in (None, follower)
+    print(f"noticed in {noticed:.2f} s; 20 clients during the heal: {outcomes}")

@@ -43,9 +43,14 @@ def rss_kib(pid: int) -> int:
 
 
 class Soak:
-    def __init__(self, base: str, rng: random.Random) -> None:
+    def __init__(
+        self, base: str, rng: random.Random, sides: tuple[int, ...] = (32, 48, 64), min_steps: int = 2
+    ) -> None:
         self.base = base
         self.rng = rng
+        # Square sizes the model serves (from /v1/models; the bundled model makes 64x64 only).
+        self.sides = sides
+        self.min_steps = min_steps
         self.admitted: set[str] = set()
         self.terminals: Counter[str] = Counter()  # request id -> terminal events seen by its client
         self.unfinished_streams = 0  # streams that ended without a terminal event although the client read them all
@@ -53,8 +58,8 @@ class Soak:
         self.statuses: Counter[int] = Counter()
 
     def body(self) -> tuple[str, dict, str]:
-        side = self.rng.choice([32, 48, 64])
-        steps = self.rng.randint(2, 6)
+        side = self.rng.choice(self.sides)
+        steps = self.rng.randint(self.min_steps, self.min_steps + 4)
         seed = self.rng.randrange(2**31)
         kind = self.rng.choices(["native", "openai", "openai-stream"], [4, 3, 3])[0]
         if kind == "native":
@@ -114,7 +119,7 @@ async def never_reader(base: str) -> None:
     data = json.dumps(body).encode()
     _reader, writer = await asyncio.open_connection("127.0.0.1", int(base.rsplit(":", 1)[1]))
     writer.write(
-        b"POST /v1/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer "
+        b"POST /v1/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nAuthorization: Bearer "
         + KEY.encode()
         + b"\r\nContent-Length: "
         + str(len(data)).encode()
@@ -140,6 +145,15 @@ def malformed_bodies(rng: random.Random, n: int) -> list[bytes]:
     return out
 
 
+async def served(session, base: str) -> tuple[tuple[int, ...], int]:
+    """The square sizes up to 64 the model serves (its declared sizes, else 32, 48 and 64) and its fewest steps."""
+    async with session.get(base + "/v1/models", headers=AUTH) as resp:
+        caps = (await resp.json())["data"][0].get("diffusiond", {})
+    sides = [tuple(int(v) for v in size.split("x")) for size in caps.get("sizes") or ()]
+    squares = tuple(w for w, h in sides if w == h and w <= 64)
+    return squares or (32, 48, 64), max(2, (caps.get("steps") or [2])[0])
+
+
 async def metric(session, base: str, name: str) -> float:
     async with session.get(base + "/metrics") as resp:
         text = await resp.text()
@@ -156,7 +170,8 @@ async def run(args, base: str, pid: int) -> dict:
                     if resp.status == 200:
                         break
             await asyncio.sleep(0.2)
-        soak = Soak(base, rng)
+        sides, min_steps = await served(session, base)
+        soak = Soak(base, rng, sides, min_steps)
         # Warm the allocator at full concurrency first: the first batches of every size raise its high-water mark
         # (measured: +7.8% over the first 500 requests after a warm-up at concurrency 8, then +0.45% per 1500).
         await soak.mixed(session, args.warmup, args.concurrency)
@@ -173,12 +188,12 @@ async def run(args, base: str, pid: int) -> dict:
         report["rss_kib after each part"] = trajectory
 
         # a burst past the queue
-        burst = Soak(base, rng)
+        burst = Soak(base, rng, sides, min_steps)
         await asyncio.gather(*(burst.one(session) for _ in range(8 + 64 + 50)))
 
         # a client that never reads, while others are served
         reader = asyncio.create_task(never_reader(base))
-        during = Soak(base, rng)
+        during = Soak(base, rng, sides, min_steps)
         await during.mixed(session, 50, 8)
         await reader
 

@@ -90,6 +90,8 @@ def start_daemon(tiny_sd3, tmp_path, extra_env: dict[str, str], layout: list[str
 
 def test_two_ranks_serve_and_survive_a_dead_rank(daemon):
     survive_a_dead_rank(*daemon)
+    # The same daemon (one start less in CI): a second heal, from an idle group.
+    a_heal_refuses_no_connection(*daemon)
 
 
 def test_every_strategy_survives_a_dead_rank(strategy_daemon):
@@ -286,12 +288,11 @@ def test_rank_local_faults_fail_alone_or_restart_the_group(faulty_daemon):
     assert events[-1][0] == "completed", events[-1]
 
 
-def test_a_heal_refuses_no_connection(daemon):
+def a_heal_refuses_no_connection(proc, base, log) -> None:
     """A follower killed while idle: /ready stops answering 200 within 2 s; 20 clients that connect during the heal
     get no refused connection, and each is served once the group is back (a request the dying group had queued ends
     `failed` with `retry`, and is sent again, as its Retry-After says). Before: the listening socket closed with
     rank 0 for the heal, and every client got connection refused."""
-    proc, base, log = daemon
     follower = rank_pid(proc.pid, 1)
     assert follower is not None
     os.kill(follower, signal.SIGKILL)

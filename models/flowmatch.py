@@ -32,7 +32,7 @@ from diffusiond.models import stepcache
 from diffusiond.models.base import Capabilities, ModelAdapter, RequestState
 from diffusiond.models.declared import read_declared
 from diffusiond.models.inputs import open_mask, open_rgb
-from diffusiond.models.lora_registry import LoraRegistry, read_lora
+from diffusiond.models.lora_registry import LoraRegistry, file_limit, read_lora
 from diffusiond.models.parallel_wiring import ParallelWiring
 from diffusiond.models.params import SamplingParams
 from diffusiond.models.prompts import PROMPT_CACHE_BYTES, PromptCache
@@ -183,8 +183,10 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
             raise ValueError(f"the {self.family} family does not serve LoRA adapters")
         self.lora_layers = LoraLayers(self.transformer)
 
+        max_bytes = file_limit(budget_bytes)  # every read, registration or reload, checks the size first
+
         def read(name: str, path: str) -> Lora:
-            return read_lora(name, path, type(self.pipe), self.denoiser, self.transformer, self.dtype)
+            return read_lora(name, path, type(self.pipe), self.denoiser, self.transformer, self.dtype, max_bytes)
 
         self.lora_registry = LoraRegistry(read, self.lora_layers, budget_bytes)
         return self.lora_registry

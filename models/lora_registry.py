@@ -37,16 +37,28 @@ DEFAULT_BUDGET_BYTES = 2 << 30
 MAX_ADAPTERS = 256
 
 
+def file_limit(budget_bytes: int) -> int:
+    """The largest file whose factors may fit in `budget_bytes`: they take at least half of it (float32 factors
+    served in half precision), besides its header."""
+    return 2 * budget_bytes + MAX_HEADER_BYTES + 8
+
+
 def read_lora(
-    name: str, path: str, pipeline_class: type, component: str, denoiser: torch.nn.Module, dtype: torch.dtype
+    name: str,
+    path: str,
+    pipeline_class: type,
+    component: str,
+    denoiser: torch.nn.Module,
+    dtype: torch.dtype,
+    max_bytes: int | None = None,
 ) -> Lora:
     """The adapter in `path` for `denoiser` (the pipeline's `component`, "transformer" or "unet"); LoraError if it
-    does not fit this model."""
+    does not fit this model, or if the file is larger than `max_bytes` (checked before it is read whole)."""
     from accelerate import init_empty_weights
     from diffusers.utils import convert_unet_state_dict_to_peft
     from peft.tuners.lora import LoraLayer
 
-    check_safetensors(path)
+    check_safetensors(path, max_bytes)
     kwargs: dict[str, Any] = dict(
         weight_name=os.path.basename(path), use_safetensors=True, local_files_only=True, return_lora_metadata=True
     )
@@ -181,8 +193,6 @@ class LoraRegistry:
             raise LoraError(f"this server fused {self.fused[0]!r} into its weights (--lora-fuse): no other adapters")
         if len(self.entries) >= MAX_ADAPTERS:
             raise LoraError(f"{len(self.entries)} LoRA adapters are registered, the most there may be; delete some")
-        # Before it is read whole: its factors take at least half the file (float32 served in half precision).
-        check_safetensors(path, 2 * self.budget + MAX_HEADER_BYTES + 8)
         lora = self.reader(name, path)
         if lora.nbytes > self.budget:
             raise LoraError(

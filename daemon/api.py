@@ -215,6 +215,13 @@ def body_limit(max_body_bytes: int, max_image_bytes: int) -> int:
     return max_body_bytes + base64_size(max_image_bytes)
 
 
+def retry_later(message: str, code: str, *, status: int = 503, after: int = 1, close: bool = False) -> ApiError:
+    """An error to send again after `after` seconds (Retry-After): 429 for a full queue (OpenAI's rate_limit_error),
+    503 for a server that is busy, loading or restarting."""
+    kind = "rate_limit_error" if status == 429 else "server_error"
+    return ApiError(status, message, type=kind, code=code, headers={"Retry-After": str(after)}, close=close)
+
+
 def too_large(limit: int) -> ApiError:
     return ApiError(
         413,

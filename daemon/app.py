@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import io
 import logging
 import os
@@ -22,7 +23,7 @@ from prometheus_client.exposition import choose_encoder
 
 from diffusiond import __version__
 from diffusiond.daemon import loras_api, native_api, openai_api, videos_api
-from diffusiond.daemon.api import ApiError, too_large
+from diffusiond.daemon.api import ApiError, retry_later, too_large
 from diffusiond.daemon.auth import api_key_middleware
 from diffusiond.daemon.config import ServeConfig, model_setup
 from diffusiond.daemon.connections import CONNECTIONS, PROBES, ConnectionGuard, connection_limit, open_files_limit
@@ -44,7 +45,6 @@ from diffusiond.models.params import ParamError, RequestLimits, SamplingParams
 log = logging.getLogger(__name__)
 # How long a request that arrives while a restarted group loads waits for it before it gets 503.
 HEAL_WAIT_S = 60.0
-_OPENAPI = msgspec.json.encode(document())
 
 
 def create_app(config: ServeConfig, *, load: Loader | None = None, healing: bool = False) -> web.Application:
@@ -245,13 +245,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except ParamError as exc:
         return ApiError(400, str(exc), param=exc.param, code="invalid_value").response()
     except QueueFullError as exc:
-        return ApiError(
-            429,
-            f"too many requests in flight: {exc}",
-            type="rate_limit_error",
-            code="queue_full",
-            headers={"Retry-After": "1"},
-        ).response()
+        return retry_later(f"too many requests in flight: {exc}", "queue_full", status=429).response()
     except web.HTTPException as exc:
         if exc.status == 413:
             return too_large(native_limit(request.app[STATE].config)).response()
@@ -310,7 +304,13 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi_document(request: web.Request) -> web.Response:
-    return web.Response(body=_OPENAPI, content_type="application/json")
+    return web.Response(body=_openapi(), content_type="application/json")
+
+
+@functools.cache
+def _openapi() -> bytes:
+    """Built on the first request (~10 ms), not at every start: it depends on nothing but the code."""
+    return msgspec.json.encode(document())
 
 
 PLAYGROUND = Path(__file__).parent / "static" / "index.html"

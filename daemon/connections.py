@@ -20,7 +20,7 @@ import socket
 
 from aiohttp import web
 
-from diffusiond.daemon.api import ApiError
+from diffusiond.daemon.api import retry_later
 from diffusiond.daemon.config import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -147,13 +147,8 @@ class ConnectionGuard:
         async def connection_middleware(request: web.Request, handler) -> web.StreamResponse:
             protocol = request.protocol
             if self.over_limit() and request.path not in PROBES:
-                raise ApiError(
-                    503,
-                    "too many open connections and none idle; try again (--max-connections)",
-                    type="server_error",
-                    code="server_busy",
-                    headers={"Retry-After": "1"},
-                    close=True,
+                raise retry_later(
+                    "too many open connections and none idle; try again (--max-connections)", "server_busy", close=True
                 )
             self.busy[protocol] = self.busy.get(protocol, 0) + 1
             try:

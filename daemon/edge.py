@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from diffusiond.daemon.api import ApiError, too_large
+from diffusiond.daemon.api import ApiError, retry_later, too_large
 from diffusiond.daemon.config import ServeConfig
 
 # Names that always mean this machine; any IP literal is also fine (rebinding needs a name).
@@ -143,12 +143,9 @@ class ReadBudget:
 
     def take(self, size: int) -> None:
         if self.reading and self.reading + size > self.limit:
-            raise ApiError(
-                503,
+            raise retry_later(
                 f"the server is reading {self.reading} bytes of other bodies; try again (--max-reading-bytes)",
-                type="server_error",
-                code="server_busy",
-                headers={"Retry-After": "1"},
+                "server_busy",
             )
         self.reading += size
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from diffusiond.daemon.api import ApiError
+from diffusiond.daemon.api import ApiError, retry_later
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.engine.engine import Engine, RequestHandle
 from diffusiond.engine.outputs import TERMINAL, Cancelled, Completed, Event, Failed, Progress
@@ -66,7 +66,7 @@ class ServerState:
             raise ApiError(503, "the server is shutting down", type="server_error", code="unavailable")
         if self.engine is None or not self.ready:
             reason = "the model failed to load" if self.load_error else "the model is still loading"
-            raise ApiError(503, reason, type="server_error", code="unavailable", headers={"Retry-After": "5"})
+            raise retry_later(reason, "unavailable", after=5)
         if not self.engine.alive:
             raise ApiError(503, "the engine stopped; the server is restarting", type="server_error", code="unavailable")
         return self.engine

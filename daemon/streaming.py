@@ -13,7 +13,7 @@ from typing import TypeVar
 import msgspec
 from aiohttp import web
 
-from diffusiond.daemon.api import ApiError
+from diffusiond.daemon.api import ApiError, retry_later
 from diffusiond.daemon.state import ENCODERS, METRICS, STATE, ServerState
 from diffusiond.engine.engine import Engine, QueueFullError, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Event, Failed
@@ -112,8 +112,8 @@ async def check_images(request: web.Request, images: dict[str, bytes | Sequence[
             raise ParamError(param, message + "per request, all images together (--max-image-bytes)")
     engine = request.app[STATE].engine
     max_pixels = input_pixel_limit(engine.limits.max_pixels if engine is not None and engine.limits else None)
+    pool = request.app[ENCODERS]
     for param, data in files:
-        pool = request.app[ENCODERS]
         await asyncio.get_running_loop().run_in_executor(pool, check_image, data, param, max_pixels)
 
 
@@ -165,13 +165,7 @@ def terminal_error(event: Event) -> ApiError:
         )
     message = event.error if isinstance(event, Failed) else "no result"
     if isinstance(event, Failed) and event.retry:
-        return ApiError(
-            503,
-            f"not started: {message}; send it again",
-            type="server_error",
-            code="engine_restarting",
-            headers={"Retry-After": "1"},
-        )
+        return retry_later(f"not started: {message}; send it again", "engine_restarting")
     return ApiError(500, f"generation failed: {message}", type="server_error", code="generation_failed")
 
 

@@ -40,6 +40,7 @@ from diffusiond.daemon.api import (
     decode_body,
     json_fields,
     parse_size,
+    retry_later,
 )
 from diffusiond.daemon.edge import read_body, read_form
 from diffusiond.daemon.state import ENCODERS, STATE
@@ -232,9 +233,7 @@ async def create_video(request: web.Request) -> web.Response:
     try:
         jobs.store.make_room()
     except StoreFull as exc:
-        raise ApiError(
-            429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
-        ) from None
+        raise retry_later(str(exc), "queue_full", status=429) from None
     try:
         free = free_bytes(jobs.store.directory)  # one statfs call
     except OSError as exc:

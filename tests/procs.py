@@ -43,6 +43,12 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def rss(pid: int | str = "self") -> int:
+    """Resident memory of a process (this one by default), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
 def alive(pid: int) -> bool:
     """Running, not a zombie waiting for its parent."""
     try:

@@ -12,16 +12,13 @@ import os
 import socket
 import time
 
+from procs import rss
+
 from diffusiond.daemon.connections import CONNECTIONS, PROBE_SLOTS
 
 # Never-reading streams at once (the same test with 50 took 26 s here).
 STREAMS = 16
 BODY = json.dumps({"prompt": "a red circle", "size": "64x64"}).encode()
-
-
-def rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
 
 
 def request(port: int, method: str, path: str, body: bytes = b"", timeout: float = 10) -> tuple[int, bytes, float]:

@@ -14,20 +14,13 @@ import time
 
 import aiohttp
 import pytest
+from procs import rss
 
 from diffusiond.daemon.edge import READ_BUDGET, host_allowed
 
 TIMEOUT = aiohttp.ClientTimeout(total=60)
 SMALL = {"prompt": "a red circle", "seed": 1, "width": 64, "height": 64, "num_inference_steps": 2}
 JSON_ROUTES = ("/v1/generations", "/v1/images/generations", "/v1/loras", "/v1/images/edits")
-
-
-def rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def head(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:

@@ -222,6 +222,14 @@ def retry_later(message: str, code: str, *, status: int = 503, after: int = 1, c
     return ApiError(status, message, type=kind, code=code, headers={"Retry-After": str(after)}, close=close)
 
 
+class NotStarted(ApiError):
+    """A request the server took and never started: its group failed first (503, send it again). Under the launcher
+    the next rank 0 serves it instead (daemon/handover.py)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, type="server_error", code="engine_restarting", headers={"Retry-After": "1"})
+
+
 def too_large(limit: int) -> ApiError:
     return ApiError(
         413,

@@ -28,6 +28,7 @@ from diffusiond.daemon.auth import api_key_middleware
 from diffusiond.daemon.config import ServeConfig, model_setup
 from diffusiond.daemon.connections import CONNECTIONS, PROBES, ConnectionGuard, connection_limit, open_files_limit
 from diffusiond.daemon.edge import READ_BUDGET, ReadBudget, edge_middleware
+from diffusiond.daemon.handover import CARRIED, carry_over
 from diffusiond.daemon.image_encoding import encoder_pool
 from diffusiond.daemon.native_api import native_limit
 from diffusiond.daemon.openapi import document
@@ -58,6 +59,7 @@ def create_app(config: ServeConfig, *, load: Loader | None = None, healing: bool
         client_max_size=native_limit(config),  # bodies are read by `edge.read_body`, against their route's limit
         middlewares=[
             error_middleware,
+            carry_over,
             guard.middleware(),
             edge_middleware(config),
             api_key_middleware(config.api_key),
@@ -65,6 +67,7 @@ def create_app(config: ServeConfig, *, load: Loader | None = None, healing: bool
         ],
     )
     app[CONNECTIONS] = guard
+    app[CARRIED] = {}
     app[STATE] = ServerState(config)
     app[READ_BUDGET] = ReadBudget(config.max_reading_bytes)
     app[METRICS] = Metrics()

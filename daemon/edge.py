@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -164,6 +165,19 @@ class ReadBudget:
 READ_BUDGET = web.AppKey("read_budget", ReadBudget)
 
 
+@dataclass(frozen=True)
+class SentBody:
+    """What the client sent, as read: a body as it was, or a form's fields and files by name. Kept on the request
+    so that a request its group never started can be sent to the next rank 0 (daemon/handover.py)."""
+
+    data: bytes | None = None
+    fields: dict[str, str] | None = None
+    files: dict[str, list[bytes]] | None = None
+
+
+SENT = web.RequestKey("sent_body", SentBody)
+
+
 async def read_body(request: web.Request, limit: int) -> bytes:
     """The body, read as it arrives: 413 as soon as its declared length or the bytes so far pass `limit`, without
     reading the rest; held against the app's read budget while it is read."""
@@ -184,7 +198,9 @@ async def read_body(request: web.Request, limit: int) -> bytes:
                 counted = len(data)
     finally:
         budget.release(counted)
-    return bytes(data)
+    body = bytes(data)
+    request[SENT] = SentBody(data=body)
+    return body
 
 
 # A multipart body: its text fields are short (the longest, a prompt, is 10,000 characters), its files few; anything
@@ -207,7 +223,9 @@ async def read_form(
     if declared is not None and declared > limit:
         raise too_large(limit)
     with request.app[READ_BUDGET].hold(limit if declared is None else declared):
-        return await _read_parts(request, files, file_bytes, aliases or {})
+        fields, found = await _read_parts(request, files, file_bytes, aliases or {})
+    request[SENT] = SentBody(fields=fields, files=found)
+    return fields, found
 
 
 async def _read_parts(

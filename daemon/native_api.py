@@ -12,6 +12,7 @@ from aiohttp import web
 from diffusiond.daemon.api import ApiError, GenerationRequest, body_limit, decode_body
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.edge import read_body
+from diffusiond.daemon.handover import carried_ids, hand_over
 from diffusiond.daemon.image_encoding import encode_image
 from diffusiond.daemon.state import STATE, Record
 from diffusiond.daemon.streaming import (
@@ -59,7 +60,8 @@ async def generations(request: web.Request) -> web.StreamResponse:
     if body.video_format is not None and not video:
         raise ApiError(400, "video_format is for video models; this model makes images", param="video_format")
     await check_images(request, {"image": body.image, "mask": body.mask, "reference_images": body.reference_images})
-    (handle,) = queue_requests(engine, state, [params])  # add_request checks it (Engine.check)
+    # add_request checks it (Engine.check)
+    (handle,) = queue_requests(engine, state, [params], ids=carried_ids(request, 1))
     unknown = unknown_words(engine, params.prompt)
     headers = {"X-Request-Id": handle.request_id}
     if unknown:
@@ -119,7 +121,10 @@ async def generations(request: web.Request) -> web.StreamResponse:
             else:
                 assert isinstance(event, Failed)
                 out = ("failed", {"error": event.error, **({"retry": True} if event.retry else {})})
-            await send(response, sse_event(out[0], {"type": out[0], "id": rid, **out[1]}), [rid])
+            data = sse_event(out[0], {"type": out[0], "id": rid, **out[1]})
+            if isinstance(event, Failed) and event.retry and await hand_over(request, data, [rid], response):
+                return response  # the next rank 0 goes on with this stream
+            await send(response, data, [rid])
     await finish(response, [rid])
     return response
 

@@ -26,6 +26,7 @@ from diffusiond.daemon.api import (
     validate_openai,
 )
 from diffusiond.daemon.edge import read_body, read_form
+from diffusiond.daemon.handover import carried_ids, hand_over
 from diffusiond.daemon.image_encoding import encode_image, encode_preview
 from diffusiond.daemon.state import STATE, ServerState
 from diffusiond.daemon.streaming import (
@@ -168,7 +169,8 @@ async def _images(
     many = expand(engine, body, base)  # before anything is queued
     resolved = many[0]
     partial = body.partial_images or 0
-    handles = queue_requests(engine, state, many, progress=False, checked=True)  # OpenAI clients: no progress events
+    # OpenAI clients: no progress events.
+    handles = queue_requests(engine, state, many, progress=False, checked=True, ids=carried_ids(request, len(many)))
     fmt = body.output_format or "png"
     meta = {
         "size": f"{resolved.width}x{resolved.height}",
@@ -184,9 +186,10 @@ async def _images(
     # Non-streaming: nothing to write until the end, so a client that hangs up is noticed through handler
     # cancellation (aiohttp), which cancels the requests through `track`.
     results = await asyncio.gather(*(last_event(state.track(h)) for h in handles))
-    for result in results:
-        if not isinstance(result, Completed):
-            raise terminal_error(result)
+    unfinished = [r for r in results if not isinstance(r, Completed)]
+    if unfinished:
+        # Not started at all (each a retry): NotStarted, which the next rank 0 may serve (daemon/handover.py).
+        raise terminal_error(min(unfinished, key=lambda r: isinstance(r, Failed) and r.retry))
     images = [await encode_off_loop(request, encode_image, r.image, fmt, body.output_compression) for r in results]
     payload = {
         "created": int(time.time()),
@@ -238,6 +241,7 @@ async def _openai_stream(request, state, handles, fmt, compression, partial, met
     response = await start_sse(request, headers)
     width, height = (int(v) for v in meta["size"].split("x"))
     sent = [0] * len(handles)
+    told = False  # whether the client has had a result or an error
     ids = [h.request_id for h in handles]
     async with contextlib.aclosing(with_keepalive(_merged(state, handles), state.config.sse_keepalive)) as items:
         async for item in items:
@@ -272,7 +276,18 @@ async def _openai_stream(request, state, handles, fmt, compression, partial, met
                     **tag,
                 }
                 await send(response, sse_event(name, payload), ids)
+                told = True
             elif isinstance(event, Cancelled | Failed):
-                await send(response, sse_event("error", {"type": "error", **terminal_error(event).body(), **tag}), ids)
+                data = sse_event("error", {"type": "error", **terminal_error(event).body(), **tag})
+                if isinstance(event, Failed) and event.retry and not any(sent) and not told:
+                    # The client has the stream's head only: the next rank 0 goes on with it (daemon/handover.py).
+                    errors = [
+                        sse_event("error", {"type": "error", **terminal_error(event).body(), "id": rid, "index": j})
+                        for j, rid in enumerate(ids)
+                    ]
+                    if await hand_over(request, b"".join(errors), ids, response):
+                        return response
+                await send(response, data, ids)
+                told = True
     await finish(response, ids)
     return response

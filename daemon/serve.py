@@ -26,9 +26,10 @@ from aiohttp import web
 from diffusiond.daemon.app import create_app
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.connections import listen, raise_open_files_limit, runner_options
-from diffusiond.daemon.listener import listening_socket
+from diffusiond.daemon.handover import adopt
+from diffusiond.daemon.listener import borrow, listening_socket
 from diffusiond.daemon.notify import Notifier
-from diffusiond.daemon.state import STATE, ServerState
+from diffusiond.daemon.state import METRICS, STATE, ServerState
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,9 @@ class Service:
         await runner.setup()  # starts the model load (app cleanup_ctx)
         try:
             try:
-                self.site = await listen(runner, self.config, listening_socket(self.config.host, self.config.port))
+                lent = borrow()  # a rank 0 under the launcher: its socket, and requests carried over a heal
+                sock = lent.sock if lent is not None else listening_socket(self.config.host, self.config.port)
+                self.site = await listen(runner, self.config, sock)
             except OSError as exc:
                 log.error("cannot listen on %s: %s", self.address, exc)
                 self.notifier.status(f"failed: cannot listen on {self.address}: {exc}")
@@ -120,6 +123,10 @@ class Service:
             host, port = runner.addresses[0][:2]
             self.address = f"{host}:{port}"
             log.info("listening on http://%s", self.address)
+            if lent is not None and lent.carried:
+                count = await adopt(runner.app, lent.carried)
+                runner.app[METRICS].carried.inc(count)
+                log.info("serving %d requests the failed group had not started, on their own connections", count)
             return await self._lifecycle(state)
         finally:
             await runner.cleanup()  # closes the socket, waits for handlers, stops the engine

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from diffusiond.daemon.api import ApiError, retry_later
+from diffusiond.daemon.api import ApiError, NotStarted, retry_later
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.engine.engine import Engine, RequestHandle
 from diffusiond.engine.outputs import TERMINAL, Cancelled, Completed, Event, Failed, Progress
@@ -68,7 +68,7 @@ class ServerState:
             reason = "the model failed to load" if self.load_error else "the model is still loading"
             raise retry_later(reason, "unavailable", after=5)
         if not self.engine.alive:
-            raise ApiError(503, "the engine stopped; the server is restarting", type="server_error", code="unavailable")
+            raise NotStarted("the engine stopped; the server is restarting")
         return self.engine
 
     def attach(self, engine: Engine) -> None:

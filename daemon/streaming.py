@@ -13,7 +13,7 @@ from typing import TypeVar
 import msgspec
 from aiohttp import web
 
-from diffusiond.daemon.api import ApiError, retry_later
+from diffusiond.daemon.api import ApiError, NotStarted
 from diffusiond.daemon.state import ENCODERS, METRICS, STATE, ServerState
 from diffusiond.engine.engine import Engine, QueueFullError, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Event, Failed
@@ -130,17 +130,24 @@ def unknown_words(engine: Engine, prompt: str) -> list[str]:
 
 
 def queue_requests(
-    engine: Engine, state: ServerState, params: list[SamplingParams], *, progress: bool = True, checked: bool = False
+    engine: Engine,
+    state: ServerState,
+    params: list[SamplingParams],
+    *,
+    progress: bool = True,
+    checked: bool = False,
+    ids: Sequence[str] | None = None,
 ) -> list[RequestHandle]:
     """`progress`: whether the client is sent a progress event every step (the native stream); without, the
     engine emits none and status comes from `Engine.steps_done`. `checked`: `params` are resolved and wire-checked
-    already (`Engine.check`), so the engine queues them as they are."""
+    already (`Engine.check`), so the engine queues them as they are. `ids`: the requests' ids (a stream carried
+    over a heal keeps those its client was told), else new ones."""
     if not engine.has_capacity(len(params)):
         raise QueueFullError(f"{engine.num_in_flight} requests in flight")
     handles = []
     try:
-        for p in params:
-            handles.append(engine.add_request(p, checked=checked, progress=progress))
+        for i, p in enumerate(params):
+            handles.append(engine.add_request(p, ids[i] if ids else None, checked=checked, progress=progress))
             state.record(handles[-1])
     except Exception:
         for h in handles:
@@ -165,7 +172,7 @@ def terminal_error(event: Event) -> ApiError:
         )
     message = event.error if isinstance(event, Failed) else "no result"
     if isinstance(event, Failed) and event.retry:
-        return retry_later(f"not started: {message}; send it again", "engine_restarting")
+        return NotStarted(f"not started: {message}; send it again")
     return ApiError(500, f"generation failed: {message}", type="server_error", code="generation_failed")
 
 

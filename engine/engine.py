@@ -127,8 +127,9 @@ class Engine:
         # request's mailbox (status records stay current for slow readers).
         self.on_event: Callable[[Event], None] | None = None
         self._stopping = threading.Event()
-        # request id -> steps done, written by the step thread after each step, read by the loop for status
-        # (plain dict operations are atomic under the GIL); an entry goes with its request's terminal event.
+        # request id -> steps done, written by the step thread when the request joins a step (0) and after each
+        # step, read by the loop for status (plain dict operations are atomic under the GIL); an entry goes with its
+        # request's terminal event. A request without one never ran a step: a group failure may `retry` it.
         self.steps_done: dict[str, int] = {}
 
     # ---- lifecycle ----
@@ -328,10 +329,7 @@ class Engine:
 
     def _fail_orphans(self, reason: str) -> None:
         self._deliver(
-            [
-                Failed(rid, engine_failed(rid, reason), retry=not self.steps_done.get(rid))
-                for rid in list(self._mailboxes)
-            ]
+            [Failed(rid, engine_failed(rid, reason), retry=rid not in self.steps_done) for rid in list(self._mailboxes)]
         )
 
 

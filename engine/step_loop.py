@@ -93,6 +93,8 @@ class StepLoop:
                     plan = decode_plan(engine.comm.broadcast(encode_plan(scheduler.schedule())))
                     broadcast = time.perf_counter() - t0
                     engine.clocks.admitted([new.request_id for new in plan.new], t0)
+                    for new in plan.new:  # in a step from now on: a failure of this step is theirs too (no retry)
+                        engine.steps_done.setdefault(new.request_id, 0)
                     result = engine.executor.execute(plan)
                     engine.steps += 1
                     result.timings["broadcast"] = broadcast
@@ -118,9 +120,9 @@ class StepLoop:
             failed = scheduler.fail_all(reason)
             for request in failed:
                 engine.clocks.finished(request, RequestStatus.FINISHED_FAILED)
-            engine.emit(
-                [Failed(r.request_id, engine_failed(r.request_id, reason), retry=r.steps_done == 0) for r in failed]
-            )
+            # Never in a step (no steps_done entry): not this failure's cause, so a client may send it again.
+            ids = [r.request_id for r in failed]
+            engine.emit([Failed(i, engine_failed(i, reason), retry=i not in engine.steps_done) for i in ids])
             self._report_counts()
             engine.step_loop_failed(reason)  # requests whose add command never reached the scheduler end too
         finally:

@@ -76,6 +76,11 @@ class Metrics:
         self.requests = Counter(
             "diffusiond_requests", "Requests that reached a terminal status, by outcome.", ["outcome"], registry=r
         )
+        self.carried = Counter(
+            "diffusiond_requests_carried_over",
+            "Requests a failed group had not started, served by this rank 0 on their clients' connections.",
+            registry=r,
+        )
         self.steps = Counter("diffusiond_steps", "Denoising steps advanced, summed over requests.", registry=r)
         self.loop_lag = Histogram(
             "diffusiond_event_loop_lag_seconds",

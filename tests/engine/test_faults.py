@@ -42,7 +42,7 @@ async def test_a_reported_fault_ends_every_request_while_the_step_hangs(tiny_sd3
 
     monkeypatch.setattr(adapter, "denoise", denoise)
     comm = HangingComm()
-    engine = Engine(adapter, comm=comm)
+    engine = Engine(adapter, comm=comm, max_batch=1)  # "b" waits while "a" is in the step that hangs
     await engine.start()
     try:
         handles = [
@@ -58,6 +58,9 @@ async def test_a_reported_fault_ends_every_request_while_the_step_hangs(tiny_sd3
             assert isinstance(result, Failed), result
             assert "rank 1 failed while denoising" in result.error and handle.request_id in result.error
         assert elapsed < 2, elapsed
+        # "a" was in the failing step (it may be its cause: a request that kills a rank must not be sent again
+        # and kill the next group too); "b" never ran, so its client may send it again (daemon/handover.py).
+        assert [r.retry for r in results] == [False, True], results
         assert not engine.alive and engine.fatal.is_set()
         # stop() does not wait for the stuck step thread.
         t0 = time.monotonic()

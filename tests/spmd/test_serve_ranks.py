@@ -7,12 +7,15 @@ the group and the daemon is ready again; SIGTERM ends every process within the d
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,12 @@ FAULTS = Path(__file__).with_name("faults")
 @pytest.fixture
 def daemon(tiny_sd3, tmp_path):
     yield from start_daemon(tiny_sd3, tmp_path, {})
+
+
+@pytest.fixture
+def daemon_of_one(tiny_sd3, tmp_path):
+    """One request per batch: the next one waits in the queue, not started, while one runs."""
+    yield from start_daemon(tiny_sd3, tmp_path, {}, ["--cfg-parallel", "2", "--max-batch", "1"])
 
 
 @pytest.fixture
@@ -68,7 +77,7 @@ def start_daemon(tiny_sd3, tmp_path, extra_env: dict[str, str], layout: list[str
             "2",
             *(layout or ["--cfg-parallel", "2"]),
             "--max-restarts",
-            "2",
+            "3",
             "--drain-timeout",
             "5",
             "--max-steps",
@@ -88,10 +97,11 @@ def start_daemon(tiny_sd3, tmp_path, extra_env: dict[str, str], layout: list[str
         log.close()
 
 
-def test_two_ranks_serve_and_survive_a_dead_rank(daemon):
-    survive_a_dead_rank(*daemon)
-    # The same daemon (one start less in CI): a second heal, from an idle group.
-    a_heal_refuses_no_connection(*daemon)
+def test_two_ranks_serve_and_survive_a_dead_rank(daemon_of_one):
+    survive_a_dead_rank(*daemon_of_one)
+    # The same daemon (one start less in CI): a heal with requests waiting, then one from an idle group.
+    queued_requests_outlive_a_heal(*daemon_of_one)
+    a_heal_refuses_no_connection(*daemon_of_one)
 
 
 def test_every_strategy_survives_a_dead_rank(strategy_daemon):
@@ -288,11 +298,77 @@ def test_rank_local_faults_fail_alone_or_restart_the_group(faulty_daemon):
     assert events[-1][0] == "completed", events[-1]
 
 
+def queued_requests_outlive_a_heal(proc, base, log) -> None:
+    """A follower dies while one request runs and three wait behind it (--max-batch 1): the running one fails (one
+    terminal event), and the waiting ones are served after the heal on their own connections, each with one answer:
+    a native stream goes on under the id it was told (`queued` again, then the rest), an OpenAI request answers 200,
+    an OpenAI stream completes. Without the hand-over (daemon/handover.py) they end 503 / `failed` with `retry`."""
+    follower = rank_pid(proc.pid, 1)
+    assert follower is not None
+    small = {"width": 64, "height": 64, "num_inference_steps": 2, "guidance_scale": 5.0}
+    outcomes: dict[str, object] = {}
+
+    def native() -> None:
+        outcomes["native"] = list(stream(base, {"prompt": "a blue box", "seed": 3, **small}, timeout=120))
+
+    def openai(streamed: bool) -> None:
+        body = {"prompt": "a green square", "size": "64x64", "seed": 4, "num_inference_steps": 2, "stream": streamed}
+        req = urllib.request.Request(
+            f"{base}/v1/images/generations",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                outcomes["openai-stream" if streamed else "openai"] = (resp.status, resp.read())
+        except urllib.error.HTTPError as exc:
+            outcomes["openai-stream" if streamed else "openai"] = (exc.code, exc.read())
+
+    long = stream(base, {"prompt": "a long one", "seed": 9, **small, "num_inference_steps": 1000}, timeout=60)
+    names = []
+    waiting = [threading.Thread(target=native), *(threading.Thread(target=openai, args=(s,)) for s in (False, True))]
+    for name, data in long:
+        names.append(name)
+        if name == "progress" and data["step"] == 2:
+            for t in waiting:
+                t.start()
+            deadline = time.monotonic() + 10
+            while metric(base, "diffusiond_requests_waiting") < 3:
+                assert time.monotonic() < deadline, "the three requests never queued"
+                time.sleep(0.05)
+            os.kill(follower, signal.SIGKILL)
+    assert terminal_events(names) == ["failed"] and names[-1] == "failed", names
+    for t in waiting:
+        t.join(150)
+    tail = log.read_text()[-3000:]
+    events = outcomes.get("native")
+    assert events and events[-1][0] == "completed", (events, tail)
+    assert [n for n, _ in events].count("queued") == 2, events  # once from each rank 0
+    assert len({d["id"] for _, d in events}) == 1, events  # the id it was told first
+    status, body = outcomes["openai"]
+    assert status == 200 and json.loads(body)["data"][0]["b64_json"], (status, body[:300], tail)
+    status, body = outcomes["openai-stream"]
+    assert status == 200 and b"event: image_generation.completed" in body and b"event: error" not in body, (
+        status,
+        body[-300:],
+        tail,
+    )
+    wait_ready(base, proc)
+    assert metric(base, "diffusiond_requests_carried_over_total") == 3
+
+
+def metric(base: str, name: str) -> float:
+    for line in get(f"{base}/metrics")[1].decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
 def a_heal_refuses_no_connection(proc, base, log) -> None:
     """A follower killed while idle: /ready stops answering 200 within 2 s; 20 clients that connect during the heal
-    get no refused connection, and each is served once the group is back (a request the dying group had queued ends
-    `failed` with `retry`, and is sent again, as its Retry-After says). Before: the listening socket closed with
-    rank 0 for the heal, and every client got connection refused."""
+    get no refused connection, and each is served once the group is back, at its first attempt (those the dying
+    rank 0 took are carried over, daemon/handover.py). Before: the listening socket closed with rank 0 for the heal,
+    and every client got connection refused; then, requests the dying group took ended `failed` with `retry`."""
     follower = rank_pid(proc.pid, 1)
     assert follower is not None
     os.kill(follower, signal.SIGKILL)
@@ -338,7 +414,7 @@ def a_heal_refuses_no_connection(proc, base, log) -> None:
         time.sleep(0.05)
     for t in threads:
         t.join(180)
-    assert [o for o, _ in outcomes] == ["completed"] * 20, (outcomes, log.read_text()[-3000:])
+    assert outcomes == [("completed", 0)] * 20, (outcomes, log.read_text()[-3000:])
     wait_ready(base, proc)
     assert rank_pid(proc.pid, 1) not in (None, follower)
     print(f"noticed in {noticed:.2f} s; 20 clients during the heal: {outcomes}")

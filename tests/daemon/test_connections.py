@@ -16,8 +16,8 @@ from procs import rss
 
 from diffusiond.daemon.connections import CONNECTIONS, PROBE_SLOTS
 
-# Never-reading streams at once (the same test with 50 took 26 s here).
-STREAMS = 16
+# Never-reading streams at once: 50 were all cut within 19.8 s here, in two batches of 25 (RSS +99 MiB).
+STREAMS = 50
 BODY = json.dumps({"prompt": "a red circle", "size": "64x64"}).encode()
 
 
@@ -112,9 +112,11 @@ def test_when_every_connection_is_busy_the_probes_still_answer(serve):
 
 
 def test_clients_that_never_read_are_cut_after_the_write_timeout(serve):
-    """50 streams of previews and raw latents whose clients read nothing: each connection is aborted once its writes
-    have waited write_timeout (1 s) on it, its request is cancelled, and the daemon serves the next client."""
-    server = serve(write_timeout=1.0, max_pixels=256 * 256, max_batch=16)
+    """50 streams of previews and raw latents (every step) whose clients read nothing: each connection is aborted
+    once its writes have waited write_timeout (1 s) on it, its request is cancelled, and the daemon serves the next
+    client. RSS stays within 160 MiB of idle: the batch's compute, and per stream what its handler holds while it
+    waits (one event, one piece of it in the transport)."""
+    server = serve(write_timeout=1.0, max_pixels=256 * 256, max_batch=25)
     guard = server.app[CONNECTIONS]
     body = {"prompt": "a red circle", "seed": 1, "width": 256, "height": 256, "num_inference_steps": 60}
     data = json.dumps({**body, "preview_every": 1, "latents": True}).encode()

@@ -56,7 +56,7 @@ VIDEO = _obj(
     {"id": STR, "object": {"const": "video"}, "status": STR, "progress": INT, "created_at": INT, "model": STR},
     {"prompt": STR, "seconds": STR, "size": STR, "num_frames": INT, "fps": INT, "seed": INT},
 )
-LORA = _obj({"object": {"const": "lora"}, "name": STR}, {"path": STR, "bytes": INT, "resident": BOOL})
+LORA = _obj({"object": {"const": "lora"}, "name": STR}, {"path": STR, "bytes": INT, "sha256": STR, "resident": BOOL})
 RECORD = _obj({"id": STR, "created": INT, "status": STR, "step": INT, "total": INT}, {"error": NULLABLE_STR})
 
 

@@ -175,7 +175,7 @@ class Executor:
         for op in ops:
             try:
                 if op.kind == LoraOpKind.REGISTER:
-                    registry.register(op.name, op.path)
+                    registry.register(op.name, op.path, op.sha256 or None)
                 else:
                     registry.unregister(op.name)
             except Exception:

@@ -10,6 +10,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from diffusiond.engine.comm import Communicator
 from diffusiond.engine.scheduler import SchedRequest
 from diffusiond.engine.wire import LoraOp, LoraOpKind, PlanKind, StepPlan, encode_plan
@@ -51,6 +53,8 @@ def run(command: LoraCommand, adapter: ModelAdapter, comm: Communicator, settle:
         settle(command.future, exc)
         return
     if comm.world_size > 1:
+        if op.kind == LoraOpKind.REGISTER:
+            op = msgspec.structs.replace(op, sha256=entry.sha256)  # the other ranks must read these bytes
         comm.broadcast(encode_plan(StepPlan(step=-1, kind=PlanKind.LORA, loras=[op])))
     settle(command.future, None, entry.public())
 

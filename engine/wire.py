@@ -30,11 +30,13 @@ class LoraOpKind(enum.IntEnum):
 
 
 class LoraOp(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A change of the registered LoRA adapters (models/lora_registry.py); every rank reads the file itself."""
+    """A change of the registered LoRA adapters (models/lora_registry.py); every rank reads the file itself, and
+    checks it read the bytes rank 0 read (`sha256`)."""
 
     kind: LoraOpKind
     name: str
     path: str = ""
+    sha256: str = ""
 
 
 class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -5,6 +5,7 @@ models/lora_registry.py's `read_lora`."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -29,6 +30,15 @@ def check_name(name: str) -> str:
             f"LoRA name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
         )
     return name
+
+
+def file_digest(path: str) -> str:
+    """The file's SHA-256 (hex): what every rank checks it read the same bytes by."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as exc:
+        raise LoraError(f"{path}: cannot be read: {exc.strerror or exc}") from None
 
 
 def check_safetensors(path: str, max_bytes: int | None = None) -> None:

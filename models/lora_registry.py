@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from diffusiond.kernels.lora_rows import Lora, LoraLayers, LoraWeights, Selection, fuse, unfuse
-from diffusiond.models.lora_files import MAX_HEADER_BYTES, LoraError, check_name, check_safetensors
+from diffusiond.models.lora_files import MAX_HEADER_BYTES, LoraError, check_name, check_safetensors, file_digest
 
 log = logging.getLogger(__name__)
 
@@ -154,13 +154,21 @@ class Entry:
     name: str
     path: str
     nbytes: int
+    # The file's SHA-256 when it was registered: every later read (another rank, a reload after eviction) must match.
+    sha256: str = ""
     lora: Lora | None = None
     # Requests in flight (on this rank) that hold it.
     users: int = 0
     requests: int = 0
 
     def public(self) -> dict[str, Any]:
-        return {"name": self.name, "path": self.path, "bytes": self.nbytes, "resident": self.lora is not None}
+        return {
+            "name": self.name,
+            "path": self.path,
+            "bytes": self.nbytes,
+            "sha256": self.sha256,
+            "resident": self.lora is not None,
+        }
 
 
 class LoraRegistry:
@@ -184,8 +192,9 @@ class LoraRegistry:
     def resident_bytes(self) -> int:
         return sum(entry.nbytes for entry in list(self._resident.values()))  # a snapshot: read off the step thread too
 
-    def register(self, name: str, path: str) -> Entry:
-        """Reads and checks the file now (LoraError: nothing changes); it stays resident if the budget allows."""
+    def register(self, name: str, path: str, sha256: str | None = None) -> Entry:
+        """Reads and checks the file now (LoraError: nothing changes); it stays resident if the budget allows.
+        `sha256`: the digest rank 0 read (another rank must read the same bytes)."""
         check_name(name)
         if name in self.entries:
             raise LoraError(f"a LoRA named {name!r} is already loaded; delete it first")
@@ -193,12 +202,12 @@ class LoraRegistry:
             raise LoraError(f"this server fused {self.fused[0]!r} into its weights (--lora-fuse): no other adapters")
         if len(self.entries) >= MAX_ADAPTERS:
             raise LoraError(f"{len(self.entries)} LoRA adapters are registered, the most there may be; delete some")
-        lora = self.reader(name, path)
+        lora, digest = self._read(name, path, sha256)
         if lora.nbytes > self.budget:
             raise LoraError(
                 f"{path}: {lora.nbytes} bytes, more than the LoRA budget of {self.budget} (--lora-cache-bytes)"
             )
-        entry = Entry(name, path, lora.nbytes)
+        entry = Entry(name, path, lora.nbytes, digest)
         self.entries[name] = entry
         if self._make_room(lora.nbytes):
             self._keep(entry, lora)
@@ -254,12 +263,27 @@ class LoraRegistry:
             selection.append((lora, float(choice.scale)))
         return tuple(selection)
 
+    def _read(self, name: str, path: str, sha256: str | None) -> tuple[Lora, str]:
+        """The adapter and the digest of the bytes it was read from: those `sha256` names, when given (a file
+        replaced since rank 0 read it, or since it was registered, is refused rather than served differently)."""
+        check_safetensors(path)  # a path and a header to hash (refused with the reason otherwise)
+        digest = file_digest(path)
+        if sha256 and digest != sha256:
+            raise LoraError(
+                f"{path}: its bytes changed since it was registered (sha256 {digest[:12]}..., registered "
+                f"{sha256[:12]}...); delete and register it again"
+            )
+        lora = self.reader(name, path)
+        if file_digest(path) != digest:
+            raise LoraError(f"{path}: changed while it was read; register it again")
+        return lora, digest
+
     # ---- residency ----
 
     def _load(self, entry: Entry) -> Lora:
         if not self._make_room(entry.nbytes):
             log.warning("LoRA %s: over the budget beside the adapters in use; loading it anyway", entry.name)
-        lora = self.reader(entry.name, entry.path)
+        lora, _ = self._read(entry.name, entry.path, entry.sha256)
         self.loads += 1
         self._keep(entry, lora)
         return lora

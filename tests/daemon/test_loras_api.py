@@ -6,6 +6,7 @@ bodies, every way a file or a name can be refused (each a 400 naming the field, 
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import os
@@ -151,6 +152,7 @@ async def test_a_posted_adapter_changes_the_image_at_its_scale(lora_server, file
             "name": "b",
             "path": str(files.dir / "more" / "b.safetensors"),
             "bytes": entry["bytes"],
+            "sha256": hashlib.sha256((files.dir / "more" / "b.safetensors").read_bytes()).hexdigest(),
             "resident": True,
         }
         assert (await listing(session, lora_server))["b"] == entry

@@ -6,6 +6,7 @@ checkpoints, float32 on CPU)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import warnings
 from pathlib import Path
 
@@ -279,3 +280,26 @@ def test_step_cache_sub_batches_keep_each_request_s_adapter(tiny_sd3, tmp_path):
     for params, image in zip(requests, together, strict=True):
         alone, _ = run(adapter, [params])
         assert np.abs(image - alone[0]).max() < 1e-5
+
+
+def test_every_read_is_of_the_bytes_registered(tiny_sd3, tmp_path):
+    """Issue 30: a file swapped after it was registered (or between rank 0's read and another rank's) is refused,
+    never served as other weights: a follower that reads other bytes than rank 0 did refuses the registration (its
+    requests are then dropped on every rank, engine/executor.py), and a reload after eviction refuses a changed file."""
+    files = loras_for(tiny_sd3, tmp_path)
+    adapter = load_adapter(tiny_sd3)
+    registry = adapter.enable_lora(1 << 30)
+    entry = registry.register("a", str(files["a"]))
+    assert entry.public()["sha256"] == hashlib.sha256(files["a"].read_bytes()).hexdigest()
+    with pytest.raises(LoraError, match="changed since it was registered"):  # another rank, another file
+        registry.register("b", str(files["b"]), sha256=entry.sha256)
+    assert list(registry.entries) == ["a"]
+    registry.register("b", str(files["b"]), sha256=hashlib.sha256(files["b"].read_bytes()).hexdigest())
+    size = registry.entries["a"].nbytes
+    registry = load_adapter(tiny_sd3).enable_lora(size)  # room for one: registering b evicts a
+    registry.register("a", str(files["a"]))
+    registry.register("b", str(files["b"]))
+    assert registry.entries["a"].lora is None
+    files["a"].write_bytes(files["c"].read_bytes())  # a valid LoRA, other weights
+    with pytest.raises(LoraError, match="changed since it was registered"):
+        registry.acquire((LoraChoice("a", 1.0),), object())

@@ -278,13 +278,11 @@ async def _openai_stream(request, state, handles, fmt, compression, partial, met
                 await send(response, sse_event(name, payload), ids)
                 told = True
             elif isinstance(event, Cancelled | Failed):
-                data = sse_event("error", {"type": "error", **terminal_error(event).body(), **tag})
+                error = {"type": "error", **terminal_error(event).body()}
+                data = sse_event("error", {**error, **tag})
                 if isinstance(event, Failed) and event.retry and not any(sent) and not told:
                     # The client has the stream's head only: the next rank 0 goes on with it (daemon/handover.py).
-                    errors = [
-                        sse_event("error", {"type": "error", **terminal_error(event).body(), "id": rid, "index": j})
-                        for j, rid in enumerate(ids)
-                    ]
+                    errors = [sse_event("error", {**error, "id": rid, "index": j}) for j, rid in enumerate(ids)]
                     if await hand_over(request, b"".join(errors), ids, response):
                         return response
                 await send(response, data, ids)

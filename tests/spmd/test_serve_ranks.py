@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from exposition import samples
 from procs import Client, free_port, get, kill_tree, rank_pid, stream, terminal_events, wait_ready
 
 FAULTS = Path(__file__).with_name("faults")
@@ -358,10 +359,7 @@ def queued_requests_outlive_a_heal(proc, base, log) -> None:
 
 
 def metric(base: str, name: str) -> float:
-    for line in get(f"{base}/metrics")[1].decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
+    return samples(get(f"{base}/metrics")[1].decode())[name]
 
 
 def a_heal_refuses_no_connection(proc, base, log) -> None:

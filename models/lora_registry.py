@@ -266,7 +266,8 @@ class LoraRegistry:
     def _read(self, name: str, path: str, sha256: str | None) -> tuple[Lora, str]:
         """The adapter and the digest of the bytes it was read from: those `sha256` names, when given (a file
         replaced since rank 0 read it, or since it was registered, is refused rather than served differently)."""
-        check_safetensors(path)  # a path and a header to hash (refused with the reason otherwise)
+        # A path, a header and a size worth hashing (the hash reads the file whole; refused with the reason).
+        check_safetensors(path, file_limit(self.budget))
         digest = file_digest(path)
         if sha256 and digest != sha256:
             raise LoraError(

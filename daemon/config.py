@@ -70,11 +70,15 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # open connections (also kept below the open-file limit); past it the longest idle are closed, and when none is
     # idle a new one reaches only /health, /ready and /metrics. max_reading_bytes: request body bytes being read at
     # once over all requests (a body past it waits for none: 503). write_timeout: seconds one write may wait for a
-    # client to read before its stream is cut and its request cancelled.
+    # client to read before its stream is cut and its request cancelled. send_buffer_bytes: the kernel's send buffer
+    # of each connection (SO_SNDBUF; 0: the kernel's own, which grows to tcp_wmem's largest, 4 MiB on most Linux):
+    # what a client that reads nothing pins in kernel memory (charged to the container under cgroup v2) and how much
+    # of an answer leaves before its writes wait.
     keepalive_timeout: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 15.0
     max_connections: Annotated[int, msgspec.Meta(ge=16)] = 1000
     max_reading_bytes: Positive = 256 << 20
     write_timeout: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    send_buffer_bytes: Annotated[int, msgspec.Meta(ge=0, le=64 << 20)] = 0
     # Browsers: the host names clients call this server by, besides IP addresses and localhost ("*": any;
     # ".example.com": it and its subdomains), against DNS rebinding; the web origins allowed to call it (CORS).
     allowed_hosts: tuple[str, ...] = ()

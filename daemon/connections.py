@@ -216,6 +216,10 @@ async def listen(runner: web.AppRunner, config: ServeConfig, sock: socket.socket
     assert runner.server is not None
     guard = runner.app[CONNECTIONS]
     guard.server = runner.server
-    site = GuardedSite(runner, sock if sock is not None else bind(config.host, config.port), guard)
+    sock = sock if sock is not None else bind(config.host, config.port)
+    if config.send_buffer_bytes:
+        # Accepted connections inherit it: also a socket lent by the launcher or by systemd.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, config.send_buffer_bytes)
+    site = GuardedSite(runner, sock, guard)
     await site.start()
     return site

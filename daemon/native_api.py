@@ -16,6 +16,7 @@ from diffusiond.daemon.handover import carried_ids, hand_over
 from diffusiond.daemon.image_encoding import encode_image
 from diffusiond.daemon.state import STATE, Record
 from diffusiond.daemon.streaming import (
+    BLOB,
     KEEPALIVE,
     UNKNOWN_WORDS_HEADER,
     check_images,
@@ -23,13 +24,15 @@ from diffusiond.daemon.streaming import (
     finish,
     queue_requests,
     send,
+    send_event,
     sse_event,
     start_sse,
     unknown_words,
     with_keepalive,
 )
 from diffusiond.daemon.video_encoding import EncodedVideo, encode_video
-from diffusiond.engine.outputs import Cancelled, Completed, Failed, Latent, Preview, Progress, Queued
+from diffusiond.engine.engine import RequestHandle
+from diffusiond.engine.outputs import Cancelled, Completed, Event, Failed, Latent, Preview, Progress, Queued
 from diffusiond.models.params import SamplingParams, params_from
 
 
@@ -74,66 +77,53 @@ async def generations(request: web.Request) -> web.StreamResponse:
             if event is None:
                 await send(response, KEEPALIVE, [rid])
                 continue
-            if isinstance(event, Queued):
-                out = ("queued", {"position": event.position, **told})
-            elif isinstance(event, Progress):
-                out = ("progress", {"step": event.step, "total": event.total})
-            elif isinstance(event, Preview):
-                data = await encode_off_loop(request, encode_image, event.image, body.output_format)
-                out = (
-                    "preview",
-                    {
-                        "step": event.step,
-                        "total": event.total,
-                        "format": body.output_format,
-                        "width": event.image.shape[1],
-                        "height": event.image.shape[0],
-                        "b64": base64.b64encode(data).decode(),
-                    },
-                )
-            elif isinstance(event, Latent):
-                out = (
-                    "latent",
-                    {
-                        "step": event.step,
-                        "total": event.total,
-                        "dtype": str(event.latent.dtype),
-                        "shape": list(event.latent.shape),
-                        "b64": base64.b64encode(event.latent.tobytes()).decode(),
-                    },
-                )
-            elif isinstance(event, Completed) and video:
-                fps = handle.params.fps
-                clip = await encode_off_loop(request, encode_video, event.image, fps, body.video_format or "mp4")
-                out = ("completed", {"seed": event.seed, "video": video_payload(clip), **told})
-            elif isinstance(event, Completed):
-                data = await encode_off_loop(request, encode_image, event.image, body.output_format)
-                out = (
-                    "completed",
-                    {
-                        "seed": event.seed,
-                        "images": [{"format": body.output_format, "b64": base64.b64encode(data).decode()}],
-                        **told,
-                    },
-                )
-            elif isinstance(event, Cancelled):
-                out = ("cancelled", {"reason": event.reason})
-            else:
-                assert isinstance(event, Failed)
-                out = ("failed", {"error": event.error, **({"retry": True} if event.retry else {})})
-            data = sse_event(out[0], {"type": out[0], "id": rid, **out[1]})
-            if isinstance(event, Failed) and event.retry and await hand_over(request, data, [rid], response):
+            name, data, blob = await _render(request, body, handle, event, told, video)
+            data = {"type": name, "id": rid, **data}
+            retry = isinstance(event, Failed) and event.retry
+            event = None  # a finished image or clip is let go before its file waits on the client
+            if retry and await hand_over(request, sse_event(name, data), [rid], response):
                 return response  # the next rank 0 goes on with this stream
-            await send(response, data, [rid])
+            await send_event(response, name, data, [rid], blob)
     await finish(response, [rid])
     return response
 
 
+async def _render(
+    request: web.Request, body: GenerationRequest, handle: RequestHandle, event: Event, told: dict, video: bool
+) -> tuple[str, dict, bytes | None]:
+    """An event of the stream: its name, its data, and the file that goes where the data holds BLOB."""
+    if isinstance(event, Queued):
+        return "queued", {"position": event.position, **told}, None
+    if isinstance(event, Progress):
+        return "progress", {"step": event.step, "total": event.total}, None
+    if isinstance(event, Preview):
+        data = await encode_off_loop(request, encode_image, event.image, body.output_format)
+        preview = {"step": event.step, "total": event.total, "format": body.output_format}
+        size = {"width": event.image.shape[1], "height": event.image.shape[0]}
+        return "preview", {**preview, **size, "b64": base64.b64encode(data).decode()}, None
+    if isinstance(event, Latent):
+        latent = {"dtype": str(event.latent.dtype), "shape": list(event.latent.shape)}
+        b64 = base64.b64encode(event.latent.tobytes()).decode()
+        return "latent", {"step": event.step, "total": event.total, **latent, "b64": b64}, None
+    if isinstance(event, Completed) and video:
+        fmt = body.video_format or "mp4"
+        clip = await encode_off_loop(request, encode_video, event.image, handle.params.fps, fmt)
+        return "completed", {"seed": event.seed, "video": video_payload(clip), **told}, clip.data
+    if isinstance(event, Completed):
+        data = await encode_off_loop(request, encode_image, event.image, body.output_format)
+        images = [{"format": body.output_format, "b64": BLOB}]
+        return "completed", {"seed": event.seed, "images": images, **told}, data
+    if isinstance(event, Cancelled):
+        return "cancelled", {"reason": event.reason}, None
+    assert isinstance(event, Failed)
+    return "failed", {"error": event.error, **({"retry": True} if event.retry else {})}, None
+
+
 def video_payload(clip: EncodedVideo) -> dict:
-    """The `video` of a completed event: the file in base64 and what it holds."""
+    """The `video` of a completed event: what the file holds, and BLOB where the file goes in base64."""
     out = {
         "format": clip.format,
-        "b64": base64.b64encode(clip.data).decode(),
+        "b64": BLOB,
         "fps": clip.fps,
         "num_frames": clip.num_frames,
         "width": clip.width,

@@ -30,6 +30,7 @@ from diffusiond.daemon.handover import carried_ids, hand_over
 from diffusiond.daemon.image_encoding import encode_image, encode_preview
 from diffusiond.daemon.state import STATE, ServerState
 from diffusiond.daemon.streaming import (
+    BLOB,
     KEEPALIVE,
     UNKNOWN_WORDS_HEADER,
     check_images,
@@ -38,6 +39,7 @@ from diffusiond.daemon.streaming import (
     last_event,
     queue_requests,
     send,
+    send_event,
     sse_event,
     start_sse,
     terminal_error,
@@ -226,11 +228,11 @@ async def _merged(state: ServerState, handles: list[RequestHandle]) -> AsyncIter
     try:
         remaining = len(tasks)
         while remaining:
-            i, event = await queue.get()
-            if event is None:
+            held = [await queue.get()]
+            if held[0][1] is None:
                 remaining -= 1
             else:
-                yield i, event
+                yield held.pop()  # kept nowhere here while the consumer works (streaming.py: `handed_on`)
     finally:
         for task in tasks:
             task.cancel()
@@ -267,15 +269,9 @@ async def _openai_stream(request, state, handles, fmt, compression, partial, met
             elif isinstance(event, Completed):
                 data = await encode_off_loop(request, encode_image, event.image, fmt, compression)
                 name = f"{kind}.completed"
-                payload = {
-                    "type": name,
-                    "b64_json": base64.b64encode(data).decode(),
-                    "created_at": int(time.time()),
-                    **meta,
-                    "usage": _usage(),
-                    **tag,
-                }
-                await send(response, sse_event(name, payload), ids)
+                payload = {"type": name, "b64_json": BLOB, "created_at": int(time.time()), **meta, "usage": _usage()}
+                item = event = None  # the image is let go before its file waits on the client
+                await send_event(response, name, {**payload, **tag}, ids, data)
                 told = True
             elif isinstance(event, Cancelled | Failed):
                 error = {"type": "error", **terminal_error(event).body()}

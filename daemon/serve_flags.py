@@ -66,6 +66,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help=f"cut a client that reads nothing for S seconds of one write (default: {d.write_timeout:g})",
     )
     add(
+        "--send-buffer-bytes",
+        type=int,
+        metavar="N",
+        help="each connection's kernel send buffer (SO_SNDBUF), what a client that reads nothing pins in kernel "
+        "memory (default: 0, the kernel's own, up to tcp_wmem's largest)",
+    )
+    add(
         "--allowed-hosts",
         action="append",
         metavar="NAME",

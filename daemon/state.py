@@ -95,7 +95,9 @@ class ServerState:
         try:
             async for event in handle.events():
                 finished = isinstance(event, TERMINAL)
-                yield event
+                held = [event]
+                del event
+                yield held.pop()  # kept nowhere here while the consumer works (streaming.py: `handed_on`)
         finally:
             if not finished:
                 # The one line a hang-up gets (aiohttp's write errors are not logged as errors).

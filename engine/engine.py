@@ -50,9 +50,11 @@ class RequestHandle:
     async def events(self) -> AsyncIterator[Event]:
         """Every event of this request; ends after its one terminal event."""
         while True:
-            event = await self._mailbox.get()
-            yield event
-            if isinstance(event, TERMINAL):
+            held = [await self._mailbox.get()]
+            terminal = isinstance(held[0], TERMINAL)
+            # Not kept in this frame while the consumer works: it may let a finished clip go before it is written.
+            yield held.pop()
+            if terminal:
                 return
 
     async def result(self) -> Event:

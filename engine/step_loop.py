@@ -88,20 +88,7 @@ class StepLoop:
                 running = self._drain(events, block=not scheduler.has_work())
                 self._report_counts()
                 if running and scheduler.has_work():
-                    quiet = engine.clocks.only_internal()  # before the step ends the warm-up's clock
-                    t0 = time.perf_counter()
-                    plan = decode_plan(engine.comm.broadcast(encode_plan(scheduler.schedule())))
-                    broadcast = time.perf_counter() - t0
-                    engine.clocks.admitted([new.request_id for new in plan.new], t0)
-                    for new in plan.new:  # in a step from now on: a failure of this step is theirs too (no retry)
-                        engine.steps_done.setdefault(new.request_id, 0)
-                    result = engine.executor.execute(plan)
-                    engine.steps += 1
-                    result.timings["broadcast"] = broadcast
-                    events.extend(self._events_for(plan, result))
-                    if not quiet:
-                        engine.observer.on_step(result.timings, result.batch_size, len(result.advanced))
-                    self._report_counts()
+                    self._step(events)
                 if not running:
                     # Stopped with requests in flight: each still gets its one terminal event.
                     leftovers = [*scheduler.waiting, *scheduler.running.values()]
@@ -132,6 +119,25 @@ class StepLoop:
                     engine.comm.broadcast(encode_plan(StepPlan(step=-1, kind=PlanKind.SHUTDOWN)))
                 except Exception:
                     log.exception("could not send the shutdown plan")
+
+    def _step(self, events: list[Event]) -> None:
+        """One step; its plan and outputs (a batch's decoded images) are let go when it returns, not kept by the
+        loop while it waits for the next command."""
+        engine = self.engine
+        quiet = engine.clocks.only_internal()  # before the step ends the warm-up's clock
+        t0 = time.perf_counter()
+        plan = decode_plan(engine.comm.broadcast(encode_plan(engine.scheduler.schedule())))
+        broadcast = time.perf_counter() - t0
+        engine.clocks.admitted([new.request_id for new in plan.new], t0)
+        for new in plan.new:  # in a step from now on: a failure of this step is theirs too (no retry)
+            engine.steps_done.setdefault(new.request_id, 0)
+        result = engine.executor.execute(plan)
+        engine.steps += 1
+        result.timings["broadcast"] = broadcast
+        events.extend(self._events_for(plan, result))
+        if not quiet:
+            engine.observer.on_step(result.timings, result.batch_size, len(result.advanced))
+        self._report_counts()
 
     # ---- commands ----
 

@@ -11,10 +11,13 @@ import json
 import os
 import socket
 import time
+import weakref
+from collections.abc import Callable
 
 from procs import rss
 
 from diffusiond.daemon.connections import CONNECTIONS, PROBE_SLOTS
+from diffusiond.engine.outputs import Completed
 
 # Never-reading streams at once: 50 were all cut within 19.8 s here, in two batches of 25 (RSS +99 MiB).
 STREAMS = 50
@@ -124,7 +127,44 @@ def test_clients_that_never_read_are_cut_after_the_write_timeout(serve):
     never_read(server, {**body, "preview_every": 1, "latents": True}, 160 << 20, ("/v1/images/generations", IMAGE))
 
 
-def never_read(server, body: dict, bound: int, after: tuple[str, dict]) -> None:
+def test_clients_that_never_read_a_video_are_cut_and_hold_only_its_file(serve, tiny_wan):
+    """50 native video streams whose clients read nothing, each a clip (17 x 128 x 128, lossless WebP) larger than
+    what the kernel takes for the connection (--send-buffer-bytes 16 KiB, as an operator bounds what such a client
+    pins in kernel memory): each is cut once its writes have waited write_timeout, and while it waits its handler
+    holds the clip's file and one base64 piece, not the float32 clip (3.3 MB each): no clip the engine finished is
+    alive while 10 or more streams wait."""
+    server = serve(model=tiny_wan, write_timeout=1.0, send_buffer_bytes=16 << 10, max_pixels=128 * 128, max_batch=10)
+    body = {"prompt": "a red cat", "width": 128, "height": 128, "num_frames": 17, "num_inference_steps": 2}
+    after = {"prompt": "a cat", "width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 2}
+    engine, guard = server.state.engine, server.app[CONNECTIONS]
+    clips: list[weakref.ref] = []
+    observe = engine.on_event
+
+    def watch(event) -> None:
+        if isinstance(event, Completed):
+            clips.append(weakref.ref(event.image))
+        observe(event)
+
+    seen = []  # (streams waiting on their clients and not cut yet, clips alive), at each poll
+
+    def waiting() -> int:
+        return sum(h.transport is not None and not h.transport.is_closing() for h in guard.stalled)
+
+    def poll() -> None:
+        seen.append(server.call(lambda: (waiting(), sum(ref() is not None for ref in clips))))
+
+    server.call(lambda: setattr(engine, "on_event", watch))
+    try:
+        never_read(server, {**body, "seed": 1, "video_format": "webp"}, 400 << 20, ("/v1/generations", after), poll)
+    finally:
+        server.call(lambda: setattr(engine, "on_event", observe))
+    assert len(clips) >= STREAMS
+    assert max((waiting for waiting, alive in seen if alive == 0), default=0) >= 10, seen
+
+
+def never_read(
+    server, body: dict, bound: int, after: tuple[str, dict], poll: Callable[[], None] = lambda: None
+) -> None:
     """STREAMS clients send `body` to the native stream and read nothing; each is cut, RSS stays within `bound` of
     idle, and then a request to `after` succeeds."""
     guard = server.app[CONNECTIONS]
@@ -149,6 +189,7 @@ def never_read(server, body: dict, bound: int, after: tuple[str, dict]) -> None:
         while server.call(lambda: guard.cut) - cut_before < STREAMS:
             assert time.monotonic() < deadline, f"{server.call(lambda: guard.cut) - cut_before} readers cut"
             peak = max(peak, rss())
+            poll()
             time.sleep(0.05)
         took = time.monotonic() - t0
         # The batch's own compute, and per stream what its handler holds while it waits: one event and one piece

@@ -86,7 +86,7 @@ def test_every_serve_flag_maps_to_its_field():
         "--lora-dir", "/var/lib/loras", "--lora-cache-bytes", "1000", "--lora-fuse",
         "--scheduler-config", '{"shift": 3.0}', "--keepalive-timeout", "5", "--max-connections", "100",
         "--max-reading-bytes", "4096", "--write-timeout", "7", "--allowed-hosts", "a.example", "--allowed-hosts",
-        ".b.example", "--cors-origins", "https://ui.example",
+        ".b.example", "--cors-origins", "https://ui.example", "--send-buffer-bytes", "65536",
     ]  # fmt: skip
     config, sources = load_config(cli(*argv), {})
     assert config == ServeConfig(
@@ -103,7 +103,7 @@ def test_every_serve_flag_maps_to_its_field():
         lora=("style=/loras/style.safetensors", "ink=ink.safetensors"), lora_dir="/var/lib/loras",
         lora_cache_bytes=1000, lora_fuse=1.0, scheduler_config='{"shift": 3.0}', keepalive_timeout=5.0,
         max_connections=100, max_reading_bytes=4096, write_timeout=7.0, allowed_hosts=("a.example", ".b.example"),
-        cors_origins=("https://ui.example",),
+        cors_origins=("https://ui.example",), send_buffer_bytes=65536,
     )  # fmt: skip
     assert all(source.startswith("--") for source in sources.values()), sources
     # The global logging flags, before the subcommand, still work.

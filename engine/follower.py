@@ -11,6 +11,7 @@ import logging
 
 from diffusiond.engine.comm import Communicator
 from diffusiond.engine.executor import FATAL, Executor, GroupFault
+from diffusiond.engine.memory import Trimmer
 from diffusiond.engine.wire import PlanKind, decode_plan
 from diffusiond.models.base import ModelAdapter
 
@@ -19,15 +20,18 @@ log = logging.getLogger(__name__)
 
 def run_follower(adapter: ModelAdapter, comm: Communicator) -> None:
     executor = Executor(adapter, comm=comm, driver=False)
+    trimmer = Trimmer()
     while True:
         try:
             plan = decode_plan(comm.broadcast(None))
             if plan.kind == PlanKind.SHUTDOWN:
                 log.info("rank %d: shutdown plan received", comm.rank)
                 return
-            if plan.kind == PlanKind.HEARTBEAT:
+            if plan.kind == PlanKind.HEARTBEAT:  # rank 0 is idle
+                trimmer.idle()
                 continue
             executor.execute(plan)
+            trimmer.stepped()
         except FATAL as exc:
             # The board's message reaches clients: which rank and stage, never exception text.
             comm.report_fault(str(exc) if isinstance(exc, GroupFault) else f"rank {comm.rank} lost its group")

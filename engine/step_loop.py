@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from diffusiond.engine import lora_commands
 from diffusiond.engine.executor import FATAL, ExecResult, GroupFault
+from diffusiond.engine.memory import Trimmer
 from diffusiond.engine.outputs import Cancelled, Completed, Event, Failed, Latent, Preview, Progress, Queued
 from diffusiond.engine.request import RequestStatus
 from diffusiond.engine.scheduler import QueueFullError, SchedRequest, StepResult
@@ -60,6 +61,7 @@ class StepLoop:
         self.engine = engine
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._counts = (-1, -1)
+        self.trimmer = Trimmer()
 
     def main(self, loaded) -> None:
         """Load the model (if the engine was given a loader), tell the event loop, then run steps."""
@@ -100,6 +102,8 @@ class StepLoop:
                 engine.emit(events)
                 if not running:
                     return
+                if not scheduler.has_work():
+                    self.trimmer.idle()
         except BaseException as exc:
             reason = self._reason(exc)
             log.exception("engine step loop failed (%s); failing every request", reason)
@@ -138,6 +142,7 @@ class StepLoop:
         if not quiet:
             engine.observer.on_step(result.timings, result.batch_size, len(result.advanced))
         self._report_counts()
+        self.trimmer.stepped()
 
     # ---- commands ----
 

@@ -16,6 +16,7 @@ is back.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -93,16 +94,17 @@ def launch(config: ServeConfig) -> int:
         config.max_restarts,
         f", rendezvous {config.rdzv_endpoint} ({config.rdzv_id})" if several else "",
     )
-    lender = None
-    if not several:
-        # The listening socket outlives every rank 0 (daemon/listener.py): a heal refuses no connection. With
-        # several nodes, rank 0's node is known only at the rendezvous: rank 0 binds its own there.
+    # The listening socket outlives every rank 0 (daemon/listener.py): a heal refuses no connection. With several
+    # nodes, rank 0's node is known only at the rendezvous: the launcher there binds when its rank 0 first asks.
+    if several:
+        lender = SocketLender(functools.partial(listening_socket, config.host, config.port))
+    else:
         try:
             lender = SocketLender(listening_socket(config.host, config.port))
         except OSError as exc:
             log.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
             return 1
-        os.environ[LISTENER_ENV] = lender.path
+    os.environ[LISTENER_ENV] = lender.path
     try:
         elastic_launch(launch_config, sys.executable)("-m", "diffusiond", "serve")
     except ChildFailedError as exc:
@@ -113,9 +115,8 @@ def launch(config: ServeConfig) -> int:
         log.info("stopped by %s", signal.Signals(exc.sigval).name)
         return 0
     finally:
-        if lender is not None:
-            lender.close()
-            os.environ.pop(LISTENER_ENV, None)
+        lender.close()
+        os.environ.pop(LISTENER_ENV, None)
     return 0
 
 

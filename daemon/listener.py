@@ -2,9 +2,11 @@
 
 Under `serve --nproc N` the launcher binds the socket (or takes the one systemd passes, socket activation) before
 it starts the group, keeps it for its whole life, and lends it to each rank 0 it starts over a Unix socket
-(SCM_RIGHTS: the agent's subprocesses inherit no descriptors). While a group heals no process accepts, and the
-kernel keeps new connections in the socket's backlog; the next rank 0 accepts them. A single process (`--nproc 1`)
-takes systemd's socket when there is one, else binds its own.
+(SCM_RIGHTS: the agent's subprocesses inherit no descriptors). With several nodes (`--nnodes`), the launcher whose
+node hosts rank 0 binds it when that rank first asks (rank 0's node is known only at the rendezvous; it is the
+node whose address sorts first, so the same one at every restart), and keeps it from then on. While a group heals
+no process accepts, and the kernel keeps new connections in the socket's backlog; the next rank 0 accepts them. A
+single process (`--nproc 1`) takes systemd's socket when there is one, else binds its own.
 
 The launcher also keeps what a failing rank 0 hands it: the connection of a request the group had not started, with
 the request itself (daemon/handover.py), given to the next rank 0 with the listening socket. If no rank 0 comes for
@@ -21,6 +23,7 @@ import socket
 import struct
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -92,9 +95,9 @@ def borrow() -> Lent | None:
         unix.settimeout(TIMEOUT_S)
         unix.connect(path)
         _send(unix, BORROW)
-        op, _, fd = _receive(unix)
+        op, payload, fd = _receive(unix)
         if op != LEND or fd is None:
-            raise OSError(f"the launcher sent no socket on {path}")
+            raise OSError(f"the launcher sent no socket on {path}: {payload.decode(errors='replace') or op}")
         lent = Lent(socket.socket(fileno=fd))
         lent.sock.setblocking(False)
         while (message := _receive(unix))[0] == CARRY:
@@ -115,10 +118,13 @@ def hand(path: str, connection: int, carried: Carried) -> bool:
 
 class SocketLender:
     """The launcher's side: holds `sock`, gives a copy of it to each process that connects to `path`, and keeps
-    the connections a failing rank 0 hands it until the next one borrows the socket."""
+    the connections a failing rank 0 hands it until the next one borrows the socket. `sock` may be a function that
+    makes it, called at the first borrow: with several nodes only the node whose launcher starts rank 0 listens, and
+    which one that is is known at the rendezvous."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+    def __init__(self, sock: socket.socket | Callable[[], socket.socket]) -> None:
+        self.sock = sock if isinstance(sock, socket.socket) else None
+        self._make = sock if not isinstance(sock, socket.socket) else None
         self._dir = tempfile.mkdtemp(prefix="diffusiond-listener-")
         self.path = os.path.join(self._dir, "socket")
         self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -162,6 +168,14 @@ class SocketLender:
         return True
 
     def _lend(self, conn: socket.socket) -> None:
+        if self.sock is None:
+            try:
+                self.sock = self._make()
+            except OSError as exc:
+                log.error("cannot listen for rank 0: %s", exc)
+                _send(conn, REFUSED, str(exc).encode())
+                return
+            log.info("listening for rank 0, on this node from now on")
         _send(conn, LEND, fd=self.sock.fileno())
         self.lent += 1
         with self._lock:
@@ -185,7 +199,8 @@ class SocketLender:
         with contextlib.suppress(OSError):
             self._unix.shutdown(socket.SHUT_RDWR)
         self._unix.close()
-        self.sock.close()
+        if self.sock is not None:
+            self.sock.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

@@ -23,6 +23,17 @@ def collective(what: str) -> Iterator[None]:
         raise CommError(f"{what} failed: {exc}") from exc
 
 
+def gather_digests(digest: bytes, device) -> list[bytes]:
+    """Every rank's `digest` (bytes of one length on every rank), in rank order: what each rank read, compared."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [t.cpu().numpy().tobytes() for t in every]
+
+
 class SharedWorkFailed(RuntimeError):
     """The work failed on rank 0; every rank of the group raises this, at the same point."""
 

@@ -16,6 +16,7 @@ Registration reads the file once to validate it; failures change nothing.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import warnings
@@ -354,15 +355,15 @@ def setup_loras(
     budget_bytes: int,
     fuse_scale: float | None,
     refuse: str | None = None,
-) -> None:
+) -> LoraRegistry | None:
     """On the step thread after loading: LoRA enabled where the family serves it (and nothing in `refuse`, a
     feature it does not compose with yet), the start-up adapters registered, and with `fuse_scale`, the one adapter
-    fused. Raises LoraError (a start-up error) on any bad file."""
+    fused. Raises LoraError (a start-up error) on any bad file. The registry, or None where LoRA is not served."""
     if not adapter.lora or refuse is not None:
         if specs:
             why = refuse or f"the {adapter.family} family does not serve them"
             raise LoraError(f"LoRA adapters cannot be served: {why}")
-        return
+        return None
     registry = adapter.enable_lora(budget_bytes)
     for name, path in specs:
         registry.register(name, path)
@@ -370,3 +371,23 @@ def setup_loras(
         if len(specs) != 1:
             raise LoraError(f"--lora-fuse needs exactly one adapter, got {len(specs)}")
         registry.fuse(specs[0][0], fuse_scale)
+    return registry
+
+
+def same_on_every_rank(registry: LoraRegistry, device: Any) -> None:
+    """Start-up adapters are read by each rank on its own: every rank must have read the same names and bytes (a file
+    replaced while the ranks loaded, or nodes whose --lora-dir differ, would serve other weights on some rows).
+    A collective: every rank of the group calls it. LoraError on every rank when they differ."""
+    from diffusiond.kernels.collectives import gather_digests
+
+    mine = hashlib.sha256()
+    for name in sorted(registry.entries):
+        mine.update(f"{name}\0{registry.entries[name].sha256}\n".encode())
+    digests = gather_digests(mine.digest(), device)
+    differ = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+    if differ:
+        here = ", ".join(f"{e.name}={e.path} (sha256 {e.sha256[:12]}...)" for e in registry.entries.values())
+        raise LoraError(
+            f"ranks {differ} read other start-up LoRA adapters than rank 0 (a file changed while the ranks loaded, "
+            f"or their --lora-dir differ); this rank read: {here or 'none'}"
+        )

@@ -220,7 +220,7 @@ def build_adapter(setup: ModelSetup, rank: int = 0) -> ModelAdapter:
     """The adapter `setup` describes, on the thread that owns torch in this process. With several ranks
     (torch.distributed initialised, `setup.device` this rank's device), its share of the parallel layout."""
     from diffusiond.models.loader import load_adapter
-    from diffusiond.models.lora_registry import setup_loras
+    from diffusiond.models.lora_registry import same_on_every_rank, setup_loras
 
     adapter = load_adapter(
         setup.model,
@@ -236,7 +236,9 @@ def build_adapter(setup: ModelSetup, rank: int = 0) -> ModelAdapter:
         log.info("quantized %d linear layers of the transformer (%s)", adapter.quantized[1], adapter.quantized[0])
     # Before the parallel layout: read through the whole model, as every rank's registry will keep doing.
     specs = startup_specs(setup.lora, setup.lora_dir)
-    setup_loras(adapter, specs, setup.lora_budget, setup.lora_fuse, lora_refusal(setup))
+    registry = setup_loras(adapter, specs, setup.lora_budget, setup.lora_fuse, lora_refusal(setup))
+    if registry is not None and setup.layout.world_size > 1 and (setup.lora or setup.lora_dir):
+        same_on_every_rank(registry, setup.device)
     if setup.layout.world_size > 1:
         _wire_parallel(adapter, setup, rank)
     adapter.enable_step_cache(setup.cache, setup.cache_threshold)  # before any request resolves

@@ -143,7 +143,11 @@ def main() -> None:
         shard_weights=os.environ.get("SPMD_SHARD") == "1",
         vae_degree=int(os.environ.get("SPMD_VAE", "1")),
     )
-    loras = tuple(f"{name}={path}" for name, path in json.loads(os.environ.get("SPMD_LORA", "[]")))
+    # "{rank}" in a path: each rank reads its own file (a test of ranks that read different bytes).
+    loras = tuple(
+        f"{name}={path.replace('{rank}', os.environ['RANK'])}"
+        for name, path in json.loads(os.environ.get("SPMD_LORA", "[]"))
+    )
     rank = join_group(ModelSetup(model=model, layout=layout, lora=loras))
     forwards = record_forwards(rank.adapter)
     encodings = [0]  # text encoder calls on this rank

@@ -1,9 +1,10 @@
 """Several nodes on loopback: two elastic agents (`diffusiond serve --nnodes 2 --nproc 1`, torchrun's agent and
 c10d rendezvous) form one CFG-parallel group, exactly as README's multi-node commands start it.
 
-One story, in order: the group serves; node 1's worker dies (its request fails with one terminal event, the group
-heals); node 1's agent dies (its worker leaves too, no orphan); node 1 comes back (the group heals without anyone
-touching node 0); SIGTERM on both nodes drains and both exit 0. The times to heal are printed (`-s`).
+One story, in order: the group serves; node 1's worker dies (its request fails with one terminal event, clients
+that connect during the heal are served after it); node 1's agent dies (its worker leaves too, no orphan); node 1
+comes back (the group heals without anyone touching node 0); SIGTERM on both nodes drains and both exit 0. The
+times to heal are printed (`-s`).
 """
 
 from __future__ import annotations
@@ -123,6 +124,14 @@ def test_two_nodes_serve_heal_and_drain(nodes):
     assert client.names[-1] == "failed"
     print(f"node 1's worker killed: its request failed after {client.ended_at - t0:.2f} s")
     wait_not_ready(nodes.base)
+    # Clients that connect during the heal wait in the backlog of the socket node 0's launcher holds, and the next
+    # rank 0 serves them at their first attempt (before: rank 0's own socket closed with it, connection refused).
+    during = [Client(nodes.base, body("during the heal", 3, 10 + i)) for i in range(5)]
+    for c in during:
+        c.start()
+    for c in during:
+        c.join(120)
+    assert [(c.error, terminal_events(c.names)) for c in during] == [(None, ["completed"])] * 5, nodes.logs()
     wait_ready(nodes.base, node0, node1)
     print(f"node 1's worker killed: ready again after {time.monotonic() - t0:.1f} s")
     rank0, rank1 = rank_pid(node0.pid, 0), rank_pid(node1.pid, 1)

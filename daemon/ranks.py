@@ -44,24 +44,47 @@ def join_group(setup: ModelSetup) -> Rank:
     setup = msgspec.structs.replace(setup, layout=replace(setup.layout, world_size=world_size))
     check_setup(setup)  # before the group forms: a layout that cannot run fails here, on every rank alike
     device = setup.device
+    device_id = None
     if device.startswith("cuda"):
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = f"cuda:{local_rank}"
-        torch.cuda.set_device(local_rank)
+        device = cuda_device(device)
+        device_id = torch.device(device)
+        torch.cuda.set_device(device_id)
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
-    attempt = agree_on_attempt(device)
+    # device_id: NCCL's communicator is made now, bound to this rank's GPU, not lazily at the first collective.
+    dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT, device_id=device_id)
+    # Plans, heartbeats and agreements: host bytes over gloo, whatever the world's backend (engine/comm.py).
+    plans = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    attempt = agree_on_attempt(plans)
     adapter = build_adapter(msgspec.structs.replace(setup, device=device), rank)
-    return Rank(rank, world_size, adapter, TorchComm(device=device, faults=FaultBoard.from_env(attempt)))
+    comm = TorchComm(device=device, plan_group=plans, faults=FaultBoard.from_env(attempt))
+    return Rank(rank, world_size, adapter, comm)
 
 
-def agree_on_attempt(device: str) -> str:
-    """A name for this incarnation of the group, from rank 0. The agents' restart counts cannot serve: on several
-    nodes they differ (a replaced node's agent starts again from 0), so keys of one attempt could meet another's."""
-    nonce = torch.tensor([secrets.randbits(62) if dist.get_rank() == 0 else 0], dtype=torch.int64, device=device)
-    dist.broadcast(nonce, 0)
+def cuda_device(device: str) -> str:
+    """This rank's GPU: LOCAL_RANK's among those visible. A launcher that gives each rank one GPU of its own
+    (CUDA_VISIBLE_DEVICES per rank) leaves every rank seeing "cuda:0"."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    visible = torch.cuda.device_count()
+    if visible == 0:
+        raise RuntimeError(f"--device {device}: no CUDA device is visible to rank {os.environ.get('RANK')}")
+    if visible == 1:
+        return "cuda:0"
+    if local_rank >= visible:
+        raise RuntimeError(
+            f"rank {os.environ.get('RANK')} (local rank {local_rank}) has no GPU of its own: {visible} are visible "
+            "on this node; start at most that many ranks per node (--nproc)"
+        )
+    return f"cuda:{local_rank}"
+
+
+def agree_on_attempt(group) -> str:
+    """A name for this incarnation of the group, from rank 0 (over the gloo `group`). The agents' restart counts
+    cannot serve: on several nodes they differ (a replaced node's agent starts again from 0), so keys of one attempt
+    could meet another's."""
+    nonce = torch.tensor([secrets.randbits(62) if dist.get_rank() == 0 else 0], dtype=torch.int64)
+    dist.broadcast(nonce, 0, group=group)
     return f"{int(nonce.item()):x}"
 
 

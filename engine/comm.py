@@ -62,7 +62,11 @@ class LocalComm:
 
 
 class TorchComm:
-    """Step plans over torch.distributed: gloo on CPU, NCCL with a device buffer on GPU.
+    """Step plans over torch.distributed, on the CPU: a gloo group of the same ranks (`plan_group`) carries plans,
+    heartbeats and agreements whatever the world's backend, so that under NCCL a plan never makes a round trip
+    through device memory (a pageable copy and a stream sync every step) and an idle follower waits on a socket,
+    which a dead peer closes, rather than inside an NCCL collective. The rows a shared decode gathers (device
+    tensors) go over the world group (`group`).
 
     One broadcast per step: a fixed-size buffer carries an 8-byte length header and the plan. A plan that does not
     fit (long prompts) follows in a second broadcast of exactly the missing bytes.
@@ -71,7 +75,13 @@ class TorchComm:
     HEADER = 8
 
     def __init__(
-        self, *, device: str = "cpu", buffer_bytes: int = 4096, group=None, faults: FaultBoard | None = None
+        self,
+        *,
+        device: str = "cpu",
+        buffer_bytes: int = 4096,
+        group=None,
+        plan_group=None,
+        faults: FaultBoard | None = None,
     ) -> None:
         import torch
         import torch.distributed as dist
@@ -79,42 +89,44 @@ class TorchComm:
         self._torch = torch
         self._dist = dist
         self.group = group
+        self.plan_group = plan_group if plan_group is not None else group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.device = torch.device(device)
         self.capacity = buffer_bytes - self.HEADER
-        self._buffer = torch.zeros(buffer_bytes, dtype=torch.uint8, device=self.device)
+        self._buffer = torch.zeros(buffer_bytes, dtype=torch.uint8)  # host memory: plans never touch the device
         self.faults = faults
+        self.plans = 0  # broadcasts made (tests, benchmarks)
 
     def broadcast(self, data: bytes | None) -> bytes:
-        torch = self._torch
+        torch, group = self._torch, self.plan_group
+        self.plans += 1
         try:
             if self.rank == 0:
                 assert data is not None
                 head = len(data).to_bytes(self.HEADER, "little") + data[: self.capacity]
                 self._buffer[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
-                self._dist.broadcast(self._buffer, src=0, group=self.group)
+                self._dist.broadcast(self._buffer, src=0, group=group)
                 rest = data[self.capacity :]
                 if rest:
-                    extra = torch.frombuffer(bytearray(rest), dtype=torch.uint8).to(self.device)
-                    self._dist.broadcast(extra, src=0, group=self.group)
+                    self._dist.broadcast(torch.frombuffer(bytearray(rest), dtype=torch.uint8), src=0, group=group)
                 return data
-            self._dist.broadcast(self._buffer, src=0, group=self.group)
-            first = self._buffer[: self.HEADER + self.capacity].cpu().numpy().tobytes()
+            self._dist.broadcast(self._buffer, src=0, group=group)
+            first = self._buffer[: self.HEADER + self.capacity].numpy().tobytes()
             size = int.from_bytes(first[: self.HEADER], "little")
             if size <= self.capacity:
                 return first[self.HEADER : self.HEADER + size]
-            extra = torch.empty(size - self.capacity, dtype=torch.uint8, device=self.device)
-            self._dist.broadcast(extra, src=0, group=self.group)
-            return first[self.HEADER :] + extra.cpu().numpy().tobytes()
+            extra = torch.empty(size - self.capacity, dtype=torch.uint8)
+            self._dist.broadcast(extra, src=0, group=group)
+            return first[self.HEADER :] + extra.numpy().tobytes()
         except Exception as exc:
             raise CommError(f"plan broadcast failed on rank {self.rank}: {exc}") from exc
 
     def agree(self, flags: list[int]) -> list[int]:
         torch = self._torch
         try:
-            tensor = torch.tensor(flags, dtype=torch.int32).to(self.device)
-            self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX, group=self.group)
+            tensor = torch.tensor(flags, dtype=torch.int32)
+            self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX, group=self.plan_group)
             return tensor.tolist()
         except Exception as exc:
             raise CommError(f"agreement failed on rank {self.rank}: {exc}") from exc

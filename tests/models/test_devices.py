@@ -1,0 +1,98 @@
+"""What would break on the first GPU run, checked on the CPU (issue 31): every tensor reaches a module on that
+module's device and dtype.
+
+Broken on purpose once: with the fitted preview map's latents left on the CPU (as before), every family that fits
+one at load failed here (on a GPU: a device mismatch in the VAE's first convolution, at start-up)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusiond.models.loader import load_adapter
+
+# Families with no published preview map: they fit one against their VAE when they load.
+FITTING = ["tiny_kontext", "tiny_flux2klein", "tiny_qwenimage", "tiny_sdxl", "tiny_wan", "tiny_wan_i2v"]
+
+
+@pytest.mark.parametrize("fixture", FITTING)
+def test_a_fitted_preview_map_decodes_latents_on_the_models_device(fixture, request):
+    adapter = load_adapter(request.getfixturevalue(fixture))
+    seen = []
+
+    def decode(z: torch.Tensor) -> torch.Tensor:  # the family's VAE decode, as if the model were on "meta"
+        seen.append((z.device, z.dtype))
+        n, _, h, w = z.shape
+        return torch.rand(n, 3, h * adapter.vae_scale_factor, w * adapter.vae_scale_factor) * 2 - 1
+
+    adapter._decode = decode
+    adapter.device, adapter.dtype = torch.device("meta"), torch.bfloat16
+    fitted = adapter._load_preview_map("a/hub/id")  # not a folder: no stored map, so it is fitted
+    assert fitted.source == "fitted"
+    assert seen == [(torch.device("meta"), torch.bfloat16)]
+
+
+def test_sdxl_in_float16_decodes_in_float32_as_its_vae_asks(tiny_sdxl, tmp_path):
+    """SDXL's VAE overflows in float16 (NaN images); its pipeline decodes in float32 when the VAE's config says
+    `force_upcast` (every SDXL checkpoint's does). Before: the VAE stayed in float16."""
+    import json
+    import shutil
+
+    model = shutil.copytree(tiny_sdxl, tmp_path / "sdxl")
+    config = model / "vae" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "force_upcast": True}))
+    adapter = load_adapter(str(model), dtype=torch.float16)
+    assert adapter.transformer.dtype == torch.float16
+    assert adapter.vae.dtype == torch.float32
+    image = adapter._decode(torch.randn(1, 4, 8, 8, dtype=torch.float16) * 30)
+    assert image.dtype == torch.float32 and bool(torch.isfinite(image).all())
+
+
+def test_finished_requests_decode_in_calls_of_bounded_size(tiny_sd3, monkeypatch):
+    """Requests that finish together are decoded in VAE calls of at most DECODE_PIXELS output pixels each (before:
+    all of them in one call, 8 images of 2048 x 2048 at once), and the images are those of one call."""
+    from engines import generate
+
+    from diffusiond.models import flowmatch
+
+    adapter = load_adapter(tiny_sd3)
+    expected = generate(adapter, seeds=(1, 2, 3, 4, 5))
+    calls = []
+    decode = adapter.vae.decode
+
+    def counted(latents, *args, **kwargs):
+        calls.append(latents.shape[0])
+        return decode(latents, *args, **kwargs)
+
+    monkeypatch.setattr(adapter.vae, "decode", counted)
+    monkeypatch.setattr(flowmatch, "DECODE_PIXELS", 2 * 64 * 64)
+    got = generate(adapter, seeds=(1, 2, 3, 4, 5))
+    assert calls == [2, 2, 1], calls
+    for a, b in zip(expected, got, strict=True):
+        assert abs(a - b).max() <= 1e-5
+
+
+def test_defaults_on_a_gpu_are_what_runs_there(tmp_path):
+    """`--dtype auto` (the default): bfloat16 on CUDA, float32 on the CPU (before: float32 everywhere, so flash-attn
+    failed the warm-up and fp8 tripped torchao's assertion); combinations that cannot run are refused at start,
+    before any torch import, naming the flag to change."""
+    from diffusiond.daemon.config import ServeConfig, model_setup
+    from diffusiond.models.setup import ModelSetup, SetupError, check_setup
+
+    assert model_setup(ServeConfig(device="cuda")).dtype == "bfloat16"
+    assert model_setup(ServeConfig(device="cuda:3")).dtype == "bfloat16"
+    assert model_setup(ServeConfig()).dtype == "float32"
+    assert model_setup(ServeConfig(device="cuda", dtype="float16")).dtype == "float16"
+    model = str(tmp_path / "absent")
+    with pytest.raises(SetupError, match="--quantize fp8 runs in bfloat16: use --dtype bfloat16"):
+        check_setup(ModelSetup(model=model, device="cuda", dtype="float16", quantize="fp8"))
+    with pytest.raises(SetupError, match="--attention flash runs in float16 or bfloat16 only"):
+        check_setup(ModelSetup(model=model, device="cuda", dtype="float32", attention="flash"))
+    check_setup(ModelSetup(model=model, device="cuda", dtype="bfloat16", quantize="fp8", attention="flash"))
+
+
+def test_the_two_lists_of_half_precision_kernels_agree():
+    from diffusiond.kernels.attention import HALF_ONLY
+    from diffusiond.models.setup import HALF_ONLY_ATTENTION
+
+    assert HALF_ONLY == HALF_ONLY_ATTENTION

@@ -43,6 +43,26 @@ class Job(msgspec.Struct):
     threads: int
 
 
+def timed(fn, device, seconds: list[float]):
+    """`fn`, each call's seconds appended to `seconds`. On CUDA the device is synchronised before and after: a kernel
+    launch returns at once, and `perf_counter` around it alone measures launches, not work."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+
+    def call(*args, **kwargs):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - t0)
+        return out
+
+    return call
+
+
 def _setup(model: str, flags: list[str]):
     """The model setup `diffusiond serve --model MODEL FLAGS` would run, in this rank's group."""
     from diffusiond.daemon.cli import build_parser
@@ -69,15 +89,7 @@ def worker(job: Job) -> None:
     rank = join_group(_setup(job.model, job.flags))
     weights = param_bytes(rank.adapter.transformer)
     steps: list[float] = []
-    real = rank.adapter.denoise
-
-    def timed(states):
-        t0 = time.perf_counter()
-        out = real(states)
-        steps.append(time.perf_counter() - t0)
-        return out
-
-    rank.adapter.denoise = timed
+    rank.adapter.denoise = timed(rank.adapter.denoise, rank.adapter.device, steps)
     wall = 0.0
     if rank.rank == 0:
 

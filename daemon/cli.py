@@ -46,7 +46,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="diffusers checkpoint folder or hub id (default: the bundled default model)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1 ... (default: cpu)")
     parser.add_argument(
-        "--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="(default: float32)"
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="auto: bfloat16 on a GPU, float32 on the CPU (default: auto)",
     )
     parser.add_argument("--threads", type=int, help="torch threads (default: OMP_NUM_THREADS, else all cores)")
     from diffusiond.daemon.config import ATTENTION_CHOICES, QUANTIZE_CHOICES
@@ -105,7 +108,7 @@ def generate_setup(args: argparse.Namespace):
     from diffusiond.models.declared import check_declared, read_declared
     from diffusiond.models.inputs import check_image
     from diffusiond.models.params import ParamError, params_from
-    from diffusiond.models.setup import ModelSetup, SetupError, check_setup
+    from diffusiond.models.setup import ModelSetup, SetupError, check_setup, resolve_dtype
 
     model = resolve_model(args.model)
     width, height = args.size or (None, None)
@@ -140,7 +143,7 @@ def generate_setup(args: argparse.Namespace):
         setup = ModelSetup(
             model=model,
             device=args.device,
-            dtype=args.dtype,
+            dtype=resolve_dtype(args.dtype, args.device),
             attention=args.attention,
             quantize=args.quantize,
             offload=args.offload,

@@ -21,7 +21,7 @@ import msgspec
 
 from diffusiond.kernels.layout import ParallelLayout
 from diffusiond.models.params import MAX_IMAGE_BYTES, MAX_STEPS
-from diffusiond.models.setup import ModelSetup
+from diffusiond.models.setup import ModelSetup, resolve_dtype
 
 # The most images one OpenAI request may ask for (`n`): OpenAI's own limit.
 MAX_N = 10
@@ -62,7 +62,8 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # Seconds without an event after which an SSE stream gets a comment line, so proxies keep it open.
     sse_keepalive: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     device: str = "cpu"
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    # auto: bfloat16 on a CUDA device, float32 elsewhere (models/setup.py resolve_dtype).
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     threads: Positive | None = None
     max_body_bytes: Positive = 1 << 20
     # The HTTP edge (daemon/edge.py, daemon/connections.py). keepalive_timeout: seconds a connection may go without a
@@ -341,7 +342,7 @@ def model_setup(config: ServeConfig) -> ModelSetup:
     return ModelSetup(
         model=config.model or default_model(),
         device=config.device,
-        dtype=config.dtype,
+        dtype=resolve_dtype(config.dtype, config.device),
         attention=config.attention,
         compile=config.compile,
         compile_cache=config.compile_cache,

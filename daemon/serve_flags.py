@@ -24,7 +24,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="the model's name in the API (default: the name the checkpoint declares, else its folder name)",
     )
     add("--device", help=f"torch device: cpu, cuda, cuda:1 ... (default: {d.device})")
-    add("--dtype", choices=["float32", "float16", "bfloat16"], help=f"weights and activations (default: {d.dtype})")
+    add(
+        "--dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help=f"weights and activations; auto: bfloat16 on a GPU, float32 on the CPU (default: {d.dtype})",
+    )
     add("--threads", type=int, help="torch threads (default: OMP_NUM_THREADS, else all cores; cores/N per rank)")
 
     add = parser.add_argument_group("HTTP").add_argument

@@ -7,9 +7,14 @@ default and logs an "experimental" warning on every load. SD3's stock `JointAttn
 (diffusers 0.42), so for any backend but `sdpa` it is swapped for `DispatchJointAttnProcessor`, the same steps with
 the attention call dispatched. The Ulysses processors (models/, through kernels/ulysses.py) call `attention` too.
 
-`auto` (the default) is flash-attn on a CUDA device where the package imports, SDPA otherwise. A backend that cannot
-run here (no GPU, package missing) is a start-up error naming what is missing; flash-attn is imported only when
-chosen (or probed by `auto` on a GPU).
+`auto` (the default) is flash-attn on a CUDA device in fp16 or bf16 where the package imports and passes diffusers'
+own version check, SDPA otherwise. A backend that cannot run here (no GPU, package missing or too old, a float32
+model for a kernel that takes only fp16/bf16) is a start-up error naming what is missing; flash-attn is imported
+only when chosen (or probed by `auto` on a GPU).
+
+flash-attn (2 and 3) and SageAttention refuse attention masks, which the families that pad texts in a batch pass
+(Qwen-Image, Z-Image: `Family.attention_masks`). Their transformers get the varlen form of the same kernel instead,
+which takes a key-padding mask (`MASKED`): a masked call never reaches a kernel that rejects it.
 """
 
 from __future__ import annotations
@@ -41,43 +46,59 @@ _PACKAGES: dict[str, tuple[str, str]] = {
     "xformers": ("xformers", "xformers"),
 }
 _CUDA_ONLY = {"efficient", "cudnn", "flash", "flash3", "sage", "xformers"}
+# Kernels for fp16 and bf16 tensors only (models/setup.py HALF_ONLY_ATTENTION says the same without torch).
+HALF_ONLY = ("flash", "flash3", "sage")
+# For transformers whose attention takes masks: the kernel (diffusers' name) that does what each of ours does and
+# takes a key-padding mask.
+MASKED: dict[str, str] = {"flash": "flash_varlen", "flash3": "_flash_varlen_3", "sage": "sage_varlen"}
 
 
 class AttentionUnavailable(ValueError):
     """The chosen backend cannot run here; the message says why and what to do."""
 
 
-def resolve(choice: str, device: str | torch.device) -> str:
-    """The backend `choice` means on `device` ("auto": the best available), or AttentionUnavailable."""
+def resolve(choice: str, device: str | torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """The backend `choice` means on `device` for a model in `dtype` ("auto": the best available), or
+    AttentionUnavailable."""
     device = torch.device(device)
     if choice == "auto":
-        if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-            return "flash"
+        if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+            try:
+                return resolve("flash", device, dtype)
+            except AttentionUnavailable:
+                pass
         return "sdpa"
     if choice not in BACKENDS:
         raise AttentionUnavailable(f"--attention {choice!r}: not a backend; choose from {', '.join(CHOICES)}")
     if choice in _CUDA_ONLY and device.type != "cuda":
         raise AttentionUnavailable(f"--attention {choice} needs a CUDA device; the model is on {device.type}")
+    if choice in HALF_ONLY and dtype not in (torch.float16, torch.bfloat16):
+        dtype_name = str(dtype).removeprefix("torch.")
+        raise AttentionUnavailable(
+            f"--attention {choice} runs in float16 or bfloat16 only; the model is {dtype_name} (--dtype bfloat16)"
+        )
     if choice in _PACKAGES:
         module, package = _PACKAGES[choice]
         if importlib.util.find_spec(module) is None:
             raise AttentionUnavailable(f"--attention {choice} needs the {package} package, which is not installed")
-    # diffusers' own checks (package versions, kernels hub).
+    # diffusers' own checks (package versions, kernels hub), for the kernel and its masked form.
     from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
 
-    try:
-        _check_attention_backend_requirements(AttentionBackendName(BACKENDS[choice]))
-    except RuntimeError as exc:
-        raise AttentionUnavailable(f"--attention {choice}: {exc}") from exc
+    for name in (BACKENDS[choice], MASKED.get(choice)):
+        try:
+            if name is not None:
+                _check_attention_backend_requirements(AttentionBackendName(name))
+        except RuntimeError as exc:
+            raise AttentionUnavailable(f"--attention {choice}: {exc}") from exc
     return choice
 
 
-def _diffusers_backend(name: str | None) -> Any:
+def _diffusers_backend(name: str | None, masked: bool = False) -> Any:
     if name is None or name == "sdpa":
         return None
     from diffusers.models.attention_dispatch import AttentionBackendName
 
-    return AttentionBackendName(BACKENDS[name])
+    return AttentionBackendName(MASKED[name] if masked and name in MASKED else BACKENDS[name])
 
 
 def attention(
@@ -145,12 +166,13 @@ class DispatchJointAttnProcessor:
         return hidden_states
 
 
-def apply(transformer: torch.nn.Module, backend: str) -> int:
+def apply(transformer: torch.nn.Module, backend: str, masked: bool = False) -> int:
     """Route every attention layer of `transformer` to `backend` (resolved); the number of layers set. `sdpa`
-    leaves processors that call SDPA themselves as they are."""
+    leaves processors that call SDPA themselves as they are. `masked`: the transformer's attention takes masks, so a
+    kernel that refuses them is replaced by its varlen form (MASKED)."""
     from diffusers.models.attention_processor import JointAttnProcessor2_0
 
-    target = _diffusers_backend(backend)
+    target = _diffusers_backend(backend, masked)
     count = 0
     for module in transformer.modules():
         processor = getattr(module, "processor", None)

@@ -40,6 +40,9 @@ class Family:
     lora: bool = False
     # Packages its pipeline needs beyond diffusiond's own dependencies.
     needs: tuple[str, ...] = ()
+    # Its attention takes masks (texts of a batch padded to the longest): kernels that refuse masks run in their
+    # varlen form (kernels/attention.py MASKED).
+    attention_masks: bool = False
 
 
 ALL_PARALLEL = ("cfg-parallel", "ulysses", "ring", "tp", "shard-weights", "vae-parallel")
@@ -101,6 +104,7 @@ Z_IMAGE = Family(
     parallel=("cfg-parallel", "ulysses", "shard-weights", "vae-parallel"),
     image_inputs=("img2img", "mask"),
     lora=True,
+    attention_masks=True,
 )
 QWEN_IMAGE = Family(
     "QwenImagePipeline",
@@ -113,6 +117,7 @@ QWEN_IMAGE = Family(
     cache_with_ulysses=False,
     image_inputs=("img2img", "mask"),
     lora=True,
+    attention_masks=True,
 )
 WAN = Family(
     "WanPipeline",
@@ -137,6 +142,23 @@ WAN_I2V = Family(
 
 FAMILIES: dict[str, Family] = {
     f.pipeline_class: f for f in (SD3, SDXL, FLUX, FLUX_KONTEXT, FLUX2_KLEIN, Z_IMAGE, QWEN_IMAGE, WAN, WAN_I2V)
+}
+
+
+# Hub checkpoints whose family and transformer heads are known without downloading them (their model_index.json
+# `_class_name` and transformer config's `num_attention_heads`): `serve --model ID` checks its layout against them
+# at start, not after minutes of download, and the shipped manifests are checked against them in CI.
+KNOWN_CHECKPOINTS: dict[str, tuple[str, int]] = {
+    "stabilityai/stable-diffusion-3-medium-diffusers": ("StableDiffusion3Pipeline", 24),
+    "stabilityai/stable-diffusion-3.5-medium": ("StableDiffusion3Pipeline", 24),
+    "stabilityai/stable-diffusion-3.5-large": ("StableDiffusion3Pipeline", 38),
+    "black-forest-labs/FLUX.1-dev": ("FluxPipeline", 24),
+    "black-forest-labs/FLUX.1-schnell": ("FluxPipeline", 24),
+    "black-forest-labs/FLUX.1-Kontext-dev": ("FluxKontextPipeline", 24),
+    "Qwen/Qwen-Image": ("QwenImagePipeline", 24),
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("WanPipeline", 12),
+    "Wan-AI/Wan2.1-T2V-14B-Diffusers": ("WanPipeline", 40),
+    "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": ("WanImageToVideoPipeline", 40),
 }
 
 

@@ -41,6 +41,9 @@ from diffusiond.models.resolution import RequestResolution
 from diffusiond.models.sampler import FlowMatchSampler, step_batch
 
 log = logging.getLogger(__name__)
+# Output pixels (x frames) one VAE call decodes at most: 4 images of 1024 x 1024, 16 of 512 x 512; a larger image or
+# clip is decoded alone.
+DECODE_PIXELS = 4 << 20
 
 
 def null_components(source: str) -> dict[str, None]:
@@ -263,8 +266,15 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
     def set_attention(self, choice: str) -> str:
         """Route every attention layer (Ulysses ones included, so call it after the group is set up) to the backend
         `choice` means on this device (kernels/attention.py); the resolved name. Python objects only, no torch work."""
-        backend = attention.resolve(choice, self.device)
-        attention.apply(self.transformer, backend)
+        backend = attention.resolve(choice, self.device, self.dtype)
+        routed = attention.apply(self.transformer, backend, masked=self.spec.attention_masks)
+        if not routed and backend != "sdpa":
+            # No layer dispatches its attention (SDXL's UNet calls SDPA itself).
+            if choice != "auto":
+                from diffusiond.models.setup import SetupError
+
+                raise SetupError(f"--attention {choice}: the {self.family} family's attention runs SDPA only")
+            backend = "sdpa"
         self.attention_backend = backend
         return backend
 
@@ -398,7 +408,18 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
     @torch.inference_mode()
     def decode_latents(self, states: Sequence[RequestState]) -> torch.Tensor:
         self._stage("vae")
-        return self._decode(self._unpack(torch.cat([s.latents for s in states]), states[0].params))
+        p = states[0].params  # one batch key: one size
+        latents = self._unpack(torch.cat([s.latents for s in states]), p)
+        return self._decode_within(latents, p.width * p.height * (p.num_frames or 1))
+
+    def _decode_within(self, latents: torch.Tensor, pixels_each: int) -> torch.Tensor:
+        """`_decode` of a batch, in calls of at most DECODE_PIXELS output pixels (x frames) each, one image or clip
+        at least: a VAE's activations grow with what it decodes at once (8 images of 2048 x 2048 in one call ran a
+        GPU out of memory, which inside a group is a fault of the group)."""
+        per_call = max(1, DECODE_PIXELS // max(1, pixels_each))
+        if latents.shape[0] <= per_call:
+            return self._decode(latents)
+        return torch.cat([self._decode(latents[i : i + per_call]) for i in range(0, latents.shape[0], per_call)])
 
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Model-space VAE-shaped latents [B, C, h, w] -> the VAE's output [B, 3, H, W] in [-1, 1]."""
@@ -409,7 +430,7 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
     def preview_vae(self, x0: torch.Tensor) -> list[np.ndarray]:
         """Predicted clean latents [B, C, h, w] (`predicted_x0`, one size) decoded by the VAE: uint8 [H, W, 3] each."""
         self._stage("vae")
-        images = self._decode(x0)
+        images = self._decode_within(x0, x0.shape[-2] * x0.shape[-1] * self.vae_scale_factor**2)
         return [(image * 255).round().astype(np.uint8) for image in self.postprocess(images)]
 
     def postprocess(self, images: torch.Tensor) -> list[np.ndarray]:
@@ -429,7 +450,10 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
         channels = self._latent_channels()
         if published is not None and len(published.factors) == channels:
             return published
-        return preview_maps.fit_decoder(self._decode, channels, self.vae_scale_factor)
+        # Latents where the family's decode takes them: the transformer's device and dtype (the VAE may be on a GPU).
+        return preview_maps.fit_decoder(
+            self._decode, channels, self.vae_scale_factor, device=self.device, dtype=self.dtype
+        )
 
     def attention_heads(self) -> int | None:
         return attention_heads(self.transformer.config)

@@ -182,11 +182,19 @@ def fit_latent_rgb(vae: AutoencoderKL, *, samples: int = 8, size: int = 16, seed
 
 
 def fit_decoder(
-    decode: Callable[[torch.Tensor], torch.Tensor], channels: int, scale: int, *, samples: int = 8, size: int = 16
+    decode: Callable[[torch.Tensor], torch.Tensor],
+    channels: int,
+    scale: int,
+    *,
+    samples: int = 8,
+    size: int = 16,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> LatentRGB:
-    """`fit_latent_rgb` for any decoder of model-space latents [N, C, h, w] (a family's own `_decode`)."""
+    """`fit_latent_rgb` for any decoder of model-space latents [N, C, h, w] (a family's own `_decode`), fed on the
+    decoder's `device` and `dtype` (the latents are drawn on the CPU, so the map is the same wherever it is fit)."""
     z = random_latents(channels, samples=samples, size=size, seed=0)
-    return fit_pairs(z, pooled(decode, z, scale))
+    return fit_pairs(z, pooled(decode, z.to(device=device, dtype=dtype), scale))
 
 
 def fit_pairs(z: torch.Tensor, rgb: torch.Tensor) -> LatentRGB:

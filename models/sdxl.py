@@ -31,6 +31,10 @@ class SDXLAdapter(FlowMatchAdapter):
     TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 
     def __init__(self, pipe: Any, *, source: str) -> None:
+        if pipe.vae.dtype == torch.float16 and pipe.vae.config.force_upcast:
+            # SDXL's VAE overflows in float16 (NaN images): its pipeline decodes in float32 whenever the config says
+            # `force_upcast`; here it stays in float32 (a few hundred MB), the UNet in float16.
+            pipe.vae.to(torch.float32)
         super().__init__(pipe, source=source)
         order = getattr(pipe.scheduler, "order", 1)
         if order != 1:

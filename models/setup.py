@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from diffusiond.kernels.layout import ParallelLayout
-from diffusiond.models.families import Family
+from diffusiond.models.families import FAMILIES, KNOWN_CHECKPOINTS, Family
 from diffusiond.models.lora_files import LoraError, check_safetensors, startup_specs
 from diffusiond.models.registry import attention_heads, family_of_checkpoint
 
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_LORA_BUDGET = 2 << 30
+# Attention kernels for fp16/bf16 tensors only (kernels/attention.py `_HALF_ONLY`; a test keeps them equal).
+HALF_ONLY_ATTENTION = ("flash", "flash3", "sage")
 
 
 class SetupError(ValueError):
@@ -66,6 +68,18 @@ class ModelSetup(msgspec.Struct, frozen=True, kw_only=True):
     lora_fuse: float | None = None
 
 
+# `--dtype auto`: what runs well where the model runs. GPUs compute in bfloat16 (flash-attn and fp8 need a half
+# type); the CPU in float32 (the parity tests' dtype, and CPUs without bf16 units are slower in it).
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """`dtype` ("auto": bfloat16 on a CUDA device, float32 elsewhere) as a torch dtype's name."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
 def lora_refusal(setup: ModelSetup) -> str | None:
     """The setting LoRA per request does not compose with yet (None: none): tensor parallel and sharded weights
     split the linears its deltas add to, offloading moves them between devices, and compiled blocks would recompile
@@ -93,6 +107,9 @@ def check_setup(setup: ModelSetup, *, family: Family | None = None, heads: int |
         except (ValueError, FileNotFoundError) as exc:
             raise SetupError(str(exc)) from None
         heads = heads or _heads(setup.model)
+    elif family is None and setup.model in KNOWN_CHECKPOINTS:  # a hub id: checked before any download
+        pipeline_class, known_heads = KNOWN_CHECKPOINTS[setup.model]
+        family, heads = FAMILIES[pipeline_class], heads or known_heads
     if family is not None:
         _check_family(setup, family, heads)
     try:
@@ -113,6 +130,15 @@ def _check_combinations(setup: ModelSetup) -> None:
     if layout.ring_degree > 1 and (compiled or setup.attention not in ("auto", "sdpa")):
         # Ring attention merges blocks by the log-sum-exp that only its SDPA kernels return.
         raise SetupError("--ring runs its own SDPA kernels: drop --compile and --attention other than sdpa")
+    on_gpu = setup.device.startswith("cuda")  # elsewhere the device is what to fix (check_kernels says so)
+    if on_gpu and setup.quantize == "fp8" and setup.dtype != "bfloat16":
+        # torchao's float8 matmuls take bfloat16 activations (an assertion deep in the first forward otherwise).
+        raise SetupError(f"--quantize fp8 runs in bfloat16: use --dtype bfloat16 (or auto), not {setup.dtype}")
+    if on_gpu and setup.attention in HALF_ONLY_ATTENTION and setup.dtype not in ("float16", "bfloat16"):
+        raise SetupError(
+            f"--attention {setup.attention} runs in float16 or bfloat16 only: use --dtype bfloat16 (or auto on a "
+            f"GPU), not {setup.dtype}"
+        )
     plain = not compiled and setup.quantize == "none" and setup.offload == "none"
     if layout.tp_degree > 1 and not plain:
         raise SetupError("--tp shards plain weights: drop --compile, --quantize and --offload with it")
@@ -205,11 +231,13 @@ def _check_family(setup: ModelSetup, family: Family, heads: int | None) -> None:
 
 def check_kernels(setup: ModelSetup) -> None:
     """What only torch can tell: the attention backend, quantization and offload on this device (SetupError)."""
+    import torch
+
     from diffusiond.kernels import offload, quantize
     from diffusiond.kernels.attention import AttentionUnavailable, resolve
 
     try:
-        resolve(setup.attention, setup.device)
+        resolve(setup.attention, setup.device, getattr(torch, setup.dtype))
         quantize.check(setup.quantize, setup.device)
         offload.check(setup.offload, setup.device)
     except (AttentionUnavailable, quantize.QuantizationUnavailable, offload.OffloadUnavailable) as exc:

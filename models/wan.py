@@ -398,7 +398,9 @@ class WanAdapter(FlowMatchAdapter):
         """[B, C, T, h, w] decoded by the VAE; the frames at latent-frame positions (0, 4, 8, ...) side by side."""
         self._stage("vae")
         strips = []
-        for video in self.postprocess(self._decode(x0)):  # [F, H, W, 3]
+        count = (x0.shape[2] - 1) * self.frame_step + 1  # frames of each clip
+        pixels = count * x0.shape[-2] * x0.shape[-1] * self.vae_scale_factor**2
+        for video in self.postprocess(self._decode_within(x0, pixels)):  # [F, H, W, 3]
             frames = (video[:: self.frame_step] * 255).round().astype(np.uint8)
             strips.append(np.concatenate(list(frames), axis=1))
         return strips

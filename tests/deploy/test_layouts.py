@@ -13,7 +13,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from test_kubernetes import pod_templates
+from deploy.test_kubernetes import pod_templates
 
 from diffusiond.daemon.cli import build_parser
 from diffusiond.daemon.config import check_serving, load_config
@@ -43,7 +43,8 @@ def shell_lines() -> list[tuple[str, list[str]]]:
     """(where, serve's arguments) of every documented command line that sets a layout."""
     out = []
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        text = re.sub(r"\\\n\s*", " ", path.read_text())  # continuation lines joined
+        blocks = re.findall(r"```[a-z]*\n(.*?)```", path.read_text(), re.S)  # code blocks only, not prose
+        text = re.sub(r"\\\n\s*", " ", "\n".join(blocks))  # continuation lines joined
         for line in text.splitlines():
             command = line.split("#", 1)[0].strip()
             if "diffusiond serve" not in command or not any(flag in command for flag in LAYOUT_FLAGS):

@@ -108,7 +108,7 @@ def generate_setup(args: argparse.Namespace):
     from diffusiond.models.declared import check_declared, read_declared
     from diffusiond.models.inputs import check_image
     from diffusiond.models.params import ParamError, params_from
-    from diffusiond.models.setup import ModelSetup, SetupError, check_setup, resolve_dtype
+    from diffusiond.models.setup import ModelSetup, SetupError, check_setup
 
     model = resolve_model(args.model)
     width, height = args.size or (None, None)
@@ -143,7 +143,7 @@ def generate_setup(args: argparse.Namespace):
         setup = ModelSetup(
             model=model,
             device=args.device,
-            dtype=resolve_dtype(args.dtype, args.device),
+            dtype=args.dtype,
             attention=args.attention,
             quantize=args.quantize,
             offload=args.offload,

@@ -21,7 +21,7 @@ import msgspec
 
 from diffusiond.kernels.layout import ParallelLayout
 from diffusiond.models.params import MAX_IMAGE_BYTES, MAX_STEPS
-from diffusiond.models.setup import ModelSetup, resolve_dtype
+from diffusiond.models.setup import ModelSetup
 
 # The most images one OpenAI request may ask for (`n`): OpenAI's own limit.
 MAX_N = 10
@@ -342,7 +342,7 @@ def model_setup(config: ServeConfig) -> ModelSetup:
     return ModelSetup(
         model=config.model or default_model(),
         device=config.device,
-        dtype=resolve_dtype(config.dtype, config.device),
+        dtype=config.dtype,
         attention=config.attention,
         compile=config.compile,
         compile_cache=config.compile_cache,

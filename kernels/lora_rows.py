@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diffusiond.kernels.host import to_device
+
 
 @dataclass(frozen=True, eq=False)
 class LoraWeights:
@@ -62,7 +64,7 @@ class RowPlan:
             for lora, scale in selection:
                 members.setdefault((id(lora), scale), (lora, scale, []))[2].append(row)
         self.groups = [
-            (lora, scale, None if len(rows) == self.num_rows else torch.tensor(rows, device=device))
+            (lora, scale, None if len(rows) == self.num_rows else to_device(rows, device))
             for lora, scale, rows in members.values()
         ]
         self.gathered = _Gathered.of(list(members.values()), self.num_rows, device) if len(members) > 1 else None
@@ -115,8 +117,8 @@ class _Gathered:
                     return None
                 owner[row] = g
         rows = sorted(owner)
-        index = None if len(rows) == num_rows else torch.tensor(rows, device=device)
-        scales = torch.tensor([members[owner[r]][1] for r in rows], device=device).view(-1, 1, 1)
+        index = None if len(rows) == num_rows else to_device(rows, device)
+        scales = to_device([members[owner[r]][1] for r in rows], device).view(-1, 1, 1)
         return _Gathered([lora for lora, _, _ in members], [owner[r] for r in rows], index, scales)
 
     def delta(self, name: str, x: torch.Tensor) -> torch.Tensor | None:

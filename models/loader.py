@@ -11,6 +11,7 @@ import torch
 
 from diffusiond.models.base import ModelAdapter
 from diffusiond.models.registry import adapter_for, read_model_index
+from diffusiond.models.setup import resolve_dtype
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -28,8 +29,8 @@ def load_adapter(
     """The adapter for `model`, loaded through its pipeline's `from_pretrained`; with `quantize`, its transformer's
     linear layers quantized (kernels/quantize.py; `quantize_skip`: comma-separated name patterns left alone); with
     `offload`, loaded to CPU memory and run on `device` (kernels/offload.py); with `scheduler_config`, those
-    settings of its scheduler changed (`change_scheduler`)."""
-    torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    settings of its scheduler changed (`change_scheduler`). `dtype` "auto": models/setup.py `resolve_dtype`."""
+    torch_dtype = DTYPES[resolve_dtype(dtype, device)] if isinstance(dtype, str) else dtype
     index = read_model_index(model)
     cls = adapter_for(index.get("_class_name", "<missing _class_name>"))
     adapter = cls.from_pretrained(model, device="cpu" if offload != "none" else device, dtype=torch_dtype)

@@ -9,6 +9,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from diffusiond.kernels.attention import DispatchJointAttnProcessor
+from diffusiond.kernels.host import to_device
 from diffusiond.kernels.ulysses import UlyssesGroup, gather_output, shard_output, ulysses_sdpa
 from diffusiond.models import families, stepcache
 from diffusiond.models.base import RequestState
@@ -132,7 +133,7 @@ class SD3Adapter(FlowMatchAdapter):
             ):
                 groups.setdefault(p.skip_guidance_layers, []).append(i)
         for layers, rows in groups.items():
-            index = torch.tensor(rows, device=guided.device)
+            index = to_device(rows, guided.device)
             positive = 2 * index + 1  # rows (negative, positive) per request
             with self._lora_rows([states[i].lora for i in rows]):
                 skipped = self._skipped(batched, positive, layers)

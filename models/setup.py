@@ -44,7 +44,7 @@ class ModelSetup(msgspec.Struct, frozen=True, kw_only=True):
     # A local diffusers folder or a hub id.
     model: str
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # DTYPES; "auto" is resolved when the setup is made (`resolve_dtype`)
     # kernels/attention.py CHOICES.
     attention: str = "auto"
     compile: bool = False
@@ -66,6 +66,10 @@ class ModelSetup(msgspec.Struct, frozen=True, kw_only=True):
     lora_dir: str | None = None
     lora_budget: int = DEFAULT_LORA_BUDGET
     lora_fuse: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype == "auto":  # resolved once, where the setup is made: every reader sees a torch dtype's name
+            msgspec.structs.force_setattr(self, "dtype", resolve_dtype(self.dtype, self.device))
 
 
 # `--dtype auto`: what runs well where the model runs. GPUs compute in bfloat16 (flash-attn and fp8 need a half

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from diffusiond.kernels.host import to_device
 from diffusiond.kernels.lora_rows import LoraLayers
 
 METHODS = ("none", "fbcache", "teacache")
@@ -159,7 +160,7 @@ def _run_blocks(
         if not computing:
             return out, None
         picked = [i * rows + r for i in computing for r in range(rows)]
-        index = torch.tensor(picked, device=h.device)
+        index = to_device(picked, h.device)
         hc, ec, tc = h[index], enc[index], temb[index]
         row_kwargs = {name: None if t is None else t[index] for name, t in row_kwargs.items()}
     with lora.narrow(picked if index is not None else None) if lora is not None else nullcontext():

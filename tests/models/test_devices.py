@@ -96,3 +96,15 @@ def test_the_two_lists_of_half_precision_kernels_agree():
     from diffusiond.models.setup import HALF_ONLY_ATTENTION
 
     assert HALF_ONLY == HALF_ONLY_ATTENTION
+
+
+def test_row_indices_and_scales_reach_the_device_without_a_sync(monkeypatch):
+    """LoRA row plans, step-cache sub-batches and skip-layer guidance send small host lists to the device each step:
+    as `torch.tensor(values, device=cuda)` that is a copy the host waits for (a sync per step); now queued."""
+    from diffusiond.kernels.host import to_device
+
+    sent = []
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *args, **kwargs: sent.append((args, kwargs)) or self)
+    assert to_device([1, 2], "cuda:0").tolist() == [1, 2]
+    assert sent == [(("cuda:0",), {"non_blocking": True})]
+    assert to_device([0.5], "cpu").tolist() == [0.5] and len(sent) == 1

@@ -42,6 +42,8 @@ class Job(msgspec.Struct, frozen=True):
     guidance_scale: float
     threads: int
     batch: int = 8
+    device: str = "cpu"
+    dtype: str = "float32"
 
 
 class Baseline:
@@ -97,8 +99,9 @@ def _child(job: Job) -> None:
     index = read_model_index(job.model)
     # Components saved as None (SD3 without T5) are passed as None, as a user of such a checkpoint must.
     pipe = getattr(diffusers, index["_class_name"]).from_pretrained(
-        job.model, dtype=torch.float32, **null_components(job.model)
+        job.model, dtype=getattr(torch, job.dtype), **null_components(job.model)
     )
+    pipe.to(job.device)
     pipe.set_progress_bar_config(disable=True)
     seeds = iter(range(10**9))
 

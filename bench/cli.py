@@ -13,7 +13,7 @@ import argparse
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from diffusiond.bench import compare, serve
+    from diffusiond.bench import compare, load, serve
     from diffusiond.daemon.cli import parse_size
     from diffusiond.daemon.serve_flags import add_log_args
 
@@ -33,14 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
     spmd.add_argument("--plans", type=int, default=2000, help="broadcast rounds per plan kind")
     spmd.set_defaults(func=_spmd)
 
-    load = kinds.add_parser(
+    driving = kinds.add_parser(
         "serve",
         help="drive a running daemon over HTTP: latency percentiles, images/s, time to first preview, SLO",
         description=serve.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    serve.add_args(load)
-    load.set_defaults(func=serve.bench_serve)
+    serve.add_args(driving)
+    driving.set_defaults(func=serve.bench_serve)
 
     side_by_side = kinds.add_parser(
         "compare",
@@ -50,6 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_args(side_by_side)
     side_by_side.set_defaults(func=compare.bench_compare)
+
+    loading = kinds.add_parser(
+        "load",
+        help="loading, peak RSS per rank and heals at real size vs a clean diffusers process (make-tiny --real-size)",
+        description=load.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    load.add_args(loading)
+    loading.set_defaults(func=load.bench_load)
     return parser
 
 

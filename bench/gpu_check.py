@@ -279,6 +279,7 @@ class GpuCheck:
         from diffusers import AutoencoderKL, AutoencoderKLWan
 
         from diffusiond.models.flowmatch import DECODE_PIXELS
+        from diffusiond.models.tiny_real import SD3_VAE
 
         torch = self.torch
         dtype = getattr(torch, self.dtype)
@@ -352,23 +353,6 @@ class GpuCheck:
         self.row("decode a Wan clip 81x480x832", lambda: self.decode_peak("video"), cuda=True)
         self.row("plan broadcast, fault board", self.plan_broadcast)
         return 1 if any(row.status == "FAILED" for row in self.rows) else 0
-
-
-# SD3's VAE (stabilityai/stable-diffusion-3-medium-diffusers, vae/config.json): 16 latent channels, 8x.
-SD3_VAE = {
-    "in_channels": 3,
-    "out_channels": 3,
-    "latent_channels": 16,
-    "block_out_channels": (128, 256, 512, 512),
-    "down_block_types": ("DownEncoderBlock2D",) * 4,
-    "up_block_types": ("UpDecoderBlock2D",) * 4,
-    "layers_per_block": 2,
-    "norm_num_groups": 32,
-    "scaling_factor": 1.5305,
-    "shift_factor": 0.0609,
-    "use_quant_conv": False,
-    "use_post_quant_conv": False,
-}
 
 
 def _png(side: int) -> bytes:

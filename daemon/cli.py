@@ -93,7 +93,14 @@ def resolve_model(model: str | None) -> str:
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from diffusiond.models.preview import write_preview_factors
     from diffusiond.models.tiny import build_tiny
+    from diffusiond.models.tiny_real import REAL_SIZE_FAMILIES, build_real_size
 
+    if args.real_size:
+        if args.family not in REAL_SIZE_FAMILIES:
+            print(f"diffusiond make-tiny: error: --real-size is for {', '.join(REAL_SIZE_FAMILIES)}", file=sys.stderr)
+            return EXIT_USAGE
+        print(build_real_size(args.family, args.out, seed=args.seed))
+        return 0
     out = build_tiny(args.family, args.out, seed=args.seed)
     write_preview_factors(out)
     print(out)
@@ -377,6 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--family", required=True, choices=FAMILIES)
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument(
+        "--real-size",
+        action="store_true",
+        help="the family's real transformer and VAE (random weights, bf16; sd35: 4.5 GB, wan: 2.8 GB), tiny text "
+        "encoders: for measuring loading, memory and heals at real size",
+    )
     tiny.set_defaults(func=cmd_make_tiny)
 
     # `diffusiond bench ...` never reaches this parser: the entry point (diffusiond/__main__.py) hands it to

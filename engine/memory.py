@@ -10,26 +10,12 @@ TRIM_EVERY_S while steps keep coming. Where the C library has no malloc_trim (mu
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import logging
 import time
 from collections.abc import Callable
 
-log = logging.getLogger(__name__)
+from diffusiond.kernels.host import malloc_trim
 
 TRIM_EVERY_S = 30.0
-
-
-@functools.cache
-def malloc_trim() -> Callable[[], object] | None:
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        log.info("this C library has no malloc_trim: freed memory stays with the process until it is reused")
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    return functools.partial(trim, 0)
 
 
 class Trimmer:

@@ -1,14 +1,44 @@
-"""Small host values (row indices, per-row scales) for the device, without a host-device sync.
+"""Host memory: small host values (row indices, per-row scales) sent to the device without a host-device sync,
+and freed memory given back to the system.
 
 `torch.tensor(values, device="cuda")` copies from pageable memory and waits for the copy, which waits for the
 stream: a sync per call. Built on the host and sent with `non_blocking=True`, the copy is queued behind the work
-already on the stream and the host goes on (STYLE.md: no syncs on the hot path)."""
+already on the stream and the host goes on (STYLE.md: no syncs on the hot path).
+
+glibc keeps what a process frees in its arenas for reuse (and past its first large frees it serves allocations of up
+to 32 MB from them, not from mappings of their own), so after loading a model in parts or a burst of large batches
+the resident size stays near its high-water mark though little is live. `malloc_trim(0)` returns every arena's free
+pages: ~2 ms when there is nothing to return, ~20 ms for 370 MB (measured here).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import ctypes
+import functools
+import logging
+from collections.abc import Callable, Sequence
 
 import torch
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def malloc_trim() -> Callable[[], object] | None:
+    """`malloc_trim(0)`, or None where the C library has none (musl)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        log.info("this C library has no malloc_trim: freed memory stays with the process until it is reused")
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    return functools.partial(trim, 0)
+
+
+def give_back() -> None:
+    """Freed memory back to the system, where the C library can."""
+    if (trim := malloc_trim()) is not None:
+        trim()
 
 
 def to_device(values: Sequence[float] | Sequence[int], device: torch.device | str, dtype=None) -> torch.Tensor:

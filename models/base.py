@@ -165,8 +165,11 @@ class ModelAdapter(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def from_pretrained(cls, path: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> ModelAdapter:
-        """Load from a local diffusers folder or a hub id, through the components' own `from_pretrained`."""
+    def from_pretrained(
+        cls, path: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32, lazy_denoiser: bool = False
+    ) -> ModelAdapter:
+        """Load from a local diffusers folder or a hub id, through the components' own `from_pretrained`;
+        `lazy_denoiser`: the denoiser built empty, its weights read as a parallel layout shards them."""
 
     @abc.abstractmethod
     def resolve(self, params: SamplingParams) -> SamplingParams:

@@ -15,6 +15,7 @@ import logging
 import os
 from collections.abc import Sequence
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any, ClassVar
 
 import diffusers
@@ -32,6 +33,7 @@ from diffusiond.models import stepcache
 from diffusiond.models.base import Capabilities, ModelAdapter, RequestState
 from diffusiond.models.declared import read_declared
 from diffusiond.models.inputs import open_mask, open_rgb
+from diffusiond.models.lazy_weights import LazyWeights, empty_model
 from diffusiond.models.lora_registry import LoraRegistry, file_limit, read_lora
 from diffusiond.models.parallel_wiring import ParallelWiring
 from diffusiond.models.params import SamplingParams
@@ -89,12 +91,14 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
     # The pipeline component that denoises.
     denoiser: ClassVar[str] = "transformer"
 
-    def __init__(self, pipe: Any, *, source: str) -> None:
+    def __init__(self, pipe: Any, *, source: str, lazy: LazyWeights | None = None) -> None:
         self.pipe = pipe
         self.source = source
         self.transformer = getattr(pipe, self.denoiser)  # named so whatever it is (a UNet for UNet families)
         self.vae = pipe.vae
-        self.device = self.transformer.device
+        # A denoiser built empty (`lazy`), its weights read a part at a time as the parallel layout shards them.
+        self.lazy_weights = lazy
+        self.device = lazy.device if lazy is not None else self.transformer.device
         self.dtype = self.transformer.dtype
         self.vae_scale_factor: int = self._vae_scale_factor(pipe)
         self.latent_rgb = self._load_preview_map(source)
@@ -107,15 +111,27 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
         self.lora_layers: LoraLayers | None = None
 
     @classmethod
-    def from_pretrained(cls, path: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> FlowMatchAdapter:
+    def from_pretrained(
+        cls, path: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32, lazy_denoiser: bool = False
+    ) -> FlowMatchAdapter:
+        """`lazy_denoiser`: the denoiser built empty, for a layout that shards it (models/lazy_weights.py)."""
         pipeline_cls = getattr(diffusers, cls.pipeline_class)
-        pipe = pipeline_cls.from_pretrained(path, dtype=dtype, **null_components(path))
-        pipe.to(device)
-        pipe.set_progress_bar_config(disable=True)
-        for module in pipe.components.values():
+        components: dict[str, Any] = null_components(path)
+        lazy = None
+        if lazy_denoiser:
+            folder = Path(path if os.path.isdir(path) else pipeline_cls.download(path)) / cls.denoiser
+            model_cls = getattr(diffusers, read_model_index(str(folder.parent))[cls.denoiser][1])
+            components[cls.denoiser] = empty_model(model_cls, folder, dtype)
+            lazy = LazyWeights(components[cls.denoiser], folder, torch.device(device))
+            path = str(folder.parent)
+        pipe = pipeline_cls.from_pretrained(path, dtype=dtype, **components)
+        for name, module in pipe.components.items():
             if isinstance(module, torch.nn.Module):
+                if lazy is None or name != cls.denoiser:
+                    module.to(device)
                 module.eval().requires_grad_(False)
-        return cls(pipe, source=path)
+        pipe.set_progress_bar_config(disable=True)
+        return cls(pipe, source=path, lazy=lazy)
 
     def _vae_scale_factor(self, pipe: Any) -> int:
         """Pixels per latent along each side."""

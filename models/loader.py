@@ -25,15 +25,18 @@ def load_adapter(
     quantize_skip: str | None = None,
     offload: str = "none",
     scheduler_config: Mapping[str, Any] | None = None,
+    lazy_denoiser: bool = False,
 ) -> ModelAdapter:
     """The adapter for `model`, loaded through its pipeline's `from_pretrained`; with `quantize`, its transformer's
     linear layers quantized (kernels/quantize.py; `quantize_skip`: comma-separated name patterns left alone); with
     `offload`, loaded to CPU memory and run on `device` (kernels/offload.py); with `scheduler_config`, those
-    settings of its scheduler changed (`change_scheduler`). `dtype` "auto": models/setup.py `resolve_dtype`."""
+    settings of its scheduler changed (`change_scheduler`). `dtype` "auto": models/setup.py `resolve_dtype`.
+    `lazy_denoiser`: its denoiser built empty, for a layout that shards it (models/lazy_weights.py)."""
     torch_dtype = DTYPES[resolve_dtype(dtype, device)] if isinstance(dtype, str) else dtype
     index = read_model_index(model)
     cls = adapter_for(index.get("_class_name", "<missing _class_name>"))
-    adapter = cls.from_pretrained(model, device="cpu" if offload != "none" else device, dtype=torch_dtype)
+    device = "cpu" if offload != "none" else device
+    adapter = cls.from_pretrained(model, device=device, dtype=torch_dtype, lazy_denoiser=lazy_denoiser)
     if scheduler_config:
         adapter.pipe.scheduler = change_scheduler(adapter.pipe.scheduler, scheduler_config)
     if quantize != "none":

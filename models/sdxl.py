@@ -30,12 +30,12 @@ class SDXLAdapter(FlowMatchAdapter):
     default_inpaint_strength = 0.9999  # StableDiffusionXLInpaintPipeline's
     TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 
-    def __init__(self, pipe: Any, *, source: str) -> None:
+    def __init__(self, pipe: Any, *, source: str, lazy: Any = None) -> None:
         if pipe.vae.dtype == torch.float16 and pipe.vae.config.force_upcast:
             # SDXL's VAE overflows in float16 (NaN images): its pipeline decodes in float32 whenever the config says
             # `force_upcast`; here it stays in float32 (a few hundred MB), the UNet in float16.
             pipe.vae.to(torch.float32)
-        super().__init__(pipe, source=source)
+        super().__init__(pipe, source=source, lazy=lazy)
         order = getattr(pipe.scheduler, "order", 1)
         if order != 1:
             # Heun, KDPM2: 2 forwards per step over duplicated timesteps; every step count here is one forward.

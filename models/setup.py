@@ -262,6 +262,8 @@ def build_adapter(setup: ModelSetup, rank: int = 0) -> ModelAdapter:
         quantize_skip=setup.quantize_skip,
         offload=setup.offload,
         scheduler_config=setup.scheduler_config,
+        # Layouts that shard the denoiser read it a part at a time: no rank holds it whole (models/lazy_weights.py).
+        lazy_denoiser=setup.layout.world_size > 1 and (setup.layout.tp_degree > 1 or setup.layout.shard_weights),
     )
     check_setup(setup, family=adapter.spec, heads=adapter.attention_heads())
     if adapter.quantized is not None:

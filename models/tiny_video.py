@@ -17,12 +17,12 @@ TEXT_DIM = 32
 IMAGE_DIM = 24
 
 
-def _umt5(tok: Any) -> Any:
+def _umt5(tok: Any, d_model: int = TEXT_DIM) -> Any:
     from transformers import UMT5Config, UMT5EncoderModel
 
     config = UMT5Config(
         vocab_size=len(tok),
-        d_model=TEXT_DIM,
+        d_model=d_model,
         d_kv=8,
         d_ff=37,
         num_layers=2,

@@ -164,9 +164,9 @@ class WanAdapter(FlowMatchAdapter):
     default_fps: ClassVar[int] = 16
     TEXT_ENCODERS = ("text_encoder",)
 
-    def __init__(self, pipe: Any, *, source: str) -> None:
+    def __init__(self, pipe: Any, *, source: str, lazy: Any = None) -> None:
         self.frame_step = pipe.vae_scale_factor_temporal
-        super().__init__(pipe, source=source)
+        super().__init__(pipe, source=source, lazy=lazy)
         self.projections: ProjectionCache | None = ProjectionCache()
         self.plan = ProjectionPlan()
         for i, block in enumerate(self.transformer.blocks):

@@ -387,8 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument(
         "--real-size",
         action="store_true",
-        help="the family's real transformer and VAE (random weights, bf16; sd35: 4.5 GB, wan: 2.8 GB), tiny text "
-        "encoders: for measuring loading, memory and heals at real size",
+        help="the family's real transformer and VAE (random weights, bf16, gigabytes), tiny text encoders: for "
+        "measuring loading, memory and heals at real size (models/tiny_real.py lists the families)",
     )
     tiny.set_defaults(func=cmd_make_tiny)
 

@@ -274,7 +274,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         setup = check_serving(config)  # before torch is imported
-        check_kernels(setup)  # before any rank starts or loads
+        # Before any rank starts or loads; the launcher counts this node's ranks, each rank itself only (its own
+        # view of the GPUs may be one: daemon/ranks.py `cuda_device`).
+        from diffusiond.daemon.config import in_launched_group
+
+        check_kernels(setup, ranks_here=1 if in_launched_group() else config.nproc)
     except (ConfigError, SetupError) as exc:
         print(f"diffusiond serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

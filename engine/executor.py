@@ -55,6 +55,18 @@ class GroupFault(RuntimeError):
 FATAL = (CommError, GroupFault, torch.distributed.DistError)
 
 
+def poisons_the_device(exc: BaseException) -> bool:
+    """A CUDA error after which every later call on the device fails too (an illegal address, a device-side
+    assert, a failed launch): retrying one request at a time or serving the next would fail them all, one by one.
+    Running out of memory is not one: that request fails, the others go on."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return isinstance(exc, RuntimeError) and str(exc).startswith(("CUDA error", "CUDA driver error"))
+
+
 @dataclass
 class ExecResult:
     advanced: list[str] = field(default_factory=list)
@@ -321,7 +333,11 @@ class Executor:
 
     def _fail(self, request_id: str, stage: str, exc: BaseException, result: ExecResult) -> None:
         """A local failure: the state goes. On the driver the scheduler drops the request from the next plan on every
-        rank; a follower learns from the next plan whether the failure was shared (see the module docstring)."""
+        rank; a follower learns from the next plan whether the failure was shared (see the module docstring). A GPU
+        error that leaves the device unusable is no request's: the group's (GroupFault)."""
+        if poisons_the_device(exc):
+            log.error("rank %d: the GPU failed while %s request %s", self.rank, stage, request_id, exc_info=exc)
+            raise GroupFault(f"rank {self.rank}: its GPU failed while {stage}; the device must be reset") from exc
         log.error("rank %d: request %s failed while %s", self.rank, request_id, stage, exc_info=exc)
         self.states.pop(request_id, None)
         if self.driver:

@@ -172,6 +172,11 @@ def _check_loras(setup: ModelSetup) -> None:
             check_safetensors(path)
     except LoraError as exc:
         raise SetupError(str(exc)) from None
+    if setup.lora_fuse is not None and setup.quantize != "none":
+        # The adapter's product would be added to weights torchao has already turned into integers or fp8.
+        raise SetupError(
+            f"--lora-fuse adds the adapter into the weights, which --quantize {setup.quantize} quantizes: drop one"
+        )
     if setup.lora_fuse is not None and len(specs) != 1:
         raise SetupError(
             f"--lora-fuse adds one adapter into the weights; --lora and --lora-dir give {len(specs)}: give exactly one"
@@ -233,13 +238,23 @@ def _check_family(setup: ModelSetup, family: Family, heads: int | None) -> None:
         raise SetupError(f"--cache {cache}: the {family.family} family implements {offered}")
 
 
-def check_kernels(setup: ModelSetup) -> None:
-    """What only torch can tell: the attention backend, quantization and offload on this device (SetupError)."""
+def check_kernels(setup: ModelSetup, ranks_here: int = 1) -> None:
+    """What only torch can tell: the device, the attention backend, quantization and offload on it (SetupError).
+    `ranks_here`: the ranks this node starts (--nproc), one GPU each."""
     import torch
 
     from diffusiond.kernels import offload, quantize
     from diffusiond.kernels.attention import AttentionUnavailable, resolve
 
+    if setup.device.startswith("cuda"):
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if visible == 0:
+            raise SetupError(f"--device {setup.device}: no CUDA device is visible (torch {torch.__version__})")
+        if ranks_here > visible:
+            raise SetupError(
+                f"--nproc {ranks_here}: each rank needs a GPU of its own and {visible} are visible here; start at "
+                f"most {visible} (CUDA_VISIBLE_DEVICES says which)"
+            )
     try:
         resolve(setup.attention, setup.device, getattr(torch, setup.dtype))
         quantize.check(setup.quantize, setup.device)

@@ -6,6 +6,7 @@ import time
 import numpy as np
 import pytest
 import pytest_asyncio
+import torch
 
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Cancelled, Completed, Failed, Preview, Progress, Queued
@@ -113,6 +114,39 @@ async def test_exception_fails_only_that_request(adapter, monkeypatch, caplog):
     # The survivors are unharmed: the same image as when run alone.
     np.testing.assert_allclose(results[0].image, solo.image, atol=1e-5)
     assert engine.error is None
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("error", "fatal"),
+    [
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), True),
+        (RuntimeError("CUDA error: device-side assert triggered"), True),
+        (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+    ],
+)
+async def test_a_gpu_error_that_poisons_the_device_stops_the_engine(adapter, monkeypatch, error, fatal):
+    """After an illegal address or a device-side assert every later CUDA call fails too: the engine stops (the
+    service manager restarts the process with a fresh context) instead of failing requests one by one forever.
+    Running out of memory fails that request only. (Before: each was a per-request failure.)"""
+    real_denoise = adapter.denoise
+
+    def denoise(states):
+        if any(s.params.prompt == "boom" for s in states):
+            raise error
+        return real_denoise(states)
+
+    monkeypatch.setattr(adapter, "denoise", denoise)
+    engine = Engine(adapter, max_batch=4)
+    await engine.start()
+    try:
+        handles = [engine.add_request(params(prompt=p, seed=i, steps=3)) for i, p in enumerate(["ok", "boom"])]
+        results = [await h.result() for h in handles]
+    finally:
+        await engine.stop()
+    assert isinstance(results[1], Failed)
+    assert (engine.error is not None) == fatal
+    assert isinstance(results[0], Failed if fatal else Completed)
 
 
 @pytest.mark.asyncio

@@ -73,7 +73,7 @@ def test_group_offload_hooks_every_layer_of_the_transformer(family, cache, reque
     ("flags", "message"),
     [
         (["--offload", "group"], "--offload group needs a CUDA device"),
-        (["--offload", "model", "--device", "cuda", "--compile"], "needs a CUDA device"),
+        (["--offload", "model", "--device", "cuda", "--compile"], "--device cuda: no CUDA device is visible"),
         (["--offload", "group", "--device", "cuda", "--compile"], "--compile does not run with --offload group"),
     ],
 )

@@ -6,6 +6,7 @@ one at load failed here (on a GPU: a device mismatch in the VAE's first convolut
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -108,3 +109,28 @@ def test_row_indices_and_scales_reach_the_device_without_a_sync(monkeypatch):
     assert to_device([1, 2], "cuda:0").tolist() == [1, 2]
     assert sent == [(("cuda:0",), {"non_blocking": True})]
     assert to_device([0.5], "cpu").tolist() == [0.5] and len(sent) == 1
+
+
+def test_a_fused_lora_is_refused_on_quantized_weights(tiny_sd3, tmp_path):
+    from diffusiond.models.setup import ModelSetup, SetupError, check_setup
+    from diffusiond.models.tiny_lora import build_tiny_lora
+
+    lora = build_tiny_lora(tiny_sd3, tmp_path / "style.safetensors", seed=1)
+    setup = ModelSetup(model=tiny_sd3, lora=(f"style={lora}",), lora_fuse=1.0)
+    check_setup(setup)
+    with pytest.raises(SetupError, match="--lora-fuse adds the adapter into the weights, which --quantize int8"):
+        check_setup(msgspec.structs.replace(setup, quantize="int8"))
+
+
+def test_a_gpu_layout_needs_the_gpus_it_names(monkeypatch, tmp_path):
+    """`--device cuda` where no GPU is visible, and more ranks on a node than its GPUs, are refused at start (before:
+    the first failed when the model moved to the device, the second when two ranks shared a GPU's NCCL rank)."""
+    from diffusiond.models.setup import ModelSetup, SetupError, check_kernels
+
+    setup = ModelSetup(model=str(tmp_path), device="cuda")
+    with pytest.raises(SetupError, match="--device cuda: no CUDA device is visible"):
+        check_kernels(setup)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SetupError, match="--nproc 4: each rank needs a GPU of its own and 2 are visible"):
+        check_kernels(setup, ranks_here=4)

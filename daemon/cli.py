@@ -113,7 +113,7 @@ def generate_setup(args: argparse.Namespace):
     after printing why."""
     from diffusiond.daemon.config import ConfigError, scheduler_changes
     from diffusiond.models.declared import check_declared, read_declared
-    from diffusiond.models.inputs import check_image
+    from diffusiond.models.inputs import admit_image
     from diffusiond.models.params import ParamError, params_from
     from diffusiond.models.setup import ModelSetup, SetupError, check_setup
 
@@ -126,7 +126,7 @@ def generate_setup(args: argparse.Namespace):
             continue
         try:
             files[name] = Path(path).read_bytes()
-            check_image(files[name], name)
+            admit_image(files[name], name)
         except OSError as exc:
             print(f"diffusiond generate: error: --{name}: {exc}", file=sys.stderr)
             return EXIT_USAGE

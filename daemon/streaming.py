@@ -19,7 +19,7 @@ from diffusiond.daemon.api import ApiError, NotStarted
 from diffusiond.daemon.state import ENCODERS, METRICS, STATE, ServerState
 from diffusiond.engine.engine import Engine, QueueFullError, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Event, Failed
-from diffusiond.models.inputs import check_image, input_pixel_limit
+from diffusiond.models.inputs import admit_image, input_pixel_limit
 from diffusiond.models.params import ParamError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -133,9 +133,9 @@ async def run_encoder(app: web.Application, fn: Callable[..., T], *args) -> T:
 
 
 async def check_images(request: web.Request, images: dict[str, bytes | Sequence[bytes] | None]) -> None:
-    """Each input image (a field's file, or its list of files) decoded once in the encoder pool, off the event loop:
-    a file too large, broken or of a mode we do not take is a 400 naming its field (ParamError), before anything is
-    queued."""
+    """Each input image (a field's file, or its list of files) decoded once in the encoder pool, off the event loop
+    and off the step thread, which then takes the decoded image (models/inputs.py `ADMITTED`): a file too large,
+    broken or of a mode we do not take is a 400 naming its field (ParamError), before anything is queued."""
     limit = request.app[STATE].config.max_image_bytes
     files = [(p, d) for p, v in images.items() if v is not None for d in ([v] if isinstance(v, bytes) else v)]
     total = 0
@@ -148,7 +148,7 @@ async def check_images(request: web.Request, images: dict[str, bytes | Sequence[
     max_pixels = input_pixel_limit(engine.limits.max_pixels if engine is not None and engine.limits else None)
     pool = request.app[ENCODERS]
     for param, data in files:
-        await asyncio.get_running_loop().run_in_executor(pool, check_image, data, param, max_pixels)
+        await asyncio.get_running_loop().run_in_executor(pool, admit_image, data, param, max_pixels)
 
 
 # Words of the prompt the model does not know (a checkpoint that declares its vocabulary): they are drawn as if

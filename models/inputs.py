@@ -1,10 +1,13 @@
-"""Images that requests bring (img2img, edits): checked once where they arrive, decoded on every rank.
+"""Images that requests bring (img2img, edits): decoded once where they arrive, and on the other ranks of a group.
 
 A request carries the file its client sent (PNG, JPEG, WebP...), not pixels: it crosses the wire once and is
-smaller than its pixels. `check_image` decodes it fully at the HTTP edge, off the event loop, so that a broken or
-hostile file is refused with a 400 naming its field; `image_size` reads only the header (cheap enough for
-`ModelAdapter.resolve`); `open_rgb` decodes it where the request is prepared, once for all the copies of one request
-(an edit with n=10 is ten requests with the same file).
+smaller than its pixels (3-10x for photographs). `admit_image` decodes it fully at the HTTP edge, in the encoder
+pool (off the event loop and off the step thread), so that a broken or hostile file is refused with a 400 naming its
+field, and keeps the decoded image for the step thread of the same process (`ADMITTED`, bounded by pixels): on a
+single process, and on rank 0 of a group, preparing a request decodes nothing. `image_size` reads only the header
+(cheap enough for `ModelAdapter.resolve`); `open_rgb` and `open_mask` give the step thread the admitted image, or
+decode the file there (the other ranks of a group, inputs the budget let go), once for all the copies of one
+request (an edit with n=10 is ten requests with the same file).
 
 What a file may cost to decode is bounded before it is decoded: its format must be one of FORMATS (PIL would
 otherwise run, for instance, Ghostscript on an EPS file), and its header's size must be within `input_pixel_limit` of
@@ -14,6 +17,7 @@ the model's largest output (an 8192 x 8192 PNG of zeros is ~200 KB of file and 2
 from __future__ import annotations
 
 import io
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -71,20 +75,62 @@ def image_size(data: bytes, param: str = "image") -> tuple[int, int]:
     return _open(data, param).size
 
 
-def check_image(data: bytes, param: str = "image", max_pixels: int = MAX_INPUT_PIXELS) -> tuple[int, int]:
-    """Decode the whole file (a truncated or corrupt one fails here, not on a rank); its (width, height). A file
+def check_image(data: bytes, param: str = "image", max_pixels: int = MAX_INPUT_PIXELS) -> Image.Image:
+    """Decode the whole file (a truncated or corrupt one fails here, not on a rank); the decoded image. A file
     over `max_pixels` is refused from its header, before it is decoded."""
     image = _open(data, param, max_pixels)
     try:
         image.load()
     except Exception as exc:
         raise ParamError(param, f"{param} could not be decoded ({type(exc).__name__}: {exc})") from None
+    return image
+
+
+def admit_image(data: bytes, param: str = "image", max_pixels: int = MAX_INPUT_PIXELS) -> tuple[int, int]:
+    """`check_image`, then the image in the form the step thread prepares it in (RGB, or a mask's "L"), kept for
+    it in ADMITTED; the file's (width, height). Thread-safe: the encoder pool runs it."""
+    image = check_image(data, param, max_pixels)
+    kind = "mask" if param == "mask" else "rgb"
+    ADMITTED.put(kind, data, _as_mask(image) if kind == "mask" else _as_rgb(image))
     return image.size
 
 
+class Admitted:
+    """Inputs decoded where they arrived, for the step thread of the same process, by their file's bytes; the
+    oldest go past `budget` pixels (the step thread then decodes those itself). Shared by the encoder pool and the
+    step thread, under a lock; images in it are never changed."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[str, bytes], Image.Image] = OrderedDict()
+        self._pixels = 0
+        self.hits = 0
+
+    def put(self, kind: str, data: bytes, image: Image.Image) -> None:
+        with self._lock:
+            if (kind, data) in self._entries:
+                self._entries.move_to_end((kind, data))
+                return
+            self._entries[(kind, data)] = image
+            self._pixels += image.width * image.height
+            while self._pixels > self.budget and self._entries:
+                _, old = self._entries.popitem(last=False)
+                self._pixels -= old.width * old.height
+
+    def get(self, kind: str, data: bytes) -> Image.Image | None:
+        with self._lock:
+            image = self._entries.get((kind, data))
+            if image is not None:
+                self._entries.move_to_end((kind, data))
+                self.hits += 1
+            return image
+
+
 class Decoded:
-    """The last few input images decoded, by their file's bytes (hashed once per bytes object, compared on a hit):
-    the copies of one request decode its file once. Callers never change the images they get."""
+    """The step thread's input images of this step, by their file's bytes (hashed once per bytes object, compared on
+    a hit): the copies of one request take its image once. Admitted images first (`ADMITTED`); `decodes` counts the
+    files the step thread had to decode itself. Callers never change the images they get."""
 
     def __init__(self, size: int = DECODED) -> None:
         self.size = size
@@ -96,9 +142,11 @@ class Decoded:
         if key in self.entries:
             self.entries.move_to_end(key)
             return self.entries[key]
-        image = decode(data)
-        image.load()
-        self.decodes += 1
+        image = ADMITTED.get(kind, data)
+        if image is None:
+            image = decode(data)
+            image.load()
+            self.decodes += 1
         self.entries[key] = image
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
@@ -109,6 +157,9 @@ class Decoded:
         self.entries.clear()
 
 
+# Decoded inputs waiting for their requests to be prepared, at most this many pixels (64 Mpx: 192 MB as RGB).
+ADMITTED_PIXELS = 64 << 20
+ADMITTED = Admitted(ADMITTED_PIXELS)
 DECODED_INPUTS = Decoded()
 
 
@@ -124,12 +175,18 @@ def open_mask(data: bytes) -> Image.Image:
 
 
 def _rgb(data: bytes) -> Image.Image:
-    image = _open(data, "image")
-    return image if image.mode == "RGB" else image.convert("RGB")
+    return _as_rgb(_open(data, "image"))
 
 
 def _mask(data: bytes) -> Image.Image:
-    image = _open(data, "mask")
+    return _as_mask(_open(data, "mask"))
+
+
+def _as_rgb(image: Image.Image) -> Image.Image:
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def _as_mask(image: Image.Image) -> Image.Image:
     if "A" in image.getbands() or "transparency" in image.info:
         return ImageOps.invert(image.convert("RGBA").getchannel("A"))
     return image.convert("L")

@@ -3,7 +3,7 @@ than the model's largest output are refused from their header, and the copies of
 
 Broken on purpose once each: without the pixel limit the 16 parallel 8192 x 8192 edits were decoded in full (each
 ~200 MB of pixels) and the other clients' median latency grew many times; without the shared decode an n=4 edit
-decoded its image 4 times."""
+decoded its image 4 times; with admitted images not kept, the step thread decoded the edit's image and mask again."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 from pictures import picture
 from PIL import Image
 
-from diffusiond.models.inputs import DECODED_INPUTS, input_pixel_limit
+from diffusiond.models.inputs import ADMITTED, DECODED_INPUTS, input_pixel_limit
 
 TIMEOUT = aiohttp.ClientTimeout(total=120)
 SMALL = {"prompt": "a red circle", "seed": 1, "width": 64, "height": 64, "num_inference_steps": 2}
@@ -92,16 +92,45 @@ async def test_huge_inputs_cost_no_decode_and_slow_no_one(server):
 
 
 @pytest.mark.asyncio
-async def test_the_copies_of_one_edit_decode_its_files_once(server):
+async def test_an_edit_is_decoded_once_at_admission_never_on_the_step_thread(server):
+    """The image and the mask of an n=4 edit are decoded once each, in the encoder pool when the request arrives;
+    the step thread takes the decoded images for all four copies and decodes nothing (before: it decoded each file
+    once more while every request of the batch waited)."""
     image = picture(80, 64, seed=1)
     mask = picture(80, 64, seed=2, mode="L")
     server.wait_idle()
-    before = DECODED_INPUTS.decodes
+    decodes, hits = DECODED_INPUTS.decodes, ADMITTED.hits
     async with (
         aiohttp.ClientSession(timeout=TIMEOUT) as session,
         session.post(f"{server.base_url}/v1/images/edits", data=edit_form(image, mask, n=4)) as resp,
     ):
         body = await resp.json()
     assert resp.status == 200 and len(body["data"]) == 4, body
-    assert DECODED_INPUTS.decodes - before == 2  # the image once, the mask once
-    assert not DECODED_INPUTS.entries  # nothing decoded outlives its step
+    assert DECODED_INPUTS.decodes == decodes  # nothing decoded on the step thread
+    assert ADMITTED.hits - hits == 2  # the image once, the mask once, for the four copies
+    assert not DECODED_INPUTS.entries  # nothing the step thread took outlives its step
+
+
+def test_a_file_the_budget_let_go_is_decoded_on_the_step_thread_once():
+    """Past ADMITTED's budget the oldest admitted images go; the step thread then decodes such a file itself (as the
+    other ranks of a group always do), once for the copies of one request, and gets the same image."""
+    from diffusiond.models.inputs import Admitted, admit_image, open_rgb
+
+    data = picture(80, 64, seed=3)
+    admit_image(data, "image")
+    admitted = open_rgb(data)
+    DECODED_INPUTS.clear()
+    small = Admitted(budget=10)
+    small.put("rgb", data, admitted)  # over its budget at once: gone
+    assert small.get("rgb", data) is None
+    decodes = DECODED_INPUTS.decodes
+    import diffusiond.models.inputs as inputs
+
+    saved, inputs.ADMITTED = inputs.ADMITTED, small
+    try:
+        copies = [open_rgb(data) for _ in range(3)]
+    finally:
+        inputs.ADMITTED = saved
+        DECODED_INPUTS.clear()
+    assert DECODED_INPUTS.decodes - decodes == 1
+    assert all(c is copies[0] for c in copies) and copies[0].tobytes() == admitted.tobytes()

@@ -93,7 +93,8 @@ async def adopt(app: web.Application, carried: list[tuple[socket.socket, Carried
             if item.request_ids:
                 protocol.transport = _HeadSent(transport, item.fallback)
                 app[CARRIED][protocol] = item.request_ids
-            protocol.data_received(item.raw)
+            if item.raw:  # what was read of the request; nothing when the launcher only looked at its head
+                protocol.data_received(item.raw)
     return len(carried)
 
 

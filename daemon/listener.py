@@ -11,6 +11,12 @@ single process (`--nproc 1`) takes systemd's socket when there is one, else bind
 The launcher also keeps what a failing rank 0 hands it: the connection of a request the group had not started, with
 the request itself (daemon/handover.py), given to the next rank 0 with the listening socket. If no rank 0 comes for
 them (the launcher stops), each client gets the answer its rank 0 would have sent (503 with Retry-After).
+
+A rank 0 keeps the Unix connection it borrowed on open for as long as it accepts; when it lets go (its engine is
+gone) or dies, the launcher accepts on the socket itself until the next rank 0 borrows it: it answers the probes
+(`/health` 200 and `/ready` 503, `{"status": "restarting"}`, so that a liveness probe does not restart a service that
+is healing and a readiness probe sees a 503, not a timeout) and keeps every other connection, with what it has read
+of it, for the next rank 0, as it keeps those a failing rank 0 hands it.
 """
 
 from __future__ import annotations
@@ -18,11 +24,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import shutil
 import socket
 import struct
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -43,6 +51,9 @@ MAX_CARRIED_BYTES = 256 << 20
 FRAME = struct.Struct("!cQ")
 BORROW, LEND, HAND, CARRY, END, TAKEN, REFUSED = b"B", b"L", b"H", b"C", b"E", b"k", b"n"
 TIMEOUT_S = 10.0
+# How long the launcher waits for a request head before it keeps the connection as it is for the next rank 0.
+HEAD_WAIT_S = 2.0
+PROBES = {b"/health": 200, b"/ready": 503, b"/metrics": 503}
 
 
 class Carried(msgspec.Struct, frozen=True):
@@ -80,10 +91,18 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 @dataclass
 class Lent:
-    """What a rank 0 under the launcher starts with: the listening socket, and requests carried over a heal."""
+    """What a rank 0 under the launcher starts with: the listening socket, and requests carried over a heal. `holder`
+    is the connection it borrowed on: open while this rank 0 accepts (`release` tells the launcher it no longer
+    does; its death closes it too)."""
 
     sock: socket.socket
     carried: list[tuple[socket.socket, Carried]] = field(default_factory=list)
+    holder: socket.socket | None = None
+
+    def release(self) -> None:
+        if self.holder is not None:
+            self.holder.close()
+            self.holder = None
 
 
 def borrow() -> Lent | None:
@@ -91,19 +110,23 @@ def borrow() -> Lent | None:
     path = os.environ.get(LISTENER_ENV)
     if not path:
         return None
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unix:
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
         unix.settimeout(TIMEOUT_S)
         unix.connect(path)
         _send(unix, BORROW)
         op, payload, fd = _receive(unix)
         if op != LEND or fd is None:
             raise OSError(f"the launcher sent no socket on {path}: {payload.decode(errors='replace') or op}")
-        lent = Lent(socket.socket(fileno=fd))
+        lent = Lent(socket.socket(fileno=fd), holder=unix)
         lent.sock.setblocking(False)
         while (message := _receive(unix))[0] == CARRY:
             _, payload, fd = message
             if fd is not None:
                 lent.carried.append((socket.socket(fileno=fd), msgspec.msgpack.decode(payload, type=Carried)))
+    except BaseException:
+        unix.close()
+        raise
     return lent
 
 
@@ -124,6 +147,8 @@ class SocketLender:
 
     def __init__(self, sock: socket.socket | Callable[[], socket.socket]) -> None:
         self.sock = sock if isinstance(sock, socket.socket) else None
+        if self.sock is not None:
+            self.sock.setblocking(False)  # accepted from the select loop; a rank 0 may take a connection first
         self._make = sock if not isinstance(sock, socket.socket) else None
         self._dir = tempfile.mkdtemp(prefix="diffusiond-listener-")
         self.path = os.path.join(self._dir, "socket")
@@ -132,50 +157,136 @@ class SocketLender:
         os.chmod(self.path, 0o600)
         self._unix.listen(64)
         self.lent = 0
+        self.probes = 0  # probes the launcher answered itself
         self.carried: list[tuple[socket.socket, Carried]] = []
+        # The connection of the rank 0 that accepts now (None: none does, the launcher answers the probes).
+        self._holder: socket.socket | None = None
+        # Connections the launcher accepted, and when it stops waiting for their whole head.
+        self._waiting: dict[socket.socket, float] = {}
         self._lock = threading.Lock()
         self._closing = False
         self._thread = threading.Thread(target=self._serve, name="diffusiond-listener", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        while True:
+        while not self._closing:
+            accepting = self.sock is not None and self._holder is None
+            readers = [self._unix, *([self._holder] if self._holder else []), *([self.sock] if accepting else [])]
             try:
-                conn, _ = self._unix.accept()
-            except OSError:
-                return  # closed
-            with conn:
-                conn.settimeout(TIMEOUT_S)
+                ready, _, _ = select.select(readers, [], [], 0.05 if self._waiting else 0.25)
+            except (OSError, ValueError):  # closed under it
+                continue
+            for r in ready:
                 try:
-                    op, payload, fd = _receive(conn)
-                    if op == BORROW:
-                        self._lend(conn)
-                    elif op == HAND and fd is not None:
-                        _send(conn, TAKEN if self._keep(fd, payload) else REFUSED)
-                    elif fd is not None:
-                        os.close(fd)
-                except (OSError, EOFError, msgspec.DecodeError) as exc:
-                    log.warning("a rank's request on the launcher's socket failed: %s", exc)
+                    if r is self._unix:
+                        self._on_rank(*self._unix.accept())
+                    elif r is self._holder:
+                        try:
+                            left = not r.recv(1)  # rank 0 never writes here: readable means it let go or died
+                        except OSError:
+                            left = True
+                        if left:
+                            log.info("rank 0 let the socket go: the launcher answers the probes until the next one")
+                            self._holder.close()
+                            self._holder = None
+                    elif r is self.sock:
+                        client, _ = self.sock.accept()
+                        client.setblocking(False)
+                        self._waiting[client] = time.monotonic() + HEAD_WAIT_S
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except OSError as exc:
+                    if r is self._unix:
+                        return  # closed
+                    log.warning("the launcher's socket: %s", exc)
+            for client in list(self._waiting):
+                self._look(client)
+
+    def _on_rank(self, conn: socket.socket, _address) -> None:
+        conn.settimeout(TIMEOUT_S)
+        keep = False
+        try:
+            op, payload, fd = _receive(conn)
+            if op == BORROW:
+                keep = self._lend(conn)
+            elif op == HAND and fd is not None:
+                _send(conn, TAKEN if self._keep(fd, payload) else REFUSED)
+            elif fd is not None:
+                os.close(fd)
+        except (OSError, EOFError, msgspec.DecodeError) as exc:
+            log.warning("a rank's request on the launcher's socket failed: %s", exc)
+        finally:
+            if not keep:
+                conn.close()
+
+    def _look(self, client: socket.socket) -> None:
+        """A connection the launcher accepted (no rank 0 holds the socket): its head is looked at without reading it
+        (MSG_PEEK). A probe is read and answered now; anything else is kept, unread, for the next rank 0, which then
+        reads the whole request itself; so is a head that is not whole within HEAD_WAIT_S."""
+        try:
+            head = client.recv(65536, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            head = None
+        except OSError:
+            head = b""
+        if head == b"":  # gone before it said anything
+            del self._waiting[client]
+            client.close()
+            return
+        late = time.monotonic() >= self._waiting[client]
+        if head is not None and b"\r\n" in head:
+            method, _, rest = head.partition(b" ")
+            path = rest.partition(b" ")[0].partition(b"?")[0]
+            if method in (b"GET", b"HEAD") and path in PROBES:
+                end = head.find(b"\r\n\r\n")
+                if end >= 0:
+                    del self._waiting[client]
+                    with client, contextlib.suppress(OSError):
+                        client.recv(end + 4)  # the head only: a probe has no body
+                        client.setblocking(True)
+                        client.settimeout(1.0)
+                        client.sendall(_probe_answer(PROBES[path], method == b"HEAD"))
+                    self.probes += 1
+                    return
+                if not late:
+                    return
+            late = True
+        if late:
+            del self._waiting[client]
+            item = Carried(raw=b"", fallback=RESTARTING)
+            if not self._keep_client(client, item):
+                _answer([(client, item)])
 
     def _keep(self, fd: int, payload: bytes) -> bool:
         client = socket.socket(fileno=fd)
-        with self._lock:
-            held = sum(len(c.raw) for _, c in self.carried)
-            if self._closing or len(self.carried) >= MAX_CARRIED or held + len(payload) > MAX_CARRIED_BYTES:
-                client.close()
-                return False
-            self.carried.append((client, msgspec.msgpack.decode(payload, type=Carried)))
+        if not self._keep_client(client, msgspec.msgpack.decode(payload, type=Carried)):
+            client.close()
+            return False
         return True
 
-    def _lend(self, conn: socket.socket) -> None:
+    def _keep_client(self, client: socket.socket, item: Carried) -> bool:
+        with self._lock:
+            held = sum(len(c.raw) for _, c in self.carried)
+            if self._closing or len(self.carried) >= MAX_CARRIED or held + len(item.raw) > MAX_CARRIED_BYTES:
+                return False
+            self.carried.append((client, item))
+        return True
+
+    def _lend(self, conn: socket.socket) -> bool:
+        """The socket and what was kept for rank 0; whether `conn` is now the holder (open while rank 0 accepts)."""
         if self.sock is None:
             try:
                 self.sock = self._make()
+                self.sock.setblocking(False)
             except OSError as exc:
                 log.error("cannot listen for rank 0: %s", exc)
                 _send(conn, REFUSED, str(exc).encode())
-                return
+                return False
             log.info("listening for rank 0, on this node from now on")
+        for client in list(self._waiting):  # heads still arriving, unread: the new rank 0 reads them
+            del self._waiting[client]
+            if not self._keep_client(client, Carried(raw=b"", fallback=RESTARTING)):
+                _answer([(client, Carried(raw=b"", fallback=RESTARTING))])
         _send(conn, LEND, fd=self.sock.fileno())
         self.lent += 1
         with self._lock:
@@ -190,18 +301,52 @@ class SocketLender:
             _send(conn, END)
         finally:
             _answer(carried)  # the rank 0 went away while it took them
+        if self._holder is not None:  # the one before never let go (it hangs): this one accepts now
+            self._holder.close()
+        conn.setblocking(False)
+        self._holder = conn
+        return True
 
     def close(self) -> None:
         with self._lock:
             self._closing = True
             carried, self.carried = self.carried, []
-        _answer(carried)  # no rank 0 will serve them
+        self._thread.join(2.0)
+        waiting = [(c, Carried(raw=b"", fallback=RESTARTING)) for c in self._waiting]
+        self._waiting.clear()
+        _answer(carried + waiting)  # no rank 0 will serve them
+        if self._holder is not None:
+            self._holder.close()
         with contextlib.suppress(OSError):
             self._unix.shutdown(socket.SHUT_RDWR)
         self._unix.close()
         if self.sock is not None:
             self.sock.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _json_answer(status: int, reason: str, body: bytes, head_only: bool = False, extra: str = "") -> bytes:
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        f"{extra}Connection: close\r\n\r\n"
+    )
+    return head.encode() + (b"" if head_only else body)
+
+
+def _probe_answer(status: int, head_only: bool) -> bytes:
+    reason = "OK" if status == 200 else "Service Unavailable"
+    extra = "" if status == 200 else "Retry-After: 1\r\n"
+    return _json_answer(status, reason, b'{"status":"restarting"}', head_only, extra)
+
+
+# What a client the launcher kept gets if no rank 0 comes for it.
+RESTARTING = _json_answer(
+    503,
+    "Service Unavailable",
+    b'{"error":{"message":"the server is restarting; try again","type":"server_error","param":null,'
+    b'"code":"unavailable"}}',
+    extra="Retry-After: 1\r\n",
+)
 
 
 def _answer(carried: list[tuple[socket.socket, Carried]]) -> None:

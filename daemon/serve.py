@@ -27,7 +27,7 @@ from diffusiond.daemon.app import create_app
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.connections import listen, raise_open_files_limit, runner_options
 from diffusiond.daemon.handover import adopt
-from diffusiond.daemon.listener import borrow, listening_socket
+from diffusiond.daemon.listener import Lent, borrow, listening_socket
 from diffusiond.daemon.notify import Notifier
 from diffusiond.daemon.state import METRICS, STATE, ServerState
 
@@ -80,6 +80,8 @@ class Service:
         self.stop = asyncio.Event()
         self.address = f"{config.host}:{config.port}"
         self.site: web.BaseSite | None = None
+        # What the launcher lent this rank 0 (daemon/listener.py), held while it accepts.
+        self.lent: Lent | None = None
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -113,7 +115,8 @@ class Service:
         await runner.setup()  # starts the model load (app cleanup_ctx)
         try:
             try:
-                lent = borrow()  # a rank 0 under the launcher: its socket, and requests carried over a heal
+                # A rank 0 under the launcher: its socket, and requests carried over a heal.
+                self.lent = lent = borrow()
                 sock = lent.sock if lent is not None else listening_socket(self.config.host, self.config.port)
                 self.site = await listen(runner, self.config, sock)
             except OSError as exc:
@@ -143,6 +146,8 @@ class Service:
                 # launcher holds the socket, daemon/listener.py) instead of meeting an engine that is gone.
                 if self.site is not None:
                     await self.site.stop()
+                if self.lent is not None:
+                    self.lent.release()  # the launcher answers the probes until the next rank 0 (/ready: 503)
                 error = state.engine.error if state.engine is not None else None
                 log.error("engine stopped (%r); exiting", error)
                 self.notifier.status(f"failed: engine stopped: {error!r}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 
 import aiohttp
 import pytest
@@ -28,14 +29,35 @@ def lender():
     lender.close()
 
 
+@pytest.fixture
+def rank0(lender, monkeypatch) -> listener.Lent:
+    """A rank 0 that borrowed the socket and holds it (the launcher does not accept meanwhile)."""
+    monkeypatch.setenv(LISTENER_ENV, lender.path)
+    lent = borrow()
+    assert lent is not None
+    lent.sock.setblocking(True)
+    yield lent
+    lent.release()
+    lent.sock.close()
+
+
 def connected(server: socket.socket) -> tuple[socket.socket, socket.socket]:
     client = socket.create_connection(server.getsockname())
     accepted, _ = server.accept()
     return client, accepted
 
 
-def test_the_launcher_keeps_a_handed_connection_open_for_the_next_rank_0(lender, monkeypatch):
-    client, accepted = connected(lender.sock)
+def request(port: int, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(data)
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    return answer
+
+
+def test_the_launcher_keeps_a_handed_connection_open_for_the_next_rank_0(lender, rank0):
+    client, accepted = connected(rank0.sock)
     with accepted:
         client.sendall(b"POST / HTTP/1.1\r\n\r\n")
         assert hand(lender.path, accepted.fileno(), Carried(b"the request", b"503", ["a"]))
@@ -43,7 +65,7 @@ def test_the_launcher_keeps_a_handed_connection_open_for_the_next_rank_0(lender,
     client.settimeout(0.3)
     with pytest.raises(TimeoutError):
         client.recv(1)
-    monkeypatch.setenv(LISTENER_ENV, lender.path)
+    rank0.release()
     lent = borrow()
     assert lent is not None and lent.sock.getsockname() == lender.sock.getsockname()
     ((sock, item),) = lent.carried
@@ -53,14 +75,16 @@ def test_the_launcher_keeps_a_handed_connection_open_for_the_next_rank_0(lender,
         client.settimeout(5)
         assert client.recv(100) == b"the answer"
     # Given once: the next borrower finds none.
+    lent.release()
     again = borrow()
     assert again is not None and again.carried == []
+    again.release()
     again.sock.close()
     client.close()
 
 
-def test_a_launcher_that_stops_sends_what_the_rank_0_would_have_sent(lender):
-    client, accepted = connected(lender.sock)
+def test_a_launcher_that_stops_sends_what_the_rank_0_would_have_sent(lender, rank0):
+    client, accepted = connected(rank0.sock)
     with accepted:
         assert hand(lender.path, accepted.fileno(), Carried(b"req", b"HTTP/1.1 503 Service Unavailable\r\n\r\n"))
     lender.close()
@@ -70,13 +94,56 @@ def test_a_launcher_that_stops_sends_what_the_rank_0_would_have_sent(lender):
     client.close()
 
 
-def test_the_launcher_keeps_a_bounded_number(lender, monkeypatch):
+def test_the_launcher_keeps_a_bounded_number(lender, rank0, monkeypatch):
     monkeypatch.setattr(listener, "MAX_CARRIED", 1)
-    first, accepted = connected(lender.sock)
-    second, accepted2 = connected(lender.sock)
+    first, accepted = connected(rank0.sock)
+    second, accepted2 = connected(rank0.sock)
     with first, second, accepted, accepted2:
         assert hand(lender.path, accepted.fileno(), Carried(b"1", b""))
         assert not hand(lender.path, accepted2.fileno(), Carried(b"2", b""))
+
+
+def test_while_no_rank_0_accepts_the_launcher_answers_the_probes_and_keeps_the_rest(lender, rank0, monkeypatch):
+    """Between a rank 0 that let go (its engine is gone, or it died) and the next one, the probes get an answer
+    (before: no answer at all, a timeout, for the whole heal) and every other request waits, unread, for the next
+    rank 0; a request whose head is not whole after HEAD_WAIT_S waits the same way."""
+    monkeypatch.setattr(listener, "HEAD_WAIT_S", 0.3)
+    port = lender.sock.getsockname()[1]
+    rank0.release()
+    ready = request(port, b"GET /ready HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert ready.startswith(b"HTTP/1.1 503 ") and ready.endswith(b'{"status":"restarting"}'), ready
+    assert b"Retry-After: 1" in ready
+    assert request(port, b"GET /health?probe=1 HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 200 OK")
+    assert request(port, b"HEAD /ready HTTP/1.1\r\n\r\n").endswith(b"\r\n\r\n")
+    assert lender.probes == 3
+    api = socket.create_connection(("127.0.0.1", port))
+    api.sendall(b"POST /v1/generations HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}")
+    slow = socket.create_connection(("127.0.0.1", port))
+    slow.sendall(b"GET /v1/mod")  # a head in pieces: not whole within HEAD_WAIT_S
+    deadline = time.monotonic() + 5
+    while len(lender.carried) < 2:
+        assert time.monotonic() < deadline, lender.carried
+        time.sleep(0.05)
+    lent = borrow()
+    assert lent is not None
+    # Looked at, never read: the next rank 0 reads each request whole from its connection.
+    assert [item.raw for _, item in lent.carried] == [b"", b""]
+    unread = sorted(sock.recv(4096) for sock, _ in lent.carried)
+    assert unread == [b"GET /v1/mod", b"POST /v1/generations HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}"]
+    for sock, _ in lent.carried:
+        sock.close()
+    # Held again: the launcher answers nothing itself.
+    api.settimeout(1)
+    probe = socket.create_connection(("127.0.0.1", port))
+    probe.sendall(b"GET /ready HTTP/1.1\r\n\r\n")
+    probe.settimeout(0.5)
+    with pytest.raises(TimeoutError):
+        probe.recv(1)
+    assert lender.probes == 3
+    for sock in (api, slow, probe):
+        sock.close()
+    lent.release()
+    lent.sock.close()
 
 
 @pytest.mark.asyncio

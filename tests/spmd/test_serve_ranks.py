@@ -371,8 +371,8 @@ def a_heal_refuses_no_connection(proc, base, log) -> None:
     assert follower is not None
     os.kill(follower, signal.SIGKILL)
     killed_at = time.monotonic()
-    # Not ready, as a balancer's probe (1 s timeout) sees it: 503 from the failing rank 0, or no answer while the
-    # socket waits for the next one (a connection in the backlog is never refused).
+    # Not ready, as a balancer's probe (1 s timeout) sees it: 503 from the failing rank 0, then from the launcher
+    # until the next rank 0 answers (before: no answer at all, a timeout, for the whole heal).
     noticed = None
     while time.monotonic() - killed_at < 5:
         try:
@@ -383,7 +383,7 @@ def a_heal_refuses_no_connection(proc, base, log) -> None:
             noticed = time.monotonic() - killed_at
             break
         time.sleep(0.05)
-    assert noticed is not None and noticed < 2.0, (noticed, log.read_text()[-2000:])
+    assert noticed is not None and noticed < 2.0 and status == 503, (noticed, status, log.read_text()[-2000:])
     outcomes: list[tuple[str, int]] = []
     lock = threading.Lock()
 
@@ -410,9 +410,17 @@ def a_heal_refuses_no_connection(proc, base, log) -> None:
     for t in threads:
         t.start()
         time.sleep(0.05)
+    probes = []  # every /ready during the heal gets an answer: 503 until the group is back
+    while any(t.is_alive() for t in threads) and (not probes or probes[-1] != 200):
+        try:
+            probes.append(get(f"{base}/ready", timeout=1.0)[0])
+        except OSError as exc:
+            probes.append(repr(exc))
+        time.sleep(0.2)
     for t in threads:
         t.join(180)
     assert outcomes == [("completed", 0)] * 20, (outcomes, log.read_text()[-3000:])
+    assert set(probes) <= {503, 200}, probes
     wait_ready(base, proc)
     assert rank_pid(proc.pid, 1) not in (None, follower)
     print(f"noticed in {noticed:.2f} s; 20 clients during the heal: {outcomes}")

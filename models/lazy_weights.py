@@ -139,7 +139,9 @@ class LazyWeights:
                 if prefix + name in self.persistent and prefix + name in self.files:
                     value = get(prefix + name)
                     dtype = target_dtype(self.root, prefix + name, self.root._lazy_dtype)
-                    value = _copy(value, self.device, dtype if value.is_floating_point() else value.dtype)
+                    # A view of the mapped file where it can stay one: a table (SD3.5's 450 MB of positions) is read
+                    # a few rows per image, and only those rows' pages become resident.
+                    value = value.to(self.device, dtype if value.is_floating_point() else value.dtype)
                     _set(module, name, value, buffer=True)
                     count += 1
                 elif buffer.device != self.device:

@@ -12,10 +12,12 @@ from diffusiond.daemon.config import MAX_N
 from diffusiond.models.params import (
     MAX_IMAGE_BYTES,
     CacheThreshold,
+    EditContext,
     Fps,
     Fraction,
     Frames,
     Guidance,
+    Layers,
     Loras,
     PreviewMode,
     Prompt,
@@ -96,6 +98,12 @@ class ImageGenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only
     seed: Seed | None = None
     num_inference_steps: Steps | None = None
     guidance_scale: Guidance | None = None
+    # Every per-request field of the native API (models/params.py), here too: OpenAI clients send them as extra body.
+    true_cfg_scale: Guidance | None = None
+    skip_guidance_layers: Layers | None = None
+    skip_layer_guidance_scale: Guidance | None = None
+    skip_layer_guidance_start: Fraction | None = None
+    skip_layer_guidance_stop: Fraction | None = None
     # How partial images are made: "fast" (latent -> RGB, scaled up) or "vae" (a real decode, full resolution).
     preview: PreviewMode = "fast"
     # Step caching threshold for this request (servers started with --cache); 0: exact.
@@ -110,6 +118,9 @@ class ImageEditRequest(ImageGenerationRequest, kw_only=True):
 
     input_fidelity: Short | None = None
     strength: Fraction | None = None
+    # Instruction edits (FLUX.1 Kontext): "preferred" (the pipeline's ~1 Mpx context, default) or "output" (scaled to
+    # the output's area: cheaper below 1 Mpx, not the pipeline's image).
+    edit_context: EditContext | None = None
 
 
 VideoFormat = Literal["mp4", "webp"]
@@ -139,6 +150,10 @@ class VideoCreateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     seed: Seed | None = None
     num_inference_steps: Steps | None = None
     guidance_scale: Guidance | None = None
+    # Two-expert checkpoints (Wan 2.2 A14B): the low-noise expert's guidance.
+    guidance_scale_2: Guidance | None = None
+    true_cfg_scale: Guidance | None = None
+    cache_threshold: CacheThreshold | None = None
     num_frames: Frames | None = None
     fps: Fps | None = None
     # LoRA adapters for this request (multipart bodies: as a JSON string), for families that serve them.

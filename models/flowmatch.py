@@ -95,6 +95,8 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
         self.pipe = pipe
         self.source = source
         self.transformer = getattr(pipe, self.denoiser)  # named so whatever it is (a UNet for UNet families)
+        # Every denoiser of the checkpoint (Wan 2.2 A14B has two experts): what quantization and attention change.
+        self.experts: tuple[Any, ...] = (self.transformer,)
         self.vae = pipe.vae
         # A denoiser built empty (`lazy`), its weights read a part at a time as the parallel layout shards them.
         self.lazy_weights = lazy

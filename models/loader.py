@@ -43,7 +43,8 @@ def load_adapter(
         from diffusiond.kernels.quantize import DEFAULT_SKIP, quantize_layers
 
         skip = DEFAULT_SKIP if quantize_skip is None else tuple(filter(None, map(str.strip, quantize_skip.split(","))))
-        adapter.quantized = (quantize, quantize_layers(adapter.transformer, quantize, skip))
+        denoisers = getattr(adapter, "experts", (adapter.transformer,))
+        adapter.quantized = (quantize, sum(quantize_layers(d, quantize, skip) for d in denoisers))
     if offload != "none":
         adapter.enable_offload(offload, device)
     return adapter

@@ -42,6 +42,10 @@ Frames = Annotated[int, msgspec.Meta(ge=1, le=MAX_FRAMES)]
 Fps = Annotated[int, msgspec.Meta(ge=1, le=240)]
 Layers = Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=1000)], ...], msgspec.Meta(min_length=1, max_length=64)]
 PreviewMode = Literal["fast", "vae"]
+# Where an instruction edit (FLUX.1 Kontext) conditions its input image: "preferred", the Kontext training resolution
+# nearest the image's aspect (about 1 Mpx, as `FluxKontextPipeline`); "output", that resolution scaled to the output's
+# area (fewer tokens below 1 Mpx: cheaper, and not the pipeline's image).
+EditContext = Literal["preferred", "output"]
 CacheThreshold = Annotated[float, msgspec.Meta(ge=0, le=10)]
 
 # LoRA adapters a request applies (by the names the operator registered) and their scales.
@@ -88,6 +92,9 @@ class RequestFields(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     num_inference_steps: Steps | None = None
     guidance_scale: Guidance | None = None
     true_cfg_scale: Guidance | None = None
+    # Two-expert checkpoints (Wan 2.2 A14B): the guidance of the low-noise expert's steps (default: guidance_scale,
+    # as the pipeline's). Whether CFG runs at all is guidance_scale's call, as in the pipeline.
+    guidance_scale_2: Guidance | None = None
     # Emit a preview every K steps (0: never). Previews never change the final image.
     preview_every: Every = 0
     # With each preview, also hand out the raw latent.
@@ -117,6 +124,9 @@ class RequestFields(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     # Multi-reference editing (families that declare "references"): more images after `image`, each conditioning
     # every step ("put the cat of the second image on the sofa of the first").
     reference_images: References | None = None
+    # Instruction edits (FLUX.1 Kontext): the size the input image is conditioned at
+    # (`EditContext`); resolved to "preferred" for an edit, None otherwise.
+    edit_context: EditContext | None = None
     # Video families ("video" in the adapter's capabilities `modality`): frames of the clip (each family's rule, Wan's
     # 4k + 1) and the frame rate its file plays at (changes no pixel). Refused by image families.
     num_frames: Frames | None = None

@@ -51,9 +51,21 @@ class RequestResolution:
         guidance = params.guidance_scale if params.guidance_scale is not None else caps.default_guidance
         if not math.isfinite(guidance) or guidance < 0 or guidance > MAX_GUIDANCE:
             raise ParamError("guidance_scale", f"guidance_scale must be between 0 and {MAX_GUIDANCE:g}, got {guidance}")
+        if guidance != caps.default_guidance and not {"cfg", "distilled", "skip-layer"} & set(caps.guidance_styles):
+            # A knob the checkpoint ignores (diffusers only warns): a client would get the image of another setting.
+            raise ParamError(
+                "guidance_scale",
+                f"this {caps.family} checkpoint has no guidance embedding, so guidance_scale changes nothing; its "
+                "guidance is true_cfg_scale (with a negative_prompt)",
+            )
         true_cfg = params.true_cfg_scale if params.true_cfg_scale is not None else self.default_true_cfg
         if not math.isfinite(true_cfg) or true_cfg < 0 or true_cfg > MAX_GUIDANCE:
             raise ParamError("true_cfg_scale", f"true_cfg_scale must be between 0 and {MAX_GUIDANCE:g}, got {true_cfg}")
+        if true_cfg != self.default_true_cfg and "true-cfg" not in caps.guidance_styles:
+            raise ParamError(
+                "true_cfg_scale",
+                f"{caps.family} has no true CFG, so true_cfg_scale changes nothing; its guidance is guidance_scale",
+            )
         seed = params.seed
         if seed is None:
             # Random seeds stay below 2**53, so JavaScript clients (JSON numbers are doubles) can reuse them exactly.
@@ -74,6 +86,7 @@ class RequestResolution:
             num_inference_steps=steps,
             guidance_scale=float(guidance),
             true_cfg_scale=float(true_cfg),
+            guidance_scale_2=self._guidance_2(params, float(guidance)),
             preview_every=params.preview_every,
             stream_latents=params.stream_latents,
             preview=params.preview,
@@ -83,6 +96,7 @@ class RequestResolution:
             strength=strength,
             mask=self._mask(params),
             reference_images=self._references(params),
+            edit_context=self._edit_context(params),
             start_step=self._start_step(steps, strength),
             **self._video(params),
             lora=resolve_loras(self, params),
@@ -131,6 +145,26 @@ class RequestResolution:
         if not 0 <= strength <= 1:
             raise ParamError("strength", f"strength must be between 0 and 1, got {strength}")
         return float(strength)
+
+    def _guidance_2(self, params: SamplingParams, guidance: float) -> float | None:
+        """The low-noise expert's guidance (two-expert checkpoints); others refuse it."""
+        if params.guidance_scale_2 is not None:
+            raise ParamError(
+                "guidance_scale_2",
+                f"this {self.family} checkpoint has one denoiser; guidance_scale_2 is for two-expert checkpoints "
+                "(Wan 2.2 A14B)",
+            )
+        return None
+
+    def _edit_context(self, params: SamplingParams) -> str | None:
+        """The resolved `edit_context`: families whose input image has no conditioning size of its own refuse it."""
+        if params.edit_context is not None:
+            raise ParamError(
+                "edit_context",
+                f"the {self.family} family conditions no input image at a size of its own; edit_context is for "
+                "instruction edits (FLUX.1 Kontext)",
+            )
+        return None
 
     def _references(self, params: SamplingParams) -> tuple[bytes, ...] | None:
         if not params.reference_images:

@@ -28,6 +28,8 @@ FAMILIES: tuple[str, ...] = (
     "qwen-image",
     "wan",
     "wan-i2v",
+    "wan22",
+    "wan22-i2v",
 )
 
 # Common English words, plus colours, shapes, animals and photo vocabulary; each becomes a single token in both the
@@ -427,6 +429,9 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
         "flux2-klein": tiny_qwen.build_flux2klein,
         "wan": tiny_video.build_wan,
         "wan-i2v": tiny_video.build_wan_i2v,
+        # Wan 2.2 A14B: two experts (`transformer_2`, `boundary_ratio`); its I2V without image cross-attention.
+        "wan22": lambda: tiny_video.build_wan(two_experts=True),
+        "wan22-i2v": lambda: tiny_video.build_wan_i2v(image_context=False, two_experts=True),
     }
     if family not in builders:
         raise ValueError(f"unknown model family {family!r}; valid families: {', '.join(FAMILIES)}")

@@ -1,7 +1,8 @@
-"""Tiny random-weight Wan 2.1 checkpoints (text-to-video and image-to-video), built offline on the helpers of
-models/tiny.py: a UMT5 text encoder on the tiny T5 tokenizer, a 3-level causal video VAE (8x spatial, 4x temporal
-compression, 16 latent channels as the real one), a 2-block `WanTransformer3DModel`, and the UniPC multistep
-scheduler in flow-prediction mode as Wan 2.1's checkpoints ship it. Frames: any 4k + 1; sides: multiples of 16.
+"""Tiny random-weight Wan 2.1 and 2.2 A14B checkpoints (text-to-video and image-to-video), built offline on the
+helpers of models/tiny.py: a UMT5 text encoder on the tiny T5 tokenizer, a 3-level causal video VAE (8x spatial, 4x
+temporal compression, 16 latent channels as the real one), a 2-block `WanTransformer3DModel` (two of them for Wan
+2.2 A14B's experts), and the UniPC multistep scheduler in flow-prediction mode as Wan 2.1's checkpoints ship it.
+Frames: any 4k + 1; sides: multiples of 16.
 """
 
 from __future__ import annotations
@@ -83,20 +84,43 @@ def _transformer(**extra: Any) -> Any:
     return transformer
 
 
-def build_wan() -> Any:
+# Wan 2.2 A14B's boundaries (its model_index.json): the high-noise expert runs timesteps >= ratio x 1000.
+BOUNDARY_T2V, BOUNDARY_I2V = 0.875, 0.9
+
+
+def build_wan(two_experts: bool = False) -> Any:
+    """Wan 2.1 T2V; `two_experts`: Wan 2.2 A14B's layout (`transformer_2` and `boundary_ratio`)."""
     from diffusers import WanPipeline
 
     tok = make_t5_tokenizer()
+    experts = {"transformer_2": _transformer(), "boundary_ratio": BOUNDARY_T2V} if two_experts else {}
     return WanPipeline(
-        tokenizer=tok, text_encoder=_umt5(tok), vae=_vae(), scheduler=_scheduler(), transformer=_transformer()
+        tokenizer=tok,
+        text_encoder=_umt5(tok),
+        vae=_vae(),
+        scheduler=_scheduler(),
+        transformer=_transformer(),
+        **experts,
     )
 
 
-def build_wan_i2v() -> Any:
+def build_wan_i2v(image_context: bool = True, two_experts: bool = False) -> Any:
+    """Wan 2.1 I2V; `image_context=False`: Wan 2.2 I2V's transformer, without image cross-attention (`image_dim`
+    and `added_kv_proj_dim` null), and no image encoder; `two_experts` (with it): Wan 2.2 I2V A14B's layout."""
     from diffusers import WanImageToVideoPipeline
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
     tok = make_t5_tokenizer()
+    if not image_context:
+        experts = {"transformer_2": _transformer(in_channels=36), "boundary_ratio": BOUNDARY_I2V} if two_experts else {}
+        return WanImageToVideoPipeline(
+            tokenizer=tok,
+            text_encoder=_umt5(tok),
+            vae=_vae(),
+            scheduler=_scheduler(),
+            transformer=_transformer(in_channels=36),
+            **experts,
+        )
     vision = CLIPVisionModel(
         CLIPVisionConfig(
             hidden_size=IMAGE_DIM,

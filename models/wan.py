@@ -167,12 +167,34 @@ class WanAdapter(FlowMatchAdapter):
     def __init__(self, pipe: Any, *, source: str, lazy: Any = None) -> None:
         self.frame_step = pipe.vae_scale_factor_temporal
         super().__init__(pipe, source=source, lazy=lazy)
+        # Wan 2.2 A14B: two experts. `transformer` denoises the steps whose timestep is at or above the boundary
+        # (`boundary_ratio` x the scheduler's training timesteps), `transformer_2` the rest, with `guidance_scale_2`;
+        # each request by its own timestep, so one step of a batch may run both, each on its own requests' rows.
+        # Without a boundary the pipeline runs `transformer` only, and so does this.
+        self.transformer_2 = getattr(pipe, "transformer_2", None)
+        ratio = pipe.config.get("boundary_ratio")
+        if ratio is not None and self.transformer_2 is None:
+            raise ValueError(f"{source}: boundary_ratio {ratio} without a transformer_2 to run the low-noise steps")
+        self.boundary: float | None = None
+        if ratio is not None:
+            self.boundary = ratio * pipe.scheduler.config.num_train_timesteps
+        self.experts = (self.transformer,) if self.boundary is None else (self.transformer, self.transformer_2)
+        self.expert = 0  # the expert `_call` runs now
         self.projections: ProjectionCache | None = ProjectionCache()
         self.plan = ProjectionPlan()
         for i, block in enumerate(self.transformer.blocks):
             block.attn2.set_processor(WanCrossAttnProcessor(i, self.plan))
 
+    def _one_expert(self, setting: str) -> None:
+        """Settings not made per expert yet refuse a two-expert checkpoint (before: they would have changed the
+        high-noise expert only)."""
+        if len(self.experts) > 1:
+            from diffusiond.models.setup import SetupError
+
+            raise SetupError(f"{setting}: not with a two-expert checkpoint (Wan 2.2 A14B) yet")
+
     def enable_lora(self, budget_bytes: int) -> Any:
+        self._one_expert("LoRA")
         registry = super().enable_lora(budget_bytes)
         self.plan.lora = self.lora_layers
         return registry
@@ -182,25 +204,53 @@ class WanAdapter(FlowMatchAdapter):
         angles); self-attention all-to-alls, cross-attention needs nothing (each rank's queries attend to the whole
         text), and the last block's output is gathered for the output projection."""
         self.ulysses_group = group
-        blocks = self.transformer.blocks
-        span: dict[str, int] = {}
+        for expert in self.experts:
+            blocks = expert.blocks
+            span: dict[str, int] = {}
 
-        def shard(module, args):
-            x, context, timestep_proj, (cos, sin) = args  # the blocks are called positionally
-            if module is blocks[0]:
-                span["start"], span["stop"] = group.split(x.shape[1])
-                x = x[:, span["start"] : span["stop"]]
-            local = slice(span["start"], span["stop"])
-            return (x, context, timestep_proj, (cos[:, local], sin[:, local]))
+            def shard(module, args, blocks=blocks, span=span):
+                x, context, timestep_proj, (cos, sin) = args  # the blocks are called positionally
+                if module is blocks[0]:
+                    span["start"], span["stop"] = group.split(x.shape[1])
+                    x = x[:, span["start"] : span["stop"]]
+                local = slice(span["start"], span["stop"])
+                return (x, context, timestep_proj, (cos[:, local], sin[:, local]))
 
-        for block in blocks:
-            block.attn1.set_processor(UlyssesWanSelfAttnProcessor(group))
-            block.register_forward_pre_hook(shard)
-        gather_output(blocks[-1], group)
+            for block in blocks:
+                block.attn1.set_processor(UlyssesWanSelfAttnProcessor(group))
+                block.register_forward_pre_hook(shard)
+            gather_output(blocks[-1], group)
+
+    def enable_tp(self, mesh: Any) -> None:
+        self._one_expert("--tp")
+        super().enable_tp(mesh)
+
+    def enable_step_cache(self, method: str, threshold: float) -> None:
+        if method != "none":
+            self._one_expert(f"--cache {method}")
+        super().enable_step_cache(method, threshold)
+
+    def enable_compile(self) -> int:
+        self._one_expert("--compile")
+        return super().enable_compile()
+
+    def enable_offload(self, mode: str, device: str) -> None:
+        if mode == "group":
+            self._one_expert("--offload group")
+        super().enable_offload(mode, device)  # `model`: each step stages the expert it runs
+
+    def set_attention(self, choice: str) -> str:
+        backend = super().set_attention(choice)
+        from diffusiond.kernels import attention
+
+        for expert in self.experts[1:]:
+            attention.apply(expert, backend, masked=self.spec.attention_masks)
+        return backend
 
     def enable_shard_weights(self, mesh: Any) -> None:
         """Sharded weights exist whole only inside their block's forward: the projections are made there again (no
         reuse), and still equal."""
+        self._one_expert("--shard-weights")
         super().enable_shard_weights(mesh)
         self.projections = None
 
@@ -252,6 +302,11 @@ class WanAdapter(FlowMatchAdapter):
             )
         return {"num_frames": frames, "fps": params.fps if params.fps is not None else caps.default_fps}
 
+    def _guidance_2(self, params: SamplingParams, guidance: float) -> float | None:
+        if self.boundary is None:
+            return super()._guidance_2(params, guidance)
+        return params.guidance_scale_2 if params.guidance_scale_2 is not None else guidance
+
     def batch_key(self, params: SamplingParams) -> Hashable:
         return (params.width, params.height, params.num_frames, self._uses_cfg(params), self.context_size(params))
 
@@ -281,6 +336,8 @@ class WanAdapter(FlowMatchAdapter):
             cond: dict[str, Any] = {"embeds": torch.cat(rows).to(self.dtype)}
             if cfg[i]:
                 cond["scale"] = torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)
+                if self.boundary is not None:
+                    cond["scale_2"] = torch.full([1], p.guidance_scale_2, device=self.device, dtype=torch.float32)
             state = RequestState(request_id, p, latents, sampler, cond=cond)
             self._prepare_image(state, len(rows))
             # A request with LoRA projects its rows in the forward, where its adapters apply (its keys and values
@@ -327,9 +384,30 @@ class WanAdapter(FlowMatchAdapter):
     def _batched_rows(self, states: Sequence[RequestState]) -> dict[str, Any]:
         return {"text_entries": [e for s in states for e in s.rows]}
 
+    def expert_of(self, state: RequestState) -> int:
+        """The expert that denoises `state`'s next step: 0 (`transformer`) at or above the boundary timestep, 1
+        below it (the pipeline's comparison, in the timestep's dtype)."""
+        if self.boundary is None:
+            return 0
+        return 0 if bool(state.sampler.timestep >= self.boundary) else 1
+
     @torch.inference_mode()
     def denoise(self, states: Sequence[RequestState]) -> torch.Tensor:
-        self._stage(self.denoiser)
+        """Each expert's forward over its own requests' rows; the outputs in the batch's order."""
+        experts = [self.expert_of(s) for s in states]
+        if len(set(experts)) == 1:
+            return self._denoise_with(experts[0], states)
+        out: list[torch.Tensor | None] = [None] * len(states)
+        for expert in (0, 1):
+            mine = [i for i, e in enumerate(experts) if e == expert]
+            part = self._denoise_with(expert, [states[i] for i in mine])
+            for j, i in enumerate(mine):
+                out[i] = part[j : j + 1]
+        return torch.cat(out)  # type: ignore[arg-type]
+
+    def _denoise_with(self, expert: int, states: Sequence[RequestState]) -> torch.Tensor:
+        self._stage(self.denoiser if expert == 0 else "transformer_2")
+        self.expert = expert
         cond = self._batched_cond(states)
         rows = cond["embeds"].shape[0] // len(states)  # 2 with CFG: (negative, positive) per request
         latents = torch.cat([s.latents for s in states]).to(self.dtype)  # [B, C, T, h, w]
@@ -347,7 +425,8 @@ class WanAdapter(FlowMatchAdapter):
         if rows == 1:
             return out[:, 0]
         uncond, text = out[:, 0], out[:, 1]
-        return uncond + cond["scale"].view(-1, 1, 1, 1, 1) * (text - uncond)
+        scale = cond["scale"] if expert == 0 else cond["scale_2"]
+        return uncond + scale.view(-1, 1, 1, 1, 1) * (text - uncond)
 
     def _image_inputs(self, cond: dict[str, Any], rows: int) -> dict[str, Any]:
         return {}
@@ -357,7 +436,7 @@ class WanAdapter(FlowMatchAdapter):
         self.plan.text = batched.pop("text_entries")
         self.plan.image = batched.pop("image_entries", [])
         try:
-            return self.transformer(**batched, return_dict=False)[0]
+            return self.experts[self.expert](**batched, return_dict=False)[0]
         finally:
             self.plan.text, self.plan.image = [], []
 
@@ -412,6 +491,12 @@ class WanI2VAdapter(WanAdapter):
 
     spec = families.WAN_I2V
 
+    def __init__(self, pipe: Any, *, source: str, lazy: Any = None) -> None:
+        super().__init__(pipe, source=source, lazy=lazy)
+        # Wan 2.1 I2V's transformer attends to the first frame's CLIP embedding too; Wan 2.2's (`image_dim` null, no
+        # image encoder) sees the image through its latents only, as the pipeline decides.
+        self.image_context = self.transformer.config.image_dim is not None
+
     def context_size(self, params: SamplingParams) -> Hashable:
         return None
 
@@ -427,8 +512,12 @@ class WanI2VAdapter(WanAdapter):
         noise drawn), concatenated after a zero video and masked; and its CLIP embedding."""
         p = state.params
         image = open_rgb(p.image)
-        self._stage("image_encoder")
-        embeds = self.pipe.encode_image(image, self.device).to(self.dtype)  # [1, 257, D_img]
+        if self.image_context:
+            self._stage("image_encoder")
+            embeds = self.pipe.encode_image(image, self.device).to(self.dtype)  # [1, 257, D_img]
+            state.cond["image_embeds"] = embeds.expand(rows, -1, -1)
+            # One for the request's rows; none with LoRA (see `prepare`).
+            state.shared["image_entry"] = None if state.params.lora else self._acquire_image(embeds)
         self._stage("vae")
         pixels = self.pipe.video_processor.preprocess(image, height=p.height, width=p.width)
         pixels = pixels.to(self.device, torch.float32)
@@ -437,9 +526,6 @@ class WanI2VAdapter(WanAdapter):
             None, state.latents,
         )  # fmt: skip
         state.cond["condition"] = condition  # [1, 4 + C, T, h, w]
-        state.cond["image_embeds"] = embeds.expand(rows, -1, -1)
-        # One for the request's rows; none with LoRA (see `prepare`).
-        state.shared["image_entry"] = None if state.params.lora else self._acquire_image(embeds)
 
     def _acquire_image(self, embeds: torch.Tensor) -> Any:
         if self.projections is None:
@@ -458,10 +544,13 @@ class WanI2VAdapter(WanAdapter):
 
     def _batched_rows(self, states: Sequence[RequestState]) -> dict[str, Any]:
         rows = super()._batched_rows(states)
-        rows["image_entries"] = [s.shared["image_entry"] for s in states for _ in range(len(s.rows))]
+        if self.image_context:
+            rows["image_entries"] = [s.shared["image_entry"] for s in states for _ in range(len(s.rows))]
         return rows
 
     def _image_inputs(self, cond: dict[str, Any], rows: int) -> dict[str, Any]:
+        if not self.image_context:
+            return {}
         return {"encoder_hidden_states_image": cond["image_embeds"], "image_entries": cond["image_entries"]}
 
 

@@ -88,6 +88,30 @@ def tiny_wan_i2v(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_wan22(tmp_path_factory) -> str:
+    return str(build_tiny("wan22", tmp_path_factory.mktemp("tiny") / "wan22"))
+
+
+@pytest.fixture(scope="session")
+def tiny_wan22_i2v(tmp_path_factory) -> str:
+    return str(build_tiny("wan22-i2v", tmp_path_factory.mktemp("tiny") / "wan22-i2v"))
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_i2v_no_image_attention(tmp_path_factory) -> str:
+    """Wan 2.2 I2V's layout (one expert here): no image cross-attention, no image encoder."""
+    import torch
+
+    from diffusiond.models.tiny_video import build_wan_i2v
+
+    out = tmp_path_factory.mktemp("tiny") / "wan-i2v-latents-only"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        build_wan_i2v(image_context=False).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def tiny_kontext(tmp_path_factory) -> str:
     return str(build_tiny("flux-kontext", tmp_path_factory.mktemp("tiny") / "flux-kontext"))
 

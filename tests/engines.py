@@ -17,6 +17,13 @@ from diffusiond.engine.outputs import TERMINAL, Completed, Progress
 from diffusiond.models.params import SamplingParams
 
 
+def guidance(adapter, scale: float) -> dict:
+    """The guidance knobs `adapter`'s checkpoint takes, each at `scale` (a knob it would ignore is refused)."""
+    styles = set(adapter.capabilities.guidance_styles)
+    knobs = {"guidance_scale": scale} if {"cfg", "distilled", "skip-layer"} & styles else {}
+    return {**knobs, "true_cfg_scale": scale} if "true-cfg" in styles else knobs
+
+
 def generate(adapter, seeds=(1, 2), steps: int = 3) -> list[np.ndarray]:
     """64x64 images of "a shape {seed}" for each seed, the requests batched together in every forward."""
 

@@ -62,6 +62,7 @@ valid = {
     "num_inference_steps": st.integers(min_value=1, max_value=8),
     "guidance_scale": st.floats(min_value=0, max_value=100),
     "true_cfg_scale": st.floats(min_value=0, max_value=100),
+    "guidance_scale_2": st.none() | st.floats(min_value=0, max_value=100),
     "preview_every": st.integers(min_value=0, max_value=8),
     "latents": st.booleans(),
     "preview": st.sampled_from(["fast", "vae"]),
@@ -74,6 +75,7 @@ valid = {
     "image": st.none() | st.just(base64.b64encode(picture(32, 48)).decode()) | st.just("aGVsbG8="),
     "strength": st.none() | st.floats(min_value=0, max_value=1),
     "mask": st.none() | st.just(base64.b64encode(picture(16, 16, mode="L")).decode()) | st.just("aGVsbG8="),
+    "edit_context": st.none() | st.sampled_from(["preferred", "output"]),
     "reference_images": st.none() | st.just([base64.b64encode(picture(64, 64)).decode()]) | st.just(["aGk="]),
     # Video fields (the image model refuses them, naming the field).
     "num_frames": st.none() | st.sampled_from([1, 5, 9]),

@@ -158,3 +158,36 @@ def test_other_families_stream_over_the_openai_api(fixture, request, serve):
             events = list(stream)
     check_stream(events)
     server.wait_idle()
+
+
+def test_every_native_field_reaches_the_openai_route_and_an_ignored_knob_is_refused(serve, tiny_qwenimage):
+    """Qwen-Image guides by `true_cfg_scale` (with a negative prompt). Before: the OpenAI route took only
+    `guidance_scale`, which a checkpoint without a guidance embedding ignores, so `guidance_scale=2.5` silently gave
+    the image of true CFG 4.0. Now every per-request field of the native API is an extra body field here too (the
+    image equals the native route's), and a `guidance_scale` the checkpoint would ignore is a 400 naming it."""
+    import json
+    import urllib.request
+
+    server = serve(model=tiny_qwenimage)
+    fields = {"negative_prompt": "blurry, dark", "seed": 3, "num_inference_steps": 2}
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+
+        def image(**extra) -> np.ndarray:
+            result = client.images.generate(prompt=PROMPT, size=SIZE, extra_body={**fields, **extra})
+            return decode_png(result.data[0].b64_json)
+
+        low, high = image(true_cfg_scale=2.5), image(true_cfg_scale=4.0)
+        with pytest.raises(openai.BadRequestError) as refused:
+            image(guidance_scale=2.5)
+    assert refused.value.body["param"] == "guidance_scale", refused.value.body
+    assert "true_cfg_scale" in refused.value.body["message"]
+    assert np.abs(low.astype(int) - high.astype(int)).mean() > 1  # the knob reaches the model
+    body = {"prompt": PROMPT, "width": 64, "height": 64, "true_cfg_scale": 2.5, **fields}
+    request = urllib.request.Request(
+        f"{server.base_url}/v1/generations",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        events = [json.loads(line[5:]) for line in resp.read().decode().splitlines() if line.startswith("data:")]
+    assert np.array_equal(low, decode_png(events[-1]["images"][0]["b64"]))

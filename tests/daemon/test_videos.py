@@ -412,6 +412,8 @@ async def test_the_mp4_holds_the_frames_the_model_made(video_server):
         ({"model": "sora-2"}, "model"),
         ({"frobnicate": 1}, "frobnicate"),
         ({"input_reference": {"file_id": "file_1"}}, "input_reference"),
+        ({"true_cfg_scale": 2.5}, "true_cfg_scale"),  # Wan guides by guidance_scale: a knob it would ignore
+        ({"cache_threshold": 0.2}, "cache_threshold"),  # served without --cache
     ],
 )
 async def test_bad_video_requests_are_400s_naming_the_field(video_server, body, param):

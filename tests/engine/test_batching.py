@@ -8,6 +8,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from engines import guidance
 from pictures import picture
 
 from diffusiond.engine.engine import Engine
@@ -147,7 +148,7 @@ async def test_every_family_batches_its_forward(fixture, request):
     engine = Engine(adapter, max_batch=3, batch_wait=0.5)
     await engine.start()
     try:
-        cfg = dict(negative_prompt="blurry", guidance_scale=4.0, true_cfg_scale=4.0, width=64, height=64)
+        cfg = dict(negative_prompt="blurry", width=64, height=64, **guidance(adapter, 4.0))
         handles = [
             engine.add_request(
                 SamplingParams(prompt=f"a red circle {seed}", seed=seed, num_inference_steps=2, **cfg, **edit(seed))

@@ -224,8 +224,9 @@ def test_inpainting_matches_diffusers_inpaint(family, request):
 
 
 def kontext_requests() -> list[SamplingParams]:
-    """Edits of images of three aspect ratios (three context sizes at 64x64: 64x48, 64x64, 32x96), two of them
-    with the same context size so that they share forwards, a text-to-image request, and true CFG on one."""
+    """Edits of images of three aspect ratios, two of them with the same context size (the pipeline's ~1 Mpx one,
+    1184x880) so that they share forwards, one at `edit_context: "output"` (scaled to the 64x64 output: 32x96), a
+    text-to-image request, and true CFG on one."""
     same_aspect = picture(80, 64, seed=7)
     return [
         SamplingParams(prompt="make it red", image=IMAGES[0], seed=1, width=64, height=64, num_inference_steps=8),
@@ -249,6 +250,7 @@ def kontext_requests() -> list[SamplingParams]:
             width=64,
             height=64,
             num_inference_steps=5,
+            edit_context="output",
         ),
         SamplingParams(prompt="remove the dog", image=IMAGES[2], seed=5, width=48, height=96, num_inference_steps=3),
     ]
@@ -256,13 +258,16 @@ def kontext_requests() -> list[SamplingParams]:
 
 def reference_kontext(pipe, adapter, params: SamplingParams) -> np.ndarray:
     """FluxKontextPipeline's `__call__` at the request's size (`max_area` its area, else it scales the output to
-    1024x1024), handed the image at the context size we chose (`_auto_resize` off, else it picks a 1024x1024-area
-    one), resized by its own image processor."""
+    1024x1024), handed the request's image as it is (the pipeline picks its context size: `_auto_resize`), or, at
+    `edit_context: "output"`, handed the image at the smaller context size we chose (`_auto_resize` off), resized by
+    its own image processor."""
     extra = {"max_area": params.width * params.height}
-    if params.image is not None:
+    if params.image is not None and params.edit_context == "output":
         width, height = adapter.context_size(params)
         image = pipe.image_processor.resize(decoded(params.image), height, width)
         extra.update(image=image, _auto_resize=False)
+    elif params.image is not None:
+        extra.update(image=decoded(params.image))
     return reference(pipe, "flux", params, **extra)
 
 
@@ -296,8 +301,9 @@ def test_instruction_edits_match_diffusers_kontext(tiny_kontext):
 
 
 def test_kontext_context_size_is_diffusers_choice_at_its_area(tiny_kontext):
-    """At 1024x1024 the context is the resolution `FluxKontextPipeline(_auto_resize=True)` picks; smaller outputs
-    scale it down; edits refuse `strength`."""
+    """The context is the resolution `FluxKontextPipeline(_auto_resize=True)` picks, at any output size (before: a
+    256x256 output conditioned at 256x256, and its image differed from the pipeline's); `edit_context: "output"`
+    scales it to the output's area; edits refuse `strength`, and a request without an image `edit_context`."""
     from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
     adapter = load_adapter(tiny_kontext)
@@ -305,8 +311,13 @@ def test_kontext_context_size_is_diffusers_choice_at_its_area(tiny_kontext):
         params = SamplingParams(prompt="x", image=picture(width, height), width=1024, height=1024)
         _, w, h = min((abs(width / height - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
         assert adapter.context_size(params) == (w // 16 * 16, h // 16 * 16)
-    small = SamplingParams(prompt="x", image=picture(1000, 1000), width=256, height=256)
-    assert adapter.context_size(small) == (256, 256)
+    small = adapter.resolve(SamplingParams(prompt="x", image=picture(1000, 1000), width=256, height=256))
+    assert small.edit_context == "preferred" and adapter.context_size(small) == (1024, 1024)
+    scaled = adapter.resolve(msgspec.structs.replace(small, edit_context="output"))
+    assert adapter.context_size(scaled) == (256, 256)
+    with pytest.raises(ParamError) as info:
+        adapter.resolve(SamplingParams(prompt="x", width=64, height=64, edit_context="output"))
+    assert info.value.param == "edit_context"
     with pytest.raises(ParamError) as info:
         adapter.resolve(SamplingParams(prompt="x", image=IMAGES[0], strength=0.5))
     assert info.value.param == "strength"

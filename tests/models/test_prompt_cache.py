@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from engines import guidance
 
 from diffusiond.models.loader import load_adapter
 from diffusiond.models.params import SamplingParams
@@ -36,8 +37,7 @@ def test_a_cached_prompt_gives_the_same_image(family, request):
             width=64,
             height=64,
             num_inference_steps=3,
-            guidance_scale=5.0,
-            true_cfg_scale=3.0,
+            **guidance(adapter, 3.0),
         )
     )
 

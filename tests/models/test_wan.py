@@ -40,6 +40,8 @@ def clip(prompt: str, seed: int, frames: int = 9, steps: int = 4, guidance: floa
 
 
 def reference(pipe, params: SamplingParams, **extra) -> np.ndarray:
+    if params.guidance_scale_2 is not None:  # a two-expert checkpoint's low-noise guidance
+        extra = {"guidance_scale_2": params.guidance_scale_2, **extra}
     return pipe(
         prompt=params.prompt,
         negative_prompt=params.negative_prompt,
@@ -111,6 +113,126 @@ def test_image_to_video_matches_the_pipeline(tiny_wan_i2v):
     # Not vacuous: another first frame changes the clip.
     other = reference(pipe, handles[0].params, image=first_frame(requests[1])["image"])
     assert float(np.abs(other - results[0].image).max()) > 100 * TOLERANCE
+
+
+def test_image_to_video_without_image_cross_attention_matches_the_pipeline(tiny_wan_i2v_no_image_attention):
+    """Wan 2.2 I2V's transformer has no image cross-attention (`added_kv_proj_dim: null`) and its pipeline no image
+    encoder: the first frame conditions through the latents only. Before: AttributeError 'norm_added_k' at warm-up,
+    and the daemon exited 1."""
+    checkpoint = tiny_wan_i2v_no_image_attention
+    adapter = load_adapter(checkpoint)
+    assert not adapter.image_context and adapter.pipe.image_encoder is None
+    pipe = load_pipe(adapter, checkpoint)
+    requests = [
+        clip("a red cat", 1, steps=4, image=picture(48, 32, seed=1)),
+        clip("a blue dog", 2, steps=3, guidance=3.0, image=picture(96, 64, seed=2)),
+        clip("a green bird", 3, steps=5, image=picture(48, 32, seed=3)),
+        clip("a white horse", 4, steps=3, guidance=1.0, image=picture(48, 32, seed=4)),
+    ]
+
+    def first_frame(params):
+        return {"image": Image.open(io.BytesIO(params.image)).convert("RGB")}
+
+    handles, results = check_staggered(adapter, pipe, requests, first_frame)
+    other = reference(pipe, handles[0].params, image=first_frame(requests[1])["image"])
+    assert float(np.abs(other - results[0].image).max()) > 100 * TOLERANCE
+
+
+def check_two_experts(adapter, pipe, requests, extra=lambda p: {}):
+    """`check_staggered`, watching which expert ran each request's rows at every step: both experts run in one step
+    (each on its own requests' rows: two forwards, no row twice), and every request is denoised by `transformer` at
+    timesteps >= the boundary and by `transformer_2` below it."""
+    assert adapter.boundary is not None and len(adapter.experts) == 2
+    forwards: list[tuple[int, int]] = []  # (expert, rows) per transformer call
+    hooks = [
+        expert.register_forward_pre_hook(
+            lambda module, args, kwargs, e=e: forwards.append((e, len(kwargs["hidden_states"]))), with_kwargs=True
+        )
+        for e, expert in enumerate(adapter.experts)
+    ]
+    # Per denoise: (expert due, timestep) per request, and the forwards it made. Checked after the run: an assertion
+    # inside would be caught by the executor, which then denoises each request alone.
+    steps: list[tuple[list[tuple[int, int]], list[tuple[int, int]]]] = []
+    denoise = adapter.denoise
+
+    def watch(states):
+        due = [(adapter.expert_of(s), int(s.sampler.timestep)) for s in states]
+        before = len(forwards)
+        out = denoise(states)
+        steps.append((due, forwards[before:]))
+        return out
+
+    adapter.denoise = watch
+    try:
+        handles, results = check_staggered(adapter, pipe, requests, extra)
+    finally:
+        adapter.denoise = denoise
+        for hook in hooks:
+            hook.remove()
+    assert any(len({e for e, _ in due}) == 2 for due, _ in steps), steps  # both experts in one step
+    for due, made in steps:
+        for expert, timestep in due:
+            assert expert == (0 if timestep >= adapter.boundary else 1), (expert, timestep)
+        # One forward per expert due, over exactly its requests' rows.
+        rows = len(made) and sum(r for _, r in made) // len(due)
+        assert sorted(made) == sorted((e, rows * sum(x == e for x, _ in due)) for e in {x for x, _ in due}), (due, made)
+    return handles, results
+
+
+def test_two_experts_text_to_video_match_the_pipeline(tiny_wan22):
+    """Wan 2.2 A14B (`transformer` + `transformer_2`, boundary_ratio 0.875): requests at different steps share a
+    batch whose steps run both experts, each request by its own timestep; one sends its own guidance_scale_2.
+    Before: the checkpoint loaded as Wan 2.1 and `transformer` ran every step (transformer_2 unused)."""
+    adapter = load_adapter(tiny_wan22)
+    pipe = load_pipe(adapter, tiny_wan22)
+    requests = [
+        clip("a red cat", 1, steps=6),
+        clip("a blue dog on the grass", 2, negative_prompt="blurry", steps=5, guidance=3.0, guidance_scale_2=7.0),
+        clip("a green bird", 3, steps=4),
+        clip("a yellow fish", 4, steps=3, guidance=1.0),  # no CFG: a batch key of its own
+        clip("a white horse", 5, frames=5, steps=4, guidance=6.0),
+    ]
+    handles, results = check_two_experts(adapter, pipe, requests)
+    # Not vacuous: the low-noise guidance moves the clip.
+    fields = {f: getattr(handles[1].params, f) for f in handles[1].params.__struct_fields__}
+    other = reference(pipe, SamplingParams(**{**fields, "guidance_scale_2": 3.0}))
+    assert float(np.abs(other - results[1].image).max()) > 100 * TOLERANCE
+
+
+def test_two_experts_image_to_video_match_the_pipeline(tiny_wan22_i2v):
+    """Wan 2.2 I2V A14B: two experts (boundary_ratio 0.9), no image cross-attention."""
+    adapter = load_adapter(tiny_wan22_i2v)
+    pipe = load_pipe(adapter, tiny_wan22_i2v)
+    requests = [
+        clip("a red cat", 1, steps=6, image=picture(48, 32, seed=1)),
+        clip("a blue dog", 2, steps=4, guidance=3.0, guidance_scale_2=2.0, image=picture(96, 64, seed=2)),
+        clip("a green bird", 3, steps=5, image=picture(48, 32, seed=3)),
+        clip("a white horse", 4, steps=3, image=picture(48, 32, seed=4)),
+    ]
+
+    def first_frame(params):
+        return {"image": Image.open(io.BytesIO(params.image)).convert("RGB")}
+
+    check_two_experts(adapter, pipe, requests, first_frame)
+
+
+def test_what_two_experts_refuse(tiny_wan, tiny_wan22):
+    """guidance_scale_2 on a one-denoiser checkpoint is a knob it would ignore; settings not made per expert yet
+    refuse a two-expert checkpoint at start-up, naming the flag."""
+    from diffusiond.models.setup import SetupError
+
+    with pytest.raises(ParamError) as info:
+        load_adapter(tiny_wan).resolve(clip("a cat", 1, guidance_scale_2=3.0))
+    assert info.value.param == "guidance_scale_2"
+    adapter = load_adapter(tiny_wan22)
+    assert adapter.resolve(clip("a cat", 1, guidance=4.0)).guidance_scale_2 == 4.0  # the pipeline's default
+    for enable, flag in (
+        (lambda: adapter.enable_step_cache("fbcache", 0.1), "--cache"),
+        (lambda: adapter.enable_lora(1 << 20), "LoRA"),
+        (adapter.enable_compile, "--compile"),
+    ):
+        with pytest.raises(SetupError, match=flag):
+            enable()
 
 
 def test_projections_are_reused_exactly(tiny_wan):
@@ -234,20 +356,22 @@ def test_image_to_video_needs_its_first_frame(tiny_wan_i2v):
     assert info.value.param == "image"
 
 
-@pytest.mark.parametrize("family", ["wan", "wan-i2v"])
+@pytest.mark.parametrize("family", ["wan", "wan-i2v", "wan22", "wan22-i2v"])
 def test_make_tiny_writes_a_video_checkpoint(family, tmp_path):
-    """`diffusiond make-tiny --family wan|wan-i2v`: the pipeline's own `from_pretrained` loads it, and its preview
-    map is fitted through the family's decode (a one-frame clip per latent image)."""
+    """`diffusiond make-tiny --family wan|wan-i2v|wan22|wan22-i2v`: the pipeline's own `from_pretrained` loads it
+    (with Wan 2.2 A14B's two experts for wan22*), and its preview map is fitted through the family's decode (a
+    one-frame clip per latent image)."""
     from diffusiond.daemon.cli import main
     from diffusiond.models.preview import load_preview_factors
 
     assert main(["make-tiny", "--family", family, "--out", str(tmp_path)]) == 0
     fitted = load_preview_factors(tmp_path)
     assert fitted is not None and fitted.source == "fitted" and len(fitted.factors) == 16
-    pipe = getattr(diffusers, {"wan": "WanPipeline", "wan-i2v": "WanImageToVideoPipeline"}[family]).from_pretrained(
+    pipe = getattr(diffusers, "WanImageToVideoPipeline" if family.endswith("i2v") else "WanPipeline").from_pretrained(
         tmp_path
     )
     assert pipe.vae_scale_factor_temporal == 4 and pipe.vae_scale_factor_spatial == 8
+    assert (pipe.transformer_2 is not None) == family.startswith("wan22") == (pipe.config.boundary_ratio is not None)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_wan", "tiny_wan_i2v"])

@@ -361,7 +361,11 @@ def setup_loras(
     fused. Raises LoraError (a start-up error) on any bad file. The registry, or None where LoRA is not served."""
     if not adapter.lora or refuse is not None:
         if specs:
-            why = refuse or f"the {adapter.family} family does not serve them"
+            why = (
+                refuse
+                or getattr(adapter, "lora_unavailable", None)
+                or f"the {adapter.family} family does not serve them"
+            )
             raise LoraError(f"LoRA adapters cannot be served: {why}")
         return None
     registry = adapter.enable_lora(budget_bytes)

@@ -34,6 +34,8 @@ from diffusiond.models.sampler import SchedulerSampler
 # context at 512 text tokens).
 TEXT_TOKENS = 512
 
+TWO_EXPERTS_NOT_YET = "not with a two-expert checkpoint (Wan 2.2 A14B) yet"
+
 
 class WanCrossAttnProcessor:
     """`WanAttnProcessor` for a block's cross-attention, with the batch's key/value rows taken from the projection
@@ -180,6 +182,9 @@ class WanAdapter(FlowMatchAdapter):
             self.boundary = ratio * pipe.scheduler.config.num_train_timesteps
         self.experts = (self.transformer,) if self.boundary is None else (self.transformer, self.transformer_2)
         self.expert = 0  # the expert `_call` runs now
+        if len(self.experts) > 1:  # what is not made per expert yet, so that /v1/models says so
+            self.lora, self.lora_unavailable, self.cache_methods = False, TWO_EXPERTS_NOT_YET, ()
+            self.capabilities = self._capabilities()
         self.projections: ProjectionCache | None = ProjectionCache()
         self.plan = ProjectionPlan()
         for i, block in enumerate(self.transformer.blocks):
@@ -191,7 +196,7 @@ class WanAdapter(FlowMatchAdapter):
         if len(self.experts) > 1:
             from diffusiond.models.setup import SetupError
 
-            raise SetupError(f"{setting}: not with a two-expert checkpoint (Wan 2.2 A14B) yet")
+            raise SetupError(f"{setting}: {TWO_EXPERTS_NOT_YET}")
 
     def enable_lora(self, budget_bytes: int) -> Any:
         self._one_expert("LoRA")

@@ -56,7 +56,11 @@ def record_forwards(adapter) -> list[dict]:
     patch = getattr(adapter.transformer.config, "patch_size", 2)  # Z-Image patches by 2 (`all_patch_size`)
 
     def denoise(states):
-        forwards.append({"requests": len(states), "cfg": adapter._uses_cfg(states[0].params), "calls": []})
+        # Two-expert checkpoints: how many experts this step runs (one transformer call each).
+        experts = len({adapter.expert_of(s) for s in states}) if hasattr(adapter, "expert_of") else 1
+        forwards.append(
+            {"requests": len(states), "cfg": adapter._uses_cfg(states[0].params), "calls": [], "experts": experts}
+        )
         return real(states)
 
     def on_transformer(module, args, kwargs):
@@ -92,19 +96,20 @@ def record_forwards(adapter) -> list[dict]:
     adapter.denoise = denoise
     adapter.decode_latents = decode_latents
     adapter.decode_strips = decode_strips
-    # prepend: before the Ulysses hook that shards FLUX inputs, so that "tokens" counts the whole image.
-    adapter.transformer.register_forward_pre_hook(on_transformer, with_kwargs=True, prepend=True)
-    # Z-Image's are `layers`, Wan's `blocks`; a UNet has no token blocks (and no Ulysses to check).
-    blocks = next(
-        (
-            getattr(adapter.transformer, name)
-            for name in ("transformer_blocks", "layers", "blocks")
-            if hasattr(adapter.transformer, name)
-        ),
-        None,
-    )
-    if blocks:
-        blocks[0].register_forward_pre_hook(on_block, with_kwargs=True)
+    for transformer in getattr(adapter, "experts", (adapter.transformer,)):
+        # prepend: before the Ulysses hook that shards FLUX inputs, so that "tokens" counts the whole image.
+        transformer.register_forward_pre_hook(on_transformer, with_kwargs=True, prepend=True)
+        # Z-Image's are `layers`, Wan's `blocks`; a UNet has no token blocks (and no Ulysses to check).
+        blocks = next(
+            (
+                getattr(transformer, name)
+                for name in ("transformer_blocks", "layers", "blocks")
+                if hasattr(transformer, name)
+            ),
+            None,
+        )
+        if blocks:
+            blocks[0].register_forward_pre_hook(on_block, with_kwargs=True)
     return forwards
 
 

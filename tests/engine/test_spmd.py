@@ -248,6 +248,42 @@ REQUESTS = {
             for i in range(3)
         ),
     ],
+    # Wan 2.2 A14B: started together, the first two sit on both sides of the boundary at their second step (900 and
+    # 857 of 1000, boundary 875): that step runs both experts, each on its request's rows.
+    "wan22": [
+        SamplingParams(
+            prompt="a red cat",
+            seed=1,
+            width=48,
+            height=32,
+            num_frames=5,
+            num_inference_steps=4,
+            guidance_scale=5.0,
+            guidance_scale_2=3.0,
+        ),
+        SamplingParams(
+            prompt="a blue dog",
+            negative_prompt="blurry",
+            seed=2,
+            width=48,
+            height=32,
+            num_frames=5,
+            num_inference_steps=3,
+            guidance_scale=3.0,
+        ),
+        *(
+            SamplingParams(
+                prompt=f"plain {i}",
+                seed=10 + i,
+                width=48,
+                height=32,
+                num_frames=5,
+                num_inference_steps=2,
+                guidance_scale=1.0,
+            )
+            for i in range(3)
+        ),
+    ],
     "wan-i2v": [
         SamplingParams(
             prompt="a red cat",
@@ -284,6 +320,7 @@ FIXTURES = {
     "qwen-image": "tiny_qwenimage",
     "wan": "tiny_wan",
     "wan-i2v": "tiny_wan_i2v",
+    "wan22": "tiny_wan22",
 }
 
 
@@ -295,6 +332,15 @@ def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: boo
     for steps in zip(*forwards, strict=True):
         f0 = steps[0]
         assert all((f["requests"], f["cfg"]) == (f0["requests"], f0["cfg"]) for f in steps)
+        if f0["experts"] > 1:  # a step that runs both experts: one call each on every rank, rows split between them
+            assert all(len(f["calls"]) == 2 for f in steps), steps
+            rows = [sum(c["rows"] for c in f["calls"]) for f in steps]
+            full = f0["requests"] * (2 if f0["cfg"] else 1)
+            if strategy == "cfg" and f0["cfg"]:
+                assert rows == [full // 2] * 2, steps  # each rank one CFG row of every request, both experts
+            elif strategy != "cfg":
+                assert rows == [full] * world, steps  # every rank all rows, its shard of the tokens
+            continue
         calls = [c for f in steps for c in f["calls"]]
         assert len(calls) == world, "one transformer call per forward on each rank"
         if strategy == "cfg":
@@ -350,6 +396,8 @@ def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: boo
         ("wan", "cfg"),
         ("wan", "ulysses"),
         ("wan-i2v", "ulysses"),
+        ("wan22", "cfg"),
+        ("wan22", "ulysses"),
     ],
 )
 def test_two_ranks_match_one(family, strategy, request, tmp_path):

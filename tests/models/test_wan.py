@@ -228,11 +228,17 @@ def test_what_two_experts_refuse(tiny_wan, tiny_wan22):
     assert adapter.resolve(clip("a cat", 1, guidance=4.0)).guidance_scale_2 == 4.0  # the pipeline's default
     for enable, flag in (
         (lambda: adapter.enable_step_cache("fbcache", 0.1), "--cache"),
-        (lambda: adapter.enable_lora(1 << 20), "LoRA"),
         (adapter.enable_compile, "--compile"),
     ):
         with pytest.raises(SetupError, match=flag):
             enable()
+    # LoRA: not served (/v1/models says so), and adapters named at start are refused saying why.
+    from diffusiond.models.lora_registry import LoraError, setup_loras
+
+    assert not adapter.capabilities.lora and adapter.capabilities.cache_methods == ()
+    assert setup_loras(adapter, [], 1 << 20, None) is None
+    with pytest.raises(LoraError, match="two-expert"):
+        setup_loras(adapter, [("style", "/nonexistent.safetensors")], 1 << 20, None)
 
 
 def test_projections_are_reused_exactly(tiny_wan):

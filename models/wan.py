@@ -186,9 +186,12 @@ class WanAdapter(FlowMatchAdapter):
             self.lora, self.lora_unavailable, self.cache_methods = False, TWO_EXPERTS_NOT_YET, ()
             self.capabilities = self._capabilities()
         self.projections: ProjectionCache | None = ProjectionCache()
-        self.plan = ProjectionPlan()
-        for i, block in enumerate(self.transformer.blocks):
-            block.attn2.set_processor(WanCrossAttnProcessor(i, self.plan))
+        # One projection plan per expert: each reuses projections made by its own weights.
+        self.plans = [ProjectionPlan() for _ in self.experts]
+        self.plan = self.plans[0]
+        for expert, plan in zip(self.experts, self.plans, strict=True):
+            for i, block in enumerate(expert.blocks):
+                block.attn2.set_processor(WanCrossAttnProcessor(i, plan))
 
     def _one_expert(self, setting: str) -> None:
         """Settings not made per expert yet refuse a two-expert checkpoint (before: they would have changed the
@@ -348,8 +351,11 @@ class WanAdapter(FlowMatchAdapter):
             # A request with LoRA projects its rows in the forward, where its adapters apply (its keys and values
             # are its own).
             state.rows = [None if p.lora else self._acquire_text(r.to(self.dtype)) for r in rows]
+            if len(self.experts) > 1:  # the low-noise expert's own (no LoRA with two experts)
+                state.shared["rows_2"] = [self._acquire_text(r.to(self.dtype), expert=1) for r in rows]
             # The state's projections go back to the cache when the state is freed, whichever way it ends.
-            entries = [e for e in [*state.rows, state.shared.get("image_entry")] if e is not None]
+            held = [*state.rows, *state.shared.get("rows_2", ()), state.shared.get("image_entry")]
+            entries = [e for e in held if e is not None]
             if entries and self.projections is not None:
                 weakref.finalize(state, _release, self.projections, entries)
             states.append(state)
@@ -367,13 +373,14 @@ class WanAdapter(FlowMatchAdapter):
 
     # ---- projection reuse ----
 
-    def _acquire_text(self, embeds: torch.Tensor) -> Any:
-        """The text row's cross-attention projections for every block, from the cache (None: over budget, or
-        reuse is off)."""
+    def _acquire_text(self, embeds: torch.Tensor, expert: int = 0) -> Any:
+        """The text row's cross-attention projections for every block of `expert`, from the cache (None: over
+        budget, or reuse is off). Entries are keyed on that expert's weights."""
         if self.projections is None:
             return None
-        embedder = self.transformer.condition_embedder.text_embedder
-        attns = [b.attn2 for b in self.transformer.blocks]
+        transformer = self.experts[expert]
+        embedder = transformer.condition_embedder.text_embedder
+        attns = [b.attn2 for b in transformer.blocks]
         modules = [m for a in attns for m in (a.to_k, a.to_v, a.norm_k)]
         weights = [*embedder.parameters(), *(p for m in modules for p in m.parameters())]
         key = ("text", tensor_digest(embeds), weights_version(weights))
@@ -387,7 +394,10 @@ class WanAdapter(FlowMatchAdapter):
     # ---- denoise ----
 
     def _batched_rows(self, states: Sequence[RequestState]) -> dict[str, Any]:
-        return {"text_entries": [e for s in states for e in s.rows]}
+        rows = {"text_entries": [e for s in states for e in s.rows]}
+        if len(self.experts) > 1:
+            rows["text_entries_2"] = [e for s in states for e in s.shared["rows_2"]]
+        return rows
 
     def expert_of(self, state: RequestState) -> int:
         """The expert that denoises `state`'s next step: 0 (`transformer`) at or above the boundary timestep, 1
@@ -423,7 +433,7 @@ class WanAdapter(FlowMatchAdapter):
             "hidden_states": latents.repeat_interleave(rows, dim=0),
             "timestep": timestep.repeat_interleave(rows),
             "encoder_hidden_states": cond["embeds"],
-            "text_entries": cond["text_entries"],
+            "text_entries": cond["text_entries_2" if expert else "text_entries"],
             **self._image_inputs(cond, rows),
         }
         out = self._transformer_rows(rows, batched, {}, states).float()  # [B, rows, C, T, h, w]
@@ -438,12 +448,13 @@ class WanAdapter(FlowMatchAdapter):
 
     def _call(self, batched: dict[str, Any], shared: dict[str, torch.Tensor]) -> torch.Tensor:
         batched = dict(batched)
-        self.plan.text = batched.pop("text_entries")
-        self.plan.image = batched.pop("image_entries", [])
+        plan = self.plans[self.expert]
+        plan.text = batched.pop("text_entries")
+        plan.image = batched.pop("image_entries", [])
         try:
             return self.experts[self.expert](**batched, return_dict=False)[0]
         finally:
-            self.plan.text, self.plan.image = [], []
+            plan.text, plan.image = [], []
 
     def step(self, states: Sequence[RequestState], model_output: torch.Tensor) -> None:
         for i, state in enumerate(states):
@@ -501,6 +512,8 @@ class WanI2VAdapter(WanAdapter):
         # Wan 2.1 I2V's transformer attends to the first frame's CLIP embedding too; Wan 2.2's (`image_dim` null, no
         # image encoder) sees the image through its latents only, as the pipeline decides.
         self.image_context = self.transformer.config.image_dim is not None
+        if self.image_context and len(self.experts) > 1:  # image projections are reused for `transformer` only
+            raise ValueError(f"{source}: two experts with image cross-attention is not a layout Wan ships")
 
     def context_size(self, params: SamplingParams) -> Hashable:
         return None

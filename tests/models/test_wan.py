@@ -278,6 +278,31 @@ def test_projections_are_reused_exactly(tiny_wan):
     assert cache.hits >= 1
 
 
+def test_each_expert_reuses_its_own_projections(tiny_wan22):
+    """Wan 2.2 A14B: each expert's cross-attention keys and values of a text are projected once, at admission, by
+    that expert's weights (an entry of the other expert's would give another clip), and equal the pipeline's."""
+    adapter = load_adapter(tiny_wan22)
+    pipe = load_pipe(adapter, tiny_wan22)
+    requests = [clip("a red cat", 1, steps=4), clip("a blue dog", 2, steps=4, guidance_scale_2=3.0)]
+    projected: list[tuple[int, int]] = []  # (expert, rows) of every block-0 cross-attention key projection
+    hooks = [
+        expert.blocks[0].attn2.to_k.register_forward_hook(
+            lambda module, args, out, e=e: projected.append((e, out.shape[0]))
+        )
+        for e, expert in enumerate(adapter.experts)
+    ]
+    try:
+        results = asyncio.run(_together(adapter, requests))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for params, result in zip(requests, results, strict=True):
+        diff = float(np.abs(result.image - reference(pipe, adapter.resolve(params))).max())
+        assert diff <= TOLERANCE, (params.prompt, diff)
+    # Three texts ("a red cat", "a blue dog", the negative ""), once per expert; none in the 4 steps.
+    assert sorted(projected) == [(0, 1)] * 3 + [(1, 1)] * 3, projected
+
+
 async def _together(adapter, requests):
     from diffusiond.engine.engine import Engine
 

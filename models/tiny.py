@@ -30,6 +30,7 @@ FAMILIES: tuple[str, ...] = (
     "wan-i2v",
     "wan22",
     "wan22-i2v",
+    "wan22-ti2v",
 )
 
 # Common English words, plus colours, shapes, animals and photo vocabulary; each becomes a single token in both the
@@ -432,6 +433,8 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
         # Wan 2.2 A14B: two experts (`transformer_2`, `boundary_ratio`); its I2V without image cross-attention.
         "wan22": lambda: tiny_video.build_wan(two_experts=True),
         "wan22-i2v": lambda: tiny_video.build_wan_i2v(image_context=False, two_experts=True),
+        # Wan 2.2 TI2V-5B: text and image to video from one checkpoint (`expand_timesteps`, Wan 2.2's VAE).
+        "wan22-ti2v": tiny_video.build_wan_ti2v,
     }
     if family not in builders:
         raise ValueError(f"unknown model family {family!r}; valid families: {', '.join(FAMILIES)}")

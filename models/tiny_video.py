@@ -45,6 +45,29 @@ def _vae() -> Any:
     )
 
 
+def _vae22() -> Any:
+    """Wan 2.2's VAE (TI2V-5B): 48 latent channels, 16x spatial compression (a 2x2 patchify around the 8x
+    convolutions, residual down- and up-sampling), 4x temporal."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(
+        base_dim=8,
+        decoder_base_dim=8,
+        z_dim=48,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+        latents_mean=[0.1 * ((i % 7) - 3) for i in range(48)],
+        latents_std=[1.0 + 0.05 * (i % 5) for i in range(48)],
+    )
+
+
 def _scheduler() -> Any:
     from diffusers import UniPCMultistepScheduler
 
@@ -63,7 +86,7 @@ def _transformer(**extra: Any) -> Any:
         num_attention_heads=HEADS,
         attention_head_dim=HEAD_DIM,
         in_channels=extra.pop("in_channels", 16),
-        out_channels=16,
+        out_channels=extra.pop("out_channels", 16),
         text_dim=TEXT_DIM,
         freq_dim=256,
         ffn_dim=32,
@@ -101,6 +124,22 @@ def build_wan(two_experts: bool = False) -> Any:
         scheduler=_scheduler(),
         transformer=_transformer(),
         **experts,
+    )
+
+
+def build_wan_ti2v() -> Any:
+    """Wan 2.2 TI2V-5B's layout: `expand_timesteps` (a timestep per latent token), Wan 2.2's VAE, a 48-channel
+    transformer, no image encoder: text to video, and image to video from the same checkpoint."""
+    from diffusers import WanPipeline
+
+    tok = make_t5_tokenizer()
+    return WanPipeline(
+        tokenizer=tok,
+        text_encoder=_umt5(tok),
+        vae=_vae22(),
+        scheduler=_scheduler(),
+        transformer=_transformer(in_channels=48, out_channels=48),
+        expand_timesteps=True,
     )
 
 

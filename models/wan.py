@@ -184,7 +184,13 @@ class WanAdapter(FlowMatchAdapter):
         self.expert = 0  # the expert `_call` runs now
         if len(self.experts) > 1:  # what is not made per expert yet, so that /v1/models says so
             self.lora, self.lora_unavailable, self.cache_methods = False, TWO_EXPERTS_NOT_YET, ()
-            self.capabilities = self._capabilities()
+        # Wan 2.2 TI2V-5B (`expand_timesteps`): a timestep per latent token. Text to video, and, from the same
+        # checkpoint, image to video: the first latent frame is the image's, pinned (timestep 0) at every step.
+        self.expand_timesteps = bool(pipe.config.get("expand_timesteps", False))
+        if self.expand_timesteps:
+            self.image_inputs = ("first-frame",)
+            self.default_fps = 24  # TI2V-5B's clips play at 24 frames per second
+        self.capabilities = self._capabilities()
         self.projections: ProjectionCache | None = ProjectionCache()
         # One projection plan per expert: each reuses projections made by its own weights.
         self.plans = [ProjectionPlan() for _ in self.experts]
@@ -222,6 +228,8 @@ class WanAdapter(FlowMatchAdapter):
                     span["start"], span["stop"] = group.split(x.shape[1])
                     x = x[:, span["start"] : span["stop"]]
                 local = slice(span["start"], span["stop"])
+                if timestep_proj.dim() == 4:  # TI2V: a modulation per token [B, S, 6, D], sharded with them
+                    timestep_proj = timestep_proj[:, local]
                 return (x, context, timestep_proj, (cos[:, local], sin[:, local]))
 
             for block in blocks:
@@ -310,6 +318,13 @@ class WanAdapter(FlowMatchAdapter):
             )
         return {"num_frames": frames, "fps": params.fps if params.fps is not None else caps.default_fps}
 
+    def _strength(self, params: SamplingParams) -> float | None:
+        if self.expand_timesteps and params.image is not None:  # TI2V: the image is the first frame
+            if params.strength is not None:
+                raise ParamError("strength", "the first frame is kept at every step; drop strength")
+            return None
+        return super()._strength(params)
+
     def _guidance_2(self, params: SamplingParams, guidance: float) -> float | None:
         if self.boundary is None:
             return super()._guidance_2(params, guidance)
@@ -347,7 +362,10 @@ class WanAdapter(FlowMatchAdapter):
                 if self.boundary is not None:
                     cond["scale_2"] = torch.full([1], p.guidance_scale_2, device=self.device, dtype=torch.float32)
             state = RequestState(request_id, p, latents, sampler, cond=cond)
-            self._prepare_image(state, len(rows))
+            if self.expand_timesteps:
+                self._prepare_first_frame(state)
+            else:
+                self._prepare_image(state, len(rows))
             # A request with LoRA projects its rows in the forward, where its adapters apply (its keys and values
             # are its own).
             state.rows = [None if p.lora else self._acquire_text(r.to(self.dtype)) for r in rows]
@@ -363,6 +381,34 @@ class WanAdapter(FlowMatchAdapter):
 
     def _prepare_image(self, state: RequestState, rows: int) -> None:
         """Image-to-video: the first frame's conditioning (`WanI2VAdapter`)."""
+
+    def _prepare_first_frame(self, state: RequestState) -> None:
+        """TI2V, as the pipelines with `expand_timesteps`: the first latent frame of the model's input is the image's
+        latent (its VAE mode, normalised) where a request sends one, and the timestep of its tokens 0. Requests
+        without one get an all-ones mask, which changes nothing, so both kinds share forwards."""
+        p, latents = state.params, state.latents
+        shape = (1, 1, *latents.shape[2:])  # [1, 1, T, h, w]
+        mask = torch.ones(shape, dtype=torch.float32, device=self.device)
+        first = torch.zeros((1, latents.shape[1], 1, *latents.shape[3:]), dtype=torch.float32, device=self.device)
+        if p.image is not None:
+            self._stage("vae")
+            pixels = self.pipe.video_processor.preprocess(open_rgb(p.image), height=p.height, width=p.width)
+            video = pixels.unsqueeze(2).to(self.vae.device, self.vae.dtype)  # [1, 3, 1, H, W]
+            first = self.vae.encode(video).latent_dist.mode().to(self.device, torch.float32)
+            config = self.vae.config
+            stats = (1, config.z_dim, 1, 1, 1)
+            mean = torch.tensor(config.latents_mean).view(stats).to(first.device, first.dtype)
+            inverse_std = 1.0 / torch.tensor(config.latents_std).view(stats).to(first.device, first.dtype)
+            first = (first - mean) * inverse_std
+            mask[:, :, 0] = 0
+        _, ph, pw = self.transformer.config.patch_size
+        state.cond["frame_mask"], state.cond["first_frame"] = mask, first
+        state.cond["token_mask"] = mask[0, 0][:, ::ph, ::pw].flatten()[None]  # [1, tokens]
+
+    def _pinned(self, latents: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
+        """TI2V: the first frame set to the image's latent (the pipelines' blend, in float32)."""
+        mask = cond["frame_mask"]
+        return (1 - mask) * cond["first_frame"] + mask * latents
 
     def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor]]:
         self._stage(*self.TEXT_ENCODERS)
@@ -425,13 +471,18 @@ class WanAdapter(FlowMatchAdapter):
         self.expert = expert
         cond = self._batched_cond(states)
         rows = cond["embeds"].shape[0] // len(states)  # 2 with CFG: (negative, positive) per request
-        latents = torch.cat([s.latents for s in states]).to(self.dtype)  # [B, C, T, h, w]
+        latents = torch.cat([s.latents for s in states])  # [B, C, T, h, w]
+        if self.expand_timesteps:
+            latents = self._pinned(latents, cond)
+        latents = latents.to(self.dtype)
         if "condition" in cond:  # image-to-video: [B, C + 4 + C, T, h, w]
             latents = torch.cat([latents, cond["condition"].to(self.dtype)], dim=1)
         timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device)  # [B]
+        if self.expand_timesteps:  # [B, tokens]: the first frame's tokens at 0 where it is pinned
+            timestep = cond["token_mask"] * timestep[:, None]
         batched: dict[str, Any] = {
             "hidden_states": latents.repeat_interleave(rows, dim=0),
-            "timestep": timestep.repeat_interleave(rows),
+            "timestep": timestep.repeat_interleave(rows, dim=0),
             "encoder_hidden_states": cond["embeds"],
             "text_entries": cond["text_entries_2" if expert else "text_entries"],
             **self._image_inputs(cond, rows),
@@ -462,7 +513,18 @@ class WanAdapter(FlowMatchAdapter):
             state.step_index += 1
 
     def predicted_x0(self, state: RequestState, model_output: torch.Tensor) -> torch.Tensor:
-        return state.sampler.predicted_x0(state.latents, model_output)[0]  # [C, T, h, w]
+        x0 = state.sampler.predicted_x0(state.latents, model_output)
+        return (self._pinned(x0, state.cond) if self.expand_timesteps else x0)[0]  # [C, T, h, w]
+
+    @torch.inference_mode()
+    def decode_latents(self, states: Sequence[RequestState]) -> torch.Tensor:
+        if not self.expand_timesteps:
+            return super().decode_latents(states)
+        self._stage("vae")
+        p = states[0].params
+        assert p.num_frames is not None and p.width is not None and p.height is not None
+        latents = torch.cat([self._pinned(s.latents, s.cond) for s in states])  # as the pipelines end
+        return self._decode_within(latents, p.width * p.height * p.num_frames)
 
     # ---- decode and previews ----
 

@@ -284,6 +284,37 @@ REQUESTS = {
             for i in range(3)
         ),
     ],
+    # Wan 2.2 TI2V-5B: a timestep (and modulation) per token, sharded with the tokens under Ulysses; text- and
+    # image-to-video requests share forwards.
+    "wan22-ti2v": [
+        SamplingParams(
+            prompt="a red cat", seed=1, width=96, height=64, num_frames=9, num_inference_steps=3, guidance_scale=5.0
+        ),
+        SamplingParams(
+            prompt="a blue dog",
+            negative_prompt="blurry",
+            seed=2,
+            width=96,
+            height=64,
+            num_frames=9,
+            num_inference_steps=3,
+            guidance_scale=3.0,
+            image=picture(96, 64, seed=2),
+        ),
+        *(
+            SamplingParams(
+                prompt=f"plain {i}",
+                seed=10 + i,
+                width=64,
+                height=32,
+                num_frames=5,
+                num_inference_steps=2,
+                guidance_scale=1.0,
+                image=picture(64, 32, seed=i) if i else None,
+            )
+            for i in range(3)
+        ),
+    ],
     "wan-i2v": [
         SamplingParams(
             prompt="a red cat",
@@ -321,6 +352,7 @@ FIXTURES = {
     "wan": "tiny_wan",
     "wan-i2v": "tiny_wan_i2v",
     "wan22": "tiny_wan22",
+    "wan22-ti2v": "tiny_wan22_ti2v",
 }
 
 
@@ -398,6 +430,8 @@ def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: boo
         ("wan-i2v", "ulysses"),
         ("wan22", "cfg"),
         ("wan22", "ulysses"),
+        ("wan22-ti2v", "cfg"),
+        ("wan22-ti2v", "ulysses"),
     ],
 )
 def test_two_ranks_match_one(family, strategy, request, tmp_path):

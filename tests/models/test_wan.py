@@ -138,6 +138,51 @@ def test_image_to_video_without_image_cross_attention_matches_the_pipeline(tiny_
     assert float(np.abs(other - results[0].image).max()) > 100 * TOLERANCE
 
 
+def test_ti2v_text_and_image_to_video_match_the_pipelines(tiny_wan22_ti2v):
+    """Wan 2.2 TI2V-5B (`expand_timesteps`: a timestep per latent token; Wan 2.2's 48-channel VAE, 16x): text to
+    video equals `WanPipeline`, and image to video from the same checkpoint equals `WanImageToVideoPipeline` loaded
+    from it (the first latent frame is the image's, its tokens at timestep 0). Both kinds share forwards."""
+    checkpoint = tiny_wan22_ti2v
+    adapter = load_adapter(checkpoint)
+    assert adapter.expand_timesteps and adapter.capabilities.image_inputs == ("first-frame",)
+    assert adapter.capabilities.size_multiple == 32 and adapter.capabilities.default_fps == 24
+    t2v = load_pipe(adapter, checkpoint)
+    i2v = diffusers.WanImageToVideoPipeline.from_pretrained(checkpoint)
+    i2v.set_progress_bar_config(disable=True)
+
+    def ti2v(prompt, seed, steps, **more):
+        return SamplingParams(
+            prompt=prompt, seed=seed, width=96, height=64, num_frames=9, num_inference_steps=steps, **more
+        )
+
+    requests = [
+        ti2v("a red cat", 1, 5, guidance_scale=5.0),
+        ti2v("a blue dog", 2, 4, guidance_scale=5.0, image=picture(96, 64, seed=2)),
+        ti2v("a green bird", 3, 4, guidance_scale=3.0, negative_prompt="blurry", image=picture(128, 80, seed=3)),
+        ti2v("a white horse", 4, 3, guidance_scale=5.0),
+    ]
+    handles, results, plans = asyncio.run(run_staggered(adapter, requests))
+    ids = [h.request_id for h in handles]
+    assert any({ids[0], ids[1]} <= set(p.advance) for p in plans)  # text- and image-to-video in one forward
+    for handle, result in zip(handles, results, strict=True):
+        assert isinstance(result, Completed), result
+        params = handle.params
+        if params.image is None:
+            expected = reference(t2v, params)
+        else:
+            expected = reference(i2v, params, image=Image.open(io.BytesIO(params.image)).convert("RGB"))
+        assert result.image.shape == expected.shape == (9, 64, 96, 3)
+        diff = float(np.abs(result.image - expected).max())
+        print(f"ti2v {params.prompt!r}: max abs diff {diff:.2e}")
+        assert diff <= TOLERANCE, (params.prompt, diff)
+    # Not vacuous: the image moves the clip, and its first frame is the image's.
+    plain = reference(t2v, handles[1].params)
+    assert float(np.abs(plain - results[1].image).max()) > 100 * TOLERANCE
+    with pytest.raises(ParamError) as info:
+        adapter.resolve(ti2v("a cat", 1, 2, image=picture(96, 64), strength=0.5))
+    assert info.value.param == "strength"
+
+
 def check_two_experts(adapter, pipe, requests, extra=lambda p: {}):
     """`check_staggered`, watching which expert ran each request's rows at every step: both experts run in one step
     (each on its own requests' rows: two forwards, no row twice), and every request is denoised by `transformer` at
@@ -387,22 +432,25 @@ def test_image_to_video_needs_its_first_frame(tiny_wan_i2v):
     assert info.value.param == "image"
 
 
-@pytest.mark.parametrize("family", ["wan", "wan-i2v", "wan22", "wan22-i2v"])
+@pytest.mark.parametrize("family", ["wan", "wan-i2v", "wan22", "wan22-i2v", "wan22-ti2v"])
 def test_make_tiny_writes_a_video_checkpoint(family, tmp_path):
-    """`diffusiond make-tiny --family wan|wan-i2v|wan22|wan22-i2v`: the pipeline's own `from_pretrained` loads it
-    (with Wan 2.2 A14B's two experts for wan22*), and its preview map is fitted through the family's decode (a
-    one-frame clip per latent image)."""
+    """`diffusiond make-tiny --family wan|wan-i2v|wan22|wan22-i2v|wan22-ti2v`: the pipeline's own `from_pretrained`
+    loads it (Wan 2.2 A14B's two experts, TI2V-5B's 48-channel VAE), and its preview map is fitted through the
+    family's decode (a one-frame clip per latent image)."""
     from diffusiond.daemon.cli import main
     from diffusiond.models.preview import load_preview_factors
 
     assert main(["make-tiny", "--family", family, "--out", str(tmp_path)]) == 0
     fitted = load_preview_factors(tmp_path)
-    assert fitted is not None and fitted.source == "fitted" and len(fitted.factors) == 16
+    channels = 48 if family == "wan22-ti2v" else 16
+    assert fitted is not None and fitted.source == "fitted" and len(fitted.factors) == channels
     pipe = getattr(diffusers, "WanImageToVideoPipeline" if family.endswith("i2v") else "WanPipeline").from_pretrained(
         tmp_path
     )
-    assert pipe.vae_scale_factor_temporal == 4 and pipe.vae_scale_factor_spatial == 8
-    assert (pipe.transformer_2 is not None) == family.startswith("wan22") == (pipe.config.boundary_ratio is not None)
+    assert pipe.vae_scale_factor_temporal == 4
+    assert pipe.vae_scale_factor_spatial == (16 if family == "wan22-ti2v" else 8)
+    two_experts = family in ("wan22", "wan22-i2v")
+    assert (pipe.transformer_2 is not None) == two_experts == (pipe.config.boundary_ratio is not None)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_wan", "tiny_wan_i2v"])

@@ -8,7 +8,9 @@ ARG UBUNTU=ubuntu24.04
 
 # ---- build: a virtual environment with CUDA torch, flash-attn (compiled here when no prebuilt wheel fits), diffusiond
 FROM ${CUDA_IMAGE}-devel-${UBUNTU} AS build
-ARG TORCH_VERSION=2.13.0
+ARG TORCH_VERSION=2.14.1
+# torchvision's wheels require one exact torch: the pair's own release.
+ARG TORCHVISION_VERSION=0.29.1
 # GPU generations flash-attn is compiled for when no prebuilt wheel fits (80: A100, 90: H100/H200): each one more
 # adds most of an hour to the build.
 ARG FLASH_ATTN_CUDA_ARCHS="80;90"
@@ -22,7 +24,7 @@ RUN python3 -m venv /opt/diffusiond
 ENV PATH=/opt/diffusiond/bin:$PATH
 # flash-attn compiles against the installed torch: torch and the build tools first, then no build isolation.
 # PyPI's Linux x86_64 torch wheels are CUDA builds.
-RUN pip install "torch==${TORCH_VERSION}" \
+RUN pip install "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" \
     && pip install "setuptools>=69" "wheel>=0.43" "packaging>=24" "ninja>=1.11" "psutil>=5.9"
 WORKDIR /src
 COPY . .

@@ -58,7 +58,8 @@ def params(seed: int, steps: int = 8, threshold: float | None = None) -> Samplin
         width=64,
         height=64,
         num_inference_steps=steps,
-        guidance_scale=4.0,
+        # Each family's default guidance (SD3's CFG 7, FLUX's distilled 3.5; Qwen-Image's is true CFG, which takes a
+        # negative prompt, and refuses guidance_scale).
         cache_threshold=threshold,
     )
 

@@ -180,8 +180,10 @@ def warm_up_params(caps: Capabilities, limits: RequestLimits | None = None) -> S
     width, height = caps.default_width, caps.default_height
     if limits is not None and width * height > limits.max_pixels:  # the operator allows less: the smallest size
         width, height = min(caps.sizes, key=lambda s: s[0] * s[1]) if caps.sizes else (caps.size_multiple * 2,) * 2
-    # Families that animate an image need one (a gray picture, encoded as a client would send it).
-    image = _gray_png(width, height) if videos_api.FIRST_FRAME in caps.image_inputs else None
+    # Families that animate or edit an image get one (a gray picture, encoded as a client would send it): some need
+    # it (Qwen-Image-Edit, Wan I2V), and edits are what the others are served for.
+    edits = videos_api.FIRST_FRAME in caps.image_inputs or "edit" in caps.image_inputs
+    image = _gray_png(width, height) if edits else None
     # Video: the default size in the shortest clip past one frame (1 + frame_step frames), not the default clip,
     # whose every step costs about a minute for Wan 14B at 81 frames on one GPU; it runs every kernel all the same.
     frames = 1 + caps.frame_step if caps.modality == "video" and caps.frame_step else None

@@ -119,6 +119,29 @@ QWEN_IMAGE = Family(
     lora=True,
     attention_masks=True,
 )
+# Qwen-Image-Edit-2509/2511: instruction edits of one to three images (the first is edited, the others are its
+# references), each read by the Qwen2.5-VL text encoder (at 384x384's area) and joining every step's sequence as
+# latent tokens (at 1024x1024's area). Its Qwen2-VL processor needs torchvision.
+QWEN_IMAGE_EDIT_PLUS = Family(
+    "QwenImageEditPlusPipeline",
+    "qwen-image-edit-plus",
+    "qwenimage_edit:QwenImageEditPlusAdapter",
+    guidance_styles=("true-cfg", "distilled"),
+    parallel=("cfg-parallel",),
+    image_inputs=("edit", "references"),
+    attention_masks=True,
+    needs=("torchvision",),
+)
+QWEN_IMAGE_EDIT = Family(
+    "QwenImageEditPipeline",
+    "qwen-image-edit",
+    "qwenimage_edit:QwenImageEditAdapter",
+    guidance_styles=QWEN_IMAGE_EDIT_PLUS.guidance_styles,
+    parallel=QWEN_IMAGE_EDIT_PLUS.parallel,
+    image_inputs=("edit",),
+    attention_masks=True,
+    needs=QWEN_IMAGE_EDIT_PLUS.needs,
+)
 WAN = Family(
     "WanPipeline",
     "wan",
@@ -141,7 +164,20 @@ WAN_I2V = Family(
 )
 
 FAMILIES: dict[str, Family] = {
-    f.pipeline_class: f for f in (SD3, SDXL, FLUX, FLUX_KONTEXT, FLUX2_KLEIN, Z_IMAGE, QWEN_IMAGE, WAN, WAN_I2V)
+    f.pipeline_class: f
+    for f in (
+        SD3,
+        SDXL,
+        FLUX,
+        FLUX_KONTEXT,
+        FLUX2_KLEIN,
+        Z_IMAGE,
+        QWEN_IMAGE,
+        QWEN_IMAGE_EDIT,
+        QWEN_IMAGE_EDIT_PLUS,
+        WAN,
+        WAN_I2V,
+    )
 }
 
 
@@ -159,6 +195,12 @@ KNOWN_CHECKPOINTS: dict[str, tuple[str, int]] = {
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("WanPipeline", 12),
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": ("WanPipeline", 40),
     "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": ("WanImageToVideoPipeline", 40),
+    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": ("WanPipeline", 40),
+    "Wan-AI/Wan2.2-I2V-A14B-Diffusers": ("WanImageToVideoPipeline", 40),
+    "Wan-AI/Wan2.2-TI2V-5B-Diffusers": ("WanPipeline", 24),
+    "Qwen/Qwen-Image-Edit": ("QwenImageEditPipeline", 24),
+    "Qwen/Qwen-Image-Edit-2509": ("QwenImageEditPlusPipeline", 24),
+    "Qwen/Qwen-Image-Edit-2511": ("QwenImageEditPlusPipeline", 24),
 }
 
 

@@ -120,9 +120,12 @@ class QwenImageAdapter(FlowMatchAdapter):
         cond = self._batched_cond(states)
         rows = len(states[0].rows)  # 2 with true CFG (batch key)
         latents = torch.cat([s.latents for s in states])  # [B, seq, C * 4]
+        seq = latents.shape[1]
         timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device, latents.dtype)  # [B]
+        if "context" in cond:  # an edit's image tokens follow the latents (Qwen-Image-Edit); their output is dropped
+            latents = torch.cat([latents, cond["context"].to(latents.dtype)], dim=1)
         batched: dict[str, Any] = {
-            "hidden_states": latents.repeat_interleave(rows, dim=0),  # [B * rows, seq, C * 4]
+            "hidden_states": latents.repeat_interleave(rows, dim=0),  # [B * rows, seq (+ ctx), C * 4]
             "timestep": timestep.repeat_interleave(rows) / 1000,
             "encoder_hidden_states": cond["texts"],  # [B * rows, L, D]
         }
@@ -130,7 +133,7 @@ class QwenImageAdapter(FlowMatchAdapter):
             batched["encoder_hidden_states_mask"] = cond["text_mask"]  # [B * rows, L]
         if self.transformer.config.guidance_embeds:
             batched["guidance"] = cond["guidance"]
-        out = self._transformer_rows(rows, batched, states[0].shared, states)  # [B, rows, seq, C * 4]
+        out = self._transformer_rows(rows, batched, states[0].shared, states)[:, :, :seq]  # [B, rows, seq, C * 4]
         if rows == 1:
             return out[:, 0]
         pos, neg = out[:, 0], out[:, 1]

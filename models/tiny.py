@@ -26,6 +26,8 @@ FAMILIES: tuple[str, ...] = (
     "flux2-klein",
     "z-image",
     "qwen-image",
+    "qwen-image-edit",
+    "qwen-image-edit-plus",
     "wan",
     "wan-i2v",
     "wan22",
@@ -427,6 +429,9 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
         "flux-kontext": _build_kontext,
         "z-image": tiny_qwen.build_zimage,
         "qwen-image": tiny_qwen.build_qwenimage,
+        # Qwen-Image-Edit and -2509's layouts (need torchvision, for their Qwen2-VL processor).
+        "qwen-image-edit": lambda: tiny_qwen.build_qwenimage_edit_plus(plus=False),
+        "qwen-image-edit-plus": tiny_qwen.build_qwenimage_edit_plus,
         "flux2-klein": tiny_qwen.build_flux2klein,
         "wan": tiny_video.build_wan,
         "wan-i2v": tiny_video.build_wan_i2v,

@@ -68,7 +68,7 @@ def qwen_vocab_and_merges(words: tuple[str, ...] = WORDS) -> tuple[dict[str, int
     return vocab, merges
 
 
-def make_qwen_tokenizer(words: tuple[str, ...] = WORDS) -> Any:
+def make_qwen_tokenizer(words: tuple[str, ...] = WORDS, special: tuple[str, ...] = ()) -> Any:
     """A `Qwen2Tokenizer` with one token per listed word (bare and "Ġ"-prefixed; raises if it splits one), plus the
     chat-role and Qwen-Image template words, `<|endoftext|>` (pad/eos), `<|im_start|>`, `<|im_end|>` and a ChatML
     chat template.
@@ -86,12 +86,14 @@ def make_qwen_tokenizer(words: tuple[str, ...] = WORDS) -> Any:
         unk_token=_EOT,
         eos_token=_EOT,
         pad_token=_EOT,
-        extra_special_tokens=[_IM_START, _IM_END],
+        extra_special_tokens=[_IM_START, _IM_END, *special],
         chat_template=CHAT_TEMPLATE,
         model_max_length=32768,
     )
-    got = tok([*words, *(" " + w for w in words)])["input_ids"]
-    want = [[vocab[w]] for w in words] + [[vocab[_SPACE + w]] for w in words]
+    # Contractions ("'s") are split off before BPE, never after a space: only their bare form is one token.
+    spaced = [w for w in words if not w.startswith("'")]
+    got = tok([*words, *(" " + w for w in spaced)])["input_ids"]
+    want = [[vocab[w]] for w in words] + [[vocab[_SPACE + w]] for w in spaced]
     bad = [ids for ids, expect in zip(got, want, strict=True) if ids != expect]
     if bad:
         raise RuntimeError(f"tiny Qwen tokenizer splits listed words: {tok.batch_decode(bad[:10])}")
@@ -224,6 +226,61 @@ def build_qwenimage() -> Any:
     n, drop = len(tokenizer(prefix)["input_ids"]), pipe.prompt_template_encode_start_idx
     if n != drop:
         raise RuntimeError(f"the Qwen-Image prompt template prefix is {n} tokens, the pipeline drops {drop}")
+    return pipe
+
+
+# Qwen2-VL's vision markers, and the words of the Qwen-Image-Edit prompt template that WORDS lacks: its prefix (the
+# pipeline drops its first 64 tokens, counted with the real tokenizer) is 64 tokens here too.
+_VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+_EDIT_WORDS: tuple[str, ...] = (
+    "key", "features", "input", "color", "texture", "background", "then", "explain", "how", "text", "instruction",
+    "should", "alter", "modify", "Generate", "new", "meets", "requirements", "while", "maintaining", "consistency",
+    "original", "where", "appropriate", "Picture", "(", "),", "'s",
+)  # fmt: skip
+
+
+def build_qwenimage_edit_plus(zero_cond_t: bool = False, plus: bool = True) -> Any:
+    """A tiny `QwenImageEditPlusPipeline` (Qwen-Image-Edit-2509; `zero_cond_t`: 2511's layout; `plus=False`: the
+    first release's `QwenImageEditPipeline`, the same components): Qwen-Image's components, a Qwen2.5-VL text
+    encoder whose vision tower reads the edit's images (Qwen2-VL processor: 14-pixel patches merged 2x2), and the
+    vision markers in the tokenizer."""
+    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    base = build_qwenimage()
+    tokenizer = make_qwen_tokenizer(WORDS + _EDIT_WORDS, special=_VISION_TOKENS)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _VISION_TOKENS}
+    config = base.text_encoder.config
+    config.text_config.vocab_size = len(tokenizer)
+    config.image_token_id, config.video_token_id = ids["<|image_pad|>"], ids["<|video_pad|>"]
+    config.vision_start_token_id, config.vision_end_token_id = ids["<|vision_start|>"], ids["<|vision_end|>"]
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(),
+        chat_template=CHAT_TEMPLATE,
+    )
+    transformer = base.transformer
+    if zero_cond_t:
+        transformer.register_to_config(zero_cond_t=True)
+        transformer.zero_cond_t = True
+        for block in transformer.transformer_blocks:
+            block.zero_cond_t = True
+    pipe = (QwenImageEditPlusPipeline if plus else QwenImageEditPipeline)(
+        scheduler=base.scheduler,
+        vae=base.vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        processor=processor,
+        transformer=transformer,
+    )
+    # The first release's template has the image's markers before the prompt; the dropped part ends before them.
+    prefix = pipe.prompt_template_encode.split("{}")[0].split("<|vision_start|>")[0]
+    n, drop = len(tokenizer(prefix)["input_ids"]), pipe.prompt_template_encode_start_idx
+    if n != drop:
+        raise RuntimeError(f"the Qwen-Image-Edit prompt template prefix is {n} tokens, the pipeline drops {drop}")
     return pipe
 
 

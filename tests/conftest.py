@@ -88,6 +88,30 @@ def tiny_wan_i2v(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwenimage_edit(tmp_path_factory) -> str:
+    return str(build_tiny("qwen-image-edit", tmp_path_factory.mktemp("tiny") / "qwen-image-edit"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwenimage_edit_plus(tmp_path_factory) -> str:
+    return str(build_tiny("qwen-image-edit-plus", tmp_path_factory.mktemp("tiny") / "qwen-image-edit-plus"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwenimage_edit_2511(tmp_path_factory) -> str:
+    """Qwen-Image-Edit-2511's layout: the image tokens modulated at timestep 0 (`zero_cond_t`)."""
+    import torch
+
+    from diffusiond.models.tiny_qwen import build_qwenimage_edit_plus
+
+    out = tmp_path_factory.mktemp("tiny") / "qwen-image-edit-2511"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        build_qwenimage_edit_plus(zero_cond_t=True).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def tiny_wan22(tmp_path_factory) -> str:
     return str(build_tiny("wan22", tmp_path_factory.mktemp("tiny") / "wan22"))
 

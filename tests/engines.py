@@ -91,9 +91,9 @@ def reference(pipe, family: str, params: SamplingParams, **extra) -> np.ndarray:
         generator=generator,
         output_type="np",
     )
-    if family in ("flux", "qwen-image"):
+    if family in ("flux", "qwen-image", "qwen-image-edit-plus"):
         kwargs["true_cfg_scale"] = params.true_cfg_scale
-    if family == "qwen-image" and not pipe.transformer.config.guidance_embeds:
+    if family.startswith("qwen-image") and not pipe.transformer.config.guidance_embeds:
         kwargs["guidance_scale"] = None
     if params.skip_guidance_layers is not None:
         kwargs["skip_guidance_layers"] = list(params.skip_guidance_layers)

@@ -222,6 +222,47 @@ async def test_openai_client_edits_by_instruction(serve, tiny_kontext):
     assert np.abs(image.astype(int) - png(cheaper.data[0].b64_json).astype(int)).max() > 8
 
 
+def test_openai_client_edits_with_two_images_on_qwen_image_edit_plus(serve, tiny_qwenimage_edit_plus):
+    """Qwen-Image-Edit-Plus through the official SDK's `images.edit` with two images (`image=[...]`: the first is
+    edited, the second is its reference): the image equals QwenImageEditPlusPipeline's for the same two images."""
+    server = serve(model=tiny_qwenimage_edit_plus)
+    first, second = picture(96, 64, seed=4), picture(64, 64, seed=5)
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        result = client.images.edit(
+            image=[("a.png", first, "image/png"), ("b.png", second, "image/png")],
+            prompt="put the cat on the sofa",
+            size="64x64",
+            extra_body={"num_inference_steps": 3, "seed": 2, "negative_prompt": "blurry", "true_cfg_scale": 3.0},
+        )
+    image = png(result.data[0].b64_json)
+    pipe = diffusers.QwenImageEditPlusPipeline.from_pretrained(tiny_qwenimage_edit_plus)
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(
+        image=[decoded(first), decoded(second)],
+        prompt="put the cat on the sofa",
+        negative_prompt="blurry",
+        true_cfg_scale=3.0,
+        width=64,
+        height=64,
+        num_inference_steps=3,
+        generator=torch.Generator().manual_seed(2),
+        output_type="np",
+    )
+    assert np.abs(image.astype(int) - to_uint8(out.images[0]).astype(int)).max() <= 1
+    only_first = pipe(
+        image=[decoded(first)],
+        prompt="put the cat on the sofa",
+        negative_prompt="blurry",
+        true_cfg_scale=3.0,
+        width=64,
+        height=64,
+        num_inference_steps=3,
+        generator=torch.Generator().manual_seed(2),
+        output_type="np",
+    )
+    assert np.abs(image.astype(int) - to_uint8(only_first.images[0]).astype(int)).max() > 4  # the second counted
+
+
 @pytest.mark.asyncio
 async def test_masks_reach_the_engine_in_either_convention(server, model_id):
     """An OpenAI edit with an RGBA mask (transparent: repainted) gives the native API's image for the same request

@@ -248,6 +248,27 @@ REQUESTS = {
             for i in range(3)
         ),
     ],
+    # Qwen-Image-Edit-Plus: edits of one and two images, the prompts read beside them on rank 0 and shared.
+    "qwen-image-edit-plus": [
+        edit(
+            prompt="make it red",
+            strength=None,
+            negative_prompt="blurry",
+            true_cfg_scale=3.0,
+            num_inference_steps=3,
+            reference_images=(picture(64, 64, seed=5),),
+        ),
+        *(
+            edit(
+                prompt=f"plain edit {i}",
+                image=picture(80, 64, seed=i),
+                strength=None,
+                seed=10 + i,
+                num_inference_steps=2,
+            )
+            for i in range(3)
+        ),
+    ],
     # Wan 2.2 A14B: started together, the first two sit on both sides of the boundary at their second step (900 and
     # 857 of 1000, boundary 875): that step runs both experts, each on its request's rows.
     "wan22": [
@@ -353,6 +374,7 @@ FIXTURES = {
     "wan-i2v": "tiny_wan_i2v",
     "wan22": "tiny_wan22",
     "wan22-ti2v": "tiny_wan22_ti2v",
+    "qwen-image-edit-plus": "tiny_qwenimage_edit_plus",
 }
 
 
@@ -432,6 +454,7 @@ def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: boo
         ("wan22", "ulysses"),
         ("wan22-ti2v", "cfg"),
         ("wan22-ti2v", "ulysses"),
+        ("qwen-image-edit-plus", "cfg"),
     ],
 )
 def test_two_ranks_match_one(family, strategy, request, tmp_path):

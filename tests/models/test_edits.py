@@ -326,6 +326,117 @@ def test_kontext_context_size_is_diffusers_choice_at_its_area(tiny_kontext):
     assert info.value.param == "image"
 
 
+@pytest.mark.parametrize("fixture", ["tiny_qwenimage_edit_plus", "tiny_qwenimage_edit_2511"])
+def test_instruction_edits_match_qwen_image_edit_plus(fixture, request):
+    """Qwen-Image-Edit-2509 (and 2511, whose image tokens are modulated at timestep 0): edits of one, two and three
+    images, the prompt read beside the images by the VL text encoder and the images' latents joining every step,
+    staggered; the two requests whose images have the same sizes share forwards, the others never join them; true
+    CFG on some; one at the pipeline's default size (the last image's aspect at 1024x1024's area)."""
+    checkpoint = request.getfixturevalue(fixture)
+    adapter = load_adapter(checkpoint)
+    two = [picture(96, 64, seed=4), picture(64, 64, seed=5)]
+    sent = [
+        SamplingParams(prompt="make it red", image=IMAGES[0], seed=1, width=64, height=64, num_inference_steps=4),
+        SamplingParams(  # the same text as the first, another image: its own encoding (the text encoder reads both)
+            prompt="make it red",
+            image=picture(80, 64, seed=9),
+            seed=3,
+            width=64,
+            height=64,
+            num_inference_steps=5,
+            preview_every=1,
+        ),
+        SamplingParams(
+            prompt="put the cat on the sofa",
+            negative_prompt="blurry",
+            true_cfg_scale=3.0,
+            image=two[0],
+            reference_images=(two[1],),
+            seed=2,
+            width=64,
+            height=64,
+            num_inference_steps=3,
+        ),
+        SamplingParams(
+            prompt="turn the sky green",
+            image=IMAGES[1],
+            reference_images=(IMAGES[2], picture(64, 96, seed=6)),
+            seed=4,
+            width=48,
+            height=80,
+            num_inference_steps=2,
+        ),
+    ]
+    handles, results, plans = asyncio.run(run_staggered(adapter, sent))
+    ids = [h.request_id for h in handles]
+    assert any({ids[0], ids[1]} <= set(p.advance) for p in plans)  # the same image sizes: shared forwards
+    for plan in plans:
+        assert not ({ids[0], ids[2]} <= set(plan.advance) or {ids[1], ids[2]} <= set(plan.advance))
+    pipe = diffusers.QwenImageEditPlusPipeline.from_pretrained(checkpoint)
+    pipe.set_progress_bar_config(disable=True)
+    for handle, result in zip(handles, results, strict=True):
+        assert isinstance(result, Completed), result
+        params = handle.params
+        images = [decoded(d) for d in (params.image, *(params.reference_images or ()))]
+        expected = reference(pipe, "qwen-image-edit-plus", params, image=images)
+        assert result.image.shape == expected.shape == (params.height, params.width, 3)
+        diff = float(np.abs(result.image - expected).max())
+        print(f"{fixture} {params.prompt!r} ({len(images)} images): max abs diff {diff:.2e}")
+        assert diff <= TOLERANCE, f"{params.prompt!r}: max abs diff {diff}"
+    # Not vacuous: another reference image changes the edit.
+    second = handles[2].params
+    other = reference(pipe, "qwen-image-edit-plus", second, image=[decoded(second.image), decoded(IMAGES[0])])
+    assert float(np.abs(other - results[2].image).max()) > 10 * TOLERANCE
+    # Defaults and refusals: the output's aspect is the last image's; no strength; at most three images; an image.
+    resolved = adapter.resolve(SamplingParams(prompt="x", image=IMAGES[0], reference_images=(picture(64, 128),)))
+    assert (resolved.width, resolved.height) == (736, 1440)  # calculate_dimensions(1024 * 1024, 0.5)
+    for fields, param in (
+        ({"image": IMAGES[0], "strength": 0.5}, "strength"),
+        ({"image": IMAGES[0], "reference_images": (IMAGES[1],) * 3}, "reference_images"),
+        ({}, "image"),
+    ):
+        with pytest.raises(ParamError) as info:
+            adapter.resolve(SamplingParams(prompt="x", width=64, height=64, **fields))
+        assert info.value.param == param
+
+
+def test_instruction_edits_match_qwen_image_edit(tiny_qwenimage_edit):
+    """The first Qwen-Image-Edit (`QwenImageEditPipeline`): one image, read and encoded at 1024x1024's area of its
+    aspect; edits of images of the same aspect share forwards; true CFG on one; references are refused."""
+    adapter = load_adapter(tiny_qwenimage_edit)
+    sent = [
+        SamplingParams(prompt="make it red", image=IMAGES[0], seed=1, width=64, height=64, num_inference_steps=4),
+        SamplingParams(
+            prompt="add a cat", image=picture(160, 128, seed=8), seed=2, width=64, height=64, num_inference_steps=3
+        ),
+        SamplingParams(
+            prompt="a blue square",
+            image=picture(80, 64, seed=9),
+            seed=3,
+            width=64,
+            height=64,
+            num_inference_steps=2,
+            negative_prompt="dark",
+            true_cfg_scale=2.5,
+        ),
+    ]
+    handles, results, plans = asyncio.run(run_staggered(adapter, sent))
+    ids = [h.request_id for h in handles]
+    assert any({ids[0], ids[1]} <= set(p.advance) for p in plans)  # 80x64 and 160x128: one context size
+    pipe = diffusers.QwenImageEditPipeline.from_pretrained(tiny_qwenimage_edit)
+    pipe.set_progress_bar_config(disable=True)
+    for handle, result in zip(handles, results, strict=True):
+        assert isinstance(result, Completed), result
+        params = handle.params
+        expected = reference(pipe, "qwen-image-edit-plus", params, image=decoded(params.image))
+        diff = float(np.abs(result.image - expected).max())
+        print(f"qwen-image-edit {params.prompt!r}: max abs diff {diff:.2e}")
+        assert diff <= TOLERANCE, f"{params.prompt!r}: max abs diff {diff}"
+    with pytest.raises(ParamError) as info:
+        adapter.resolve(SamplingParams(prompt="x", image=IMAGES[0], reference_images=(IMAGES[1],)))
+    assert info.value.param == "reference_images"
+
+
 def test_reference_edits_match_diffusers_flux2_klein(tiny_flux2klein):
     """FLUX.2 [klein] edits: the reference image's tokens (at its own size, ids on time axis 10) join every step's
     sequence; edits of the same context size share forwards; CFG on some."""

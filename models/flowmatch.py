@@ -285,7 +285,7 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
         """Route every attention layer (Ulysses ones included, so call it after the group is set up) to the backend
         `choice` means on this device (kernels/attention.py); the resolved name. Python objects only, no torch work."""
         backend = attention.resolve(choice, self.device, self.dtype)
-        routed = attention.apply(self.transformer, backend, masked=self.spec.attention_masks)
+        routed = sum(attention.apply(expert, backend, masked=self.spec.attention_masks) for expert in self.experts)
         if not routed and backend != "sdpa":
             # No layer dispatches its attention (SDXL's UNet calls SDPA itself).
             if choice != "auto":

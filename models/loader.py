@@ -43,8 +43,7 @@ def load_adapter(
         from diffusiond.kernels.quantize import DEFAULT_SKIP, quantize_layers
 
         skip = DEFAULT_SKIP if quantize_skip is None else tuple(filter(None, map(str.strip, quantize_skip.split(","))))
-        denoisers = getattr(adapter, "experts", (adapter.transformer,))
-        adapter.quantized = (quantize, sum(quantize_layers(d, quantize, skip) for d in denoisers))
+        adapter.quantized = (quantize, sum(quantize_layers(d, quantize, skip) for d in adapter.experts))
     if offload != "none":
         adapter.enable_offload(offload, device)
     return adapter

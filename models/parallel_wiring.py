@@ -122,9 +122,7 @@ class ParallelWiring:
     ) -> tuple[list[bool], dict[str, tuple[torch.Tensor, ...]]]:
         """Which requests use CFG, and the encoded prompts (and negative prompts of those) by text, through the
         prompt cache: one encoder call for the texts it misses."""
-        cfg = [self._uses_cfg(p) for p in params]
-        negatives = [p.negative_prompt or "" for p, c in zip(params, cfg, strict=True) if c]
-        texts = [p.prompt for p in params] + negatives
+        cfg, texts = self._prompt_texts(params)
         if self.shared_encoding is None:
             return cfg, self.prompts.lookup(texts, self._encode)
         # In a group the encodings were shared before prepare (`encode_prompts`): prepare runs no collective.
@@ -138,10 +136,16 @@ class ParallelWiring:
         (rank 0) and shared, through the prompt cache, and kept for the next prepare. No-op on one rank."""
         if self.shared_encoding is None:
             return [None] * len(params)
-        cfg = [self._uses_cfg(p) for p in params]
-        texts = [p.prompt for p in params] + [p.negative_prompt or "" for p, c in zip(params, cfg, strict=True) if c]
+        _, texts = self._prompt_texts(params)
         self._shared_texts.update(self.prompts.lookup(texts, self._encode_shared))
         return [None] * len(params)
+
+    def _prompt_texts(self, params: Sequence[SamplingParams]) -> tuple[list[bool], list[str]]:
+        """Which requests use CFG, and the prompt cache's keys of their prompts and (with CFG) negative prompts: the
+        texts themselves, unless the family's encoding depends on more (Qwen-Image-Edit: the images)."""
+        cfg = [self._uses_cfg(p) for p in params]
+        texts = [p.prompt for p in params] + [p.negative_prompt or "" for p, c in zip(params, cfg, strict=True) if c]
+        return cfg, texts
 
     def prepared(self) -> None:
         """After prepare: the shared encodings of that plan are no longer needed here (the prompt cache keeps its

@@ -41,9 +41,8 @@ class QwenImageEditPlusAdapter(QwenImageAdapter):
 
     def __init__(self, pipe: Any, *, source: str, lazy: Any = None) -> None:
         super().__init__(pipe, source=source, lazy=lazy)
-        # Condition images of the prompts being encoded, by digest (`_prompt_key`), while a prepare or a group's
-        # encode_prompts runs.
-        self._pending: dict[str, list[Any]] = {}
+        # The image files of the prompts being looked up, by digest (`_prompt_texts`).
+        self._pending: dict[str, list[bytes]] = {}
 
     # ---- resolution ----
 
@@ -84,9 +83,7 @@ class QwenImageEditPlusAdapter(QwenImageAdapter):
 
     def _prompt_key(self, text: str, params: SamplingParams) -> str:
         """The prompt cache's key of `text` read beside the request's images."""
-        images = (params.image, *(params.reference_images or ()))
-        digest = hashlib.sha256(b"".join(hashlib.sha256(d).digest() for d in images)).hexdigest()[:32]
-        return f"{digest}\x00{text}"
+        return f"{_digest(params)}\x00{text}"
 
     def _prompt_images(self, images: list[Any]) -> Any:
         """What the pipeline's `encode_prompt` takes: the list ("Picture 1: ... Picture 2: ...")."""
@@ -102,37 +99,13 @@ class QwenImageEditPlusAdapter(QwenImageAdapter):
         return self.pipe.image_processor.resize(image, height, width)
 
     def _prompt_texts(self, params: Sequence[SamplingParams]) -> tuple[list[bool], list[str]]:
-        """Which requests use CFG, and the keys of their prompts (and negative prompts); the condition images of each
-        key wait in `_pending` for `_encode` (decoded only when some key of theirs misses the cache)."""
+        """Which requests use CFG, and the keys of their prompts (and negative prompts); each key's images wait in
+        `_pending` for `_encode` (decoded only when a key of theirs misses the cache), until the next plan's."""
         cfg = [self._uses_cfg(p) for p in params]
         keys = [self._prompt_key(p.prompt, p) for p in params]
         keys += [self._prompt_key(p.negative_prompt or "", p) for p, c in zip(params, cfg, strict=True) if c]
-        for p in params:
-            digest = self._prompt_key("", p).partition("\x00")[0]
-            self._pending.setdefault(digest, [p.image, *(p.reference_images or ())])
+        self._pending = {_digest(p): [p.image, *(p.reference_images or ())] for p in params}
         return cfg, keys
-
-    def _lookup_prompts(self, params: Sequence[SamplingParams]) -> tuple[list[bool], dict[str, Any]]:
-        cfg, keys = self._prompt_texts(params)
-        try:
-            if self.shared_encoding is None:
-                return cfg, self.prompts.lookup(keys, self._encode)
-            missing = [k for k in keys if k not in self._shared_texts]
-            if missing:
-                raise RuntimeError(f"no shared encoding of {len(missing)} prompt(s) on this rank")
-            return cfg, {k: self._shared_texts[k] for k in keys}
-        finally:
-            self._pending.clear()
-
-    def encode_prompts(self, params: Sequence[SamplingParams]) -> list[None]:
-        if self.shared_encoding is None:
-            return [None] * len(params)
-        _, keys = self._prompt_texts(params)
-        try:
-            self._shared_texts.update(self.prompts.lookup(keys, self._encode_shared))
-        finally:
-            self._pending.clear()
-        return [None] * len(params)
 
     def _encode(self, keys: list[str]) -> list[tuple[torch.Tensor]]:
         """The pipeline's own encoder, one prompt at a time with its images (the pipeline encodes one request's
@@ -185,6 +158,12 @@ class QwenImageEditPlusAdapter(QwenImageAdapter):
             shared = {"img_shapes": [shapes]}  # the transformer reads the first entry only: one per batch key
             states.append(RequestState(request_id, p, latents, sampler, cond=cond, rows=rows, shared=shared))
         return states
+
+
+def _digest(params: SamplingParams) -> str:
+    """Of a request's images, in order."""
+    images = (params.image, *(params.reference_images or ()))
+    return hashlib.sha256(b"".join(hashlib.sha256(d).digest() for d in images)).hexdigest()[:32]
 
 
 def _ratio(data: bytes, param: str) -> float:

@@ -137,14 +137,6 @@ class WanAdapter(FlowMatchAdapter):
             self._one_expert("--offload group")
         super().enable_offload(mode, device)  # `model`: each step stages the expert it runs
 
-    def set_attention(self, choice: str) -> str:
-        backend = super().set_attention(choice)
-        from diffusiond.kernels import attention
-
-        for expert in self.experts[1:]:
-            attention.apply(expert, backend, masked=self.spec.attention_masks)
-        return backend
-
     def enable_shard_weights(self, mesh: Any) -> None:
         """Sharded weights exist whole only inside their block's forward: the projections are made there again (no
         reuse), and still equal."""

@@ -237,30 +237,24 @@ def test_openai_client_edits_with_two_images_on_qwen_image_edit_plus(serve, tiny
     image = png(result.data[0].b64_json)
     pipe = diffusers.QwenImageEditPlusPipeline.from_pretrained(tiny_qwenimage_edit_plus)
     pipe.set_progress_bar_config(disable=True)
-    out = pipe(
-        image=[decoded(first), decoded(second)],
-        prompt="put the cat on the sofa",
-        negative_prompt="blurry",
-        true_cfg_scale=3.0,
-        width=64,
-        height=64,
-        num_inference_steps=3,
-        generator=torch.Generator().manual_seed(2),
-        output_type="np",
-    )
-    assert np.abs(image.astype(int) - to_uint8(out.images[0]).astype(int)).max() <= 1
-    only_first = pipe(
-        image=[decoded(first)],
-        prompt="put the cat on the sofa",
-        negative_prompt="blurry",
-        true_cfg_scale=3.0,
-        width=64,
-        height=64,
-        num_inference_steps=3,
-        generator=torch.Generator().manual_seed(2),
-        output_type="np",
-    )
-    assert np.abs(image.astype(int) - to_uint8(only_first.images[0]).astype(int)).max() > 4  # the second counted
+
+    def pipeline(*files: bytes) -> np.ndarray:
+        out = pipe(
+            image=[decoded(f) for f in files],
+            prompt="put the cat on the sofa",
+            negative_prompt="blurry",
+            true_cfg_scale=3.0,
+            width=64,
+            height=64,
+            num_inference_steps=3,
+            generator=torch.Generator().manual_seed(2),
+            output_type="np",
+        )
+        return to_uint8(out.images[0]).astype(int)
+
+    assert np.abs(image.astype(int) - pipeline(first, second)).max() <= 1
+    only_first = pipeline(first)
+    assert np.abs(image.astype(int) - only_first).max() > 4  # the second counted
 
 
 @pytest.mark.asyncio

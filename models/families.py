@@ -96,6 +96,17 @@ FLUX2_KLEIN = Family(
     image_inputs=("edit", "references"),
     lora=True,
 )
+# FLUX.2 [dev]: klein's transformer with a guidance embedding and a Mistral-3 text encoder (Pixtral processor).
+FLUX2 = Family(
+    "Flux2Pipeline",
+    "flux2",
+    "flux2:Flux2Adapter",
+    guidance_styles=("distilled",),
+    parallel=ALL_PARALLEL,
+    image_inputs=("edit", "references"),
+    lora=True,
+    needs=("torchvision",),
+)
 Z_IMAGE = Family(
     "ZImagePipeline",
     "z-image",
@@ -171,6 +182,7 @@ FAMILIES: dict[str, Family] = {
         FLUX,
         FLUX_KONTEXT,
         FLUX2_KLEIN,
+        FLUX2,
         Z_IMAGE,
         QWEN_IMAGE,
         QWEN_IMAGE_EDIT,
@@ -191,6 +203,7 @@ KNOWN_CHECKPOINTS: dict[str, tuple[str, int]] = {
     "black-forest-labs/FLUX.1-dev": ("FluxPipeline", 24),
     "black-forest-labs/FLUX.1-schnell": ("FluxPipeline", 24),
     "black-forest-labs/FLUX.1-Kontext-dev": ("FluxKontextPipeline", 24),
+    "black-forest-labs/FLUX.2-dev": ("Flux2Pipeline", 48),
     "Qwen/Qwen-Image": ("QwenImagePipeline", 24),
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("WanPipeline", 12),
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": ("WanPipeline", 40),

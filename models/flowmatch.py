@@ -157,6 +157,7 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
     def _capabilities(self) -> Capabilities:
         width, height = self._default_size()
         overrides = self.declared = read_declared(self.source)
+        styles = self._guidance_styles()
         return Capabilities(
             family=self.family,
             pipeline_class=self.pipeline_class,
@@ -168,7 +169,9 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
             ),
             size_multiple=self._size_multiple(),
             max_side=self._max_side(),
-            supports_negative_prompt=overrides.negative_prompt,
+            # Guidance-distilled families have no negative branch for one to steer.
+            supports_negative_prompt=overrides.negative_prompt
+            and bool({"cfg", "true-cfg", "skip-layer"} & set(styles)),
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
             sizes=tuple(tuple(size) for size in overrides.sizes) if overrides.sizes else None,
@@ -177,7 +180,7 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
             vocabulary=overrides.vocabulary,
             draws=overrides.draws,
             name=overrides.name,
-            guidance_styles=self._guidance_styles(),
+            guidance_styles=styles,
             parallel=self.parallel,
             ulysses_degrees=self._ulysses_degrees(),
             cache_methods=self.cache_methods,

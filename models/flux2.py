@@ -2,8 +2,9 @@
 latent patches normalised by the VAE's batch-norm statistics, 4-axis rotary ids (time, height, width, layer), a step
 schedule whose shift depends on the step count, and classifier-free guidance unless the checkpoint is distilled.
 
-`Flux2Pipeline` (FLUX.2 [dev]) reads prompts with a Mistral/Pixtral processor that needs torchvision, which the CPU
-build of torch here cannot import beside it; it is not served yet.
+FLUX.2 [dev] (`Flux2Pipeline` checkpoints): the same transformer layout with a guidance embedding (guidance-distilled:
+`guidance_scale` is embedded, one row per request, no negative branch), prompts read by a Mistral-3 text encoder
+after the pipeline's system message (its Pixtral processor needs torchvision); edits and reference images as klein.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ class Flux2KleinAdapter(FlowMatchAdapter):
             if p.image is not None:  # after the noise, as the pipeline draws them
                 context, context_ids = self._context(p, generator)
                 img_ids = torch.cat([img_ids, context_ids])
+            if self.transformer.config.guidance_embeds:  # FLUX.2 [dev]: the scale is embedded
+                cond["guidance"] = torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)
             if cfg[i]:
                 # Rows (positive, negative) per request; the pipeline's negative is "" (a request may send its own).
                 (negative,) = text[p.negative_prompt or ""]
@@ -137,7 +140,9 @@ class Flux2KleinAdapter(FlowMatchAdapter):
             "timestep": timestep.repeat_interleave(rows) / 1000,
             "encoder_hidden_states": cond["embeds"],
         }
-        out = self._transformer_rows(rows, batched, {"guidance": None, **shared}, states)[:, :, :seq]
+        if "guidance" in cond:
+            batched["guidance"] = cond["guidance"].repeat_interleave(rows)
+        out = self._transformer_rows(rows, batched, shared, states)[:, :, :seq]
         if rows == 1:
             return out[:, 0]
         pos, neg = out[:, 0], out[:, 1]
@@ -168,6 +173,15 @@ class Flux2KleinAdapter(FlowMatchAdapter):
         for block in self.transformer.single_transformer_blocks:
             block.attn.set_processor(UlyssesFlux2SingleAttnProcessor(group))
         shard_image_tokens(self.transformer, group)
+
+
+class Flux2Adapter(Flux2KleinAdapter):
+    """FLUX.2 [dev]: guidance-distilled (`guidance_scale` feeds the guidance embedding; never a negative branch)."""
+
+    spec = families.FLUX2
+
+    def _uses_cfg(self, params: SamplingParams) -> bool:
+        return False
 
 
 class UlyssesFlux2AttnProcessor:

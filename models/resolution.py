@@ -58,6 +58,12 @@ class RequestResolution:
                 f"this {caps.family} checkpoint has no guidance embedding, so guidance_scale changes nothing; its "
                 "guidance is true_cfg_scale (with a negative_prompt)",
             )
+        if params.negative_prompt is not None and not caps.supports_negative_prompt:
+            raise ParamError(
+                "negative_prompt",
+                f"this {caps.family} checkpoint is guidance-distilled (no negative branch), so a negative_prompt "
+                "changes nothing",
+            )
         true_cfg = params.true_cfg_scale if params.true_cfg_scale is not None else self.default_true_cfg
         if not math.isfinite(true_cfg) or true_cfg < 0 or true_cfg > MAX_GUIDANCE:
             raise ParamError("true_cfg_scale", f"true_cfg_scale must be between 0 and {MAX_GUIDANCE:g}, got {true_cfg}")

@@ -24,6 +24,7 @@ FAMILIES: tuple[str, ...] = (
     "flux",
     "flux-kontext",
     "flux2-klein",
+    "flux2",
     "z-image",
     "qwen-image",
     "qwen-image-edit",
@@ -433,6 +434,8 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
         "qwen-image-edit": lambda: tiny_qwen.build_qwenimage_edit_plus(plus=False),
         "qwen-image-edit-plus": tiny_qwen.build_qwenimage_edit_plus,
         "flux2-klein": tiny_qwen.build_flux2klein,
+        # FLUX.2 [dev]: a Mistral-3 text encoder read through a Pixtral processor (needs torchvision).
+        "flux2": tiny_qwen.build_flux2dev,
         "wan": tiny_video.build_wan,
         "wan-i2v": tiny_video.build_wan_i2v,
         # Wan 2.2 A14B: two experts (`transformer_2`, `boundary_ratio`); its I2V without image cross-attention.

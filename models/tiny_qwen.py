@@ -284,17 +284,44 @@ def build_qwenimage_edit_plus(zero_cond_t: bool = False, plus: bool = True) -> A
     return pipe
 
 
+def _flux2_parts(guidance_embeds: bool) -> tuple[Any, Any, Any]:
+    """FLUX.2's tiny transformer (one double- and one single-stream block, 4-axis rotary ids, sharpened attention),
+    its 32-channel VAE with batch-norm statistics, and its scheduler."""
+    import torch
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+
+    transformer = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=128,  # 32 latent channels in 2x2 patches
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=48,  # 3 hidden layers x 16
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),  # sums to the head dim
+        guidance_embeds=guidance_embeds,
+    )
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(8, 16, 16, 16), layers_per_block=1, latent_channels=32, norm_num_groups=4, sample_size=256
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+    )
+    # With plain random weights a prompt moves a 64x64 image by 0.02 of 1 (512 padded text tokens dilute the
+    # attention); sharper attention makes a wrong prompt or guidance clearly visible.
+    with torch.no_grad():
+        for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
+            block.attn.norm_q.weight.mul_(3.0)
+            block.attn.norm_k.weight.mul_(3.0)
+    return transformer, vae, scheduler
+
+
 def build_flux2klein() -> Any:
     """A tiny `Flux2KleinPipeline` (FLUX.2 [klein]): a 27-layer Qwen3 causal LM (the pipeline reads hidden layers 9,
     18 and 27), a FLUX.2 double- and single-stream block with 4-axis rotary ids, a 32-channel FLUX.2 VAE with its
     batch-norm statistics, CFG enabled (not distilled)."""
-    import torch
-    from diffusers import (
-        AutoencoderKLFlux2,
-        FlowMatchEulerDiscreteScheduler,
-        Flux2KleinPipeline,
-        Flux2Transformer2DModel,
-    )
+    from diffusers import Flux2KleinPipeline
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = make_qwen_tokenizer()
@@ -312,30 +339,7 @@ def build_flux2klein() -> Any:
             eos_token_id=tokenizer.eos_token_id,
         )
     )
-    transformer = Flux2Transformer2DModel(
-        patch_size=1,
-        in_channels=128,  # 32 latent channels in 2x2 patches
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=48,  # 3 hidden layers x 16
-        timestep_guidance_channels=32,
-        axes_dims_rope=(4, 4, 4, 4),  # sums to the head dim
-        guidance_embeds=False,
-    )
-    vae = AutoencoderKLFlux2(
-        block_out_channels=(8, 16, 16, 16), layers_per_block=1, latent_channels=32, norm_num_groups=4, sample_size=256
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
-    )
-    # With plain random weights a prompt moves a 64x64 image by 0.02 of 1 (512 padded text tokens dilute the
-    # attention); sharper attention makes a wrong prompt or guidance clearly visible.
-    with torch.no_grad():
-        for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
-            block.attn.norm_q.weight.mul_(3.0)
-            block.attn.norm_k.weight.mul_(3.0)
+    transformer, vae, scheduler = _flux2_parts(guidance_embeds=False)
     return Flux2KleinPipeline(
         scheduler=scheduler,
         vae=vae,
@@ -343,4 +347,99 @@ def build_flux2klein() -> Any:
         tokenizer=tokenizer,
         transformer=transformer,
         is_distilled=False,
+    )
+
+
+# Mistral Small 3.1's instruction markers, image markers and `<s>`; a Mistral-style template over the pipeline's
+# message parts (system text, then the user's text).
+_MISTRAL_TOKENS = (
+    "<s>",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+    "[INST]",
+    "[/INST]",
+    "[IMG]",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+)
+_MISTRAL_TEMPLATE = (
+    "<s>"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' }}{%- else %}{{- '[INST]' }}{%- endif %}"
+    "{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- else %}{{- '[IMG]' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if message['role'] == 'system' %}{{- '[/SYSTEM_PROMPT]' }}{%- else %}{{- '[/INST]' }}{%- endif %}"
+    "{%- endfor %}"
+)
+
+
+def build_flux2dev() -> Any:
+    """A tiny `Flux2Pipeline` (FLUX.2 [dev]): a 30-layer Mistral-3 text encoder with a Pixtral vision tower (the
+    pipeline reads hidden layers 10, 20 and 30 of its language model, after a system message), read through a
+    `PixtralProcessor`; FLUX.2's transformer with the guidance embedding (guidance-distilled: one row per request)
+    and the FLUX.2 VAE, as `build_flux2klein`."""
+    import re
+
+    import torch
+    from diffusers import Flux2Pipeline
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from transformers import (
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+        MistralConfig,
+        PixtralImageProcessor,
+        PixtralProcessor,
+        PixtralVisionConfig,
+    )
+
+    words = WORDS + tuple(dict.fromkeys(re.findall(r"[A-Za-z]+", SYSTEM_MESSAGE)))
+    tokenizer = make_qwen_tokenizer(words, special=_MISTRAL_TOKENS)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _MISTRAL_TOKENS}
+    text_encoder = Mistral3ForConditionalGeneration(
+        Mistral3Config(
+            text_config=MistralConfig(
+                vocab_size=len(tokenizer),
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=30,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=8,
+                max_position_embeddings=1024,
+                pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=ids["<s>"],
+                eos_token_id=tokenizer.eos_token_id,
+            ),
+            vision_config=PixtralVisionConfig(
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                head_dim=8,
+                patch_size=14,
+                image_size=224,
+            ),
+            image_token_index=ids["[IMG]"],
+            spatial_merge_size=2,
+        )
+    )
+    # Random tiny layers without q/k norms attend almost uniformly, so every token's hidden state is nearly the same
+    # mix of the system message: a prompt moved a 64x64 image by 0.003 of 1. Sharper attention and larger
+    # embeddings keep the prompt visible (0.013).
+    with torch.no_grad():
+        for layer in text_encoder.model.language_model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+            layer.self_attn.k_proj.weight.mul_(8.0)
+        text_encoder.get_input_embeddings().weight.mul_(20.0)
+    processor = PixtralProcessor(
+        image_processor=PixtralImageProcessor(patch_size=14),
+        tokenizer=tokenizer,
+        patch_size=14,
+        spatial_merge_size=2,
+        chat_template=_MISTRAL_TEMPLATE,
+    )
+    transformer, vae, scheduler = _flux2_parts(guidance_embeds=True)
+    return Flux2Pipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=processor, transformer=transformer
     )

@@ -78,6 +78,11 @@ def tiny_flux2klein(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux2(tmp_path_factory) -> str:
+    return str(build_tiny("flux2", tmp_path_factory.mktemp("tiny") / "flux2"))
+
+
+@pytest.fixture(scope="session")
 def tiny_wan(tmp_path_factory) -> str:
     return str(build_tiny("wan", tmp_path_factory.mktemp("tiny") / "wan"))
 

@@ -10,377 +10,20 @@ import json
 
 import numpy as np
 import pytest
-from pictures import mask, picture
+from spmd_requests import FIXTURES, REQUESTS
 from spmd_runs import one_rank, two_ranks
 
 from diffusiond.models.loader import load_adapter
-from diffusiond.models.params import SamplingParams
 
 TOLERANCE = 1e-4
+# Guidance-distilled families: one row per request, never a CFG batch.
+DISTILLED = ("flux2",)
 
 
-def edit(**fields) -> SamplingParams:
-    """An edit, one per family: its file crosses the wire once and every rank encodes it the same."""
-    base = {
-        "prompt": "an edit",
-        "image": picture(80, 64, seed=1),
-        "strength": 0.7,
-        "seed": 6,
-        "width": 64,
-        "height": 64,
-        "num_inference_steps": 4,
-    }
-    return SamplingParams(**{**base, **fields})
-
-
-REQUESTS = {
-    "sd3": [
-        SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=4, guidance_scale=5.0),
-        SamplingParams(
-            prompt="a blue square",
-            negative_prompt="blurry",
-            seed=2,
-            width=64,
-            height=64,
-            num_inference_steps=3,
-            guidance_scale=3.0,
-        ),
-        # 48x48: 9 image tokens, not divisible by 2, so Ulysses shards unevenly.
-        SamplingParams(prompt="a cat", seed=3, width=48, height=48, num_inference_steps=3, guidance_scale=4.0),
-        # Three without CFG finishing together: CFG-parallel splits them 2 + 1 between the ranks, and the ranks
-        # share their decoding.
-        *(
-            SamplingParams(
-                prompt=f"no guidance {i}", seed=4 + i, width=64, height=64, num_inference_steps=2, guidance_scale=1.0
-            )
-            for i in range(3)
-        ),
-        # A plan larger than the 4 KiB broadcast buffer: its tail follows in a second broadcast.
-        SamplingParams(
-            prompt="a red circle " * 500, seed=5, width=64, height=64, num_inference_steps=2, guidance_scale=5.0
-        ),
-        # Inpainting: the mask crosses the wire with its image; every rank pins the same region.
-        edit(guidance_scale=5.0, mask=mask(80, 64, (0, 0, 40, 32), alpha=True)[0]),
-    ],
-    "flux": [
-        SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=4, guidance_scale=3.5),
-        SamplingParams(
-            prompt="a dog",
-            negative_prompt="blurry",
-            seed=2,
-            width=64,
-            height=64,
-            num_inference_steps=3,
-            guidance_scale=3.5,
-            true_cfg_scale=3.0,
-        ),
-        SamplingParams(
-            prompt="a cat",
-            negative_prompt="dark",
-            seed=3,
-            width=48,
-            height=48,
-            num_inference_steps=3,
-            guidance_scale=2.0,
-            true_cfg_scale=2.0,
-        ),
-        # Without true CFG, finishing together: split between the ranks and decoded by both.
-        *(
-            SamplingParams(
-                prompt=f"plain {i}", seed=10 + i, width=64, height=64, num_inference_steps=2, guidance_scale=3.5
-            )
-            for i in range(2)
-        ),
-        edit(
-            negative_prompt="dark",
-            image=picture(64, 96, seed=2, fmt="JPEG"),
-            mask=mask(64, 96, (16, 16, 48, 80))[0],
-            strength=0.8,
-            guidance_scale=3.5,
-            true_cfg_scale=2.0,
-        ),
-    ],
-    "sdxl": [
-        SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=4, guidance_scale=5.0),
-        SamplingParams(
-            prompt="a blue square",
-            negative_prompt="blurry",
-            seed=2,
-            width=64,
-            height=64,
-            num_inference_steps=3,
-            guidance_scale=3.0,
-        ),
-        SamplingParams(prompt="a cat", seed=3, width=56, height=72, num_inference_steps=3, guidance_scale=4.0),
-        # Without CFG, finishing together: split between the ranks and decoded by both.
-        *(
-            SamplingParams(
-                prompt=f"plain {i}", seed=10 + i, width=64, height=64, num_inference_steps=2, guidance_scale=1.0
-            )
-            for i in range(3)
-        ),
-    ],
-    "flux2-klein": [
-        SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=4, guidance_scale=4.0),
-        SamplingParams(
-            prompt="a blue square",
-            negative_prompt="blurry",
-            seed=2,
-            width=64,
-            height=64,
-            num_inference_steps=3,
-            guidance_scale=3.0,
-        ),
-        SamplingParams(prompt="a cat", seed=3, width=48, height=48, num_inference_steps=3, guidance_scale=4.0),
-        # Without CFG, finishing together: split between the ranks and decoded by both.
-        *(
-            SamplingParams(
-                prompt=f"plain {i}", seed=10 + i, width=64, height=64, num_inference_steps=2, guidance_scale=1.0
-            )
-            for i in range(3)
-        ),
-        edit(prompt="make it red", strength=None, guidance_scale=4.0),  # a reference edit, with CFG
-    ],
-    # Instruction edits: the image's tokens join every forward's sequence (CFG rows; Ulysses shards them too). At
-    # the context scaled to the output (`edit_context: "output"`): at the pipeline's ~1 Mpx context (4,096 tokens
-    # beside 16) the ranks' fp32 sums in another order differ by up to 1.4e-4, past TOLERANCE; the split is the same.
-    "flux-kontext": [
-        SamplingParams(
-            prompt="a dog",
-            negative_prompt="blurry",
-            seed=2,
-            width=64,
-            height=64,
-            num_inference_steps=3,
-            true_cfg_scale=3.0,
-        ),
-        edit(
-            prompt="make it dark",
-            negative_prompt="bright",
-            image=picture(64, 96, seed=2, fmt="JPEG"),
-            strength=None,
-            num_inference_steps=3,
-            true_cfg_scale=2.0,
-            edit_context="output",
-        ),
-        # Without true CFG, finishing together: split between the ranks and decoded by both.
-        *(
-            edit(
-                prompt=f"plain edit {i}",
-                image=picture(80, 64, seed=i),
-                strength=None,
-                seed=10 + i,
-                num_inference_steps=2,
-                edit_context="output",
-            )
-            for i in range(2)
-        ),
-    ],
-    "z-image": [
-        SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=4, guidance_scale=4.0),
-        SamplingParams(
-            prompt="a blue square on the grass",
-            negative_prompt="blurry",
-            seed=2,
-            width=64,
-            height=64,
-            num_inference_steps=3,
-            guidance_scale=3.0,
-        ),
-        SamplingParams(prompt="a cat", seed=3, width=48, height=48, num_inference_steps=3, guidance_scale=4.0),
-        # Guidance 0 (Turbo), finishing together: split between the ranks and decoded by both.
-        *(
-            SamplingParams(
-                prompt=f"plain {i}", seed=10 + i, width=64, height=64, num_inference_steps=2, guidance_scale=0.0
-            )
-            for i in range(3)
-        ),
-        edit(guidance_scale=4.0),
-    ],
-    "qwen-image": [
-        SamplingParams(
-            prompt="a red circle", negative_prompt="blurry", seed=1, width=64, height=64, num_inference_steps=4
-        ),
-        SamplingParams(
-            prompt="a blue square on the grass",
-            negative_prompt="dark",
-            seed=2,
-            width=64,
-            height=64,
-            num_inference_steps=3,
-            true_cfg_scale=2.5,
-        ),
-        SamplingParams(
-            prompt="a cat", negative_prompt="", seed=3, width=48, height=48, num_inference_steps=3, true_cfg_scale=4.0
-        ),
-        # No negative prompt, no true CFG, finishing together: split between the ranks and decoded by both.
-        *(
-            SamplingParams(prompt=f"plain {i}", seed=10 + i, width=64, height=64, num_inference_steps=2)
-            for i in range(3)
-        ),
-        edit(negative_prompt="dark"),
-    ],
-    # 80x48 with 9 frames: 3 x 3 x 5 = 45 tokens, which Ulysses shards unevenly.
-    "wan": [
-        SamplingParams(
-            prompt="a red cat", seed=1, width=80, height=48, num_frames=9, num_inference_steps=4, guidance_scale=5.0
-        ),
-        SamplingParams(
-            prompt="a blue dog",
-            negative_prompt="blurry",
-            seed=2,
-            width=48,
-            height=32,
-            num_frames=5,
-            num_inference_steps=3,
-            guidance_scale=3.0,
-        ),
-        *(
-            SamplingParams(
-                prompt=f"plain {i}",
-                seed=10 + i,
-                width=48,
-                height=32,
-                num_frames=5,
-                num_inference_steps=2,
-                guidance_scale=1.0,
-            )
-            for i in range(3)
-        ),
-    ],
-    # Qwen-Image-Edit-Plus: edits of one and two images, the prompts read beside them on rank 0 and shared.
-    "qwen-image-edit-plus": [
-        edit(
-            prompt="make it red",
-            strength=None,
-            negative_prompt="blurry",
-            true_cfg_scale=3.0,
-            num_inference_steps=3,
-            reference_images=(picture(64, 64, seed=5),),
-        ),
-        *(
-            edit(
-                prompt=f"plain edit {i}",
-                image=picture(80, 64, seed=i),
-                strength=None,
-                seed=10 + i,
-                num_inference_steps=2,
-            )
-            for i in range(3)
-        ),
-    ],
-    # Wan 2.2 A14B: started together, the first two sit on both sides of the boundary at their second step (900 and
-    # 857 of 1000, boundary 875): that step runs both experts, each on its request's rows.
-    "wan22": [
-        SamplingParams(
-            prompt="a red cat",
-            seed=1,
-            width=48,
-            height=32,
-            num_frames=5,
-            num_inference_steps=4,
-            guidance_scale=5.0,
-            guidance_scale_2=3.0,
-        ),
-        SamplingParams(
-            prompt="a blue dog",
-            negative_prompt="blurry",
-            seed=2,
-            width=48,
-            height=32,
-            num_frames=5,
-            num_inference_steps=3,
-            guidance_scale=3.0,
-        ),
-        *(
-            SamplingParams(
-                prompt=f"plain {i}",
-                seed=10 + i,
-                width=48,
-                height=32,
-                num_frames=5,
-                num_inference_steps=2,
-                guidance_scale=1.0,
-            )
-            for i in range(3)
-        ),
-    ],
-    # Wan 2.2 TI2V-5B: a timestep (and modulation) per token, sharded with the tokens under Ulysses; text- and
-    # image-to-video requests share forwards.
-    "wan22-ti2v": [
-        SamplingParams(
-            prompt="a red cat", seed=1, width=96, height=64, num_frames=9, num_inference_steps=3, guidance_scale=5.0
-        ),
-        SamplingParams(
-            prompt="a blue dog",
-            negative_prompt="blurry",
-            seed=2,
-            width=96,
-            height=64,
-            num_frames=9,
-            num_inference_steps=3,
-            guidance_scale=3.0,
-            image=picture(96, 64, seed=2),
-        ),
-        *(
-            SamplingParams(
-                prompt=f"plain {i}",
-                seed=10 + i,
-                width=64,
-                height=32,
-                num_frames=5,
-                num_inference_steps=2,
-                guidance_scale=1.0,
-                image=picture(64, 32, seed=i) if i else None,
-            )
-            for i in range(3)
-        ),
-    ],
-    "wan-i2v": [
-        SamplingParams(
-            prompt="a red cat",
-            seed=1,
-            width=80,
-            height=48,
-            num_frames=9,
-            num_inference_steps=3,
-            guidance_scale=5.0,
-            image=picture(80, 48, seed=1),
-        ),
-        *(
-            SamplingParams(
-                prompt=f"plain {i}",
-                seed=10 + i,
-                width=48,
-                height=32,
-                num_frames=5,
-                num_inference_steps=2,
-                guidance_scale=1.0,
-                image=picture(48, 32, seed=i),
-            )
-            for i in range(3)
-        ),
-    ],
-}
-FIXTURES = {
-    "sd3": "tiny_sd3",
-    "sdxl": "tiny_sdxl",
-    "flux": "tiny_flux",
-    "flux-kontext": "tiny_kontext",
-    "flux2-klein": "tiny_flux2klein",
-    "z-image": "tiny_zimage",
-    "qwen-image": "tiny_qwenimage",
-    "wan": "tiny_wan",
-    "wan-i2v": "tiny_wan_i2v",
-    "wan22": "tiny_wan22",
-    "wan22-ti2v": "tiny_wan22_ti2v",
-    "qwen-image-edit-plus": "tiny_qwenimage_edit_plus",
-}
-
-
-def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: bool = True) -> int:
+def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: bool = True, cfg_rows: bool = True) -> int:
     """Asserts the split; returns how many images the ranks decoded in all. `strategy`: "cfg" (2 ranks), or
-    "sequence" (Ulysses, ring, or both: every rank shards the sequence)."""
+    "sequence" (Ulysses, ring, or both: every rank shards the sequence). `cfg_rows`: the family has CFG batches
+    (guidance-distilled families have none: CFG-parallel splits their requests only)."""
     world = len(forwards)
     assert forwards[0] and all(len(f) == len(forwards[0]) for f in forwards), "every rank runs the same forwards"
     for steps in zip(*forwards, strict=True):
@@ -415,7 +58,7 @@ def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: boo
             assert sum(local) == full and max(local) - min(local) <= 1, calls
             assert all(c["rows"] == f0["requests"] * (2 if f0["cfg"] else 1) for c in calls)
     if strategy == "cfg":
-        assert any(f["cfg"] for f in forwards[0]), "the requests include CFG batches"
+        assert any(f["cfg"] for f in forwards[0]) == cfg_rows, "the requests include CFG batches"
         assert any(not f["cfg"] and f["requests"] > 1 for f in forwards[0]), "and batches without CFG"
     # Requests that finish together are decoded by every rank, each its share; one finishing alone by rank 0 only.
     shared = 0
@@ -443,6 +86,8 @@ def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: boo
         ("flux-kontext", "ulysses"),
         ("flux2-klein", "cfg"),
         ("flux2-klein", "ulysses"),
+        ("flux2", "cfg"),
+        ("flux2", "ulysses"),
         ("z-image", "cfg"),
         ("z-image", "ulysses"),
         ("qwen-image", "cfg"),
@@ -463,7 +108,8 @@ def test_two_ranks_match_one(family, strategy, request, tmp_path):
     expected = one_rank(model, requests)
     cfg, ulysses = (2, 1) if strategy == "cfg" else (1, 2)
     got, forwards = two_ranks(model, tmp_path, cfg, ulysses, requests)
-    assert check_split("cfg" if strategy == "cfg" else "sequence", forwards) == len(requests)
+    split = check_split("cfg" if strategy == "cfg" else "sequence", forwards, cfg_rows=family not in DISTILLED)
+    assert split == len(requests)
     # Prompts are encoded once, on rank 0, and broadcast: rank 1 never runs a text encoder.
     encoded = [json.loads((tmp_path / f"encode{r}.json").read_text()) for r in range(2)]
     assert encoded[0]["calls"] > 0 and encoded[0]["sent"] > 0 and encoded[1]["calls"] == 0, encoded
@@ -499,7 +145,8 @@ def test_ring_attention_matches_one_rank(family, ulysses, ring, request, tmp_pat
 
 
 @pytest.mark.parametrize(
-    ("family", "cfg"), [("sd3", 1), ("sd35", 1), ("flux", 1), ("flux2-klein", 1), ("qwen-image", 1), ("flux", 2)]
+    ("family", "cfg"),
+    [("sd3", 1), ("sd35", 1), ("flux", 1), ("flux2-klein", 1), ("flux2", 1), ("qwen-image", 1), ("flux", 2)],
 )
 def test_tensor_parallel_matches_one_rank(family, cfg, request, tmp_path):
     """--tp 2 (and --cfg-parallel 2 x --tp 2 on 4 ranks): one rank's images, while each rank holds its shard of the

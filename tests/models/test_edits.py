@@ -437,9 +437,13 @@ def test_instruction_edits_match_qwen_image_edit(tiny_qwenimage_edit):
     assert info.value.param == "reference_images"
 
 
-def test_reference_edits_match_diffusers_flux2_klein(tiny_flux2klein):
-    """FLUX.2 [klein] edits: the reference image's tokens (at its own size, ids on time axis 10) join every step's
-    sequence; edits of the same context size share forwards; CFG on some."""
+@pytest.mark.parametrize(("family", "fixture"), [("flux2-klein", "tiny_flux2klein"), ("flux2", "tiny_flux2")])
+def test_reference_edits_match_diffusers_flux2(family, fixture, request):
+    """FLUX.2 [klein] and [dev] edits: the reference image's tokens (at its own size, ids on time axis 10) join
+    every step's sequence; edits of the same context size share forwards; CFG on some (klein; [dev] embeds its
+    guidance instead)."""
+    checkpoint = request.getfixturevalue(fixture)
+    negative = {"negative_prompt": "blurry"} if family == "flux2-klein" else {}
     same = picture(80, 64, seed=7)
     sent = [
         SamplingParams(prompt="make it red", image=IMAGES[0], seed=1, width=64, height=64, num_inference_steps=6),
@@ -456,7 +460,7 @@ def test_reference_edits_match_diffusers_flux2_klein(tiny_flux2klein):
         ),
         SamplingParams(
             prompt="remove the dog",
-            negative_prompt="blurry",
+            **negative,
             image=picture(64, 128, seed=4),
             seed=4,
             width=64,
@@ -474,32 +478,32 @@ def test_reference_edits_match_diffusers_flux2_klein(tiny_flux2klein):
             num_inference_steps=4,
         ),
     ]
-    adapter = load_adapter(tiny_flux2klein)
+    adapter = load_adapter(checkpoint)
     handles, results, plans = asyncio.run(run_staggered(adapter, sent))
     ids = [h.request_id for h in handles]
     assert any({ids[0], ids[2]} <= set(p.advance) for p in plans)
-    pipe = diffusers.Flux2KleinPipeline.from_pretrained(tiny_flux2klein)
+    pipe = getattr(diffusers, adapter.pipeline_class).from_pretrained(checkpoint)
     pipe.set_progress_bar_config(disable=True)
 
     def expected(params: SamplingParams) -> np.ndarray:
         if params.image is None:
-            return reference(pipe, "flux2-klein", params)
+            return reference(pipe, family, params)
         images = [decoded(f) for f in (params.image, *(params.reference_images or ()))]
-        return reference(pipe, "flux2-klein", params, image=images if len(images) > 1 else images[0])
+        return reference(pipe, family, params, image=images if len(images) > 1 else images[0])
 
     for handle, result in zip(handles, results, strict=True):
         assert isinstance(result, Completed), result
         diff = float(np.abs(result.image - expected(handle.params)).max())
-        print(f"flux2-klein edit {handle.params.prompt!r}: max abs diff {diff:.2e}")
+        print(f"{family} edit {handle.params.prompt!r}: max abs diff {diff:.2e}")
         assert diff <= TOLERANCE, f"{handle.params.prompt!r}: max abs diff {diff}"
     change = float(
         np.abs(expected(msgspec.structs.replace(handles[0].params, image=IMAGES[1])) - results[0].image).max()
     )
-    print(f"flux2-klein edit: another image changes the output by {change:.3f}")
+    print(f"{family} edit: another image changes the output by {change:.3f}")
     assert change > 10 * TOLERANCE
     last = handles[-1].params  # without its references, another image
     change = float(np.abs(expected(msgspec.structs.replace(last, reference_images=None)) - results[-1].image).max())
-    print(f"flux2-klein edit: dropping the references changes the output by {change:.3f}")
+    print(f"{family} edit: dropping the references changes the output by {change:.3f}")
     assert change > 10 * TOLERANCE
     for fields, param in (
         ({"image": picture(32, 64)}, "image"),

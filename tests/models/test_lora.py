@@ -34,6 +34,7 @@ FAMILIES = {
     "qwen-image": "tiny_qwenimage",
     "z-image": "tiny_zimage",
     "flux2-klein": "tiny_flux2klein",
+    "flux2": "tiny_flux2",
 }
 
 

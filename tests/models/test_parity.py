@@ -14,7 +14,7 @@ from engines import reference, run_staggered
 
 from diffusiond.engine.outputs import Completed
 from diffusiond.models.loader import load_adapter
-from diffusiond.models.params import SamplingParams
+from diffusiond.models.params import ParamError, SamplingParams
 
 TOLERANCE = 1e-4
 
@@ -191,6 +191,22 @@ REQUESTS = {
         SamplingParams(prompt="yellow dog", seed=5, width=64, height=64, num_inference_steps=3, guidance_scale=1.0),
         SamplingParams(prompt="white dog", seed=6, width=96, height=64, num_inference_steps=4, guidance_scale=1.0),
     ],
+    # FLUX.2 [dev]: guidance-distilled, one row per request, each with its own embedded guidance.
+    "flux2": [
+        SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=6, guidance_scale=4.0),
+        SamplingParams(
+            prompt="a blue square on a white background",
+            seed=2,
+            width=64,
+            height=64,
+            num_inference_steps=4,
+            guidance_scale=6.0,
+            preview_every=1,
+        ),
+        SamplingParams(prompt="green", seed=3, width=64, height=64, num_inference_steps=5, guidance_scale=2.5),
+        SamplingParams(prompt="yellow dog", seed=5, width=64, height=64, num_inference_steps=3, guidance_scale=1.0),
+        SamplingParams(prompt="white dog", seed=6, width=64, height=64, num_inference_steps=4, guidance_scale=4.0),
+    ],
     "qwen-image": [
         SamplingParams(
             prompt="a red circle",
@@ -242,6 +258,7 @@ FIXTURES = {
     "sdxl": "tiny_sdxl",
     "flux": "tiny_flux",
     "flux2-klein": "tiny_flux2klein",
+    "flux2": "tiny_flux2",
     "z-image": "tiny_zimage",
     "qwen-image": "tiny_qwenimage",
 }
@@ -281,3 +298,15 @@ def test_engine_matches_diffusers_pipeline(family, request):
 
 def _asdict(params: SamplingParams) -> dict:
     return {f: getattr(params, f) for f in params.__struct_fields__}
+
+
+def test_guidance_distilled_flux2_refuses_a_negative_prompt(tiny_flux2):
+    """FLUX.2 [dev] has no negative branch: a negative prompt would change nothing, so it is a 400 naming the field,
+    and /v1/models says the model takes none."""
+    adapter = load_adapter(tiny_flux2)
+    assert adapter.capabilities.guidance_styles == ("distilled",)
+    assert adapter.capabilities.public()["negative_prompt"] is False
+    with pytest.raises(ParamError) as info:
+        adapter.resolve(SamplingParams(prompt="a cat", negative_prompt="blurry"))
+    assert info.value.param == "negative_prompt"
+    assert adapter.resolve(SamplingParams(prompt="a cat", guidance_scale=2.5)).guidance_scale == 2.5

@@ -1,5 +1,5 @@
 """Running requests through an SPMD group for tests: one rank in the test's process (the reference), or a group of
-ranks launched by torch.distributed.run on tests/engine/spmd_worker.py (gloo on CPU).
+ranks launched as torchrun would launch them, on tests/engine/spmd_worker.py (gloo on CPU).
 
 On the test path through `pythonpath = ["tests"]` in pyproject.toml: `from spmd_runs import ...`.
 """
@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgspec
@@ -28,6 +29,48 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def launch(cmd: list[str], nproc: int, env: dict[str, str], out: Path, timeout: float) -> None:
+    """`cmd` as `nproc` ranks of one gloo group on this host, with the variables torchrun gives its workers (RANK,
+    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT: rank 0's init_process_group hosts the store). Not torchrun itself:
+    its elastic agent costs each of these ~100 launches about 1.5 s of start-up, and these tests restart nothing
+    (tests/spmd run the daemon under the real launcher). Asserts that every rank exited 0."""
+    port = str(free_port())
+    procs = []
+    for rank in range(nproc):
+        rank_env = {
+            **env,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
+        log = open(out / f"rank{rank}.log", "w+")  # noqa: SIM115 (closed below)
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env), log))
+    deadline = time.monotonic() + timeout
+    try:
+        # As torchrun: the first rank that fails takes the others down (they would wait on it in a collective).
+        while time.monotonic() < deadline:
+            codes = [proc.poll() for proc, _ in procs]
+            if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
+                break
+            time.sleep(0.05)
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    codes = [proc.returncode for proc, _ in procs]
+    logs = []
+    for rank, (_, log) in enumerate(procs):
+        log.seek(0)
+        logs.append(f"--- rank {rank} (exit {codes[rank]}) ---\n" + log.read()[-3000:])
+        log.close()
+    assert codes == [0] * nproc, "\n".join(logs)
 
 
 def one_rank(model: str, requests, cache: str | None = None, loras=()) -> list[np.ndarray]:
@@ -70,12 +113,6 @@ def two_ranks(
     nproc = cfg * ulysses * ring * tp
     cmd = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-port",
-        str(free_port()),
         str(WORKER),
         model,
         str(out),
@@ -94,7 +131,6 @@ def two_ranks(
         env["SPMD_ATTENTION"] = attention
     if compile:
         env["SPMD_COMPILE"] = "1"
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240 * (nproc // 2), env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch(cmd, nproc, env, out, timeout=240 * (nproc // 2))
     images = [np.load(out / f"{i}.npy") for i in range(len(requests))]
     return images, [json.loads((out / f"forwards{r}.json").read_text()) for r in range(nproc)]

@@ -1,12 +1,13 @@
-"""Run under torch.distributed.run: rank 0 drives an Engine over a TorchComm, the others follow. Rank 0 writes each
-request's image to OUT/<index>.npy; every rank writes OUT/forwards<rank>.json, what each of its transformer forwards
-saw (requests, rows, tokens in and tokens per block) and how many images it decoded, so that a test can tell a real
-split from one that computes everything everywhere. SPMD_LORA=[[NAME, PATH], ...] registers LoRA adapters on every
-rank at start. Arguments: MODEL OUT CFG_PARALLEL ULYSSES REQUESTS_JSON [CACHE];
-with CACHE (fbcache or teacache), step caching is on and each rank writes OUT/reuse<rank>.json, its decisions. With
-SPMD_ATTENTION=NAME in the environment, every rank selects that attention backend (kernels/attention.py) and writes
-OUT/attention<rank>.json, how many attention calls went through it. With SPMD_COMPILE=1, every rank compiles the
-transformer's blocks (kernels/compile.py) and writes OUT/graphs<rank>.json, how many graphs dynamo compiled."""
+"""Run as a rank of a group (tests/spmd_runs.py `launch`, with torchrun's variables): rank 0 drives an Engine over a
+TorchComm, the others follow. Rank 0 writes each request's image to OUT/<index>.npy; every rank writes
+OUT/forwards<rank>.json, what each of its transformer forwards saw (requests, rows, tokens in and tokens per block)
+and how many images it decoded, so that a test can tell a real split from one that computes everything everywhere.
+SPMD_LORA=[[NAME, PATH], ...] registers LoRA adapters on every rank at start. Arguments: MODEL OUT CFG_PARALLEL
+ULYSSES REQUESTS_JSON [CACHE]; with CACHE (fbcache or teacache), step caching is on and each rank writes
+OUT/reuse<rank>.json, its decisions. With SPMD_ATTENTION=NAME in the environment, every rank selects that attention
+backend (kernels/attention.py) and writes OUT/attention<rank>.json, how many attention calls went through it. With
+SPMD_COMPILE=1, every rank compiles the transformer's blocks (kernels/compile.py) and writes OUT/graphs<rank>.json,
+how many graphs dynamo compiled."""
 
 import asyncio
 import json

@@ -252,17 +252,19 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
 
     def enable_offload(self, mode: str, device: str) -> None:
         """Keep weights in CPU memory and bring them to `device` as they run (kernels/offload.py); the adapter was
-        loaded to CPU memory. `model`: one stage's components at a time; `group`: the transformer streamed layer by
-        layer, the rest on the device."""
+        loaded to CPU memory. `model`: one stage's components at a time (a two-expert checkpoint: the expert a step
+        runs); `group`: the transformer (every expert) streamed layer by layer, the rest on the device."""
         from diffusiond.kernels import offload
 
         if mode == "model":
             self._stages = offload.StageOffload(self.pipe.components, device)
         elif mode == "group":
-            for name, module in self.pipe.components.items():
-                if isinstance(module, torch.nn.Module) and name != self.denoiser:
+            experts = {id(expert) for expert in self.experts}
+            for module in self.pipe.components.values():
+                if isinstance(module, torch.nn.Module) and id(module) not in experts:
                     module.to(device)
-            offload.group_offload(self.transformer, device)
+            for expert in self.experts:  # never moved whole: each streamed layer by layer
+                offload.group_offload(expert, device)
         elif mode != "none":
             raise offload.OffloadUnavailable(f"unknown offload {mode!r}")
         self.offload = mode
@@ -280,7 +282,7 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
         which the warm-up makes. How many blocks."""
         from diffusiond.kernels.compile import compile_blocks
 
-        count = compile_blocks(self.transformer, self.repeated_blocks)
+        count = sum(compile_blocks(expert, self.repeated_blocks) for expert in self.experts)
         self.compiled = True
         return count
 

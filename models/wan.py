@@ -128,15 +128,6 @@ class WanAdapter(FlowMatchAdapter):
             self._one_expert(f"--cache {method}")
         super().enable_step_cache(method, threshold)
 
-    def enable_compile(self) -> int:
-        self._one_expert("--compile")
-        return super().enable_compile()
-
-    def enable_offload(self, mode: str, device: str) -> None:
-        if mode == "group":
-            self._one_expert("--offload group")
-        super().enable_offload(mode, device)  # `model`: each step stages the expert it runs
-
     def enable_shard_weights(self, mesh: Any) -> None:
         """Sharded weights exist whole only inside their block's forward: the projections are made there again (no
         reuse), and still equal."""

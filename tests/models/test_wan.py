@@ -271,12 +271,8 @@ def test_what_two_experts_refuse(tiny_wan, tiny_wan22):
     assert info.value.param == "guidance_scale_2"
     adapter = load_adapter(tiny_wan22)
     assert adapter.resolve(clip("a cat", 1, guidance=4.0)).guidance_scale_2 == 4.0  # the pipeline's default
-    for enable, flag in (
-        (lambda: adapter.enable_step_cache("fbcache", 0.1), "--cache"),
-        (adapter.enable_compile, "--compile"),
-    ):
-        with pytest.raises(SetupError, match=flag):
-            enable()
+    with pytest.raises(SetupError, match="--cache"):
+        adapter.enable_step_cache("fbcache", 0.1)
     # LoRA: not served (/v1/models says so), and adapters named at start are refused saying why.
     from diffusiond.models.lora_registry import LoraError, setup_loras
 
@@ -284,6 +280,26 @@ def test_what_two_experts_refuse(tiny_wan, tiny_wan22):
     assert setup_loras(adapter, [], 1 << 20, None) is None
     with pytest.raises(LoraError, match="two-expert"):
         setup_loras(adapter, [("style", "/nonexistent.safetensors")], 1 << 20, None)
+
+
+@pytest.mark.parametrize("setting", ["offload", "compile"])
+def test_two_experts_offloaded_or_compiled_match_the_pipeline(tiny_wan22, setting):
+    """`--offload group` streams both experts layer by layer (every leaf of each hooked, neither moved whole);
+    `--compile` compiles both experts' blocks (a step of either runs compiled). The clips stay the pipeline's."""
+    adapter = load_adapter(tiny_wan22)
+    if setting == "offload":
+        adapter.enable_offload("group", "cpu")
+        for expert in adapter.experts:
+            leaves = [m for m in expert.modules() if not list(m.children()) and list(m.parameters())]
+            assert leaves and all(getattr(m, "_diffusers_hook", None) is not None for m in leaves)
+    else:
+        blocks = sum(len(expert.blocks) for expert in adapter.experts)
+        assert adapter.enable_compile() == blocks
+        compiled = [[getattr(b, "_compiled_call_impl", None) is not None for b in e.blocks] for e in adapter.experts]
+        assert all(all(c) for c in compiled), compiled
+    pipe = load_pipe(adapter, tiny_wan22)
+    requests = [clip("a red cat", 1, steps=4), clip("a blue dog", 2, steps=3, guidance=3.0, guidance_scale_2=6.0)]
+    check_two_experts(adapter, pipe, requests)
 
 
 def test_projections_are_reused_exactly(tiny_wan):

@@ -18,7 +18,13 @@ def to_uint8(image: np.ndarray) -> np.ndarray:
 
 
 def encode_image(image: np.ndarray, fmt: str = "png", quality: int | None = None) -> bytes:
+    """float or uint8 [H, W, 3] (or RGBA [H, W, 4]: Qwen-Image 2.1) -> `fmt` bytes; JPEG, which has no alpha, gets
+    an RGBA image composited over white."""
     pil = Image.fromarray(to_uint8(image))
+    if pil.mode == "RGBA" and fmt in ("jpeg", "jpg"):
+        white = Image.new("RGB", pil.size, (255, 255, 255))
+        white.paste(pil, mask=pil.getchannel("A"))
+        pil = white
     buf = io.BytesIO()
     kwargs = {} if quality is None or fmt == "png" else {"quality": quality}
     pil.save(buf, format={"jpg": "jpeg"}.get(fmt, fmt).upper(), **kwargs)

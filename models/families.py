@@ -153,6 +153,17 @@ QWEN_IMAGE_EDIT = Family(
     attention_masks=True,
     needs=QWEN_IMAGE_EDIT_PLUS.needs,
 )
+# Qwen-Image 2.1: a Qwen3-VL text encoder and a single-stream block-causal transformer whose 16x VAE decodes RGBA.
+# Text to image only for now, on one rank (models/qwenimage21.py says what else is not served yet).
+QWEN_IMAGE_21 = Family(
+    "QwenImage21Pipeline",
+    "qwen-image-21",
+    "qwenimage21:QwenImage21Adapter",
+    guidance_styles=("true-cfg",),
+    parallel=(),
+    attention_masks=True,
+    needs=("torchvision",),
+)
 WAN = Family(
     "WanPipeline",
     "wan",
@@ -187,6 +198,7 @@ FAMILIES: dict[str, Family] = {
         QWEN_IMAGE,
         QWEN_IMAGE_EDIT,
         QWEN_IMAGE_EDIT_PLUS,
+        QWEN_IMAGE_21,
         WAN,
         WAN_I2V,
     )

@@ -475,8 +475,12 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
             return published
         # Latents where the family's decode takes them: the transformer's device and dtype (the VAE may be on a GPU).
         return preview_maps.fit_decoder(
-            self._decode, channels, self.vae_scale_factor, device=self.device, dtype=self.dtype
+            self._decode_rgb, channels, self.vae_scale_factor, device=self.device, dtype=self.dtype
         )
+
+    def _decode_rgb(self, latents: torch.Tensor) -> torch.Tensor:
+        """`_decode`'s colour channels [B, 3, H, W] (Qwen-Image 2.1's VAE decodes RGBA): what preview maps fit."""
+        return self._decode(latents)[:, :3]
 
     def attention_heads(self) -> int | None:
         return attention_heads(self.transformer.config)

@@ -85,14 +85,18 @@ class LazyWeights:
         self._buffers_read: set[str] = set()
         # Buffers are built empty too (SD3.5's position table is 1 GB, computed in float64 on the way): those the
         # checkpoint holds are read from it; the others, and tensors kept as plain attributes (Wan's and
-        # Qwen-Image's rotary tables), are computed by building the model once more with real buffers, which costs
-        # only where there are any.
+        # Qwen-Image's rotary tables; Qwen-Image 2.1 keeps a list of them), are computed by building the model once
+        # more with real buffers, which costs only where there are any.
         computed = [name for name, b in root.named_buffers() if b.is_meta and name not in self.files]
         attributes = [
             (name, attr)
             for name, module in root.named_modules()
             for attr, value in vars(module).items()
-            if isinstance(value, torch.Tensor) and value.is_meta and attr not in ("_parameters", "_buffers")
+            if attr not in ("_parameters", "_buffers")
+            and any(
+                isinstance(t, torch.Tensor) and t.is_meta
+                for t in (value if isinstance(value, (list, tuple)) else (value,))
+            )
         ]
         if computed or attributes:
             real = _construct(type(root), root.config, root._lazy_dtype, buffers=True)

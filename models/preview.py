@@ -215,7 +215,7 @@ def write_preview_factors(checkpoint_dir: str | Path, **fit_kwargs: Any) -> Late
 
     checkpoint_dir = Path(checkpoint_dir)
     adapter = load_adapter(str(checkpoint_dir))
-    rgb = fit_decoder(adapter._decode, adapter._latent_channels(), adapter.vae_scale_factor, **fit_kwargs)
+    rgb = fit_decoder(adapter._decode_rgb, adapter._latent_channels(), adapter.vae_scale_factor, **fit_kwargs)
     (checkpoint_dir / FACTORS_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(rgb)) + b"\n")
     return rgb
 

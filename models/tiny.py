@@ -29,6 +29,7 @@ FAMILIES: tuple[str, ...] = (
     "qwen-image",
     "qwen-image-edit",
     "qwen-image-edit-plus",
+    "qwen-image-21",
     "wan",
     "wan-i2v",
     "wan22",
@@ -419,7 +420,7 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
     """The tiny pipeline for `family`, in memory (fp32, CPU). Same weights as `build_tiny` writes."""
     import torch
 
-    from diffusiond.models import tiny_qwen, tiny_video  # they build on this module's helpers
+    from diffusiond.models import tiny_qwen, tiny_qwen21, tiny_video  # they build on this module's helpers
 
     builders = {
         "sd3": _build_sd3,
@@ -434,6 +435,8 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
         "qwen-image-edit": lambda: tiny_qwen.build_qwenimage_edit_plus(plus=False),
         "qwen-image-edit-plus": tiny_qwen.build_qwenimage_edit_plus,
         "flux2-klein": tiny_qwen.build_flux2klein,
+        # Qwen-Image 2.1: a Qwen3-VL text encoder (its processor needs torchvision), an RGBA VAE.
+        "qwen-image-21": tiny_qwen21.build_qwenimage21,
         # FLUX.2 [dev]: a Mistral-3 text encoder read through a Pixtral processor (needs torchvision).
         "flux2": tiny_qwen.build_flux2dev,
         "wan": tiny_video.build_wan,

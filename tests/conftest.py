@@ -83,6 +83,11 @@ def tiny_flux2(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwenimage21(tmp_path_factory) -> str:
+    return str(build_tiny("qwen-image-21", tmp_path_factory.mktemp("tiny") / "qwen-image-21"))
+
+
+@pytest.fixture(scope="session")
 def tiny_wan(tmp_path_factory) -> str:
     return str(build_tiny("wan", tmp_path_factory.mktemp("tiny") / "wan"))
 

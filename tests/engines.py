@@ -91,15 +91,17 @@ def reference(pipe, family: str, params: SamplingParams, **extra) -> np.ndarray:
         generator=generator,
         output_type="np",
     )
-    if family in ("flux", "qwen-image", "qwen-image-edit-plus"):
+    accepted = inspect.signature(pipe.__call__).parameters
+    if family in ("flux", "qwen-image", "qwen-image-edit-plus", "qwen-image-21"):
         kwargs["true_cfg_scale"] = params.true_cfg_scale
-    if family.startswith("qwen-image") and not pipe.transformer.config.guidance_embeds:
+    if "guidance_scale" not in accepted:  # Qwen-Image 2.1: true CFG only
+        del kwargs["guidance_scale"]
+    elif family.startswith("qwen-image") and not pipe.transformer.config.guidance_embeds:
         kwargs["guidance_scale"] = None
     if params.skip_guidance_layers is not None:
         kwargs["skip_guidance_layers"] = list(params.skip_guidance_layers)
         for name in ("skip_layer_guidance_scale", "skip_layer_guidance_start", "skip_layer_guidance_stop"):
             kwargs[name] = getattr(params, name)
-    accepted = inspect.signature(pipe.__call__).parameters
     if "width" not in accepted:  # sized by its input image (SDXL's Img2Img)
         del kwargs["width"], kwargs["height"]
     if "negative_prompt" not in accepted:  # FLUX.2 [klein]: its negative is "" unless handed as embeddings

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from engines import reference, run_staggered
 
+from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Completed
 from diffusiond.models.loader import load_adapter
 from diffusiond.models.params import ParamError, SamplingParams
@@ -243,6 +244,33 @@ REQUESTS = {
         SamplingParams(prompt="yellow dog", seed=5, width=64, height=64, num_inference_steps=3),
         SamplingParams(prompt="white dog on the grass", seed=6, width=64, height=64, num_inference_steps=4),
     ],
+    # Qwen-Image 2.1: requests share a forward where their texts are of one length ("a red circle", "a red square").
+    "qwen-image-21": [
+        SamplingParams(
+            prompt="a red circle",
+            negative_prompt="blurry",
+            seed=1,
+            width=64,
+            height=64,
+            num_inference_steps=6,
+            true_cfg_scale=4.0,
+        ),
+        SamplingParams(prompt="a red square", seed=2, width=64, height=64, num_inference_steps=4, preview_every=1),
+        SamplingParams(
+            prompt="a blue square on a white background", seed=3, width=64, height=64, num_inference_steps=5
+        ),
+        SamplingParams(prompt="a green box", seed=4, width=64, height=64, num_inference_steps=3),
+        SamplingParams(
+            prompt="yellow dog",
+            negative_prompt="dark",
+            seed=5,
+            width=64,
+            height=64,
+            num_inference_steps=4,
+            true_cfg_scale=2.5,
+        ),
+        SamplingParams(prompt="white dog", seed=6, width=96, height=64, num_inference_steps=4),
+    ],
 }
 
 
@@ -261,6 +289,7 @@ FIXTURES = {
     "flux2": "tiny_flux2",
     "z-image": "tiny_zimage",
     "qwen-image": "tiny_qwenimage",
+    "qwen-image-21": "tiny_qwenimage21",
 }
 
 
@@ -310,3 +339,52 @@ def test_guidance_distilled_flux2_refuses_a_negative_prompt(tiny_flux2):
         adapter.resolve(SamplingParams(prompt="a cat", negative_prompt="blurry"))
     assert info.value.param == "negative_prompt"
     assert adapter.resolve(SamplingParams(prompt="a cat", guidance_scale=2.5)).guidance_scale == 2.5
+
+
+def test_qwen_image_21_rows_of_one_text_length_share_a_forward(tiny_qwenimage21):
+    """Qwen-Image 2.1 lays out every row of a call as its first (a padded prompt would move its image), so a step
+    runs one call per text length: three requests whose prompts encode to one length, with true CFG and negatives of
+    another, and a fourth with a longer prompt and the same negative, admitted together, make per step a call of
+    the 3 positives, one of the 4 negatives and one of the long positive: not a call per row."""
+    adapter = load_adapter(tiny_qwenimage21)
+    calls: list[int] = []
+    hook = adapter.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(len(kwargs["hidden_states"])), with_kwargs=True
+    )
+
+    async def run():
+        engine = Engine(adapter, max_batch=4, batch_wait=0.5)
+        await engine.start()
+        try:
+            cfg = dict(negative_prompt="blurry", true_cfg_scale=4.0, width=64, height=64, num_inference_steps=2)
+            prompts = ["a red circle 1", "a red circle 2", "a red circle 3", "a blue square on a white background"]
+            handles = [engine.add_request(SamplingParams(prompt=p, seed=i, **cfg)) for i, p in enumerate(prompts)]
+            return [await h.result() for h in handles]
+        finally:
+            await engine.stop()
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        hook.remove()
+    assert all(isinstance(r, Completed) for r in results), results
+    assert sorted(calls) == [1, 1, 3, 3, 4, 4], calls
+
+
+def test_rgba_images_keep_their_alpha_except_in_jpeg():
+    """Qwen-Image 2.1 decodes RGBA: PNG and WebP keep the alpha; JPEG, which has none, gets the image composited
+    over white (a transparent red pixel is white, an opaque one red)."""
+    import io
+
+    from PIL import Image
+
+    from diffusiond.daemon.image_encoding import encode_image
+
+    image = np.zeros((32, 32, 4), dtype=np.float32)
+    image[..., 0] = 1.0  # red
+    image[:16, :, 3] = 1.0  # the top half opaque, the bottom transparent
+    for fmt in ("png", "webp"):
+        decoded = Image.open(io.BytesIO(encode_image(image, fmt, quality=100 if fmt == "webp" else None)))
+        assert decoded.mode == "RGBA" and decoded.getpixel((8, 24))[3] == 0 and decoded.getpixel((8, 8))[3] == 255
+    jpeg = np.asarray(Image.open(io.BytesIO(encode_image(image, "jpeg", quality=95))).convert("RGB"), dtype=int)
+    assert np.abs(jpeg[8, 8] - [255, 0, 0]).max() < 16 and np.abs(jpeg[24, 8] - [255, 255, 255]).max() < 16

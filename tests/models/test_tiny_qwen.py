@@ -55,21 +55,23 @@ def test_loads_as_its_pipeline_and_generates(fixture, cls, request):
     assert image.std() > 0.01  # not a constant image
 
 
-@pytest.mark.parametrize("family", ["z-image", "qwen-image"])
-def test_make_tiny_writes_a_preview_map_fitted_through_the_familys_decode(family, tmp_path):
+@pytest.mark.parametrize(("family", "channels"), [("z-image", 16), ("qwen-image", 16), ("qwen-image-21", 64)])
+def test_make_tiny_writes_a_preview_map_fitted_through_the_familys_decode(family, channels, tmp_path):
     """`diffusiond make-tiny` for these families: Qwen-Image's VAE is a video VAE (5-D latents, its own
-    normalisation), which the generic AutoencoderKL fit cannot load."""
+    normalisation), which the generic AutoencoderKL fit cannot load; Qwen-Image 2.1's decodes RGBA (the map is
+    fitted to its colour channels)."""
     from diffusiond.daemon.cli import main
 
     assert main(["make-tiny", "--family", family, "--out", str(tmp_path)]) == 0
     fitted = load_preview_factors(tmp_path)
-    assert fitted is not None and fitted.source == "fitted" and len(fitted.factors) == 16
+    assert fitted is not None and fitted.source == "fitted" and len(fitted.factors) == channels
+    assert all(len(row) == 3 for row in fitted.factors)
 
 
 def test_tiny_qwen_image_21_loads_as_its_pipeline_and_follows_its_inputs(tmp_path):
-    """The tiny Qwen-Image 2.1 (models/tiny_qwen21.py, for the coming adapter): saved and loaded back through
-    `QwenImage21Pipeline.from_pretrained`, it generates RGBA 64x64 images in which another prompt, true CFG with a
-    negative prompt, and another condition image each clearly show (random weights alone hid them: <= 0.005)."""
+    """The tiny Qwen-Image 2.1 (models/tiny_qwen21.py, `make-tiny --family qwen-image-21`): saved and loaded back
+    through `QwenImage21Pipeline.from_pretrained`, it generates RGBA 64x64 images in which another prompt, true CFG
+    with a negative prompt, and another condition image each clearly show (random weights alone hid them: <= 0.005)."""
     from diffusers import QwenImage21Pipeline
     from PIL import Image
 

@@ -168,6 +168,11 @@ def open_rgb(data: bytes) -> Image.Image:
     return DECODED_INPUTS.get("rgb", data, _rgb)
 
 
+def open_rgba(data: bytes) -> Image.Image:
+    """The decoded image in RGBA (opaque where the file has no alpha): Qwen-Image 2.1 reads its condition images so."""
+    return DECODED_INPUTS.get("rgba", data, lambda d: _open(d, "image").convert("RGBA"))
+
+
 def open_mask(data: bytes) -> Image.Image:
     """An inpainting mask in "L", white where the image is repainted. A file with alpha follows OpenAI's edits
     convention (transparent pixels are repainted); one without, diffusers' (white pixels are)."""

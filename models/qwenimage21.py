@@ -1,7 +1,14 @@
-"""Qwen-Image 2.1 (`QwenImage21Pipeline` checkpoints), text to image: a Qwen3-VL text encoder (its last layer before
-the final norm, the system message's tokens dropped), one single-stream block-causal transformer over [text, image]
-on unpatched latents of a 16x VAE that decodes RGBA, and true CFG (`true_cfg_scale` > 1 with a negative prompt; the
-checkpoint is meant to be sampled without, hence the default 1.0).
+"""Qwen-Image 2.1 (`QwenImage21Pipeline` checkpoints): a Qwen3-VL text encoder (its last layer before the final norm,
+the system message's tokens dropped), one single-stream block-causal transformer over [text, image] on unpatched
+latents of a 16x VAE that decodes RGBA, and true CFG (`true_cfg_scale` > 1 with a negative prompt; the checkpoint is
+meant to be sampled without, hence the default 1.0).
+
+Text to image, and generation conditioned on one to three images (`image`, then `reference_images`): each image,
+as RGBA at 1024x1024's area in its own aspect, is read by the text encoder ("<image1>" slots before the prompt) and
+encoded by the VAE (latent mode, no draw); its latent tokens precede the noisy ones in every step's sequence, and
+the transformer's output for them is dropped. The output's size defaults to the last image's aspect at
+1024x1024's area, as the pipeline's. A prompt's encoding depends on its images: the prompt cache keys it by text and
+images.
 
 Batching. The transformer lays out every row of a call as its first row (the text's rotary positions run into the
 image's frame index, and `img_mask` and `img_shapes` are read from row 0), so a padded shorter prompt would move its
@@ -12,31 +19,36 @@ own. The pipeline's prefix KV cache (text keys and values computed once, at the 
 prefix is computed again at every step, which gives the same images (measured: equal in fp32) at the cost of the
 text's share of each forward.
 
-Not served yet: image-conditioned generation (edits), LoRA, step caches, parallel strategies, and checkpoints that
-fix their schedule (`sample_sigmas`).
+Not served yet: LoRA, step caches, parallel strategies, and checkpoints that fix their schedule (`sample_sigmas`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from diffusers import QwenImage21Pipeline
+from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
 
 from diffusiond.models import families
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
-from diffusiond.models.params import SamplingParams
+from diffusiond.models.inputs import open_rgba
+from diffusiond.models.params import ParamError, SamplingParams
+from diffusiond.models.qwenimage_edit import PromptsWithImages, _ratio, _ratios
 
 
-class QwenImage21Adapter(FlowMatchAdapter):
+class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
     spec = families.QWEN_IMAGE_21
     # The pipeline's own defaults: 40 steps, no guidance unless asked (true CFG with a negative prompt), 1024x1024.
     default_steps = 40
     default_guidance = 1.0  # no guidance embedding: `guidance_scale` is refused unless left at this
     default_true_cfg = 1.0
     output_resolution = 1024
+    # Condition images: the first and up to this many more.
+    max_references: ClassVar[int] = 2
     TEXT_ENCODERS = ("text_encoder",)
 
     def __init__(self, pipe, *, source: str, lazy=None) -> None:
@@ -60,35 +72,98 @@ class QwenImage21Adapter(FlowMatchAdapter):
         # As the pipeline's `do_true_cfg`.
         return (params.true_cfg_scale or 0.0) > 1 and params.negative_prompt is not None
 
-    def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor]]:
-        """The pipeline's own encoder, one batched call (left-padded, as the pipeline): each prompt's embeddings
-        without padding [L, D]."""
+    # ---- resolution: condition images ----
+
+    def _references(self, params: SamplingParams) -> tuple[bytes, ...] | None:
+        references = super()._references(params)
+        if references is not None and len(references) > self.max_references:
+            raise ParamError(
+                "reference_images",
+                f"the {self.family} family conditions on at most {self.max_references + 1} images, "
+                f"got {len(references) + 1}",
+            )
+        return references
+
+    def _size(self, params: SamplingParams) -> tuple[int, int]:
+        """Unsent sides: the last image's aspect at 1024x1024's area, as the pipeline's default."""
+        if params.width is not None or params.height is not None or params.image is None:
+            return super()._size(params)
+        last = (params.reference_images or (params.image,))[-1]
+        width, height, _ = calculate_dimensions(self.output_resolution**2, _ratio(last, "image"))
+        m = self.capabilities.size_multiple
+        return width // m * m, height // m * m
+
+    def context_size(self, params: SamplingParams) -> tuple[tuple[int, int], ...] | None:
+        """(width, height) each condition image is read and encoded at: its aspect at 1024x1024's area."""
+        if params.image is None:
+            return None
+        return tuple(calculate_dimensions(self.output_resolution**2, ratio)[:2] for ratio in _ratios(params))
+
+    # ---- prompts ----
+
+    def _encode(self, keys: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The pipeline's own encoder: each prompt's embeddings without padding [L, D] and which of them are image
+        slots [L] (bool). Prompts without images in one batched call (left-padded, as the pipeline's); a prompt
+        with images alone, with them (the pipeline's call reads one set of images)."""
         self._stage(*self.TEXT_ENCODERS)
-        embeds, mask, _ = self.pipe.encode_prompt(prompt=list(texts), device=self.device)
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        with_images = {k: k.partition("\x00") for k in keys if k.partition("\x00")[0] in self._pending}
+        plain = [k for k in keys if k not in with_images]
+        if plain:
+            out.update(zip(plain, self._encode_with(plain, None), strict=True))
+        for key, (digest, _, text) in with_images.items():
+            images = [self._condition_image(data)[0] for data in self._pending[digest]]
+            (out[key],) = self._encode_with([text], images)
+        return [out[k] for k in keys]
+
+    def _encode_with(self, texts: list[str], images: list[Any] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        embeds, mask, pads = self.pipe.encode_prompt(prompt=texts, image=images, device=self.device)
         lengths = mask.sum(dim=1).tolist() if mask is not None else [embeds.shape[1]] * len(texts)
-        return [(embeds[i, :n].clone(),) for i, n in enumerate(lengths)]
+        return [(embeds[i, :n].clone(), pads[i, :n].clone()) for i, n in enumerate(lengths)]
+
+    def _condition_image(self, data: bytes) -> tuple[Any, tuple[int, int]]:
+        """A condition image as the pipeline reads it (RGBA, resized to its aspect at 1024x1024's area), and that
+        size (width, height)."""
+        image = open_rgba(data)
+        width, height, _ = calculate_dimensions(self.output_resolution**2, image.width / image.height)
+        return self.pipe.image_processor.resize(image, width=width, height=height), (width, height)
 
     @torch.inference_mode()
     def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
         params = [p for _, p in requests]
-        cfg, text = self._lookup_prompts(params)  # text -> ([L, D],)
+        cfg, text = self._lookup_prompts(params)  # key -> ([L, D], image slots [L])
         channels = self.transformer.config.in_channels
+        s = self.vae_scale_factor
         states = []
         for i, (request_id, p) in enumerate(requests):
-            (embeds,) = text[p.prompt]
+            embeds, pads = text[self._prompt_key(p.prompt, p)]
             generator = self._generator(p)
-            latents, _ = self.pipe.prepare_latents(
-                None, 1, channels, p.height, p.width, embeds.dtype, self.device, generator
-            )  # [1, seq, C]
+            sizes, vae_images = [], None
+            if p.image is not None:
+                self._stage("vae")
+                vae_images = []
+                for data in (p.image, *(p.reference_images or ())):
+                    _, (width, height) = self._condition_image(data)
+                    sizes.append((width, height))
+                    image = self.pipe.image_processor.preprocess(open_rgba(data), width=width, height=height)
+                    vae_images.append(image.unsqueeze(2))
+            # The pipeline's own: the images' latent modes (no draw), then the noise from the request's generator.
+            latents, context = self.pipe.prepare_latents(
+                vae_images, 1, channels, p.height, p.width, embeds.dtype, self.device, generator
+            )  # [1, seq, C], [1, ctx, C] or None
             sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
             sampler = self._sampler(p, generator, sigmas=sigmas, mu=self._shift_mu(latents.shape[1]))
-            rows = [embeds]  # (positive, negative) with true CFG
-            cond = {}
+            rows, slots = [embeds], [pads]  # (positive, negative) with true CFG
+            cond = {} if context is None else {"context": context}
             if cfg[i]:
-                rows.append(text[p.negative_prompt][0])
+                negative, negative_pads = text[self._prompt_key(p.negative_prompt or "", p)]
+                rows.append(negative)
+                slots.append(negative_pads)
                 cond["true_cfg"] = torch.full([1], p.true_cfg_scale, device=self.device, dtype=torch.float32)
-            grid = (1, p.height // self.vae_scale_factor, p.width // self.vae_scale_factor)
-            states.append(RequestState(request_id, p, latents, sampler, cond=cond, rows=rows, shared={"grid": grid}))
+            shapes = (*((1, h // s, w // s) for w, h in sizes), (1, p.height // s, p.width // s))
+            # Each row's layout (text length and image slots), computed once: rows of one layout share a call.
+            shared = {"shapes": shapes, "slots": slots, "layouts": [x.cpu().numpy().tobytes() for x in slots]}
+            states.append(RequestState(request_id, p, latents, sampler, cond=cond, rows=rows, shared=shared))
         return states
 
     @torch.inference_mode()
@@ -96,26 +171,31 @@ class QwenImage21Adapter(FlowMatchAdapter):
         self._stage("transformer")
         latents = torch.cat([s.latents for s in states]).to(self.transformer.dtype)  # [B, seq, C]
         seq = latents.shape[1]
+        if "context" in states[0].cond:  # the condition images' tokens first (one layout per batch key)
+            context = torch.cat([s.cond["context"] for s in states]).to(latents.dtype)
+            latents = torch.cat([context, latents], dim=1)
         timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device, latents.dtype) / 1000  # [B]
         rows = len(states[0].rows)  # 2 with true CFG (batch key)
-        by_length: dict[int, list[tuple[int, int]]] = {}  # text length -> (request, row) of the rows that have it
+        # Rows whose texts have one layout (length and image slots) share a call.
+        groups: dict[bytes, list[tuple[int, int]]] = {}
         for i, state in enumerate(states):
-            for r, embeds in enumerate(state.rows):
-                by_length.setdefault(embeds.shape[0], []).append((i, r))
+            for r, layout in enumerate(state.shared["layouts"]):
+                groups.setdefault(layout, []).append((i, r))
         out = latents.new_empty(len(states), rows, seq, latents.shape[2])
-        grid = states[0].shared["grid"]  # one size per batch (batch key)
-        for length, members in by_length.items():
-            index = torch.tensor([i for i, _ in members], device=self.device)
+        shapes = list(states[0].shared["shapes"])  # one size and set of image sizes per batch (batch key)
+        for members in groups.values():
+            first, row = members[0]
             n = len(members)
-            # Text slots, then one image slot per 2x2 latent tokens: the same layout on every row of the call.
-            img_mask = torch.ones(n, length + seq // 4, dtype=torch.bool, device=self.device)
-            img_mask[:, :length] = False
+            # The text's slots, then one image slot per 2x2 latent tokens of the output.
+            slots = states[first].shared["slots"][row]
+            img_mask = torch.cat([slots, slots.new_ones(seq // 4)]).expand(n, -1)
+            index = torch.tensor([i for i, _ in members], device=self.device)
             batched = {
                 "hidden_states": latents[index],
                 "timestep": timestep[index],
                 "encoder_hidden_states": torch.stack([states[i].rows[r] for i, r in members]),
             }
-            pred = self._call(batched, {"img_shapes": [[grid]] * n, "img_mask": img_mask})[:, -seq:]
+            pred = self._call(batched, {"img_shapes": [shapes] * n, "img_mask": img_mask})[:, -seq:]
             for k, (i, r) in enumerate(members):
                 out[i, r] = pred[k]
         if rows == 1:

@@ -34,15 +34,32 @@ from diffusiond.models.params import ParamError, SamplingParams
 from diffusiond.models.qwenimage import QwenImageAdapter
 
 
-class QwenImageEditPlusAdapter(QwenImageAdapter):
+class PromptsWithImages:
+    """For families whose prompt encoding reads the request's images: the prompt cache keys each prompt by its text
+    and its images (`_prompt_key`), and the images of the keys being looked up wait in `_pending` (by digest) for
+    the family's `_encode`, decoded only when a key of theirs misses the cache."""
+
+    _pending: dict[str, list[bytes]]
+
+    def _prompt_key(self, text: str, params: SamplingParams) -> str:
+        """The prompt cache's key of `text` read beside the request's images (none: the text alone)."""
+        if params.image is None:
+            return text
+        return f"{_digest(params)}\x00{text}"
+
+    def _prompt_texts(self, params: Sequence[SamplingParams]) -> tuple[list[bool], list[str]]:
+        """Which requests use CFG, and the keys of their prompts (and negative prompts), until the next plan's."""
+        cfg = [self._uses_cfg(p) for p in params]
+        keys = [self._prompt_key(p.prompt, p) for p in params]
+        keys += [self._prompt_key(p.negative_prompt or "", p) for p, c in zip(params, cfg, strict=True) if c]
+        self._pending = {_digest(p): [p.image, *(p.reference_images or ())] for p in params if p.image is not None}
+        return cfg, keys
+
+
+class QwenImageEditPlusAdapter(PromptsWithImages, QwenImageAdapter):
     spec = families.QWEN_IMAGE_EDIT_PLUS
     # The pipeline's: up to three images, the first edited and the others its references.
     max_references: ClassVar[int] = 2
-
-    def __init__(self, pipe: Any, *, source: str, lazy: Any = None) -> None:
-        super().__init__(pipe, source=source, lazy=lazy)
-        # The image files of the prompts being looked up, by digest (`_prompt_texts`).
-        self._pending: dict[str, list[bytes]] = {}
 
     # ---- resolution ----
 
@@ -79,11 +96,7 @@ class QwenImageEditPlusAdapter(QwenImageAdapter):
             return None
         return tuple(calculate_dimensions(VAE_IMAGE_SIZE, ratio) for ratio in _ratios(params))
 
-    # ---- prompts: each keyed by its text and its images ----
-
-    def _prompt_key(self, text: str, params: SamplingParams) -> str:
-        """The prompt cache's key of `text` read beside the request's images."""
-        return f"{_digest(params)}\x00{text}"
+    # ---- prompts: each keyed by its text and its images (`PromptsWithImages`) ----
 
     def _prompt_images(self, images: list[Any]) -> Any:
         """What the pipeline's `encode_prompt` takes: the list ("Picture 1: ... Picture 2: ...")."""
@@ -97,15 +110,6 @@ class QwenImageEditPlusAdapter(QwenImageAdapter):
         image = open_rgb(data)
         width, height = calculate_dimensions(CONDITION_IMAGE_SIZE, image.width / image.height)
         return self.pipe.image_processor.resize(image, height, width)
-
-    def _prompt_texts(self, params: Sequence[SamplingParams]) -> tuple[list[bool], list[str]]:
-        """Which requests use CFG, and the keys of their prompts (and negative prompts); each key's images wait in
-        `_pending` for `_encode` (decoded only when a key of theirs misses the cache), until the next plan's."""
-        cfg = [self._uses_cfg(p) for p in params]
-        keys = [self._prompt_key(p.prompt, p) for p in params]
-        keys += [self._prompt_key(p.negative_prompt or "", p) for p, c in zip(params, cfg, strict=True) if c]
-        self._pending = {_digest(p): [p.image, *(p.reference_images or ())] for p in params}
-        return cfg, keys
 
     def _encode(self, keys: list[str]) -> list[tuple[torch.Tensor]]:
         """The pipeline's own encoder, one prompt at a time with its images (the pipeline encodes one request's

@@ -90,6 +90,9 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
 
     # The pipeline component that denoises.
     denoiser: ClassVar[str] = "transformer"
+    # Further denoisers a checkpoint may have (Wan 2.2 A14B's `transformer_2`), built empty like the first when a
+    # layout shards them.
+    extra_denoisers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, pipe: Any, *, source: str, lazy: LazyWeights | None = None) -> None:
         self.pipe = pipe
@@ -100,6 +103,8 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
         self.vae = pipe.vae
         # A denoiser built empty (`lazy`), its weights read a part at a time as the parallel layout shards them.
         self.lazy_weights = lazy
+        # The further denoisers built empty, by component name (set by `from_pretrained`).
+        self.lazy_extra: dict[str, LazyWeights] = {}
         self.device = lazy.device if lazy is not None else self.transformer.device
         self.dtype = self.transformer.dtype
         self.vae_scale_factor: int = self._vae_scale_factor(pipe)
@@ -119,21 +124,27 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
         """`lazy_denoiser`: the denoiser built empty, for a layout that shards it (models/lazy_weights.py)."""
         pipeline_cls = getattr(diffusers, cls.pipeline_class)
         components: dict[str, Any] = null_components(path)
-        lazy = None
+        lazies: dict[str, LazyWeights] = {}
         if lazy_denoiser:
-            folder = Path(path if os.path.isdir(path) else pipeline_cls.download(path)) / cls.denoiser
-            model_cls = getattr(diffusers, read_model_index(str(folder.parent))[cls.denoiser][1])
-            components[cls.denoiser] = empty_model(model_cls, folder, dtype)
-            lazy = LazyWeights(components[cls.denoiser], folder, torch.device(device))
-            path = str(folder.parent)
+            root = Path(path if os.path.isdir(path) else pipeline_cls.download(path))
+            index = read_model_index(str(root))
+            for name in (cls.denoiser, *cls.extra_denoisers):
+                entry = index.get(name)
+                if not isinstance(entry, list) or entry[1] is None:  # a checkpoint without it (Wan 2.1)
+                    continue
+                components[name] = empty_model(getattr(diffusers, entry[1]), root / name, dtype)
+                lazies[name] = LazyWeights(components[name], root / name, torch.device(device))
+            path = str(root)
         pipe = pipeline_cls.from_pretrained(path, dtype=dtype, **components)
         for name, module in pipe.components.items():
             if isinstance(module, torch.nn.Module):
-                if lazy is None or name != cls.denoiser:
+                if name not in lazies:
                     module.to(device)
                 module.eval().requires_grad_(False)
         pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, source=path, lazy=lazy)
+        adapter = cls(pipe, source=path, lazy=lazies.pop(cls.denoiser, None))
+        adapter.lazy_extra = lazies
+        return adapter
 
     def _vae_scale_factor(self, pipe: Any) -> int:
         """Pixels per latent along each side."""

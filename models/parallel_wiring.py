@@ -55,13 +55,16 @@ class ParallelWiring:
         self.weight_bytes = fully_shard_blocks(self.transformer, mesh, self._materialize())
         give_back()
 
-    def _materialize(self) -> Any:
+    def _materialize(self, expert: str | None = None) -> Any:
         """What reads the parts of a denoiser built empty just before they are sharded (models/lazy_weights.py),
-        and checks afterwards that every part was; None for a denoiser loaded whole."""
-        lazy = self.lazy_weights
+        and checks afterwards that every part was; None for a denoiser loaded whole. `expert`: a further denoiser's
+        component name (`extra_denoisers`), else the first's."""
+        if expert is None:
+            lazy, self.lazy_weights = self.lazy_weights, None  # read once, by the layout that shards it
+        else:
+            lazy = self.lazy_extra.pop(expert, None)
         if lazy is None:
             return None
-        self.lazy_weights = None  # read once, by the layout that shards it
 
         def materialize(part: Any) -> None:
             lazy.materialize(part)

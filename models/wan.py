@@ -41,6 +41,7 @@ TWO_EXPERTS_NOT_YET = "not with a two-expert checkpoint (Wan 2.2 A14B) yet"
 
 class WanAdapter(FlowMatchAdapter):
     spec = families.WAN
+    extra_denoisers = ("transformer_2",)  # Wan 2.2 A14B's low-noise expert
     default_steps = 50
     default_guidance = 5.0
     # The pipelines' defaults: 81 frames at 832x480, played at 16 frames per second (Wan 2.1's rate).
@@ -130,9 +131,15 @@ class WanAdapter(FlowMatchAdapter):
 
     def enable_shard_weights(self, mesh: Any) -> None:
         """Sharded weights exist whole only inside their block's forward: the projections are made there again (no
-        reuse), and still equal."""
-        self._one_expert("--shard-weights")
+        reuse), and still equal. Both experts are sharded (each read a block at a time when built empty); every rank
+        runs the experts its step needs in the same order, as FSDP requires."""
         super().enable_shard_weights(mesh)
+        if len(self.experts) > 1:
+            from diffusiond.kernels.tensor_parallel import fully_shard_blocks
+
+            local, whole = self.weight_bytes
+            local_2, whole_2 = fully_shard_blocks(self.transformer_2, mesh, self._materialize("transformer_2"))
+            self.weight_bytes = (local + local_2, whole + whole_2)
         self.projections = None
 
     # ---- family hooks ----

@@ -25,31 +25,35 @@ def test_read_a_part_at_a_time_equals_from_pretrained(family, dtype, request, tm
                "qwen-image-edit": "tiny_qwenimage_edit", "wan-i2v": "tiny_wan_i2v", "wan22": "tiny_wan22",
                "wan22-i2v": "tiny_wan22_i2v", "wan22-ti2v": "tiny_wan22_ti2v"}[family]  # fmt: skip
     model = request.getfixturevalue(fixture)
-    whole = load_adapter(model, dtype=dtype).transformer
+    whole = load_adapter(model, dtype=dtype).pipe
     adapter = load_adapter(model, dtype=dtype, lazy_denoiser=True)
-    lazy = adapter.lazy_weights
-    assert all(p.device.type == "meta" for p in adapter.transformer.parameters())
-    assert adapter.device == torch.device("cpu") and adapter.dtype == whole.dtype
-    blocks = [block for child in adapter.transformer.children() if isinstance(child, torch.nn.ModuleList)
-              for block in child]  # fmt: skip
-    for block in blocks:  # as a layout reads them: block by block, then the rest
-        lazy.materialize(block)
-    lazy.materialize(adapter.transformer)
-    assert lazy.empty() == []
-    expected = {**dict(whole.named_parameters()), **dict(whole.named_buffers())}
-    got = {**dict(adapter.transformer.named_parameters()), **dict(adapter.transformer.named_buffers())}
-    assert set(got) == set(expected)
-    for name, tensor in expected.items():
-        assert got[name].dtype == tensor.dtype and got[name].device == tensor.device, name
-        assert torch.equal(got[name], tensor), name
-    left = [
-        f"{name}.{attr}"
-        for name, module in adapter.transformer.named_modules()
-        for attr, value in vars(module).items()
-        for t in (value if isinstance(value, (list, tuple)) else [value])
-        if isinstance(t, torch.Tensor) and t.is_meta
-    ]
-    assert left == []
+    assert adapter.device == torch.device("cpu") and adapter.dtype == whole.transformer.dtype
+    # Every denoiser of the checkpoint (Wan 2.2 A14B: `transformer_2` as well) is built empty and read a part at a time.
+    lazies = {"transformer": adapter.lazy_weights, **adapter.lazy_extra}
+    assert set(lazies) == ({"transformer", "transformer_2"} if family in ("wan22", "wan22-i2v") else {"transformer"})
+    for name, lazy in lazies.items():
+        module = getattr(adapter.pipe, name)
+        assert all(p.device.type == "meta" for p in module.parameters())
+        blocks = [block for child in module.children() if isinstance(child, torch.nn.ModuleList)
+                  for block in child]  # fmt: skip
+        for block in blocks:  # as a layout reads them: block by block, then the rest
+            lazy.materialize(block)
+        lazy.materialize(module)
+        assert lazy.empty() == []
+        expected = {**dict(getattr(whole, name).named_parameters()), **dict(getattr(whole, name).named_buffers())}
+        got = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        assert set(got) == set(expected)
+        for key, tensor in expected.items():
+            assert got[key].dtype == tensor.dtype and got[key].device == tensor.device, key
+            assert torch.equal(got[key], tensor), key
+        left = [
+            f"{prefix}.{attr}"
+            for prefix, part in module.named_modules()
+            for attr, value in vars(part).items()
+            for t in (value if isinstance(value, (list, tuple)) else [value])
+            if isinstance(t, torch.Tensor) and t.is_meta
+        ]
+        assert left == []
     # Families that need an image (i2v, Qwen-Image-Edit) are compared by the tensors above only.
     if dtype == "float32" and adapter.spec.family not in ("wan-i2v", "qwen-image-edit", "qwen-image-edit-plus"):
         for a, b in zip(generate(load_adapter(model)), generate(adapter), strict=True):

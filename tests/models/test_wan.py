@@ -183,10 +183,11 @@ def test_ti2v_text_and_image_to_video_match_the_pipelines(tiny_wan22_ti2v):
     assert info.value.param == "strength"
 
 
-def check_two_experts(adapter, pipe, requests, extra=lambda p: {}):
+def check_two_experts(adapter, pipe, requests, extra=lambda p: {}, *, one_step: bool = True):
     """`check_staggered`, watching which expert ran each request's rows at every step: both experts run in one step
-    (each on its own requests' rows: two forwards, no row twice), and every request is denoised by `transformer` at
-    timesteps >= the boundary and by `transformer_2` below it."""
+    (each on its own requests' rows: two forwards, no row twice; `one_step=False`: in the run, for requests too few
+    to be sure to meet across the boundary), and every request is denoised by `transformer` at timesteps >= the
+    boundary and by `transformer_2` below it."""
     assert adapter.boundary is not None and len(adapter.experts) == 2
     forwards: list[tuple[int, int]] = []  # (expert, rows) per transformer call
     hooks = [
@@ -214,7 +215,9 @@ def check_two_experts(adapter, pipe, requests, extra=lambda p: {}):
         adapter.denoise = denoise
         for hook in hooks:
             hook.remove()
-    assert any(len({e for e, _ in due}) == 2 for due, _ in steps), steps  # both experts in one step
+    if one_step:
+        assert any(len({e for e, _ in due}) == 2 for due, _ in steps), steps  # both experts in one step
+    assert {e for due, _ in steps for e, _ in due} == {0, 1}, steps
     for due, made in steps:
         for expert, timestep in due:
             assert expert == (0 if timestep >= adapter.boundary else 1), (expert, timestep)
@@ -299,7 +302,8 @@ def test_two_experts_offloaded_or_compiled_match_the_pipeline(tiny_wan22, settin
         assert all(all(c) for c in compiled), compiled
     pipe = load_pipe(adapter, tiny_wan22)
     requests = [clip("a red cat", 1, steps=4), clip("a blue dog", 2, steps=3, guidance=3.0, guidance_scale_2=6.0)]
-    check_two_experts(adapter, pipe, requests)
+    # Whether these two meet on both sides of the boundary in one step depends on when the second joins.
+    check_two_experts(adapter, pipe, requests, one_step=False)
 
 
 def test_projections_are_reused_exactly(tiny_wan):

@@ -19,7 +19,9 @@ own. The pipeline's prefix KV cache (text keys and values computed once, at the 
 prefix is computed again at every step, which gives the same images (measured: equal in fp32) at the cost of the
 text's share of each forward.
 
-Not served yet: LoRA, step caches, parallel strategies, and checkpoints that fix their schedule (`sample_sigmas`).
+On several ranks: CFG-parallel (each rank one row of every true-CFG request, or half of a batch's requests without
+it). Not served yet: LoRA, step caches, the other parallel strategies, and checkpoints that fix their schedule
+(`sample_sigmas`).
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
 
     def _encode(self, keys: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The pipeline's own encoder: each prompt's embeddings without padding [L, D] and which of them are image
-        slots [L] (bool). Prompts without images in one batched call (left-padded, as the pipeline's); a prompt
+        slots [L] (uint8). Prompts without images in one batched call (left-padded, as the pipeline's); a prompt
         with images alone, with them (the pipeline's call reads one set of images)."""
         self._stage(*self.TEXT_ENCODERS)
         out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -119,7 +121,8 @@ class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
     def _encode_with(self, texts: list[str], images: list[Any] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         embeds, mask, pads = self.pipe.encode_prompt(prompt=texts, image=images, device=self.device)
         lengths = mask.sum(dim=1).tolist() if mask is not None else [embeds.shape[1]] * len(texts)
-        return [(embeds[i, :n].clone(), pads[i, :n].clone()) for i, n in enumerate(lengths)]
+        # The image slots as uint8, as a group's encode-once broadcast carries them.
+        return [(embeds[i, :n].clone(), pads[i, :n].to(torch.uint8)) for i, n in enumerate(lengths)]
 
     def _condition_image(self, data: bytes) -> tuple[Any, tuple[int, int]]:
         """A condition image as the pipeline reads it (RGBA, resized to its aspect at 1024x1024's area), and that
@@ -175,34 +178,63 @@ class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
             context = torch.cat([s.cond["context"] for s in states]).to(latents.dtype)
             latents = torch.cat([context, latents], dim=1)
         timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device, latents.dtype) / 1000  # [B]
-        rows = len(states[0].rows)  # 2 with true CFG (batch key)
-        # Rows whose texts have one layout (length and image slots) share a call.
-        groups: dict[bytes, list[tuple[int, int]]] = {}
-        for i, state in enumerate(states):
-            for r, layout in enumerate(state.shared["layouts"]):
-                groups.setdefault(layout, []).append((i, r))
-        out = latents.new_empty(len(states), rows, seq, latents.shape[2])
-        shapes = list(states[0].shared["shapes"])  # one size and set of image sizes per batch (batch key)
-        for members in groups.values():
-            first, row = members[0]
-            n = len(members)
-            # The text's slots, then one image slot per 2x2 latent tokens of the output.
-            slots = states[first].shared["slots"][row]
-            img_mask = torch.cat([slots, slots.new_ones(seq // 4)]).expand(n, -1)
-            index = torch.tensor([i for i, _ in members], device=self.device)
-            batched = {
-                "hidden_states": latents[index],
-                "timestep": timestep[index],
-                "encoder_hidden_states": torch.stack([states[i].rows[r] for i, r in members]),
-            }
-            pred = self._call(batched, {"img_shapes": [shapes] * n, "img_mask": img_mask})[:, -seq:]
-            for k, (i, r) in enumerate(members):
-                out[i, r] = pred[k]
+        rows, n, g = len(states[0].rows), len(states), self.cfg_group  # rows: 2 with true CFG (batch key)
+        if g is not None and rows == 2:
+            # CFG-parallel: each rank computes one row (positive, negative) of every request; gathered.
+            mine = self._predict(states, latents, timestep, seq, [(i, g.rank) for i in range(n)])
+            out = torch.stack(self._gathered(mine), dim=1)  # [B, 2, seq, C]
+        elif g is not None and n > 1:
+            # No CFG in this batch: the two ranks split the requests (the first takes the odd one).
+            k = (n + 1) // 2
+            lo, hi = (0, k) if g.rank == 0 else (k, n)
+            mine = self._predict(states, latents, timestep, seq, [(i, 0) for i in range(lo, hi)])
+            if mine.shape[0] < k:
+                mine = torch.cat([mine, mine.new_zeros((k - mine.shape[0], *mine.shape[1:]))])
+            halves = self._gathered(mine)
+            out = torch.cat([halves[0], halves[1][: n - k]]).unsqueeze(1)  # [B, 1, seq, C]
+        else:
+            members = [(i, r) for i in range(n) for r in range(rows)]
+            out = self._predict(states, latents, timestep, seq, members).view(n, rows, seq, -1)
         if rows == 1:
             return out[:, 0]
         scale = torch.cat([s.cond["true_cfg"] for s in states]).to(out.dtype).view(-1, 1, 1)
         pos, neg = out[:, 0], out[:, 1]
         return neg + scale * (pos - neg)
+
+    def _predict(self, states, latents, timestep, seq: int, members: list[tuple[int, int]]) -> torch.Tensor:
+        """The transformer's output for the image tokens of `members` ((request, row) pairs), [len, seq, C] in
+        their order: rows whose texts have one layout (length and image slots) share a call."""
+        groups: dict[bytes, list[int]] = {}
+        for k, (i, r) in enumerate(members):
+            groups.setdefault(states[i].shared["layouts"][r], []).append(k)
+        out = latents.new_empty(len(members), seq, latents.shape[2])
+        shapes = list(states[0].shared["shapes"])  # one size and set of image sizes per batch (batch key)
+        for ks in groups.values():
+            first, row = members[ks[0]]
+            # The text's slots, then one image slot per 2x2 latent tokens of the output.
+            slots = states[first].shared["slots"][row].bool()
+            img_mask = torch.cat([slots, slots.new_ones(seq // 4)]).expand(len(ks), -1)
+            index = torch.tensor([members[k][0] for k in ks], device=self.device)
+            batched = {
+                "hidden_states": latents[index],
+                "timestep": timestep[index],
+                "encoder_hidden_states": torch.stack([states[i].rows[r] for i, r in (members[k] for k in ks)]),
+            }
+            pred = self._call(batched, {"img_shapes": [shapes] * len(ks), "img_mask": img_mask})[:, -seq:]
+            out[torch.tensor(ks, device=self.device)] = pred
+        return out
+
+    def _gathered(self, mine: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's rows and the other CFG rank's, all-gathered."""
+        import torch.distributed as dist
+
+        from diffusiond.kernels.collectives import collective
+
+        assert self.cfg_group is not None
+        halves = [torch.empty_like(mine) for _ in range(2)]
+        with collective("cfg-parallel all_gather"):
+            dist.all_gather(halves, mine.contiguous(), group=self.cfg_group.group)
+        return halves
 
     def _unpack(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # [B, seq, C] -> [B, C, 1, h, w] -> one frame [B, C, h, w]

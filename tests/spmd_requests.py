@@ -189,6 +189,26 @@ REQUESTS = {
             for i in range(3)
         ),
     ],
+    # Qwen-Image 2.1: rows share a call when their texts have one layout; these prompts (and negatives) have one
+    # length each, so every rank makes one call per step.
+    "qwen-image-21": [
+        *(
+            SamplingParams(
+                prompt=prompt,
+                negative_prompt="blurry",
+                true_cfg_scale=scale,
+                seed=i + 1,
+                width=64,
+                height=64,
+                num_inference_steps=4 - (i > 0),
+            )
+            for i, (prompt, scale) in enumerate((("a red circle", 4.0), ("a red square", 2.5), ("a green box", 3.0)))
+        ),
+        *(
+            SamplingParams(prompt=f"plain {i}", seed=10 + i, width=64, height=64, num_inference_steps=2)
+            for i in range(3)
+        ),
+    ],
     "z-image": [
         SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=4, guidance_scale=4.0),
         SamplingParams(
@@ -384,6 +404,7 @@ FIXTURES = {
     "flux2": "tiny_flux2",
     "z-image": "tiny_zimage",
     "qwen-image": "tiny_qwenimage",
+    "qwen-image-21": "tiny_qwenimage21",
     "wan": "tiny_wan",
     "wan-i2v": "tiny_wan_i2v",
     "wan22": "tiny_wan22",

@@ -100,6 +100,7 @@ def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: boo
         ("wan22-ti2v", "cfg"),
         ("wan22-ti2v", "ulysses"),
         ("qwen-image-edit-plus", "cfg"),
+        ("qwen-image-21", "cfg"),
     ],
 )
 def test_two_ranks_match_one(family, strategy, request, tmp_path):
@@ -122,7 +123,7 @@ def test_two_ranks_match_one(family, strategy, request, tmp_path):
 
 @pytest.mark.parametrize(
     ("family", "ulysses", "ring"),
-    [("sd3", 1, 2), ("flux", 1, 2), ("wan", 1, 2), ("flux2-klein", 1, 2), ("flux", 2, 2)],
+    [("sd3", 1, 2), ("flux", 1, 2), ("wan", 1, 2), ("flux2-klein", 1, 2), ("flux2", 1, 2), ("flux", 2, 2)],
 )
 def test_ring_attention_matches_one_rank(family, ulysses, ring, request, tmp_path):
     """Ring attention (and Ulysses x ring on 4 ranks): the images of one rank, the sequence sharded over every rank,
@@ -174,7 +175,14 @@ def test_tensor_parallel_matches_one_rank(family, cfg, request, tmp_path):
 
 @pytest.mark.parametrize(
     ("family", "strategy"),
-    [("sd3", "cfg"), ("flux", "ulysses"), ("sdxl", "cfg"), ("z-image", "cfg"), ("flux2-klein", "cfg")],
+    [
+        ("sd3", "cfg"),
+        ("flux", "ulysses"),
+        ("sdxl", "cfg"),
+        ("z-image", "cfg"),
+        ("flux2-klein", "cfg"),
+        ("flux2", "cfg"),
+    ],
 )
 def test_vae_parallel_matches_one_rank(family, strategy, request, tmp_path):
     """--vae-parallel 2: an image finishing alone is decoded in two strips, one per rank (each rank's decoded rows
@@ -231,6 +239,8 @@ def test_cfg_parallel_x_ulysses_on_four_ranks(request, tmp_path):
         ("qwen-image", "ulysses"),
         ("wan", "ulysses"),
         ("wan-i2v", "cfg"),
+        ("wan22", "cfg"),
+        ("flux2", "ulysses"),
     ],
 )
 def test_sharded_weights_match_one_rank(family, strategy, request, tmp_path):

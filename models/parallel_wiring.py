@@ -9,7 +9,7 @@ A part of `FlowMatchAdapter` (models/flowmatch.py), which provides what this rea
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,12 +47,16 @@ class ParallelWiring:
         self._after_tp(mesh.size())
 
     def enable_shard_weights(self, mesh: Any) -> None:
-        """The transformer's (or UNet's) weights sharded over `mesh` with FSDP2, gathered block by block as each
-        runs (kernels/tensor_parallel.py): for a model that does not fit one device, at the cost of an all-gather of
-        every block's weights per forward. Text encoders and the VAE stay whole."""
+        """The transformer's (or UNet's; every expert's) weights sharded over `mesh` with FSDP2, gathered block by
+        block as each runs (kernels/tensor_parallel.py): for a model that does not fit one device, at the cost of an
+        all-gather of every block's weights per forward. Text encoders and the VAE stay whole. Every rank runs the
+        experts its step needs in the same order, as FSDP requires."""
         from diffusiond.kernels.tensor_parallel import fully_shard_blocks
 
-        self.weight_bytes = fully_shard_blocks(self.transformer, mesh, self._materialize())
+        # Every expert (Wan 2.2 A14B: `transformer_2` as well), each read a block at a time when built empty.
+        names = (None, *self.extra_denoisers)
+        sharded = [fully_shard_blocks(e, mesh, self._materialize(n)) for e, n in zip(self.experts, names, strict=False)]
+        self.weight_bytes = (sum(local for local, _ in sharded), sum(whole for _, whole in sharded))
         give_back()
 
     def _materialize(self, expert: str | None = None) -> Any:
@@ -195,11 +199,8 @@ class ParallelWiring:
         if rows == 2 and self.cfg_group is not None:
             local = {name: t[self.cfg_group.rank :: 2] for name, t in batched.items()}
             with self._lora_rows([s.lora for s in states]):
-                out = self._forward(local, shared, 1, states).contiguous()  # [B, ...]
-            halves = [torch.empty_like(out) for _ in range(2)]
-            with collective("cfg-parallel all_gather"):
-                dist.all_gather(halves, out, group=self.cfg_group.group)
-            return torch.stack(halves, dim=1)
+                out = self._forward(local, shared, 1, states)  # [B, ...]
+            return torch.stack(self._cfg_gathered(out), dim=1)
         if self.cfg_group is not None and n > 1 and self.step_cache == "none":
             # No CFG in this batch: the two ranks split the requests instead of both computing all of them. (Not with
             # step caching: a request's cache lives on the rank that computed it, and the split moves requests.)
@@ -211,15 +212,30 @@ class ParallelWiring:
         self, n: int, batched: dict[str, torch.Tensor], shared: dict[str, torch.Tensor], states: Sequence[Any]
     ) -> torch.Tensor:
         """Rows [0, k) on CFG rank 0 and [k, n) on rank 1 (k = ceil(n / 2)), all-gathered; returns [n, ...]."""
+
+        def compute(lo: int, hi: int) -> torch.Tensor:
+            local = {name: t[lo:hi] for name, t in batched.items()}
+            with self._lora_rows([s.lora for s in states[lo:hi]]):
+                return self._call(local, shared)
+
+        return self._split_requests_by(n, compute)
+
+    def _split_requests_by(self, n: int, compute: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+        """n requests split between the two CFG ranks, [0, k) on rank 0 and [k, n) on rank 1 (k = ceil(n / 2)):
+        `compute(lo, hi)` gives this rank's outputs [hi - lo, ...]; all-gathered, [n, ...]."""
         assert self.cfg_group is not None
         k = (n + 1) // 2
         lo, hi = (0, k) if self.cfg_group.rank == 0 else (k, n)
-        local = {name: t[lo:hi] for name, t in batched.items()}
-        with self._lora_rows([s.lora for s in states[lo:hi]]):
-            out = self._call(local, shared).contiguous()  # [hi - lo, ...]
+        out = compute(lo, hi)
         if out.shape[0] < k:  # odd n: rank 1 pads its half to k rows for the gather
             out = torch.cat([out, out.new_zeros((k - out.shape[0], *out.shape[1:]))])
+        halves = self._cfg_gathered(out)
+        return torch.cat([halves[0], halves[1][: n - k]])
+
+    def _cfg_gathered(self, out: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's outputs and the other CFG rank's (the same shape), all-gathered: [rank 0's, rank 1's]."""
+        assert self.cfg_group is not None
         halves = [torch.empty_like(out) for _ in range(2)]
         with collective("cfg-parallel all_gather"):
-            dist.all_gather(halves, out, group=self.cfg_group.group)
-        return torch.cat([halves[0], halves[1][: n - k]])
+            dist.all_gather(halves, out.contiguous(), group=self.cfg_group.group)
+        return halves

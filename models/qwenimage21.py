@@ -114,7 +114,7 @@ class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
         if plain:
             out.update(zip(plain, self._encode_with(plain, None), strict=True))
         for key, (digest, _, text) in with_images.items():
-            images = [self._condition_image(data)[0] for data in self._pending[digest]]
+            images = [self._condition_image(data) for data in self._pending[digest]]
             (out[key],) = self._encode_with([text], images)
         return [out[k] for k in keys]
 
@@ -124,12 +124,12 @@ class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
         # The image slots as uint8, as a group's encode-once broadcast carries them.
         return [(embeds[i, :n].clone(), pads[i, :n].to(torch.uint8)) for i, n in enumerate(lengths)]
 
-    def _condition_image(self, data: bytes) -> tuple[Any, tuple[int, int]]:
-        """A condition image as the pipeline reads it (RGBA, resized to its aspect at 1024x1024's area), and that
-        size (width, height)."""
+    def _condition_image(self, data: bytes) -> Any:
+        """A condition image as the pipeline's text encoder reads it: RGBA, resized to its aspect at 1024x1024's
+        area."""
         image = open_rgba(data)
         width, height, _ = calculate_dimensions(self.output_resolution**2, image.width / image.height)
-        return self.pipe.image_processor.resize(image, width=width, height=height), (width, height)
+        return self.pipe.image_processor.resize(image, width=width, height=height)
 
     @torch.inference_mode()
     def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
@@ -141,15 +141,13 @@ class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
         for i, (request_id, p) in enumerate(requests):
             embeds, pads = text[self._prompt_key(p.prompt, p)]
             generator = self._generator(p)
-            sizes, vae_images = [], None
+            sizes, vae_images = self.context_size(p) or (), None
             if p.image is not None:
                 self._stage("vae")
-                vae_images = []
-                for data in (p.image, *(p.reference_images or ())):
-                    _, (width, height) = self._condition_image(data)
-                    sizes.append((width, height))
-                    image = self.pipe.image_processor.preprocess(open_rgba(data), width=width, height=height)
-                    vae_images.append(image.unsqueeze(2))
+                vae_images = [
+                    self.pipe.image_processor.preprocess(open_rgba(data), width=width, height=height).unsqueeze(2)
+                    for data, (width, height) in zip((p.image, *(p.reference_images or ())), sizes, strict=True)
+                ]
             # The pipeline's own: the images' latent modes (no draw), then the noise from the request's generator.
             latents, context = self.pipe.prepare_latents(
                 vae_images, 1, channels, p.height, p.width, embeds.dtype, self.device, generator
@@ -182,16 +180,12 @@ class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
         if g is not None and rows == 2:
             # CFG-parallel: each rank computes one row (positive, negative) of every request; gathered.
             mine = self._predict(states, latents, timestep, seq, [(i, g.rank) for i in range(n)])
-            out = torch.stack(self._gathered(mine), dim=1)  # [B, 2, seq, C]
+            out = torch.stack(self._cfg_gathered(mine), dim=1)  # [B, 2, seq, C]
         elif g is not None and n > 1:
             # No CFG in this batch: the two ranks split the requests (the first takes the odd one).
-            k = (n + 1) // 2
-            lo, hi = (0, k) if g.rank == 0 else (k, n)
-            mine = self._predict(states, latents, timestep, seq, [(i, 0) for i in range(lo, hi)])
-            if mine.shape[0] < k:
-                mine = torch.cat([mine, mine.new_zeros((k - mine.shape[0], *mine.shape[1:]))])
-            halves = self._gathered(mine)
-            out = torch.cat([halves[0], halves[1][: n - k]]).unsqueeze(1)  # [B, 1, seq, C]
+            out = self._split_requests_by(
+                n, lambda lo, hi: self._predict(states, latents, timestep, seq, [(i, 0) for i in range(lo, hi)])
+            ).unsqueeze(1)  # [B, 1, seq, C]
         else:
             members = [(i, r) for i in range(n) for r in range(rows)]
             out = self._predict(states, latents, timestep, seq, members).view(n, rows, seq, -1)
@@ -223,18 +217,6 @@ class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
             pred = self._call(batched, {"img_shapes": [shapes] * len(ks), "img_mask": img_mask})[:, -seq:]
             out[torch.tensor(ks, device=self.device)] = pred
         return out
-
-    def _gathered(self, mine: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's rows and the other CFG rank's, all-gathered."""
-        import torch.distributed as dist
-
-        from diffusiond.kernels.collectives import collective
-
-        assert self.cfg_group is not None
-        halves = [torch.empty_like(mine) for _ in range(2)]
-        with collective("cfg-parallel all_gather"):
-            dist.all_gather(halves, mine.contiguous(), group=self.cfg_group.group)
-        return halves
 
     def _unpack(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # [B, seq, C] -> [B, C, 1, h, w] -> one frame [B, C, h, w]

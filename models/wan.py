@@ -131,15 +131,8 @@ class WanAdapter(FlowMatchAdapter):
 
     def enable_shard_weights(self, mesh: Any) -> None:
         """Sharded weights exist whole only inside their block's forward: the projections are made there again (no
-        reuse), and still equal. Both experts are sharded (each read a block at a time when built empty); every rank
-        runs the experts its step needs in the same order, as FSDP requires."""
+        reuse), and still equal."""
         super().enable_shard_weights(mesh)
-        if len(self.experts) > 1:
-            from diffusiond.kernels.tensor_parallel import fully_shard_blocks
-
-            local, whole = self.weight_bytes
-            local_2, whole_2 = fully_shard_blocks(self.transformer_2, mesh, self._materialize("transformer_2"))
-            self.weight_bytes = (local + local_2, whole + whole_2)
         self.projections = None
 
     # ---- family hooks ----

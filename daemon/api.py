@@ -154,6 +154,16 @@ class VideoCreateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     guidance_scale_2: Guidance | None = None
     true_cfg_scale: Guidance | None = None
     cache_threshold: CacheThreshold | None = None
+    # Audio-video guidance (LTX-2; models/params.py): the audio's CFG, STG and modality guidance, and rescales.
+    audio_guidance_scale: Guidance | None = None
+    stg_scale: Guidance | None = None
+    audio_stg_scale: Guidance | None = None
+    modality_scale: Guidance | None = None
+    audio_modality_scale: Guidance | None = None
+    guidance_rescale: Fraction | None = None
+    audio_guidance_rescale: Fraction | None = None
+    # Multipart bodies: as a JSON list.
+    stg_blocks: Layers | None = None
     num_frames: Frames | None = None
     fps: Fps | None = None
     # LoRA adapters for this request (multipart bodies: as a JSON string), for families that serve them.

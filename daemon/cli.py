@@ -191,7 +191,9 @@ async def _generate(args: argparse.Namespace, setup, params) -> int:
                 from diffusiond.daemon.video_encoding import encode_video
 
                 video_fmt = "webp" if fmt == "webp" else "mp4"
-                clip = await asyncio.to_thread(encode_video, event.image, handle.params.fps or 16, video_fmt)
+                clip = await asyncio.to_thread(
+                    encode_video, event.image, handle.params.fps or 16, video_fmt, None, event.audio
+                )
                 await asyncio.to_thread(_write, Path(args.out), clip.data)
                 note = f", {clip.format}: {clip.fallback}" if clip.fallback else ""
                 print(f"{args.out} (seed {event.seed}, {clip.num_frames} frames at {clip.fps} fps{note})")

@@ -107,7 +107,7 @@ async def _render(
         return "latent", {"step": event.step, "total": event.total, **latent, "b64": b64}, None
     if isinstance(event, Completed) and video:
         fmt = body.video_format or "mp4"
-        clip = await encode_off_loop(request, encode_video, event.image, handle.params.fps, fmt)
+        clip = await encode_off_loop(request, encode_video, event.image, handle.params.fps, fmt, None, event.audio)
         return "completed", {"seed": event.seed, "video": video_payload(clip), **told}, clip.data
     if isinstance(event, Completed):
         data = await encode_off_loop(request, encode_image, event.image, body.output_format)
@@ -131,6 +131,8 @@ def video_payload(clip: EncodedVideo) -> dict:
     }
     if clip.fallback is not None:
         out["format_fallback"] = clip.fallback
+    if clip.sample_rate is not None:
+        out["audio_sample_rate"] = clip.sample_rate
     return out
 
 

@@ -33,6 +33,7 @@ from aiohttp import web
 from diffusiond.daemon.api import (
     ApiError,
     InputReference,
+    Layers,
     Loras,
     VideoCreateRequest,
     body_limit,
@@ -128,7 +129,7 @@ class VideoJobs:
     async def _store(self, app: web.Application, job: VideoJob, event: Completed) -> None:
         store = self.store
         try:
-            clip = await run_encoder(app, encode_video, event.image, job.fps, "mp4", store.directory)
+            clip = await run_encoder(app, encode_video, event.image, job.fps, "mp4", store.directory, event.audio)
         except OSError as exc:  # its staging file (in the store's folder) found no room
             log.error("video job %s: cannot encode into %s: %s", job.id, store.directory, exc)
             code = "storage_full" if exc.errno == errno.ENOSPC else "storage_error"
@@ -271,7 +272,7 @@ async def read_video_create(request: web.Request) -> tuple[VideoCreateRequest, b
     if request.content_type == "multipart/form-data":
         fields, files = await read_form(request, {"input_reference": 1}, config.max_image_bytes)
         nested = {k[len("input_reference[") : -1]: fields.pop(k) for k in list(fields) if _NESTED.fullmatch(k)}
-        form = json_fields(fields, {"lora": Loras})
+        form = json_fields(fields, {"lora": Loras, "stg_blocks": Layers})
         if nested:
             form["input_reference"] = nested
         body = convert_fields(form, VideoCreateRequest)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed
 
 from diffusiond.engine.comm import Communicator, LocalComm
+from diffusiond.engine.outputs import Sound
 from diffusiond.engine.timing import stage_timer
 from diffusiond.engine.wire import StepPlan
 from diffusiond.kernels.collectives import CommError
@@ -74,6 +75,8 @@ class ExecResult:
     failed: dict[str, str] = field(default_factory=dict)
     previews: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)
     images: dict[str, np.ndarray] = field(default_factory=dict)
+    # Sound tracks of finished clips (families with audio).
+    sounds: dict[str, Sound] = field(default_factory=dict)
     latents: dict[str, np.ndarray] = field(default_factory=dict)
     # stage -> seconds: encode, denoise, sampler, preview, decode (on CUDA, of stages the GPU has finished by now).
     timings: dict[str, float] = field(default_factory=dict)
@@ -171,6 +174,12 @@ class Executor:
                         images = self._isolated(self._decode, finished, _state_id, "decoding", result)
                 for state, image in images:
                     result.images[state.request_id] = image
+                if self.driver and images and self.adapter.capabilities.audio_sample_rate:
+                    with stage("decode"):
+                        for state, sound in self._isolated(
+                            self._decode_audio, [s for s, _ in images], _state_id, "decoding", result
+                        ):
+                            result.sounds[state.request_id] = sound
             for state in finished:
                 self.states.pop(state.request_id, None)
             self._forget([s.request_id for s in finished])
@@ -249,6 +258,11 @@ class Executor:
 
     def _decode(self, states: list[RequestState]) -> list[tuple[RequestState, np.ndarray]]:
         return list(zip(states, self.adapter.decode(states), strict=True))
+
+    def _decode_audio(self, states: list[RequestState]) -> list[tuple[RequestState, Sound]]:
+        rate = self.adapter.capabilities.audio_sample_rate
+        assert rate is not None
+        return [(s, Sound(w, rate)) for s, w in zip(states, self.adapter.decode_audio(states), strict=True)]
 
     def _encode_together(self, new: Sequence[tuple[str, SamplingParams]], result: ExecResult) -> None:
         """The group's shared encoding (`ModelAdapter.encode_prompts`, collectives inside), before prepare. A failure

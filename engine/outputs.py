@@ -41,6 +41,13 @@ class Latent:
 
 
 @dataclass(frozen=True, slots=True)
+class Sound:
+    # float32 [channels, samples] in [-1, 1]: the waveform its pipeline returns.
+    samples: np.ndarray
+    sample_rate: int
+
+
+@dataclass(frozen=True, slots=True)
 class Completed:
     request_id: str
     seed: int
@@ -48,6 +55,8 @@ class Completed:
     # float32 [F, H, W, 3] (its pipeline's `output_type="np"` frames of one video).
     image: np.ndarray
     timings: dict[str, float] = field(default_factory=dict)
+    # A clip's sound track (families with `audio_sample_rate`); None: silent.
+    audio: Sound | None = None
 
 
 @dataclass(frozen=True, slots=True)

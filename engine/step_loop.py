@@ -249,7 +249,10 @@ class StepLoop:
                 if image is None:
                     events.append(Failed(request.request_id, "internal error: finished without an image"))
                     continue
-                events.append(Completed(request.request_id, request.params.seed or 0, image, dict(result.timings)))
+                sound = result.sounds.get(request.request_id)
+                events.append(
+                    Completed(request.request_id, request.params.seed or 0, image, dict(result.timings), sound)
+                )
             elif request.status == RequestStatus.FINISHED_CANCELLED:
                 events.append(Cancelled(request.request_id))
             else:

@@ -56,6 +56,8 @@ class Capabilities:
     max_num_frames: int | None = None
     frame_step: int | None = None
     default_fps: int | None = None
+    # Video with sound: the waveform's samples per second (`ModelAdapter.decode_audio`); None: silent clips.
+    audio_sample_rate: int | None = None
 
     def public(self) -> dict:
         """What `/v1/models` and the playground show (not the vocabulary's every word: its size)."""
@@ -86,6 +88,7 @@ class Capabilities:
                     "max_num_frames": self.max_num_frames,
                     "frame_step": self.frame_step,
                     "default_fps": self.default_fps,
+                    "audio_sample_rate": self.audio_sample_rate,
                 }
                 if self.modality == "video"
                 else {}
@@ -220,6 +223,11 @@ class ModelAdapter(abc.ABC):
     def decode(self, states: Sequence[RequestState]) -> list[np.ndarray]:
         """Final images of `states` (one batch key)."""
         return self.postprocess(self.decode_latents(states))
+
+    def decode_audio(self, states: Sequence[RequestState]) -> list[np.ndarray]:
+        """Video with sound (`capabilities.audio_sample_rate`): the waveform of each finished state, float32
+        [channels, samples] in [-1, 1], as its pipeline returns it. Rank 0 only."""
+        raise NotImplementedError(f"the {self.family} family makes no sound")
 
     @abc.abstractmethod
     def preview(self, x0: torch.Tensor) -> np.ndarray:

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 # How a family guides: "cfg" (a negative branch whenever `guidance_scale` says so), "distilled" (`guidance_scale`
 # feeds a guidance embedding, one row), "true-cfg" (a negative branch with `true_cfg_scale` and a negative prompt),
-# "skip-layer" (skip-layer guidance on top of CFG, `skip_guidance_layers`).
-GUIDANCE_STYLES = ("cfg", "distilled", "true-cfg", "skip-layer")
+# "skip-layer" (skip-layer guidance on top of CFG, `skip_guidance_layers`), "audio-video" (LTX-2: besides the video's
+# CFG, the audio's own CFG, spatio-temporal and modality-isolation guidance for each modality, and their rescale).
+GUIDANCE_STYLES = ("cfg", "distilled", "true-cfg", "skip-layer", "audio-video")
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,16 @@ WAN_I2V = Family(
     lora=True,
     needs=("ftfy",),
 )
+# LTX-2: video and sound from one transformer (video and audio tokens, attending to each other), a Gemma 3 text
+# encoder with connectors, a video VAE, an audio VAE and a vocoder (models/ltx2.py).
+LTX2 = Family(
+    "LTX2Pipeline",
+    "ltx2",
+    "ltx2:LTX2Adapter",
+    guidance_styles=("cfg", "audio-video"),
+    parallel=(),
+    modality="video",
+)
 
 FAMILIES: dict[str, Family] = {
     f.pipeline_class: f
@@ -203,6 +214,7 @@ FAMILIES: dict[str, Family] = {
         QWEN_IMAGE_21,
         WAN,
         WAN_I2V,
+        LTX2,
     )
 }
 

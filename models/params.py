@@ -95,6 +95,18 @@ class RequestFields(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     # Two-expert checkpoints (Wan 2.2 A14B): the guidance of the low-noise expert's steps (default: guidance_scale,
     # as the pipeline's). Whether CFG runs at all is guidance_scale's call, as in the pipeline.
     guidance_scale_2: Guidance | None = None
+    # Audio-video guidance (families that declare "audio-video", LTX-2; defaults: the pipeline's). `guidance_scale` is
+    # the video's CFG, these the rest: the audio's CFG, spatio-temporal guidance (STG: away from the prediction with
+    # self-attention perturbed in `stg_blocks`), modality-isolation guidance (away from the prediction without the
+    # audio <-> video cross-attention), and the rescale of each modality's guided prediction.
+    audio_guidance_scale: Guidance | None = None
+    stg_scale: Guidance | None = None
+    audio_stg_scale: Guidance | None = None
+    modality_scale: Guidance | None = None
+    audio_modality_scale: Guidance | None = None
+    guidance_rescale: Fraction | None = None
+    audio_guidance_rescale: Fraction | None = None
+    stg_blocks: Layers | None = None
     # Emit a preview every K steps (0: never). Previews never change the final image.
     preview_every: Every = 0
     # With each preview, also hand out the raw latent.

@@ -98,6 +98,7 @@ class RequestResolution:
             preview=params.preview,
             cache_threshold=self._cache_threshold(params),
             **self._skip_layer_guidance(params),
+            **self._audio_video_guidance(params),
             image=params.image,
             strength=strength,
             mask=self._mask(params),
@@ -233,6 +234,27 @@ class RequestResolution:
             value = getattr(params, name)
             resolved[name] = float(value if value is not None else default)
         return resolved
+
+    # The audio-video guidance fields (LTX-2's, `RequestFields`).
+    AUDIO_VIDEO_FIELDS: ClassVar[tuple[str, ...]] = (
+        "audio_guidance_scale",
+        "stg_scale",
+        "audio_stg_scale",
+        "modality_scale",
+        "audio_modality_scale",
+        "guidance_rescale",
+        "audio_guidance_rescale",
+        "stg_blocks",
+    )
+
+    def _audio_video_guidance(self, params: SamplingParams) -> dict[str, Any]:
+        """The resolved audio-video guidance fields; families without "audio-video" guidance refuse them."""
+        for name in self.AUDIO_VIDEO_FIELDS:
+            if getattr(params, name) is not None:
+                raise ParamError(
+                    name, f"the {self.family} family makes no sound; {name} is for audio-video models (LTX-2)"
+                )
+        return {}
 
     def _cache_threshold(self, params: SamplingParams) -> float:
         if params.cache_threshold is None:

@@ -35,6 +35,7 @@ FAMILIES: tuple[str, ...] = (
     "wan22",
     "wan22-i2v",
     "wan22-ti2v",
+    "ltx2",
 )
 
 # Common English words, plus colours, shapes, animals and photo vocabulary; each becomes a single token in both the
@@ -420,7 +421,7 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
     """The tiny pipeline for `family`, in memory (fp32, CPU). Same weights as `build_tiny` writes."""
     import torch
 
-    from diffusiond.models import tiny_qwen, tiny_qwen21, tiny_video  # they build on this module's helpers
+    from diffusiond.models import tiny_ltx2, tiny_qwen, tiny_qwen21, tiny_video  # they build on this module's helpers
 
     builders = {
         "sd3": _build_sd3,
@@ -446,6 +447,8 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
         "wan22-i2v": lambda: tiny_video.build_wan_i2v(image_context=False, two_experts=True),
         # Wan 2.2 TI2V-5B: text and image to video from one checkpoint (`expand_timesteps`, Wan 2.2's VAE).
         "wan22-ti2v": tiny_video.build_wan_ti2v,
+        # LTX-2: video with sound (Gemma 3, connectors, an audio VAE and a vocoder).
+        "ltx2": tiny_ltx2.build_ltx2,
     }
     if family not in builders:
         raise ValueError(f"unknown model family {family!r}; valid families: {', '.join(FAMILIES)}")

@@ -9,7 +9,8 @@ CPU), drawing from torch's global RNG, so the caller seeds it; `build_ltx2_i2v()
   `tiny.WORDS` one token (bare, and after "▁" mid-sentence). The pipeline stacks all 3 hidden states per token.
 - Connectors (`LTX2TextConnectors`): the projection of the stacked hidden states and one 1D transformer layer per
   modality, with 8 learnable registers that replace the padding (so `max_sequence_length` must be a multiple of 8).
-- Transformer (`LTX2VideoTransformer3DModel`): 2 audio-video blocks, video 2 heads x 16, audio 2 heads x 8.
+- Transformer (`LTX2VideoTransformer3DModel`): 2 audio-video blocks, video 2 heads x 16, audio 2 heads x 8, with
+  perturbable self-attention (STG).
 - Video VAE (`AutoencoderKLLTX2Video`): the real layout (4x4 patches, spatial / temporal / 2 spatiotemporal down
   blocks, 3 spatiotemporal residual up blocks): 32x spatial and 8x temporal compression, 16 latent channels.
   Frames: any 8k + 1; sides: multiples of 32 (the pipeline checks), at least 64 (the decoder's reflect padding
@@ -167,6 +168,7 @@ def _transformer() -> Any:
         num_layers=2,
         caption_channels=TEXT_DIM,
         rope_type="split",
+        perturbed_attn=True,  # self-attention that spatio-temporal guidance can perturb (its blocks, `stg_blocks`)
     )
     # The padded prompt is 1024 tokens by default, all but a few of them the connectors' registers, and random
     # cross-attention spreads over them evenly: another prompt moved the 64x64 frames by 0.0035 of 1 and the audio by

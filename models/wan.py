@@ -10,23 +10,22 @@ reads them. Wan 2.2 A14B's two experts and TI2V-5B's per-token timesteps: see `W
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from collections.abc import Hashable, Sequence
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from diffusiond.kernels.ulysses import UlyssesGroup, gather_output
 from diffusiond.models import families
-from diffusiond.models.base import Capabilities, RequestState
+from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.inputs import open_rgb
 from diffusiond.models.params import MAX_FRAMES, ParamError, SamplingParams
 from diffusiond.models.projections import ProjectionCache, tensor_digest, weights_version
 from diffusiond.models.sampler import SchedulerSampler
+from diffusiond.models.video_clips import VideoClips
 from diffusiond.models.wan_attention import (
     TEXT_TOKENS,
     ProjectionPlan,
@@ -39,7 +38,7 @@ from diffusiond.models.wan_attention import (
 TWO_EXPERTS_NOT_YET = "not with a two-expert checkpoint (Wan 2.2 A14B) yet"
 
 
-class WanAdapter(FlowMatchAdapter):
+class WanAdapter(VideoClips, FlowMatchAdapter):
     spec = families.WAN
     extra_denoisers = ("transformer_2",)  # Wan 2.2 A14B's low-noise expert
     default_steps = 50
@@ -160,28 +159,6 @@ class WanAdapter(FlowMatchAdapter):
 
     def _latent_channels(self) -> int:
         return self.vae.config.z_dim
-
-    def _capabilities(self) -> Capabilities:
-        return dataclasses.replace(
-            super()._capabilities(),
-            modality=self.modality,
-            default_num_frames=min(self.default_num_frames, self._max_frames()),
-            max_num_frames=self._max_frames(),
-            frame_step=self.frame_step,
-            default_fps=self.default_fps,
-        )
-
-    def _video(self, params: SamplingParams) -> dict[str, Any]:
-        caps = self.capabilities
-        frames = params.num_frames if params.num_frames is not None else caps.default_num_frames
-        assert caps.max_num_frames is not None and caps.frame_step is not None
-        if frames > caps.max_num_frames or (frames - 1) % caps.frame_step:
-            raise ParamError(
-                "num_frames",
-                f"num_frames must be 1 + {caps.frame_step}k (1, {1 + caps.frame_step}, {1 + 2 * caps.frame_step}, "
-                f"...) up to {caps.max_num_frames} for this model, got {frames}",
-            )
-        return {"num_frames": frames, "fps": params.fps if params.fps is not None else caps.default_fps}
 
     def _strength(self, params: SamplingParams) -> float | None:
         if self.expand_timesteps and params.image is not None:  # TI2V: the image is the first frame
@@ -405,27 +382,6 @@ class WanAdapter(FlowMatchAdapter):
         inverse_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(latents.device, latents.dtype)
         latents = latents / inverse_std + mean  # the pipeline's arithmetic, rounding included
         return self.vae.decode(latents, return_dict=False)[0]
-
-    def postprocess(self, images: torch.Tensor) -> list[np.ndarray]:
-        video = self.pipe.video_processor.postprocess_video(images, output_type="np")  # [B, F, H, W, 3]
-        return list(video)
-
-    def preview(self, x0: torch.Tensor) -> np.ndarray:
-        """[C, T, h, w] -> the latent frames' fast previews side by side: uint8 [h, T * w, 3]."""
-        frames = self.latent_rgb.to_uint8_batch(x0.detach().transpose(0, 1))  # [T, h, w, 3]
-        return torch.cat(list(frames), dim=1).cpu().numpy()
-
-    @torch.inference_mode()
-    def preview_vae(self, x0: torch.Tensor) -> list[np.ndarray]:
-        """[B, C, T, h, w] decoded by the VAE; the frames at latent-frame positions (0, 4, 8, ...) side by side."""
-        self._stage("vae")
-        strips = []
-        count = (x0.shape[2] - 1) * self.frame_step + 1  # frames of each clip
-        pixels = count * x0.shape[-2] * x0.shape[-1] * self.vae_scale_factor**2
-        for video in self.postprocess(self._decode_within(x0, pixels)):  # [F, H, W, 3]
-            frames = (video[:: self.frame_step] * 255).round().astype(np.uint8)
-            strips.append(np.concatenate(list(frames), axis=1))
-        return strips
 
 
 class WanI2VAdapter(WanAdapter):

@@ -77,6 +77,15 @@ valid = {
     "mask": st.none() | st.just(base64.b64encode(picture(16, 16, mode="L")).decode()) | st.just("aGVsbG8="),
     "edit_context": st.none() | st.sampled_from(["preferred", "output"]),
     "reference_images": st.none() | st.just([base64.b64encode(picture(64, 64)).decode()]) | st.just(["aGk="]),
+    # Audio-video guidance (LTX-2; others refuse them, naming the field).
+    "audio_guidance_scale": st.none() | st.floats(min_value=0, max_value=100),
+    "stg_scale": st.none() | st.floats(min_value=0, max_value=100),
+    "audio_stg_scale": st.none() | st.floats(min_value=0, max_value=100),
+    "modality_scale": st.none() | st.floats(min_value=0, max_value=100),
+    "audio_modality_scale": st.none() | st.floats(min_value=0, max_value=100),
+    "guidance_rescale": st.none() | st.floats(min_value=0, max_value=1),
+    "audio_guidance_rescale": st.none() | st.floats(min_value=0, max_value=1),
+    "stg_blocks": st.none() | st.lists(st.integers(min_value=0, max_value=3), min_size=1, max_size=3),
     # Video fields (the image model refuses them, naming the field).
     "num_frames": st.none() | st.sampled_from([1, 5, 9]),
     "fps": st.none() | st.integers(min_value=1, max_value=240),

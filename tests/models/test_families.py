@@ -87,7 +87,7 @@ def test_readme_table_is_generated_from_the_declarations():
 
 
 # What names a family in code: its pipeline classes and family names, as identifiers or inside string literals.
-FAMILY_NAMES = re.compile(r"sd3|flux|z[-_]?image|qwen|sdxl|stablediffusion|(?-i:\bwan\b|Wan[A-Z]|wan[-_])", re.I)
+FAMILY_NAMES = re.compile(r"sd3|flux|z[-_]?image|qwen|sdxl|ltx|stablediffusion|(?-i:\bwan\b|Wan[A-Z]|wan[-_])", re.I)
 
 
 def code_names(path: Path):

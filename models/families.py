@@ -196,6 +196,16 @@ LTX2 = Family(
     guidance_styles=("cfg", "audio-video"),
     parallel=(),
     modality="video",
+    image_inputs=("first-frame",),
+)
+LTX2_I2V = Family(
+    "LTX2ImageToVideoPipeline",
+    "ltx2-i2v",
+    "ltx2:LTX2I2VAdapter",
+    guidance_styles=LTX2.guidance_styles,
+    parallel=LTX2.parallel,
+    modality="video",
+    image_inputs=("first-frame",),
 )
 
 FAMILIES: dict[str, Family] = {
@@ -215,6 +225,7 @@ FAMILIES: dict[str, Family] = {
         WAN,
         WAN_I2V,
         LTX2,
+        LTX2_I2V,
     )
 }
 
@@ -240,6 +251,7 @@ KNOWN_CHECKPOINTS: dict[str, tuple[str, int]] = {
     "Qwen/Qwen-Image-Edit": ("QwenImageEditPipeline", 24),
     "Qwen/Qwen-Image-Edit-2509": ("QwenImageEditPlusPipeline", 24),
     "Qwen/Qwen-Image-Edit-2511": ("QwenImageEditPlusPipeline", 24),
+    "Lightricks/LTX-2": ("LTX2Pipeline", 32),
 }
 
 

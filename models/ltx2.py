@@ -25,13 +25,21 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 from diffusers.pipelines.ltx2.pipeline_ltx2 import rescale_noise_cfg
-from diffusers.pipelines.ltx2.utils import conditioning_frame_rate
+from diffusers.pipelines.ltx2.utils import (
+    apply_image_conditioning_crf,
+    conditioning_frame_rate,
+    resolve_default_image_crf,
+)
 from diffusers.utils.torch_utils import randn_tensor
+from diffusers.video_processor import VideoProcessor
+from PIL import Image
 
 from diffusiond.models import families
 from diffusiond.models.base import Capabilities, RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
+from diffusiond.models.inputs import open_rgb
 from diffusiond.models.params import MAX_GUIDANCE, ParamError, SamplingParams
 from diffusiond.models.video_clips import VideoClips
 
@@ -78,6 +86,8 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
     default_num_frames: ClassVar[int] = 121
     default_fps: ClassVar[int] = 24
     TEXT_ENCODERS = ("text_encoder", "connectors")
+    # A checkpoint saved as the image-to-video pipeline animates images only (`LTX2I2VAdapter`).
+    requires_image: ClassVar[bool] = False
 
     def __init__(self, pipe: Any, *, source: str, lazy: Any = None) -> None:
         self.frame_step = pipe.vae_temporal_compression_ratio
@@ -93,6 +103,8 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
         # repeat the positive prediction, and its delta would be zero.
         self.stg_capable = bool(self.transformer.config.get("perturbed_attn", False))
         self.default_stg_blocks = tuple(b for b in DEFAULT_STG_BLOCKS if b < blocks) or None
+        # The image-to-video pipeline's processor resizes the first frame bilinearly (the text-to-video one's, bicubic).
+        self.first_frame_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor, resample="bilinear")
         self.capabilities = self._capabilities()
 
     # ---- capabilities and requests ----
@@ -142,10 +154,20 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
         resolved["stg_blocks"] = blocks if blocks is not None else self.default_stg_blocks
         return resolved
 
+    def _strength(self, params: SamplingParams) -> float | None:
+        """Image to video: the image is the first frame, kept at every step (no strength)."""
+        if params.image is None:
+            if self.requires_image:
+                raise ParamError("image", f"the {self.family} family animates an image: send the first frame (image)")
+            return super()._strength(params)
+        if params.strength is not None:
+            raise ParamError("strength", "the first frame is kept at every step; drop strength")
+        return None
+
     def batch_key(self, params: SamplingParams) -> Hashable:
-        # Rows of requests with and without each guidance pass share the calls: only the token grid and its rate
-        # (the positions' time axis) must match.
-        return (params.width, params.height, params.num_frames, params.fps)
+        # Rows of requests with and without each guidance pass share the calls: the token grid and its rate (the
+        # positions' time axis) must match, and whether the first frame is given (a timestep per token then).
+        return (params.width, params.height, params.num_frames, params.fps, params.image is not None)
 
     def _uses_cfg(self, params: SamplingParams) -> bool:
         """The pipeline's `do_classifier_free_guidance`: either modality's CFG."""
@@ -194,8 +216,17 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
             generator = self._generator(p)
             # As the pipeline draws them, float32: the video's noise, then the audio's, from the request's generator.
             shape = (1, self.vae.config.latent_channels, layout.frames, layout.height, layout.width)
-            video = randn_tensor(shape, generator=generator, device=self.device, dtype=torch.float32)
-            video = self.pipe._pack_latents(video, *self._patches())
+            cond: dict[str, Any] = {}
+            if p.image is not None:  # encoded before the noise is drawn, as the image-to-video pipeline
+                first = self._first_frame(p).repeat(1, 1, layout.frames, 1, 1)
+                mask = torch.zeros((1, 1, *shape[2:]), device=self.device, dtype=torch.float32)
+                mask[:, :, 0] = 1.0
+                noise = randn_tensor(shape, generator=generator, device=self.device, dtype=torch.float32)
+                video = self.pipe._pack_latents(first * mask + noise * (1 - mask), *self._patches())
+                cond["first_frame"] = self.pipe._pack_latents(mask, *self._patches()).squeeze(-1)  # [1, S_v]
+            else:
+                video = randn_tensor(shape, generator=generator, device=self.device, dtype=torch.float32)
+                video = self.pipe._pack_latents(video, *self._patches())
             shape = (1, self.audio_vae.config.latent_channels, layout.audio, self.mel_bins)
             audio = randn_tensor(shape, generator=generator, device=self.device, dtype=torch.float32)
             audio = self.pipe._pack_audio_latents(audio)  # [1, L, C * M]
@@ -210,11 +241,24 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
                 config.get("max_shift", 2.05),
             )
             sampler = self._sampler(p, generator, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
-            cond = {"positive": text[p.prompt]}
+            texts = {"positive": text[p.prompt]}
             if cfg[i]:
-                cond["negative"] = text[p.negative_prompt or ""]
-            states.append(RequestState(request_id, p, latents, sampler, shared=cond))
+                texts["negative"] = text[p.negative_prompt or ""]
+            states.append(RequestState(request_id, p, latents, sampler, cond=cond, shared=texts))
         return states
+
+    def _first_frame(self, p: SamplingParams) -> torch.Tensor:
+        """As LTX2ImageToVideoPipeline: the image re-compressed as the model was trained (H.264 at the text encoder
+        generation's CRF), resized to the clip's size, the VAE's mode, normalized: [1, C, 1, h, w] float32."""
+        self._stage("vae")
+        image = open_rgb(p.image)
+        crf = resolve_default_image_crf(self.pipe.text_encoder)
+        if crf != 0:
+            image = Image.fromarray(apply_image_conditioning_crf(np.array(image), crf))
+        pixels = self.first_frame_processor.preprocess(image, height=p.height, width=p.width)
+        pixels = pixels.to(self.device, self.dtype).unsqueeze(2)  # [1, 3, 1, H, W]
+        latents = retrieve_latents(self.vae.encode(pixels.to(self.vae.dtype)), None, "argmax").to(torch.float32)
+        return self.pipe._normalize_latents(latents, self.vae.latents_mean, self.vae.latents_std)
 
     # ---- denoise ----
 
@@ -234,6 +278,10 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
         index = torch.tensor([i for i, _ in rows], device=video.device)
         texts = [states[i].shared[which] for i, which in rows]
         timestep = torch.stack([states[i].sampler.timestep for i, _ in rows]).to(self.device)  # [R]
+        video_timestep = timestep
+        if "first_frame" in states[0].cond:  # a timestep per video token, 0 on the given frame's: [R, S_v]
+            mask = torch.cat([states[i].cond["first_frame"] for i, _ in rows])
+            video_timestep = timestep.unsqueeze(-1) * (1 - mask)
         p = states[0].params
         fps = conditioning_frame_rate(float(p.fps), 1.0)
         count = len(rows)
@@ -247,7 +295,8 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
             audio_hidden_states=audio[index].to(self.dtype),
             encoder_hidden_states=torch.cat([t[0] for t in texts]),
             audio_encoder_hidden_states=torch.cat([t[1] for t in texts]),
-            timestep=timestep,
+            timestep=video_timestep,
+            audio_timestep=timestep,
             sigma=timestep,
             encoder_attention_mask=mask,
             audio_encoder_attention_mask=mask,
@@ -305,6 +354,8 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
                 _guide(x[i : i + 1], passes["positive"][i][m], {k: v[m] for k, v in others.items()}, sigma, *scales)
                 for m, (x, scales) in enumerate(((video, video_scales), (audio, audio_scales)))
             ]
+            if "first_frame" in s.cond:  # the given frame's tokens stay as they are: no velocity
+                guided[0] = guided[0] * (1 - s.cond["first_frame"]).unsqueeze(-1)
             out.append(torch.cat([g.flatten(1) for g in guided], dim=1))
         return torch.cat(out)
 
@@ -362,3 +413,10 @@ def _guide(
     if rescale > 0:
         guided = rescale_noise_cfg(guided, x0, guidance_rescale=rescale)
     return (x - guided) / sigma
+
+
+class LTX2I2VAdapter(LTX2Adapter):
+    """A checkpoint saved as `LTX2ImageToVideoPipeline`: the same components, every request animating its image."""
+
+    spec = families.LTX2_I2V
+    requires_image = True

@@ -36,6 +36,7 @@ FAMILIES: tuple[str, ...] = (
     "wan22-i2v",
     "wan22-ti2v",
     "ltx2",
+    "ltx2-i2v",
 )
 
 # Common English words, plus colours, shapes, animals and photo vocabulary; each becomes a single token in both the
@@ -449,6 +450,7 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
         "wan22-ti2v": tiny_video.build_wan_ti2v,
         # LTX-2: video with sound (Gemma 3, connectors, an audio VAE and a vocoder).
         "ltx2": tiny_ltx2.build_ltx2,
+        "ltx2-i2v": tiny_ltx2.build_ltx2_i2v,
     }
     if family not in builders:
         raise ValueError(f"unknown model family {family!r}; valid families: {', '.join(FAMILIES)}")

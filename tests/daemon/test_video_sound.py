@@ -20,6 +20,7 @@ import openai
 import pytest
 import torch
 from conftest import API_KEY
+from pictures import picture
 from sse import sse_events
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
@@ -91,6 +92,27 @@ def test_the_mp4_carries_the_pipeline_s_sound(sound_server, tiny_ltx2):
     ours, theirs = snr_db(expected, samples), snr_db(expected, other)
     print(f"AAC track vs the pipeline's waveform: {ours:.1f} dB; another seed's waveform: {theirs:.1f} dB")
     assert ours >= 15.0 and theirs < ours - 8.0
+
+
+def test_an_image_starts_a_clip_with_sound(sound_server):
+    """`input_reference` (multipart, as the openai client sends it): the clip starts from the image, with sound; the
+    audio-video guidance knobs are extra body fields (multipart: `stg_blocks` as a JSON list)."""
+    extra = {"seed": 2, "num_inference_steps": 2, "num_frames": 9}
+    with openai.OpenAI(base_url=f"{sound_server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as client:
+        tracks = []
+        for more in ({}, {"audio_guidance_scale": 2.0, "stg_blocks": "[1]"}):
+            job = client.videos.create_and_poll(
+                prompt=PROMPT,
+                size="64x64",
+                input_reference=("first.png", picture(64, 64, seed=1), "image/png"),
+                poll_interval_ms=20,
+                extra_body={**extra, **more},
+            )
+            assert job.status == "completed", job
+            samples, rate, frames = decode_sound(client.videos.download_content(job.id).read())
+            assert (rate, frames) == (24000, 9)
+            tracks.append(samples)
+    assert np.abs(tracks[0] - tracks[1]).mean() > 0.01  # the knobs reach the sound
 
 
 @pytest.mark.asyncio

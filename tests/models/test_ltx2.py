@@ -6,12 +6,14 @@ decoded float frames and on the vocoder's waveform (measured: about 2e-6).
 """
 
 import asyncio
+import io
 
 import diffusers
 import numpy as np
 import pytest
 import torch
 from engines import run_staggered
+from PIL import Image
 
 from diffusiond.engine.outputs import Completed
 from diffusiond.models.loader import load_adapter
@@ -26,7 +28,7 @@ def clip(prompt: str, seed: int, frames: int = 9, steps: int = 3, **more) -> Sam
     )
 
 
-def reference(pipe, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+def reference(pipe, p: SamplingParams, **extra) -> tuple[np.ndarray, np.ndarray]:
     """The pipeline's frames [F, H, W, 3] and waveform [2, samples] for resolved `p`. The pipeline takes an audio
     knob of 0 for "the video's value" (`audio_stg_scale or stg_scale`); diffusiond's 0 is 0, which the pipeline is
     handed as 1e-12 (a delta 1e-12 times as large: none within the tolerance)."""
@@ -50,6 +52,7 @@ def reference(pipe, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
         generator=torch.Generator().manual_seed(p.seed),
         output_type="np",
         return_dict=False,
+        **extra,
     )
     return video[0], np.asarray(audio[0])
 
@@ -191,3 +194,38 @@ def test_make_tiny_writes_the_checkpoint(tmp_path):
     assert fitted is not None and fitted.source == "fitted" and len(fitted.factors) == 16
     pipe = diffusers.LTX2Pipeline.from_pretrained(tmp_path)
     assert pipe.vae_temporal_compression_ratio == 8 and pipe.vocoder.config.output_sampling_rate == 24000
+
+
+def test_image_to_video_with_sound_matches_the_pipeline(ltx2, tiny_ltx2_i2v):
+    """The image is the first frame: a timestep per video token (0 on the image's), the image's latents kept at
+    every step; the same checkpoint serves text and image to video (not in one batch: the timesteps' shapes differ),
+    and a checkpoint saved as `LTX2ImageToVideoPipeline` serves images only."""
+    from pictures import picture
+
+    adapter, pipe = ltx2
+    i2v = diffusers.LTX2ImageToVideoPipeline.from_pipe(pipe)
+    red, blue = picture(64, 64, seed=1), picture(96, 64, seed=2)
+    requests = [
+        clip("a red cat walking", 1, steps=10, image=red),
+        clip("a blue dog", 2, steps=8, image=blue, negative_prompt="blurry", stg_blocks=(1,)),
+        clip("a green bird", 3, steps=8),  # text to video beside them
+        clip("a yellow fish", 4, frames=17, steps=6, image=red, guidance_scale=1.0, audio_guidance_scale=1.0),
+    ]
+    handles, results, plans = asyncio.run(run_staggered(adapter, requests))
+    assert max(len(p.advance) for p in plans) >= 2
+    for handle, result in zip(handles, results, strict=True):
+        assert isinstance(result, Completed), result
+        p = handle.params
+        image = Image.open(io.BytesIO(p.image)) if p.image is not None else None
+        video, audio = reference(i2v if image is not None else pipe, p, **({"image": image} if image else {}))
+        diffs = float(np.abs(result.image - video).max()), float(np.abs(result.audio.samples - audio).max())
+        print(f"{p.prompt!r}: max abs diff frames {diffs[0]:.1e}, waveform {diffs[1]:.1e}")
+        assert max(diffs) <= TOLERANCE, (p.prompt, diffs)
+    # Not vacuous: another image changes the clip.
+    other, _ = reference(i2v, handles[0].params, image=Image.open(io.BytesIO(blue)))
+    assert float(np.abs(other - results[0].image).max()) > 100 * TOLERANCE
+    only = load_adapter(tiny_ltx2_i2v)
+    assert only.capabilities.family == "ltx2-i2v"
+    with pytest.raises(ParamError) as info:
+        only.resolve(SamplingParams(prompt="a cat"))
+    assert info.value.param == "image"

@@ -194,7 +194,7 @@ LTX2 = Family(
     "ltx2",
     "ltx2:LTX2Adapter",
     guidance_styles=("cfg", "audio-video"),
-    parallel=(),
+    parallel=("cfg-parallel",),
     modality="video",
     image_inputs=("first-frame",),
 )

@@ -18,6 +18,7 @@ passes, with rows of any number of requests.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Hashable, Sequence
 from typing import Any, ClassVar
@@ -315,34 +316,45 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
         )
         return out_video.float(), out_audio.float()
 
+    def step_rows(self, states: Sequence[RequestState]) -> list[tuple[Hashable, int, str]]:
+        """Every transformer row of the states' step: (pass, state index, prompt), grouped by pass (a call each):
+        "cfg" (a negative row where the request has CFG, and its positive), ("stg", blocks), "modality"."""
+        items: list[tuple[Hashable, int, str]] = []
+        for i, s in enumerate(states):
+            items += [("cfg", i, "negative")] if "negative" in s.shared else []
+            items.append(("cfg", i, "positive"))
+        stg = [(("stg", s.params.stg_blocks), i, "positive") for i, s in enumerate(states) if self._uses_stg(s.params)]
+        items += sorted(stg, key=lambda item: item[0][1])
+        items += [("modality", i, "positive") for i, s in enumerate(states) if self._uses_modality(s.params)]
+        return items
+
     @torch.inference_mode()
     def denoise(self, states: Sequence[RequestState]) -> torch.Tensor:
-        """The guided velocities of every state, flat as their latents ([B, N]), from one call per guidance pass."""
+        """The guided velocities of every state, flat as their latents ([B, N]), from one call per guidance pass.
+        With CFG-parallel, the rows of all passes are split between the two ranks (a request's negative and
+        positive rows on one, its STG and modality rows on the other) and the outputs all-gathered."""
         self._stage(self.denoiser)
         layout = self.layout(states[0].params)
         video, audio = layout.split(torch.cat([s.latents for s in states]))  # float32
-        passes: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        items = self.step_rows(states)
+        width = video[0].numel() + audio[0].numel()
 
-        def run(name: str, rows: list[tuple[int, str]], **kwargs: Any) -> None:
-            if rows:
+        def compute(lo: int, hi: int) -> torch.Tensor:
+            outs = [video.new_zeros((0, width))]
+            for key, group in itertools.groupby(items[lo:hi], key=lambda item: item[0]):
+                rows = [(i, which) for _, i, which in group]
+                kwargs: dict[str, Any] = {"isolate": key == "modality"}
+                if isinstance(key, tuple):
+                    kwargs["stg_blocks"] = key[1]
                 out_video, out_audio = self._transformer_call(rows, states, video, audio, layout, **kwargs)
-                for r, (i, _) in enumerate(rows):
-                    passes.setdefault(name, {})[i] = (out_video[r : r + 1], out_audio[r : r + 1])
+                outs.append(torch.cat([out_video.flatten(1), out_audio.flatten(1)], dim=1))
+            return torch.cat(outs)  # [hi - lo, N]
 
-        cfg_rows: list[tuple[int, str]] = []
-        for i, s in enumerate(states):
-            cfg_rows += [(i, "negative"), (i, "positive")] if "negative" in s.shared else [(i, "positive")]
-        # The CFG call's rows of each state, positive last: passes["positive"], passes["negative"].
-        out_video, out_audio = self._transformer_call(cfg_rows, states, video, audio, layout)
-        for r, (i, which) in enumerate(cfg_rows):
-            passes.setdefault(which, {})[i] = (out_video[r : r + 1], out_audio[r : r + 1])
-        by_blocks: dict[tuple[int, ...], list[tuple[int, str]]] = {}
-        for i, s in enumerate(states):
-            if self._uses_stg(s.params):
-                by_blocks.setdefault(s.params.stg_blocks, []).append((i, "positive"))
-        for blocks, rows in by_blocks.items():
-            run("stg", rows, stg_blocks=blocks)
-        run("modality", [(i, "positive") for i, s in enumerate(states) if self._uses_modality(s.params)], isolate=True)
+        flat = compute(0, len(items)) if self.cfg_group is None else self._split_requests_by(len(items), compute)
+        passes: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for r, (key, i, which) in enumerate(items):
+            name = which if key == "cfg" else "stg" if isinstance(key, tuple) else "modality"
+            passes.setdefault(name, {})[i] = layout.split(flat[r : r + 1])
         out = []
         for i, s in enumerate(states):
             p = s.params

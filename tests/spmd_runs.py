@@ -73,7 +73,10 @@ def launch(cmd: list[str], nproc: int, env: dict[str, str], out: Path, timeout: 
     assert codes == [0] * nproc, "\n".join(logs)
 
 
-def one_rank(model: str, requests, cache: str | None = None, loras=()) -> list[np.ndarray]:
+def one_rank(model: str, requests, cache: str | None = None, loras=(), sounds: list | None = None) -> list[np.ndarray]:
+    """The requests' images through one rank in this process; `sounds`, when given, gets each request's sound
+    track (video with sound)."""
+
     async def run():
         adapter = load_adapter(model)
         if cache:
@@ -89,6 +92,8 @@ def one_rank(model: str, requests, cache: str | None = None, loras=()) -> list[n
         finally:
             await engine.stop()
         assert all(isinstance(r, Completed) for r in results), results
+        if sounds is not None:
+            sounds.extend(r.audio.samples for r in results)
         return [r.image for r in results]
 
     return asyncio.run(run())

@@ -45,6 +45,8 @@ async def drive(rank, requests, out: Path) -> None:
             result = await handle.result()
             assert isinstance(result, Completed), result
             np.save(out / f"{i}.npy", result.image)
+            if result.audio is not None:
+                np.save(out / f"{i}.audio.npy", result.audio.samples)
     finally:
         await engine.stop()
 
@@ -62,6 +64,8 @@ def record_forwards(adapter) -> list[dict]:
         forwards.append(
             {"requests": len(states), "cfg": adapter._uses_cfg(states[0].params), "calls": [], "experts": experts}
         )
+        if hasattr(adapter, "step_rows"):  # several passes per step (LTX-2): the rows one rank alone would compute
+            forwards[-1]["rows"] = len(adapter.step_rows(states))
         return real(states)
 
     def on_transformer(module, args, kwargs):

@@ -10,10 +10,12 @@ import json
 
 import numpy as np
 import pytest
+from pictures import picture
 from spmd_requests import FIXTURES, REQUESTS
 from spmd_runs import one_rank, two_ranks
 
 from diffusiond.models.loader import load_adapter
+from diffusiond.models.params import SamplingParams
 
 TOLERANCE = 1e-4
 # Guidance-distilled families: one row per request, never a CFG batch.
@@ -335,3 +337,49 @@ def test_stochastic_sampling_agrees_across_ranks(strategy, request, tmp_path):
     for params, a, b in zip(requests, expected, got, strict=True):
         diff = float(np.abs(a - b).max())
         assert diff <= TOLERANCE, f"{strategy} {params.prompt!r}: max abs diff {diff}"
+
+
+def test_ltx2_cfg_parallel_splits_every_pass_and_matches_one_rank(tiny_ltx2, tmp_path):
+    """LTX-2 runs up to three passes per step (CFG rows, STG, modality isolation): with --cfg-parallel 2 the rows of
+    all of them are split between the ranks, so each rank computes about half of every step's rows (a split that
+    computes everything on both ranks: red), and the frames and the sound equal one rank's."""
+    requests = [
+        SamplingParams(prompt="a red cat", seed=1, width=64, height=64, num_frames=9, num_inference_steps=4),
+        SamplingParams(
+            prompt="a blue dog",
+            negative_prompt="blurry",
+            seed=2,
+            width=64,
+            height=64,
+            num_frames=9,
+            num_inference_steps=3,
+            stg_blocks=(1,),
+            image=picture(64, 64, seed=2),
+        ),
+        *(
+            SamplingParams(
+                prompt=f"plain {i}",
+                seed=10 + i,
+                width=64,
+                height=64,
+                num_frames=9,
+                num_inference_steps=2,
+                guidance_scale=1.0,
+                audio_guidance_scale=1.0,
+            )
+            for i in range(3)
+        ),
+    ]
+    sounds: list = []
+    expected = one_rank(tiny_ltx2, requests, sounds=sounds)
+    got, forwards = two_ranks(tiny_ltx2, tmp_path, 2, 1, requests)
+    for i, (params, a, b) in enumerate(zip(requests, expected, got, strict=True)):
+        audio = np.load(tmp_path / f"{i}.audio.npy")
+        diffs = float(np.abs(a - b).max()), float(np.abs(sounds[i] - audio).max())
+        print(f"ltx2/cfg {params.prompt!r}: max abs diff frames {diffs[0]:.2e}, waveform {diffs[1]:.2e}")
+        assert max(diffs) <= TOLERANCE, (params.prompt, diffs)
+    for steps in zip(*forwards, strict=True):
+        rows = [sum(c["rows"] for c in f["calls"]) for f in steps]
+        # Each rank its half (the first the odd row), where one rank alone computes them all.
+        assert rows == [(steps[0]["rows"] + 1) // 2, steps[0]["rows"] // 2], steps
+    assert max(f["rows"] for f in forwards[0]) >= 6  # steps with several requests and passes

@@ -197,6 +197,7 @@ LTX2 = Family(
     parallel=("cfg-parallel",),
     modality="video",
     image_inputs=("first-frame",),
+    lora=True,
 )
 LTX2_I2V = Family(
     "LTX2ImageToVideoPipeline",
@@ -206,6 +207,7 @@ LTX2_I2V = Family(
     parallel=LTX2.parallel,
     modality="video",
     image_inputs=("first-frame",),
+    lora=True,
 )
 
 FAMILIES: dict[str, Family] = {

@@ -291,29 +291,30 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
         )
         audio_coords = self.transformer.audio_rope.prepare_audio_coords(count, layout.audio, self.device)
         mask = torch.cat([t[2] for t in texts])
-        out_video, out_audio = self.transformer(
-            hidden_states=video[index].to(self.dtype),
-            audio_hidden_states=audio[index].to(self.dtype),
-            encoder_hidden_states=torch.cat([t[0] for t in texts]),
-            audio_encoder_hidden_states=torch.cat([t[1] for t in texts]),
-            timestep=video_timestep,
-            audio_timestep=timestep,
-            sigma=timestep,
-            encoder_attention_mask=mask,
-            audio_encoder_attention_mask=mask,
-            num_frames=layout.frames,
-            height=layout.height,
-            width=layout.width,
-            fps=fps,
-            audio_num_frames=layout.audio,
-            video_coords=video_coords,
-            audio_coords=audio_coords,
-            isolate_modalities=isolate,
-            spatio_temporal_guidance_blocks=list(stg_blocks) if stg_blocks else None,
-            perturbation_mask=None,
-            use_cross_timestep=True,
-            return_dict=False,
-        )
+        with self._lora_rows([states[i].lora for i, _ in rows]):
+            out_video, out_audio = self.transformer(
+                hidden_states=video[index].to(self.dtype),
+                audio_hidden_states=audio[index].to(self.dtype),
+                encoder_hidden_states=torch.cat([t[0] for t in texts]),
+                audio_encoder_hidden_states=torch.cat([t[1] for t in texts]),
+                timestep=video_timestep,
+                audio_timestep=timestep,
+                sigma=timestep,
+                encoder_attention_mask=mask,
+                audio_encoder_attention_mask=mask,
+                num_frames=layout.frames,
+                height=layout.height,
+                width=layout.width,
+                fps=fps,
+                audio_num_frames=layout.audio,
+                video_coords=video_coords,
+                audio_coords=audio_coords,
+                isolate_modalities=isolate,
+                spatio_temporal_guidance_blocks=list(stg_blocks) if stg_blocks else None,
+                perturbation_mask=None,
+                use_cross_timestep=True,
+                return_dict=False,
+            )
         return out_video.float(), out_audio.float()
 
     def step_rows(self, states: Sequence[RequestState]) -> list[tuple[Hashable, int, str]]:

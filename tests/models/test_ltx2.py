@@ -229,3 +229,44 @@ def test_image_to_video_with_sound_matches_the_pipeline(ltx2, tiny_ltx2_i2v):
     with pytest.raises(ParamError) as info:
         only.resolve(SamplingParams(prompt="a cat"))
     assert info.value.param == "image"
+
+
+def test_lora_requests_match_the_pipeline(tiny_ltx2, tmp_path):
+    """Two adapters and none in one running batch, each request's rows with its own (every pass: CFG, STG,
+    modality); each clip and its sound equal the pipeline with `load_lora_weights` + `set_adapters`."""
+    import warnings
+
+    from diffusiond.models.params import LoraChoice
+    from diffusiond.models.tiny_lora import build_tiny_lora
+
+    files = {n: build_tiny_lora(tiny_ltx2, tmp_path / f"{n}.safetensors", seed=i + 1) for i, n in enumerate("ab")}
+    adapter = load_adapter(tiny_ltx2)
+    registry = adapter.enable_lora(1 << 30)
+    for name, path in files.items():
+        registry.register(name, str(path))
+    requests = [
+        clip("a red cat", 1, steps=10, lora=(LoraChoice("a", 1.0),), stg_blocks=(1,)),
+        clip("a blue dog", 2, steps=8, lora=(LoraChoice("b", 0.7),)),
+        clip("a green bird", 3, steps=6),
+    ]
+    handles, results, plans = asyncio.run(run_staggered(adapter, requests))
+    assert max(len(p.advance) for p in plans) == 3
+    pipe = diffusers.LTX2Pipeline.from_pretrained(tiny_ltx2)
+    pipe.set_progress_bar_config(disable=True)
+    with warnings.catch_warnings():  # no text encoder weights in these files
+        warnings.simplefilter("ignore")
+        for name, path in files.items():
+            pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=name)
+    for handle, result in zip(handles, results, strict=True):
+        assert isinstance(result, Completed), result
+        params = handle.params
+        pipe.disable_lora()
+        plain, _ = reference(pipe, params)
+        if params.lora:
+            pipe.enable_lora()
+            pipe.set_adapters([c.name for c in params.lora], adapter_weights=[c.scale for c in params.lora])
+        video, audio = reference(pipe, params)
+        diffs = float(np.abs(result.image - video).max()), float(np.abs(result.audio.samples - audio).max())
+        print(f"{params.prompt!r} lora {params.lora}: max abs diff frames {diffs[0]:.1e}, waveform {diffs[1]:.1e}")
+        assert max(diffs) <= TOLERANCE, (params.prompt, diffs)
+        assert (float(np.abs(video - plain).max()) > 1e-2) == bool(params.lora)

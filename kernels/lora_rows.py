@@ -200,6 +200,30 @@ class LoraLayers:
             self._plan = previous
 
 
+class LoraLayerSet:
+    """The hooks of several denoisers of the same architecture (Wan 2.2 A14B's two experts) for one registry: an
+    adapter's linears are hooked in each; which adapters apply where is the calls' row plans' business (each
+    denoiser's own `LoraLayers.rows`)."""
+
+    def __init__(self, members: Sequence[LoraLayers]) -> None:
+        self.members = list(members)
+
+    def linear(self, name: str) -> torch.nn.Linear | None:
+        raise ValueError("an adapter cannot be fused into the weights of several denoisers (--lora-fuse)")
+
+    def hook(self, names: Sequence[str]) -> None:
+        for member in self.members:
+            member.hook(names)
+
+    def unhook(self, keep: set[str]) -> None:
+        for member in self.members:
+            member.unhook(keep)
+
+    @property
+    def hooked(self) -> int:
+        return sum(member.hooked for member in self.members)
+
+
 def fuse(layers: LoraLayers, lora: Lora, scale: float) -> dict[str, torch.Tensor]:
     """Adds `scale * (alpha / r) B A` into each targeted linear's weight; returns the original weights (on CPU) that
     `unfuse` puts back exactly."""

@@ -226,6 +226,10 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
         self.lora_registry = LoraRegistry(read, self.lora_layers, budget_bytes)
         return self.lora_registry
 
+    def _lora_of(self, state: RequestState) -> Any:
+        """The adapters that apply to `state`'s rows in the call running now (`RequestState.lora`)."""
+        return state.lora
+
     def _lora_rows(self, selections: Sequence[Any]) -> Any:
         """The LoRA plan of a transformer call over rows with these selections (`RequestState.lora`)."""
         return self.lora_layers.rows(selections) if self.lora_layers is not None else nullcontext()

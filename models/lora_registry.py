@@ -332,8 +332,12 @@ def resolve_loras(adapter: Any, params: Any) -> tuple | None:
         why = "does not serve LoRA" if not adapter.lora else "was started without LoRA support"
         raise ParamError("lora", f"this server's model ({adapter.family}) {why}")
     names = [choice.name for choice in params.lora]
-    if len(set(names)) != len(names):
-        raise ParamError("lora", f"lora names an adapter twice: {', '.join(names)}")
+    experts = len(getattr(adapter, "experts", ())) or 1
+    if experts == 1 and any(choice.expert is not None for choice in params.lora):
+        raise ParamError("lora", f"this {adapter.family} checkpoint has one denoiser; expert is for two-expert ones")
+    targets = [(choice.name, choice.expert or 1) for choice in params.lora]
+    if len(set(targets)) != len(targets):
+        raise ParamError("lora", f"lora names an adapter twice for one denoiser: {', '.join(names)}")
     for choice in params.lora:
         if choice.name not in registry.entries:
             known = ", ".join(sorted(registry.entries)) or "none"
@@ -344,6 +348,8 @@ def resolve_loras(adapter: Any, params: Any) -> tuple | None:
                 f"{choice.name!r} is fused into the weights at scale {registry.fused[1]:g} (--lora-fuse): a request "
                 "may only name it at that scale",
             )
+    if experts > 1 and registry.fused is not None:
+        raise ParamError("lora", "an adapter is fused into the weights: no per-expert choices")
     if not registry.fits(names):
         raise ParamError("lora", f"these adapters together exceed the LoRA budget of {registry.budget} bytes")
     return tuple(params.lora)

@@ -291,7 +291,7 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
         )
         audio_coords = self.transformer.audio_rope.prepare_audio_coords(count, layout.audio, self.device)
         mask = torch.cat([t[2] for t in texts])
-        with self._lora_rows([states[i].lora for i, _ in rows]):
+        with self._lora_rows([self._lora_of(states[i]) for i, _ in rows]):
             out_video, out_audio = self.transformer(
                 hidden_states=video[index].to(self.dtype),
                 audio_hidden_states=audio[index].to(self.dtype),

@@ -4,7 +4,7 @@ for the group. Ulysses is each family's own (its attention processors, in its fi
 
 A part of `FlowMatchAdapter` (models/flowmatch.py), which provides what this reads: `transformer`, `vae`,
 `parallel`, `family`, `cfg_group`, `prompts`, `step_cache`, `offload`, `pipe`, `_forward`, `_call`, `_encode`,
-`_decode`, `_unpack`, `_uses_cfg`, `_lora_rows`.
+`_decode`, `_unpack`, `_uses_cfg`, `_lora_of`, `_lora_rows`.
 """
 
 from __future__ import annotations
@@ -198,14 +198,14 @@ class ParallelWiring:
         n = batched["hidden_states"].shape[0] // rows
         if rows == 2 and self.cfg_group is not None:
             local = {name: t[self.cfg_group.rank :: 2] for name, t in batched.items()}
-            with self._lora_rows([s.lora for s in states]):
+            with self._lora_rows([self._lora_of(s) for s in states]):
                 out = self._forward(local, shared, 1, states)  # [B, ...]
             return torch.stack(self._cfg_gathered(out), dim=1)
         if self.cfg_group is not None and n > 1 and self.step_cache == "none":
             # No CFG in this batch: the two ranks split the requests instead of both computing all of them. (Not with
             # step caching: a request's cache lives on the rank that computed it, and the split moves requests.)
             return self._split_requests(n, batched, shared, states).unflatten(0, (n, 1))
-        with self._lora_rows([s.lora for s in states for _ in range(rows)]):
+        with self._lora_rows([self._lora_of(s) for s in states for _ in range(rows)]):
             return self._forward(batched, shared, rows, states).unflatten(0, (n, rows))
 
     def _split_requests(
@@ -215,7 +215,7 @@ class ParallelWiring:
 
         def compute(lo: int, hi: int) -> torch.Tensor:
             local = {name: t[lo:hi] for name, t in batched.items()}
-            with self._lora_rows([s.lora for s in states[lo:hi]]):
+            with self._lora_rows([self._lora_of(s) for s in states[lo:hi]]):
                 return self._call(local, shared)
 
         return self._split_requests_by(n, compute)

@@ -60,6 +60,10 @@ class LoraChoice(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fal
 
     name: Annotated[str, msgspec.Meta(pattern=LORA_NAME)]
     scale: Annotated[float, msgspec.Meta(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)] = 1.0
+    # Two-expert checkpoints (Wan 2.2 A14B, whose LoRAs ship in pairs): 1 applies the adapter in `transformer`
+    # (the high-noise steps; the default, as the pipeline's `load_lora_weights`), 2 in `transformer_2` (the
+    # low-noise steps, `load_into_transformer_2`). An adapter for both is named twice, once per expert.
+    expert: Annotated[int, msgspec.Meta(ge=1, le=2)] | None = None
 
 
 # `[]` is the same as no `lora` (clients that build the list need not leave the field out).

@@ -135,7 +135,7 @@ class SD3Adapter(FlowMatchAdapter):
         for layers, rows in groups.items():
             index = to_device(rows, guided.device)
             positive = 2 * index + 1  # rows (negative, positive) per request
-            with self._lora_rows([states[i].lora for i in rows]):
+            with self._lora_rows([self._lora_of(states[i]) for i in rows]):
                 skipped = self._skipped(batched, positive, layers)
             scale = slg_scale[index].to(guided.dtype).view(-1, 1, 1, 1)
             guided[index] = guided[index] + (text[index] - skipped) * scale

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from diffusiond.kernels.lora_rows import LoraLayers, LoraLayerSet
 from diffusiond.kernels.ulysses import UlyssesGroup, gather_output
 from diffusiond.models import families
 from diffusiond.models.base import RequestState
@@ -65,7 +66,7 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
         self.experts = (self.transformer,) if self.boundary is None else (self.transformer, self.transformer_2)
         self.expert = 0  # the expert `_call` runs now
         if len(self.experts) > 1:  # what is not made per expert yet, so that /v1/models says so
-            self.lora, self.lora_unavailable, self.cache_methods = False, TWO_EXPERTS_NOT_YET, ()
+            self.cache_methods = ()
         # Wan 2.2 TI2V-5B (`expand_timesteps`): a timestep per latent token. Text to video, and, from the same
         # checkpoint, image to video: the first latent frame is the image's, pinned (timestep 0) at every step.
         self.expand_timesteps = bool(pipe.config.get("expand_timesteps", False))
@@ -90,10 +91,29 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
             raise SetupError(f"{setting}: {TWO_EXPERTS_NOT_YET}")
 
     def enable_lora(self, budget_bytes: int) -> Any:
-        self._one_expert("LoRA")
+        """LoRA per request; with two experts, each choice applies in the expert it names (`LoraChoice.expert`):
+        every adapter is hooked in both, and each expert's calls apply its requests' choices for it."""
         registry = super().enable_lora(budget_bytes)
-        self.plan.lora = self.lora_layers
+        self.expert_layers = [self.lora_layers]
+        if len(self.experts) > 1:
+            self.expert_layers.append(LoraLayers(self.transformer_2))
+            registry.layers = LoraLayerSet(self.expert_layers)
+        for plan, layers in zip(self.plans, self.expert_layers, strict=True):
+            plan.lora = layers
         return registry
+
+    def _lora_of(self, state: RequestState) -> Any:
+        if len(self.experts) == 1 or not state.lora:
+            return state.lora
+        choices = state.params.lora or ()
+        return tuple(
+            selected for selected, c in zip(state.lora, choices, strict=True) if (c.expert or 1) - 1 == self.expert
+        )
+
+    def _lora_rows(self, selections: Sequence[Any]) -> Any:
+        if self.lora_layers is None:
+            return super()._lora_rows(selections)
+        return self.expert_layers[self.expert].rows(selections)
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:
         """The frames x height x width tokens are sharded across `group` from the first block on (with their rotary
@@ -211,8 +231,10 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
             # A request with LoRA projects its rows in the forward, where its adapters apply (its keys and values
             # are its own).
             state.rows = [None if p.lora else self._acquire_text(r.to(self.dtype)) for r in rows]
-            if len(self.experts) > 1:  # the low-noise expert's own (no LoRA with two experts)
-                state.shared["rows_2"] = [self._acquire_text(r.to(self.dtype), expert=1) for r in rows]
+            if len(self.experts) > 1:  # the low-noise expert's own
+                state.shared["rows_2"] = [
+                    None if p.lora else self._acquire_text(r.to(self.dtype), expert=1) for r in rows
+                ]
             # The state's projections go back to the cache when the state is freed, whichever way it ends.
             held = [*state.rows, *state.shared.get("rows_2", ()), state.shared.get("image_entry")]
             entries = [e for e in held if e is not None]

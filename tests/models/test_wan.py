@@ -266,7 +266,7 @@ def test_two_experts_image_to_video_match_the_pipeline(tiny_wan22_i2v):
 
 def test_what_two_experts_refuse(tiny_wan, tiny_wan22):
     """guidance_scale_2 on a one-denoiser checkpoint is a knob it would ignore; settings not made per expert yet
-    refuse a two-expert checkpoint at start-up, naming the flag."""
+    refuse a two-expert checkpoint at start-up, naming the flag (`--tp`, `--cache`: Wan has no step cache)."""
     from diffusiond.models.setup import SetupError
 
     with pytest.raises(ParamError) as info:
@@ -276,13 +276,7 @@ def test_what_two_experts_refuse(tiny_wan, tiny_wan22):
     assert adapter.resolve(clip("a cat", 1, guidance=4.0)).guidance_scale_2 == 4.0  # the pipeline's default
     with pytest.raises(SetupError, match="--cache"):
         adapter.enable_step_cache("fbcache", 0.1)
-    # LoRA: not served (/v1/models says so), and adapters named at start are refused saying why.
-    from diffusiond.models.lora_registry import LoraError, setup_loras
-
-    assert not adapter.capabilities.lora and adapter.capabilities.cache_methods == ()
-    assert setup_loras(adapter, [], 1 << 20, None) is None
-    with pytest.raises(LoraError, match="two-expert"):
-        setup_loras(adapter, [("style", "/nonexistent.safetensors")], 1 << 20, None)
+    assert adapter.capabilities.lora and adapter.capabilities.cache_methods == ()  # LoRA per expert: test_wan22_lora
 
 
 @pytest.mark.parametrize("setting", ["offload", "compile"])

@@ -147,6 +147,16 @@ def tiny_ltx2_i2v(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_hunyuan15(tmp_path_factory) -> str:
+    return str(build_tiny("hunyuan-video-15", tmp_path_factory.mktemp("tiny") / "hunyuan-video-15"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hunyuan15_i2v(tmp_path_factory) -> str:
+    return str(build_tiny("hunyuan-video-15-i2v", tmp_path_factory.mktemp("tiny") / "hunyuan-video-15-i2v"))
+
+
+@pytest.fixture(scope="session")
 def tiny_wan_i2v_no_image_attention(tmp_path_factory) -> str:
     """Wan 2.2 I2V's layout (one expert here): no image cross-attention, no image encoder."""
     import torch

@@ -26,7 +26,9 @@ def test_read_a_part_at_a_time_equals_from_pretrained(family, dtype, request, tm
                "z-image": "tiny_zimage", "qwen-image": "tiny_qwenimage", "qwen-image-21": "tiny_qwenimage21",
                "qwen-image-edit-plus": "tiny_qwenimage_edit_plus", "wan": "tiny_wan",
                "qwen-image-edit": "tiny_qwenimage_edit", "wan-i2v": "tiny_wan_i2v", "wan22": "tiny_wan22",
-               "wan22-i2v": "tiny_wan22_i2v", "wan22-ti2v": "tiny_wan22_ti2v"}[family]  # fmt: skip
+               "wan22-i2v": "tiny_wan22_i2v", "wan22-ti2v": "tiny_wan22_ti2v", "ltx2": "tiny_ltx2",
+               "ltx2-i2v": "tiny_ltx2_i2v", "hunyuan-video-15": "tiny_hunyuan15",
+               "hunyuan-video-15-i2v": "tiny_hunyuan15_i2v"}[family]  # fmt: skip
     model = request.getfixturevalue(fixture)
     whole = load_adapter(model, dtype=dtype).pipe
     adapter = load_adapter(model, dtype=dtype, lazy_denoiser=True)
@@ -59,6 +61,7 @@ def test_read_a_part_at_a_time_equals_from_pretrained(family, dtype, request, tm
         ]
         assert left == []
     # Families that need an image (i2v, Qwen-Image-Edit) are compared by the tensors above only.
-    if dtype == "float32" and adapter.spec.family not in ("wan-i2v", "qwen-image-edit", "qwen-image-edit-plus"):
+    needs_image = ("wan-i2v", "ltx2-i2v", "hunyuan-video-15-i2v", "qwen-image-edit", "qwen-image-edit-plus")
+    if dtype == "float32" and adapter.spec.family not in needs_image:
         for a, b in zip(generate(load_adapter(model)), generate(adapter), strict=True):
             assert np.abs(a - b).max() == 0

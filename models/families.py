@@ -209,6 +209,29 @@ LTX2_I2V = Family(
     image_inputs=("first-frame",),
     lora=True,
 )
+# HunyuanVideo-1.5: a dual-stream transformer over video tokens reading Qwen2.5-VL, ByT5 glyph text and (image to
+# video) SigLIP embeddings; a checkpoint is text- or image-to-video (models/hunyuan15.py).
+HUNYUAN_VIDEO_15 = Family(
+    "HunyuanVideo15Pipeline",
+    "hunyuan-video-15",
+    "hunyuan15:HunyuanVideo15Adapter",
+    guidance_styles=("cfg",),
+    parallel=("cfg-parallel",),
+    modality="video",
+    attention_masks=True,
+)
+HUNYUAN_VIDEO_15_I2V = Family(
+    "HunyuanVideo15ImageToVideoPipeline",
+    "hunyuan-video-15-i2v",
+    "hunyuan15:HunyuanVideo15I2VAdapter",
+    guidance_styles=("cfg",),
+    parallel=("cfg-parallel",),
+    modality="video",
+    image_inputs=("first-frame",),
+    attention_masks=True,
+    # Its SigLIP image processor (transformers' image processors need torchvision).
+    needs=("torchvision",),
+)
 
 FAMILIES: dict[str, Family] = {
     f.pipeline_class: f
@@ -228,6 +251,8 @@ FAMILIES: dict[str, Family] = {
         WAN_I2V,
         LTX2,
         LTX2_I2V,
+        HUNYUAN_VIDEO_15,
+        HUNYUAN_VIDEO_15_I2V,
     )
 }
 

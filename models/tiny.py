@@ -37,6 +37,8 @@ FAMILIES: tuple[str, ...] = (
     "wan22-ti2v",
     "ltx2",
     "ltx2-i2v",
+    "hunyuan-video-15",
+    "hunyuan-video-15-i2v",
 )
 
 # Common English words, plus colours, shapes, animals and photo vocabulary; each becomes a single token in both the
@@ -422,7 +424,13 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
     """The tiny pipeline for `family`, in memory (fp32, CPU). Same weights as `build_tiny` writes."""
     import torch
 
-    from diffusiond.models import tiny_ltx2, tiny_qwen, tiny_qwen21, tiny_video  # they build on this module's helpers
+    from diffusiond.models import (  # they build on this module's helpers
+        tiny_hunyuan15,
+        tiny_ltx2,
+        tiny_qwen,
+        tiny_qwen21,
+        tiny_video,
+    )
 
     builders = {
         "sd3": _build_sd3,
@@ -451,6 +459,10 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
         # LTX-2: video with sound (Gemma 3, connectors, an audio VAE and a vocoder).
         "ltx2": tiny_ltx2.build_ltx2,
         "ltx2-i2v": tiny_ltx2.build_ltx2_i2v,
+        # HunyuanVideo-1.5: a Qwen2.5-VL text model, a ByT5 glyph encoder, a CFG guider (i2v: a SigLIP image encoder,
+        # whose processor needs torchvision).
+        "hunyuan-video-15": tiny_hunyuan15.build_hunyuan_video15,
+        "hunyuan-video-15-i2v": tiny_hunyuan15.build_hunyuan_video15_i2v,
     }
     if family not in builders:
         raise ValueError(f"unknown model family {family!r}; valid families: {', '.join(FAMILIES)}")

@@ -339,47 +339,37 @@ def test_stochastic_sampling_agrees_across_ranks(strategy, request, tmp_path):
         assert diff <= TOLERANCE, f"{strategy} {params.prompt!r}: max abs diff {diff}"
 
 
-def test_ltx2_cfg_parallel_splits_every_pass_and_matches_one_rank(tiny_ltx2, tmp_path):
-    """LTX-2 runs up to three passes per step (CFG rows, STG, modality isolation): with --cfg-parallel 2 the rows of
-    all of them are split between the ranks, so each rank computes about half of every step's rows (a split that
-    computes everything on both ranks: red), and the frames and the sound equal one rank's."""
-    requests = [
-        SamplingParams(prompt="a red cat", seed=1, width=64, height=64, num_frames=9, num_inference_steps=4),
-        SamplingParams(
-            prompt="a blue dog",
-            negative_prompt="blurry",
-            seed=2,
-            width=64,
-            height=64,
-            num_frames=9,
-            num_inference_steps=3,
-            stg_blocks=(1,),
-            image=picture(64, 64, seed=2),
-        ),
-        *(
-            SamplingParams(
-                prompt=f"plain {i}",
-                seed=10 + i,
-                width=64,
-                height=64,
-                num_frames=9,
-                num_inference_steps=2,
-                guidance_scale=1.0,
-                audio_guidance_scale=1.0,
-            )
-            for i in range(3)
-        ),
+def _row_split_requests(family: str) -> list[SamplingParams]:
+    """Requests with CFG and without (LTX-2: with STG and an image too), of one size and frame count."""
+    video = {"width": 64, "height": 64, "num_frames": 9}
+    plain = {"guidance_scale": 1.0, "audio_guidance_scale": 1.0} if family == "ltx2" else {"guidance_scale": 1.0}
+    second = {"stg_blocks": (1,), "image": picture(64, 64, seed=2)} if family == "ltx2" else {}
+    return [
+        SamplingParams(prompt="a red cat", seed=1, num_inference_steps=4, **video),
+        SamplingParams(prompt="a blue dog", negative_prompt="blurry", seed=2, num_inference_steps=3, **video, **second),
+        *(SamplingParams(prompt=f"plain {i}", seed=10 + i, num_inference_steps=2, **video, **plain) for i in range(3)),
     ]
+
+
+@pytest.mark.parametrize(("family", "fixture"), [("ltx2", "tiny_ltx2"), ("hunyuan-video-15", "tiny_hunyuan15")])
+def test_cfg_parallel_splits_a_step_s_rows_and_matches_one_rank(family, fixture, request, tmp_path):
+    """Families whose steps mix rows freely (LTX-2: up to three passes, CFG rows, STG and modality isolation;
+    HunyuanVideo-1.5: a negative row only where a request guides at that step): with --cfg-parallel 2 the step's
+    rows are split between the ranks, each computing half of them (a split that computes everything on both ranks:
+    red), and the frames (and LTX-2's sound) equal one rank's."""
+    model = request.getfixturevalue(fixture)
+    requests = _row_split_requests(family)
     sounds: list = []
-    expected = one_rank(tiny_ltx2, requests, sounds=sounds)
-    got, forwards = two_ranks(tiny_ltx2, tmp_path, 2, 1, requests)
+    expected = one_rank(model, requests, sounds=sounds if family == "ltx2" else None)
+    got, forwards = two_ranks(model, tmp_path, 2, 1, requests)
     for i, (params, a, b) in enumerate(zip(requests, expected, got, strict=True)):
-        audio = np.load(tmp_path / f"{i}.audio.npy")
-        diffs = float(np.abs(a - b).max()), float(np.abs(sounds[i] - audio).max())
-        print(f"ltx2/cfg {params.prompt!r}: max abs diff frames {diffs[0]:.2e}, waveform {diffs[1]:.2e}")
+        diffs = [float(np.abs(a - b).max())]
+        if sounds:
+            diffs.append(float(np.abs(sounds[i] - np.load(tmp_path / f"{i}.audio.npy")).max()))
+        print(f"{family}/cfg {params.prompt!r}: max abs diff {diffs}")
         assert max(diffs) <= TOLERANCE, (params.prompt, diffs)
     for steps in zip(*forwards, strict=True):
         rows = [sum(c["rows"] for c in f["calls"]) for f in steps]
         # Each rank its half (the first the odd row), where one rank alone computes them all.
         assert rows == [(steps[0]["rows"] + 1) // 2, steps[0]["rows"] // 2], steps
-    assert max(f["rows"] for f in forwards[0]) >= 6  # steps with several requests and passes
+    assert max(f["rows"] for f in forwards[0]) >= 6  # steps with several requests (and passes)

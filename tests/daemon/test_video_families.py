@@ -1,5 +1,6 @@
-"""Video with sound over HTTP, on the tiny LTX-2: the MP4 of `/v1/videos/{id}/content` (through the official openai
-client) carries an AAC track whose decoded samples are the pipeline's waveform, and the native stream says so.
+"""The video families beyond Wan over HTTP. Video with sound, on the tiny LTX-2: the MP4 of `/v1/videos/{id}/content`
+(through the official openai client) carries an AAC track whose decoded samples are the pipeline's waveform, and the
+native stream says so. HunyuanVideo-1.5's text- and image-to-video checkpoints serve video jobs.
 
 Tolerance: AAC is lossy. On the tiny model's noise-like waveform FFmpeg's encoder at 128 kbit/s per channel keeps
 a signal-to-noise ratio of about 20 dB (a tone: 30 dB); the test asks for 15 dB, and that another seed's waveform,
@@ -136,3 +137,23 @@ async def test_the_native_stream_names_the_sound_track(sound_server):
         events = [event async for event in sse_events(resp)]
     video = events[-1][1]["video"]
     assert video["format"] == "webp" and "audio_sample_rate" not in video
+
+
+@pytest.mark.parametrize("family", ["hunyuan-video-15", "hunyuan-video-15-i2v"])
+def test_hunyuan_video_15_serves_video_jobs(serve, family, request):
+    """HunyuanVideo-1.5's checkpoints warm up and serve /v1/videos through the openai client: text to video, and
+    image to video sized by its image (a silent clip: the family makes no sound)."""
+    fixture = {"hunyuan-video-15": "tiny_hunyuan15", "hunyuan-video-15-i2v": "tiny_hunyuan15_i2v"}[family]
+    server = serve(model=request.getfixturevalue(fixture), api_key=API_KEY, max_pixels=80 * 48)
+    extra = {"seed": 1, "num_inference_steps": 2, "num_frames": 5}
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as client:
+        model = client.models.list().data[0]
+        assert model.model_extra["diffusiond"]["audio_sample_rate"] is None
+        more = {"input_reference": ("first.png", picture(70, 40, seed=1), "image/png")} if "i2v" in family else {}
+        job = client.videos.create_and_poll(prompt=PROMPT, poll_interval_ms=20, extra_body=extra, **more)
+        assert job.status == "completed", job
+        data = client.videos.download_content(job.id).read()
+    with av.open(io.BytesIO(data)) as container:
+        assert not container.streams.audio
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(container.streams.video[0])]
+    assert len(frames) == 5 and frames[0].shape == (48, 80, 3)

@@ -152,12 +152,12 @@ def test_openai_client_creates_polls_downloads_and_deletes(video_server, client)
 
 
 def test_a_two_expert_checkpoint_serves_video_jobs(serve, tiny_wan22):
-    """Wan 2.2 A14B's layout starts (LoRA and step caches are not served for it yet, and /v1/models says so), warms
-    up, and runs jobs through the openai SDK; `guidance_scale_2` reaches the low-noise expert."""
+    """Wan 2.2 A14B's layout starts (LoRA per expert; /v1/models says so), warms up, and runs jobs through the
+    openai SDK; `guidance_scale_2` reaches the low-noise expert."""
     server = serve(model=tiny_wan22)
     with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=60) as client:
         model = client.models.list().data[0]
-        assert model.model_extra["diffusiond"]["lora"] is False
+        assert model.model_extra["diffusiond"]["lora"] is True  # per expert (tests/models/test_wan22_lora.py)
         clips = []
         for extra in ({}, {"guidance_scale_2": 9.0}):
             job = client.videos.create_and_poll(

@@ -39,8 +39,6 @@ class HunyuanVideo15Adapter(VideoClips, FlowMatchAdapter):
     default_num_frames: ClassVar[int] = 121
     default_fps: ClassVar[int] = 24
     TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
-    # A checkpoint saved as the image-to-video pipeline animates images only (`HunyuanVideo15I2VAdapter`).
-    requires_image: ClassVar[bool] = False
 
     def __init__(self, pipe: Any, *, source: str, lazy: Any = None) -> None:
         self.frame_step = pipe.vae_scale_factor_temporal
@@ -77,18 +75,6 @@ class HunyuanVideo15Adapter(VideoClips, FlowMatchAdapter):
             if asked is not None and asked != side:
                 raise ParamError(name, f"an image to video clip is {width}x{height}, its image's bucket; got {asked}")
         return width, height
-
-    def _strength(self, params: SamplingParams) -> float | None:
-        """Image to video: the image is the first frame's condition at every step (no strength)."""
-        if params.image is None:
-            if self.requires_image:
-                raise ParamError("image", f"the {self.family} family animates an image: send the first frame (image)")
-            return super()._strength(params)
-        if "first-frame" not in self.image_inputs:
-            raise ParamError("image", f"this {self.family} checkpoint makes videos from text; it takes no image")
-        if params.strength is not None:
-            raise ParamError("strength", "the first frame conditions every step; drop strength")
-        return None
 
     def batch_key(self, params: SamplingParams) -> Hashable:
         return (params.width, params.height, params.num_frames, params.image is not None)

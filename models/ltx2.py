@@ -87,8 +87,6 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
     default_num_frames: ClassVar[int] = 121
     default_fps: ClassVar[int] = 24
     TEXT_ENCODERS = ("text_encoder", "connectors")
-    # A checkpoint saved as the image-to-video pipeline animates images only (`LTX2I2VAdapter`).
-    requires_image: ClassVar[bool] = False
 
     def __init__(self, pipe: Any, *, source: str, lazy: Any = None) -> None:
         self.frame_step = pipe.vae_temporal_compression_ratio
@@ -154,16 +152,6 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
             blocks = tuple(sorted(set(blocks)))
         resolved["stg_blocks"] = blocks if blocks is not None else self.default_stg_blocks
         return resolved
-
-    def _strength(self, params: SamplingParams) -> float | None:
-        """Image to video: the image is the first frame, kept at every step (no strength)."""
-        if params.image is None:
-            if self.requires_image:
-                raise ParamError("image", f"the {self.family} family animates an image: send the first frame (image)")
-            return super()._strength(params)
-        if params.strength is not None:
-            raise ParamError("strength", "the first frame is kept at every step; drop strength")
-        return None
 
     def batch_key(self, params: SamplingParams) -> Hashable:
         # Rows of requests with and without each guidance pass share the calls: the token grid and its rate (the

@@ -20,6 +20,8 @@ class VideoClips:
     latent frame) and says how long a clip may be (`_max_frames`)."""
 
     modality: ClassVar[str]
+    family: ClassVar[str]
+    image_inputs: ClassVar[tuple[str, ...]]
     default_num_frames: ClassVar[int]
     default_fps: ClassVar[int]
     frame_step: int
@@ -27,8 +29,22 @@ class VideoClips:
     latent_rgb: Any
     vae_scale_factor: int
 
+    # A checkpoint whose every request animates an image (saved as an image-to-video pipeline).
+    requires_image: ClassVar[bool] = False
+
     def _max_frames(self) -> int:
         raise NotImplementedError
+
+    def _strength(self, params: SamplingParams) -> float | None:
+        """Image to video (where the checkpoint takes a "first-frame"): the image is the clip's first frame at every
+        step, so there is no strength. Other images are the flow-matching families' to refuse."""
+        if params.image is None and self.requires_image:
+            raise ParamError("image", f"the {self.family} family animates an image: send the first frame (image)")
+        if params.image is None or "first-frame" not in self.image_inputs:
+            return super()._strength(params)  # type: ignore[misc]
+        if params.strength is not None:
+            raise ParamError("strength", f"the {self.family} family keeps its first frame at every step; drop strength")
+        return None
 
     def _capabilities(self) -> Capabilities:
         return dataclasses.replace(

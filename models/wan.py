@@ -23,7 +23,7 @@ from diffusiond.models import families
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.inputs import open_rgb
-from diffusiond.models.params import MAX_FRAMES, ParamError, SamplingParams
+from diffusiond.models.params import MAX_FRAMES, SamplingParams
 from diffusiond.models.projections import ProjectionCache, tensor_digest, weights_version
 from diffusiond.models.sampler import SchedulerSampler
 from diffusiond.models.video_clips import VideoClips
@@ -179,13 +179,6 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
 
     def _latent_channels(self) -> int:
         return self.vae.config.z_dim
-
-    def _strength(self, params: SamplingParams) -> float | None:
-        if self.expand_timesteps and params.image is not None:  # TI2V: the image is the first frame
-            if params.strength is not None:
-                raise ParamError("strength", "the first frame is kept at every step; drop strength")
-            return None
-        return super()._strength(params)
 
     def _guidance_2(self, params: SamplingParams, guidance: float) -> float | None:
         if self.boundary is None:
@@ -411,6 +404,7 @@ class WanI2VAdapter(WanAdapter):
     as extra input channels at every step, and its CLIP image embedding is a second context for every block."""
 
     spec = families.WAN_I2V
+    requires_image = True
 
     def __init__(self, pipe: Any, *, source: str, lazy: Any = None) -> None:
         super().__init__(pipe, source=source, lazy=lazy)
@@ -421,13 +415,6 @@ class WanI2VAdapter(WanAdapter):
             raise ValueError(f"{source}: two experts with image cross-attention is not a layout Wan ships")
 
     def context_size(self, params: SamplingParams) -> Hashable:
-        return None
-
-    def _strength(self, params: SamplingParams) -> float | None:
-        if params.image is None:
-            raise ParamError("image", "the wan-i2v family animates an image: send the first frame (image)")
-        if params.strength is not None:
-            raise ParamError("strength", "the wan-i2v family starts from its image at every strength; drop strength")
         return None
 
     def _prepare_image(self, state: RequestState, rows: int) -> None:

@@ -216,7 +216,7 @@ HUNYUAN_VIDEO_15 = Family(
     "hunyuan-video-15",
     "hunyuan15:HunyuanVideo15Adapter",
     guidance_styles=("cfg",),
-    parallel=("cfg-parallel",),
+    parallel=("cfg-parallel", "ulysses"),
     modality="video",
     attention_masks=True,
 )
@@ -225,7 +225,7 @@ HUNYUAN_VIDEO_15_I2V = Family(
     "hunyuan-video-15-i2v",
     "hunyuan15:HunyuanVideo15I2VAdapter",
     guidance_styles=("cfg",),
-    parallel=("cfg-parallel",),
+    parallel=HUNYUAN_VIDEO_15.parallel,
     modality="video",
     image_inputs=("first-frame",),
     attention_masks=True,
@@ -279,6 +279,8 @@ KNOWN_CHECKPOINTS: dict[str, tuple[str, int]] = {
     "Qwen/Qwen-Image-Edit-2509": ("QwenImageEditPlusPipeline", 24),
     "Qwen/Qwen-Image-Edit-2511": ("QwenImageEditPlusPipeline", 24),
     "Lightricks/LTX-2": ("LTX2Pipeline", 32),
+    "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v": ("HunyuanVideo15Pipeline", 16),
+    "hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v": ("HunyuanVideo15ImageToVideoPipeline", 16),
 }
 
 

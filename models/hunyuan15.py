@@ -20,10 +20,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from diffusers.guiders.guider_utils import rescale_noise_cfg
 from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 from diffusers.utils.torch_utils import randn_tensor
 
+from diffusiond.kernels.ulysses import UlyssesGroup, ulysses_sdpa
 from diffusiond.models import families
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
@@ -214,6 +216,34 @@ class HunyuanVideo15Adapter(VideoClips, FlowMatchAdapter):
             r += 2 if self._guides_at(s) else 1
         return torch.cat(guided)
 
+    # ---- parallel ----
+
+    def enable_ulysses(self, group: UlyssesGroup) -> None:
+        """The frames x height x width tokens are sharded across `group` from the first block on (with their rotary
+        angles); each block's joint attention all-to-alls the video shard and keeps the text whole on every rank
+        (`UlyssesHunyuan15AttnProcessor`); the last block's video output is gathered for the output projection."""
+        self.ulysses_group = group
+        blocks = self.transformer.transformer_blocks
+        span: dict[str, int] = {}
+
+        def shard(module, args):
+            # The blocks are called positionally: (video, text, temb, text mask, (cos, sin)).
+            video, text, temb, mask, (cos, sin) = args
+            if module is blocks[0]:
+                span["start"], span["stop"] = group.split(video.shape[1])
+                video = video[:, span["start"] : span["stop"]]
+            local = slice(span["start"], span["stop"])
+            return (video, text, temb, mask, (cos[local], sin[local]))
+
+        def gather(module, args, output):
+            video, text = output
+            return group.gather_seq(video), text
+
+        for block in blocks:
+            block.attn.set_processor(UlyssesHunyuan15AttnProcessor(group))
+            block.register_forward_pre_hook(shard)
+        blocks[-1].register_forward_hook(gather)
+
     # ---- decode ----
 
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -224,6 +254,51 @@ class HunyuanVideo15Adapter(VideoClips, FlowMatchAdapter):
             return self._decode(latents[:, :, None])[:, :, 0]
         latents = latents.to(self.vae.dtype) / self.vae.config.scaling_factor
         return torch.cat([self.vae.decode(latents[i : i + 1], return_dict=False)[0] for i in range(len(latents))])
+
+
+class UlyssesHunyuan15AttnProcessor:
+    """diffusers' `HunyuanVideo15AttnProcessor2_0` over video tokens sharded across `g`: each rank projects, normalises
+    and rotates its shard, the text (its own projections) stays whole, and the attention runs over the whole
+    [video, text] sequence through the Ulysses all-to-all. The pipeline masks queries and keys of padded text; here
+    the keys only (a [B, 1, 1, L] mask, not [B, 1, L, L]): every video and real text token attends to exactly the same
+    keys, and the padded text rows, which no token ever reads, are not computed to zero."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, g: UlyssesGroup) -> None:
+        self.g = g
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.unflatten(2, (attn.heads, -1))  # [B, S, H, d]
+
+        query, key = attn.norm_q(heads(attn.to_q(hidden_states))), attn.norm_k(heads(attn.to_k(hidden_states)))
+        value = heads(attn.to_v(hidden_states))
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        text_query = heads(attn.add_q_proj(encoder_hidden_states))
+        text_key = heads(attn.add_k_proj(encoder_hidden_states))
+        if attn.norm_added_q is not None:
+            text_query = attn.norm_added_q(text_query)
+        if attn.norm_added_k is not None:
+            text_key = attn.norm_added_k(text_key)
+        text_value = heads(attn.add_v_proj(encoder_hidden_states))
+        video_len, text_len = sum(self.g.shards), encoder_hidden_states.shape[1]
+        mask = F.pad(attention_mask.bool(), (video_len, 0), value=True)[:, None, None, :]  # [B, 1, 1, S + T]
+        q, k, v = (
+            torch.cat([x, t], dim=1).transpose(1, 2)
+            for x, t in ((query, text_query), (key, text_key), (value, text_value))
+        )  # [B, H, S_local + T, d]
+        out = ulysses_sdpa(
+            q, k, v, self.g, replicated=text_len, replicated_first=False, backend=self._attention_backend,
+            attn_mask=mask,
+        )  # fmt: skip
+        out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)
+        video, text = out[:, :-text_len], out[:, -text_len:]
+        return attn.to_out[1](attn.to_out[0](video)), attn.to_add_out(text)
 
 
 class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):

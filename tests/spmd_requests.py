@@ -394,6 +394,35 @@ REQUESTS = {
             for i in range(3)
         ),
     ],
+    # HunyuanVideo-1.5: the requests with CFG at one size and those without at another, so that each batch is of
+    # one kind (the check counts two rows per request of a CFG batch); 48x48 x 9 frames: 27 tokens, an uneven split.
+    "hunyuan-video-15": [
+        SamplingParams(
+            prompt="a red cat", seed=1, width=64, height=64, num_frames=9, num_inference_steps=4, guidance_scale=6.0
+        ),
+        SamplingParams(
+            prompt='a sign that says "hello"',
+            negative_prompt="blurry",
+            seed=2,
+            width=64,
+            height=64,
+            num_frames=9,
+            num_inference_steps=3,
+            guidance_scale=3.0,
+        ),
+        *(
+            SamplingParams(
+                prompt=f"plain {i}" * (i + 1),
+                seed=10 + i,
+                width=48,
+                height=48,
+                num_frames=9,
+                num_inference_steps=2,
+                guidance_scale=1.0,
+            )
+            for i in range(3)
+        ),
+    ],
 }
 FIXTURES = {
     "sd3": "tiny_sd3",
@@ -410,4 +439,5 @@ FIXTURES = {
     "wan22": "tiny_wan22",
     "wan22-ti2v": "tiny_wan22_ti2v",
     "qwen-image-edit-plus": "tiny_qwenimage_edit_plus",
+    "hunyuan-video-15": "tiny_hunyuan15",
 }

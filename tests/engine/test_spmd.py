@@ -103,6 +103,7 @@ def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: boo
         ("wan22-ti2v", "ulysses"),
         ("qwen-image-edit-plus", "cfg"),
         ("qwen-image-21", "cfg"),
+        ("hunyuan-video-15", "ulysses"),
     ],
 )
 def test_two_ranks_match_one(family, strategy, request, tmp_path):

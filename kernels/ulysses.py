@@ -64,34 +64,41 @@ class UlyssesGroup:
 
     def split(self, total: int) -> tuple[int, int]:
         """Set this forward's shard sizes; returns (start, stop) of this rank's slice."""
-        base, extra = divmod(total, self.size)
-        self.shards = [base + (1 if j < extra else 0) for j in range(self.size)]
+        self.shards = self.split_sizes(total)
         start = sum(self.shards[: self.rank])
         return start, start + self.shards[self.rank]
 
-    def gather_seq(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """Inverse of the shard slicing: every rank gets the whole sequence. gloo's all_gather needs equal sizes, so
-        shards are padded to the largest and trimmed after."""
-        longest = max(self.shards)
+    def split_sizes(self, total: int) -> list[int]:
+        """Shard sizes of a sequence of `total` tokens, per rank (the first ranks take one more)."""
+        base, extra = divmod(total, self.size)
+        return [base + (1 if j < extra else 0) for j in range(self.size)]
+
+    def gather_seq(self, x: torch.Tensor, dim: int = 1, shards: list[int] | None = None) -> torch.Tensor:
+        """Inverse of the shard slicing: every rank gets the whole sequence (`shards`: of another sequence than this
+        forward's image, LTX-2's audio). gloo's all_gather needs equal sizes, so shards are padded to the largest and
+        trimmed after."""
+        shards = self.shards if shards is None else shards
+        longest = max(shards)
         if x.shape[dim] < longest:
             pad = list(x.shape)
             pad[dim] = longest - x.shape[dim]
             x = torch.cat([x, x.new_zeros(pad)], dim=dim)
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in self.shards]
+        parts = [torch.empty_like(x) for _ in shards]
         with collective("ulysses all_gather"):
             dist.all_gather(parts, x, group=self.group)
-        return torch.cat([p.narrow(dim, 0, size) for p, size in zip(parts, self.shards, strict=True)], dim=dim)
+        return torch.cat([p.narrow(dim, 0, size) for p, size in zip(parts, shards, strict=True)], dim=dim)
 
 
-def _seq_to_heads(x: torch.Tensor, g: UlyssesGroup) -> torch.Tensor:
+def _seq_to_heads(x: torch.Tensor, g: UlyssesGroup, shards: list[int] | None = None) -> torch.Tensor:
     """[B, H, S_local, d] (my sequence shard, all heads) -> [B, H/U, S_block, d] (my Ulysses subgroup's whole
-    block of the sequence: the whole sequence without a ring; my heads)."""
+    block of the sequence: the whole sequence without a ring; my heads). `shards`: every rank's shard of a sequence
+    other than this forward's image (no ring)."""
     n = g.ulysses_size
     if n == 1:
         return x
     b, h, s_local, d = x.shape
-    shards = g.block(g.ring_rank)
+    shards = g.block(g.ring_rank) if shards is None else shards
     send = x.reshape(b, n, h // n, s_local, d).transpose(0, 1).contiguous()  # [N, B, H/N, S_local, d]
     recv = [x.new_empty(b, h // n, s, d) for s in shards]
     sizes_out = [t.numel() for t in recv]
@@ -102,15 +109,16 @@ def _seq_to_heads(x: torch.Tensor, g: UlyssesGroup) -> torch.Tensor:
     return torch.cat(chunks, dim=2)
 
 
-def _heads_to_seq(x: torch.Tensor, g: UlyssesGroup) -> torch.Tensor:
+def _heads_to_seq(x: torch.Tensor, g: UlyssesGroup, shards: list[int] | None = None) -> torch.Tensor:
     """[B, H/U, S_block, d] -> [B, H, S_local, d]: the inverse of `_seq_to_heads`."""
     n = g.ulysses_size
     if n == 1:
         return x
     b, hn, _, d = x.shape
-    parts = [p.contiguous() for p in x.split(g.block(g.ring_rank), dim=2)]  # part j goes back to rank j
+    block = g.block(g.ring_rank) if shards is None else shards
+    parts = [p.contiguous() for p in x.split(block, dim=2)]  # part j goes back to rank j
     send = torch.cat([p.view(-1) for p in parts])
-    s_local = g.shards[g.rank]
+    s_local = block[g.ulysses_rank] if shards is not None else g.shards[g.rank]
     out = x.new_empty(n * b * hn * s_local * d)
     with collective("ulysses all_to_all"):
         dist.all_to_all_single(out, send, [b * hn * s_local * d] * n, [p.numel() for p in parts], group=g.ulysses_group)
@@ -169,6 +177,27 @@ def ulysses_sdpa(
             dist.all_gather(gathered, rep.contiguous(), group=g.ulysses_group)
         rep = torch.cat(gathered, dim=1)  # [B, H, T, d]
     return torch.cat([rep, img] if replicated_first else [img, rep], dim=2)
+
+
+def ulysses_cross(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: UlyssesGroup,
+    *,
+    q_shards: list[int],
+    kv_shards: list[int],
+    backend: object = None,
+) -> torch.Tensor:
+    """Attention of one sharded sequence over another, each with its own shard sizes (LTX-2: video over audio and
+    audio over video; a self-attention passes the same sizes twice). q: [B, H, Sq_local, d], k, v:
+    [B, H, Skv_local, d] -> [B, H, Sq_local, d]. Both go to the whole sequences for H/U heads and the output comes
+    back to the query's shard: no ring, no mask, nothing replicated."""
+    if g.ring_size > 1:
+        raise ValueError("attention across two sharded sequences does not run with ring attention")
+    k, v = _seq_to_heads(k, g, kv_shards), _seq_to_heads(v, g, kv_shards)
+    out = attention(_seq_to_heads(q, g, q_shards), k, v, backend)
+    return _heads_to_seq(out.contiguous(), g, q_shards)
 
 
 def shard_output(module: torch.nn.Module, g: UlyssesGroup, dim: int = 1) -> None:

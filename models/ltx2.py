@@ -37,7 +37,8 @@ from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 from PIL import Image
 
-from diffusiond.models import families
+from diffusiond.kernels.ulysses import UlyssesGroup
+from diffusiond.models import families, ltx2_ulysses
 from diffusiond.models.base import Capabilities, RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.inputs import open_rgb
@@ -359,6 +360,19 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
                 guided[0] = guided[0] * (1 - s.cond["first_frame"]).unsqueeze(-1)
             out.append(torch.cat([g.flatten(1) for g in guided], dim=1))
         return torch.cat(out)
+
+    # ---- parallel ----
+
+    def attention_heads(self) -> int | None:
+        """What a Ulysses degree must divide: the video's heads and the audio's (which the audio <-> video
+        cross-attentions use too)."""
+        config = self.transformer.config
+        return math.gcd(config.num_attention_heads, config.audio_num_attention_heads)
+
+    def enable_ulysses(self, group: UlyssesGroup) -> None:
+        """Video and audio tokens both sharded across `group` (models/ltx2_ulysses.py)."""
+        self.ulysses_group = group
+        ltx2_ulysses.enable(self.transformer, group)
 
     # ---- decode ----
 

@@ -157,9 +157,6 @@ class QwenImageAdapter(FlowMatchAdapter):
         return stepcache.qwen_forward(self.cache_method, self.transformer, batched, shared, rows, states)
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:
-        if self.transformer.config.get("zero_cond_t", False):
-            # Edit checkpoints modulate each token by whether it is the image's or the reference's: not sharded yet.
-            raise ValueError("Ulysses is not supported for Qwen-Image checkpoints with zero_cond_t yet")
         self.ulysses_group = group
         self.transformer.set_attn_processor(UlyssesQwenAttnProcessor(group))
 
@@ -168,7 +165,18 @@ class QwenImageAdapter(FlowMatchAdapter):
             start, stop = group.split(kwargs["hidden_states"].shape[1])
             return args, {**kwargs, "hidden_states": kwargs["hidden_states"][:, start:stop]}
 
+        def shard_modulation(module, args, kwargs):
+            # Edit-2511 (`zero_cond_t`): which modulation each image token takes (the noise's, or timestep 0's for
+            # the input images' tokens), [B, S], sharded with the tokens.
+            index = kwargs.get("modulate_index")
+            if index is None:
+                return None
+            start = sum(group.shards[: group.rank])
+            return args, {**kwargs, "modulate_index": index[:, start : start + group.shards[group.rank]]}
+
         self.transformer.register_forward_pre_hook(shard_inputs, with_kwargs=True)
+        for block in self.transformer.transformer_blocks:
+            block.register_forward_pre_hook(shard_modulation, with_kwargs=True)
         gather_output(self.transformer.proj_out, group)
 
 

@@ -439,5 +439,8 @@ FIXTURES = {
     "wan22": "tiny_wan22",
     "wan22-ti2v": "tiny_wan22_ti2v",
     "qwen-image-edit-plus": "tiny_qwenimage_edit_plus",
+    "qwen-image-edit-2511": "tiny_qwenimage_edit_2511",
     "hunyuan-video-15": "tiny_hunyuan15",
 }
+# Edit-2511's layout (`zero_cond_t`: the input images' tokens modulated at timestep 0): Edit-Plus's requests.
+REQUESTS["qwen-image-edit-2511"] = REQUESTS["qwen-image-edit-plus"]

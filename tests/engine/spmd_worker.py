@@ -77,12 +77,16 @@ def record_forwards(adapter) -> list[dict]:
         else:
             tokens = first.shape[0] if first.dim() == 2 else (first.shape[-2] // patch) * (first.shape[-1] // patch)
         forwards[-1]["calls"].append({"rows": len(hs), "tokens": tokens})
+        if "audio_hidden_states" in kwargs:  # LTX-2: the audio tokens, sharded with the video's
+            forwards[-1]["calls"][-1]["audio"] = kwargs["audio_hidden_states"].shape[1]
 
     def on_block(module, args, kwargs):
         hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [B, S_local, D]
         if not forwards[-1]["calls"]:  # the step cache's forward calls the blocks, not the transformer's forward
             forwards[-1]["calls"].append({"rows": hs.shape[0], "tokens": None})
         forwards[-1]["calls"][-1].setdefault("block_tokens", hs.shape[1])
+        if "audio_hidden_states" in kwargs:
+            forwards[-1]["calls"][-1].setdefault("audio_block_tokens", kwargs["audio_hidden_states"].shape[1])
         group = getattr(adapter, "ulysses_group", None)
         if group is not None:  # the whole sequence the shards make (Z-Image's: image and caption tokens)
             forwards[-1]["calls"][-1].setdefault("block_total", sum(group.shards))

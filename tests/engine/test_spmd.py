@@ -102,6 +102,8 @@ def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: boo
         ("wan22-ti2v", "cfg"),
         ("wan22-ti2v", "ulysses"),
         ("qwen-image-edit-plus", "cfg"),
+        ("qwen-image-edit-plus", "ulysses"),
+        ("qwen-image-edit-2511", "ulysses"),
         ("qwen-image-21", "cfg"),
         ("hunyuan-video-15", "ulysses"),
     ],
@@ -349,28 +351,40 @@ def _row_split_requests(family: str) -> list[SamplingParams]:
         SamplingParams(prompt="a red cat", seed=1, num_inference_steps=4, **video),
         SamplingParams(prompt="a blue dog", negative_prompt="blurry", seed=2, num_inference_steps=3, **video, **second),
         *(SamplingParams(prompt=f"plain {i}", seed=10 + i, num_inference_steps=2, **video, **plain) for i in range(3)),
+        SamplingParams(prompt="one", seed=3, num_inference_steps=2, width=64, height=64, num_frames=1),
     ]
 
 
-@pytest.mark.parametrize(("family", "fixture"), [("ltx2", "tiny_ltx2"), ("hunyuan-video-15", "tiny_hunyuan15")])
-def test_cfg_parallel_splits_a_step_s_rows_and_matches_one_rank(family, fixture, request, tmp_path):
+@pytest.mark.parametrize(
+    ("family", "fixture", "strategy"),
+    [("ltx2", "tiny_ltx2", "cfg"), ("ltx2", "tiny_ltx2", "ulysses"), ("hunyuan-video-15", "tiny_hunyuan15", "cfg")],
+)
+def test_a_step_s_rows_split_and_match_one_rank(family, fixture, strategy, request, tmp_path):
     """Families whose steps mix rows freely (LTX-2: up to three passes, CFG rows, STG and modality isolation;
     HunyuanVideo-1.5: a negative row only where a request guides at that step): with --cfg-parallel 2 the step's
     rows are split between the ranks, each computing half of them (a split that computes everything on both ranks:
-    red), and the frames (and LTX-2's sound) equal one rank's."""
+    red); with --ulysses 2 (LTX-2) every rank runs every row over its half of the video tokens and of the audio
+    tokens. The frames (and LTX-2's sound) equal one rank's."""
     model = request.getfixturevalue(fixture)
     requests = _row_split_requests(family)
     sounds: list = []
     expected = one_rank(model, requests, sounds=sounds if family == "ltx2" else None)
-    got, forwards = two_ranks(model, tmp_path, 2, 1, requests)
+    got, forwards = two_ranks(model, tmp_path, *((2, 1) if strategy == "cfg" else (1, 2)), requests)
     for i, (params, a, b) in enumerate(zip(requests, expected, got, strict=True)):
         diffs = [float(np.abs(a - b).max())]
         if sounds:
             diffs.append(float(np.abs(sounds[i] - np.load(tmp_path / f"{i}.audio.npy")).max()))
-        print(f"{family}/cfg {params.prompt!r}: max abs diff {diffs}")
+        print(f"{family}/{strategy} {params.prompt!r}: max abs diff {diffs}")
         assert max(diffs) <= TOLERANCE, (params.prompt, diffs)
     for steps in zip(*forwards, strict=True):
         rows = [sum(c["rows"] for c in f["calls"]) for f in steps]
-        # Each rank its half (the first the odd row), where one rank alone computes them all.
-        assert rows == [(steps[0]["rows"] + 1) // 2, steps[0]["rows"] // 2], steps
+        if strategy == "cfg":
+            # Each rank its half (the first the odd row), where one rank alone computes them all.
+            assert rows == [(steps[0]["rows"] + 1) // 2, steps[0]["rows"] // 2], steps
+            continue
+        assert rows == [steps[0]["rows"]] * 2, steps  # every row on both ranks
+        for calls in zip(*(f["calls"] for f in steps), strict=True):  # each call: the tokens halved
+            for whole, part in (("block_total", "block_tokens"), ("audio", "audio_block_tokens")):
+                local = [c[part] for c in calls]
+                assert sum(local) == calls[0][whole] and max(local) - min(local) <= 1, calls
     assert max(f["rows"] for f in forwards[0]) >= 6  # steps with several requests (and passes)

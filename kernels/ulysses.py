@@ -13,6 +13,7 @@ models/ holds its processor: its own diffusers processor step by step, the atten
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -135,11 +136,14 @@ def ulysses_sdpa(
     replicated_first: bool,
     backend: object = None,
     attn_mask: torch.Tensor | None = None,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention over the whole sequence from per-rank shards. q, k, v: [B, H, L_local, d] where `replicated` tokens
     (text, identical on every rank) sit before (`replicated_first`) or after this rank's image shard. `backend`: the
     attention kernel (kernels/attention.py; None: SDPA). `attn_mask`: over the whole joint sequence, in the same
-    order ([B, 1, 1, T + S] key padding: every rank attends over every key)."""
+    order ([B, 1, 1, T + S] key padding: every rank attends over every key). `attend`: the family's own attention
+    over the whole sequence for this rank's heads ([B, H/U, T + S, d] each, Qwen-Image 2.1's block-causal
+    segments), in place of one masked call."""
     h, u = q.shape[1], g.ulysses_size
     heads = slice(g.ulysses_rank * h // u, (g.ulysses_rank + 1) * h // u)
 
@@ -154,13 +158,15 @@ def ulysses_sdpa(
         return torch.cat([rep, img] if replicated_first else [img, rep], dim=2)  # [B, H/N, T + S, d]
 
     if g.ring_size > 1:
-        if attn_mask is not None:
+        if attn_mask is not None or attend is not None:
             raise ValueError("ring attention takes no attention mask")
         out = ring_attention(
             full(q), full(k), full(v), group=g.ring, rank=g.ring_rank, size=g.ring_size,
             blocks=[sum(g.block(r)) for r in range(g.ring_size)], replicated=replicated,
             replicated_first=replicated_first,
         )  # fmt: skip
+    elif attend is not None:
+        out = attend(full(q), full(k), full(v))
     else:
         out = attention(full(q), full(k), full(v), backend, attn_mask)
     total_img = out.shape[2] - replicated

@@ -155,14 +155,14 @@ QWEN_IMAGE_EDIT = Family(
     needs=QWEN_IMAGE_EDIT_PLUS.needs,
 )
 # Qwen-Image 2.1: a Qwen3-VL text encoder and a single-stream block-causal transformer whose 16x VAE decodes RGBA.
-# Text to image, and conditioned on one to three images; CFG-parallel (models/qwenimage21.py says what is not
-# served yet).
+# Text to image, and conditioned on one to three images; CFG-parallel and Ulysses (models/qwenimage21.py says what
+# is not served yet).
 QWEN_IMAGE_21 = Family(
     "QwenImage21Pipeline",
     "qwen-image-21",
     "qwenimage21:QwenImage21Adapter",
     guidance_styles=("true-cfg",),
-    parallel=("cfg-parallel",),
+    parallel=("cfg-parallel", "ulysses"),
     image_inputs=("edit", "references"),
     attention_masks=True,
     needs=("torchvision",),

@@ -20,8 +20,10 @@ prefix is computed again at every step, which gives the same images (measured: e
 text's share of each forward.
 
 On several ranks: CFG-parallel (each rank one row of every true-CFG request, or half of a batch's requests without
-it). Not served yet: LoRA, step caches, the other parallel strategies, and checkpoints that fix their schedule
-(`sample_sigmas`).
+it), and Ulysses: the target image's tokens are sharded (the text and condition-image prefix stays whole on every
+rank, as other families' text does) and each block's block-causal attention runs over the whole sequence for the
+rank's heads. Not served yet: LoRA, step caches, the other parallel strategies, and checkpoints that fix their
+schedule (`sample_sigmas`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import torch
 from diffusers import QwenImage21Pipeline
 from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
 
+from diffusiond.kernels.attention import attention
+from diffusiond.kernels.ulysses import UlyssesGroup, ulysses_sdpa
 from diffusiond.models import families
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
@@ -218,6 +222,40 @@ class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
             out[torch.tensor(ks, device=self.device)] = pred
         return out
 
+    def enable_ulysses(self, group: UlyssesGroup) -> None:
+        """The target image's tokens (the joint sequence's suffix) sharded across `group` from the first block on,
+        with their rotary angles and modulation rows; the prefix (text and condition images) stays whole on every
+        rank; the last block's output is gathered."""
+        self.ulysses_group = group
+        blocks = self.transformer.transformer_blocks
+        span: dict[str, int] = {}
+
+        def local(x: torch.Tensor, dim: int) -> torch.Tensor:  # the prefix and this rank's part of the target
+            prefix, start, stop = span["prefix"], span["start"], span["stop"]
+            whole = x.narrow(dim, 0, prefix)
+            return torch.cat([whole, x.narrow(dim, prefix + start, stop - start)], dim=dim)
+
+        def shard(module, args, kwargs):
+            kwargs = dict(kwargs)
+            if module is blocks[0]:
+                segments = kwargs["segments"]
+                span["prefix"] = group.text_len = segments[-1][1] if segments else 0
+                span["start"], span["stop"] = group.split(kwargs["hidden_states"].shape[1] - span["prefix"])
+                kwargs["hidden_states"] = local(kwargs["hidden_states"], 1)
+            kwargs["rotary_emb"] = local(kwargs["rotary_emb"], 0)
+            if kwargs.get("target_token_mask") is not None:  # `causal_condition`: the prefix modulates from t = 0
+                kwargs["target_token_mask"] = local(kwargs["target_token_mask"], 0)
+            return args, kwargs
+
+        def gather(module, args, output):
+            prefix = span["prefix"]
+            return torch.cat([output[:, :prefix], group.gather_seq(output[:, prefix:])], dim=1)
+
+        for block in blocks:
+            block.attn.set_processor(UlyssesQwen21AttnProcessor(group))
+            block.register_forward_pre_hook(shard, with_kwargs=True)
+        blocks[-1].register_forward_hook(gather)
+
     def _unpack(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # [B, seq, C] -> [B, C, 1, h, w] -> one frame [B, C, h, w]
         return QwenImage21Pipeline._unpack_latents(latents, params.height, params.width, self.vae_scale_factor)[:, :, 0]
@@ -229,3 +267,57 @@ class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
         mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         std = torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         return self.vae.decode(latents * std + mean, return_dict=False)[0][:, :, 0]
+
+
+class UlyssesQwen21AttnProcessor:
+    """diffusers' `QwenImage21AttnProcessor` (the prefill path: no KV cache) over a sequence whose target-image
+    suffix is sharded across `g`: each rank projects, normalises and rotates its tokens, and the block-causal
+    attention (each prefix segment over the keys up to its end, text segments causal within themselves, the target
+    over every key; padded text keys dropped) runs over the whole sequence for the rank's heads."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, g: UlyssesGroup) -> None:
+        self.g = g
+
+    def __call__(
+        self,
+        attn,
+        hidden_states,
+        attention_mask=None,
+        rotary_emb=None,
+        layer_cache=None,
+        kv_cache_mode=None,
+        cache_write_slice=None,
+        segments=None,
+        key_valid=None,
+    ):
+        from diffusers.models.transformers.transformer_qwenimage21 import _qwenimage21_prepare_qkv
+
+        if layer_cache is not None or segments is None:
+            raise ValueError("Qwen-Image 2.1 under Ulysses runs without its prefix KV cache and flex attention")
+        query, key, value, _ = _qwenimage21_prepare_qkv(attn, hidden_states, rotary_emb, None, None, None)
+        prefix = segments[-1][1] if segments else 0
+        # SDPA, as the stock processor (its causal triangles are masks no varlen kernel takes).
+        backend = None
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [B, H/N, P + S, d]
+            outputs = []
+            for start, end, is_text in segments:
+                mask = None
+                if is_text:  # everything before the segment, and a causal triangle over its own keys
+                    ones = torch.ones(end - start, end, dtype=torch.bool, device=q.device)
+                    mask = torch.cat([ones[:, :start], torch.tril(ones[:, start:])], dim=1)[None, None]
+                if key_valid is not None:
+                    valid = key_valid[:, None, None, :end]
+                    mask = valid if mask is None else mask & valid
+                outputs.append(attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], backend, mask))
+            valid = None if key_valid is None else key_valid[:, None, None, :]
+            outputs.append(attention(q[:, :, prefix:], k, v, backend, valid))
+            return torch.cat(outputs, dim=2)
+
+        q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [B, H, P + S_local, d]
+        out = ulysses_sdpa(q, k, v, self.g, replicated=prefix, replicated_first=True, attend=attend)
+        out = out.transpose(1, 2).flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))

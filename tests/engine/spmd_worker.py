@@ -90,6 +90,8 @@ def record_forwards(adapter) -> list[dict]:
         group = getattr(adapter, "ulysses_group", None)
         if group is not None:  # the whole sequence the shards make (Z-Image's: image and caption tokens)
             forwards[-1]["calls"][-1].setdefault("block_total", sum(group.shards))
+            # What every rank holds whole beside its shard in the blocks' sequence (Qwen-Image 2.1's prefix).
+            forwards[-1]["calls"][-1].setdefault("block_replicated", group.text_len)
 
     real_decode, real_strips = adapter.decode_latents, adapter.decode_strips
 

@@ -126,6 +126,41 @@ def test_two_ranks_match_one(family, strategy, request, tmp_path):
         assert diff <= TOLERANCE, f"{family}/{strategy} {params.prompt!r}: max abs diff {diff}"
 
 
+def test_qwen_image_21_ulysses_shards_the_target_image(tiny_qwenimage21, tmp_path):
+    """Qwen-Image 2.1's blocks see one sequence, [text and condition images, target image], attended block-causally:
+    under --ulysses 2 each rank keeps the prefix whole and holds half of the target's tokens (both ranks holding all
+    of them: red), in every call of a step (one per text layout), and the images equal one rank's, a request
+    conditioned on an image (image segments in the prefix) among them."""
+    requests = [
+        *REQUESTS["qwen-image-21"],
+        SamplingParams(
+            prompt="make it blue",
+            negative_prompt="blurry",
+            true_cfg_scale=2.0,
+            image=picture(64, 48, seed=3),
+            seed=7,
+            width=64,
+            height=64,
+            num_inference_steps=2,
+        ),
+    ]
+    expected = one_rank(tiny_qwenimage21, requests)
+    got, forwards = two_ranks(tiny_qwenimage21, tmp_path, 1, 2, requests)
+    for params, a, b in zip(requests, expected, got, strict=True):
+        diff = float(np.abs(a - b).max())
+        print(f"qwen-image-21/ulysses {params.prompt!r}: max abs diff {diff:.2e}")
+        assert diff <= TOLERANCE, (params.prompt, diff)
+    several = False
+    for steps in zip(*forwards, strict=True):
+        several |= len(steps[0]["calls"]) > 1
+        for calls in zip(*(f["calls"] for f in steps), strict=True):
+            assert len({(c["rows"], c["block_replicated"]) for c in calls}) == 1, calls
+            target = [c["block_tokens"] - c["block_replicated"] for c in calls]
+            assert calls[0]["block_replicated"] > 0 and sum(target) == calls[0]["block_total"], calls
+            assert max(target) - min(target) <= 1, calls
+    assert several, "steps with rows of several text layouts"
+
+
 @pytest.mark.parametrize(
     ("family", "ulysses", "ring"),
     [("sd3", 1, 2), ("flux", 1, 2), ("wan", 1, 2), ("flux2-klein", 1, 2), ("flux2", 1, 2), ("flux", 2, 2)],

@@ -440,7 +440,16 @@ FIXTURES = {
     "wan22-ti2v": "tiny_wan22_ti2v",
     "qwen-image-edit-plus": "tiny_qwenimage_edit_plus",
     "qwen-image-edit-2511": "tiny_qwenimage_edit_2511",
+    "qwen-image-edit": "tiny_qwenimage_edit",
     "hunyuan-video-15": "tiny_hunyuan15",
 }
 # Edit-2511's layout (`zero_cond_t`: the input images' tokens modulated at timestep 0): Edit-Plus's requests.
 REQUESTS["qwen-image-edit-2511"] = REQUESTS["qwen-image-edit-plus"]
+# The first Qwen-Image-Edit: one image per request, no references.
+REQUESTS["qwen-image-edit"] = [
+    edit(prompt="make it red", strength=None, negative_prompt="blurry", true_cfg_scale=3.0, num_inference_steps=3),
+    *(
+        edit(prompt=f"plain edit {i}", image=picture(80, 64, seed=i), strength=None, seed=10 + i, num_inference_steps=2)
+        for i in range(2)
+    ),
+]

@@ -104,6 +104,8 @@ def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: boo
         ("qwen-image-edit-plus", "cfg"),
         ("qwen-image-edit-plus", "ulysses"),
         ("qwen-image-edit-2511", "ulysses"),
+        ("qwen-image-edit", "cfg"),
+        ("qwen-image-edit", "ulysses"),
         ("qwen-image-21", "cfg"),
         ("hunyuan-video-15", "ulysses"),
     ],
@@ -378,32 +380,47 @@ def test_stochastic_sampling_agrees_across_ranks(strategy, request, tmp_path):
 
 
 def _row_split_requests(family: str) -> list[SamplingParams]:
-    """Requests with CFG and without (LTX-2: with STG and an image too), of one size and frame count."""
-    video = {"width": 64, "height": 64, "num_frames": 9}
-    plain = {"guidance_scale": 1.0, "audio_guidance_scale": 1.0} if family == "ltx2" else {"guidance_scale": 1.0}
-    second = {"stg_blocks": (1,), "image": picture(64, 64, seed=2)} if family == "ltx2" else {}
+    """Requests with CFG and without (LTX-2: with STG and an image too), of one size and frame count, and a
+    one-frame clip. Image-to-video checkpoints: every request with an image (HunyuanVideo-1.5's sized by it)."""
+    ltx2, i2v = family.startswith("ltx2"), family.endswith("-i2v")
+    size = {} if family == "hunyuan-video-15-i2v" else {"width": 64, "height": 64}
+
+    def clip(seed: int, frames: int = 9, **fields) -> SamplingParams:
+        image = {"image": picture(64, 64, seed=seed)} if i2v else {}
+        return SamplingParams(**{"seed": seed, "num_frames": frames, **size, **image, **fields})
+
+    plain = {"guidance_scale": 1.0, "audio_guidance_scale": 1.0} if ltx2 else {"guidance_scale": 1.0}
+    second = {"stg_blocks": (1,), "image": picture(64, 64, seed=2)} if ltx2 else {}
     return [
-        SamplingParams(prompt="a red cat", seed=1, num_inference_steps=4, **video),
-        SamplingParams(prompt="a blue dog", negative_prompt="blurry", seed=2, num_inference_steps=3, **video, **second),
-        *(SamplingParams(prompt=f"plain {i}", seed=10 + i, num_inference_steps=2, **video, **plain) for i in range(3)),
-        SamplingParams(prompt="one", seed=3, num_inference_steps=2, width=64, height=64, num_frames=1),
+        clip(1, prompt="a red cat", num_inference_steps=4),
+        clip(2, prompt="a blue dog", negative_prompt="blurry", num_inference_steps=3, **second),
+        *(clip(10 + i, prompt=f"plain {i}", num_inference_steps=2, **plain) for i in range(3)),
+        clip(3, frames=1, prompt="one", num_inference_steps=2),
     ]
 
 
 @pytest.mark.parametrize(
     ("family", "fixture", "strategy"),
-    [("ltx2", "tiny_ltx2", "cfg"), ("ltx2", "tiny_ltx2", "ulysses"), ("hunyuan-video-15", "tiny_hunyuan15", "cfg")],
+    [
+        ("ltx2", "tiny_ltx2", "cfg"),
+        ("ltx2", "tiny_ltx2", "ulysses"),
+        ("ltx2-i2v", "tiny_ltx2_i2v", "cfg"),
+        ("ltx2-i2v", "tiny_ltx2_i2v", "ulysses"),
+        ("hunyuan-video-15", "tiny_hunyuan15", "cfg"),
+        ("hunyuan-video-15-i2v", "tiny_hunyuan15_i2v", "cfg"),
+        ("hunyuan-video-15-i2v", "tiny_hunyuan15_i2v", "ulysses"),
+    ],
 )
 def test_a_step_s_rows_split_and_match_one_rank(family, fixture, strategy, request, tmp_path):
     """Families whose steps mix rows freely (LTX-2: up to three passes, CFG rows, STG and modality isolation;
     HunyuanVideo-1.5: a negative row only where a request guides at that step): with --cfg-parallel 2 the step's
     rows are split between the ranks, each computing half of them (a split that computes everything on both ranks:
-    red); with --ulysses 2 (LTX-2) every rank runs every row over its half of the video tokens and of the audio
-    tokens. The frames (and LTX-2's sound) equal one rank's."""
+    red); with --ulysses 2 every rank runs every row over its half of the video tokens (LTX-2: and of the audio
+    tokens). The frames (and LTX-2's sound) equal one rank's. Text and image-to-video checkpoints alike."""
     model = request.getfixturevalue(fixture)
     requests = _row_split_requests(family)
     sounds: list = []
-    expected = one_rank(model, requests, sounds=sounds if family == "ltx2" else None)
+    expected = one_rank(model, requests, sounds=sounds if family.startswith("ltx2") else None)
     got, forwards = two_ranks(model, tmp_path, *((2, 1) if strategy == "cfg" else (1, 2)), requests)
     for i, (params, a, b) in enumerate(zip(requests, expected, got, strict=True)):
         diffs = [float(np.abs(a - b).max())]
@@ -420,6 +437,8 @@ def test_a_step_s_rows_split_and_match_one_rank(family, fixture, strategy, reque
         assert rows == [steps[0]["rows"]] * 2, steps  # every row on both ranks
         for calls in zip(*(f["calls"] for f in steps), strict=True):  # each call: the tokens halved
             for whole, part in (("block_total", "block_tokens"), ("audio", "audio_block_tokens")):
+                if whole not in calls[0]:  # no audio (HunyuanVideo-1.5)
+                    continue
                 local = [c[part] for c in calls]
                 assert sum(local) == calls[0][whole] and max(local) - min(local) <= 1, calls
     assert max(f["rows"] for f in forwards[0]) >= 6  # steps with several requests (and passes)

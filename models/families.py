@@ -85,8 +85,7 @@ FLUX_KONTEXT = Family(
     parallel=FLUX.parallel,
     cache_methods=FLUX.cache_methods,
     image_inputs=("edit",),
-    # Not checked against its pipeline yet (edits with LoRA).
-    lora=False,
+    lora=True,
 )
 FLUX2_KLEIN = Family(
     "Flux2KleinPipeline",
@@ -141,6 +140,7 @@ QWEN_IMAGE_EDIT_PLUS = Family(
     guidance_styles=("true-cfg", "distilled"),
     parallel=("cfg-parallel", "ulysses"),
     image_inputs=("edit", "references"),
+    lora=True,
     attention_masks=True,
     needs=("torchvision",),
 )
@@ -151,6 +151,7 @@ QWEN_IMAGE_EDIT = Family(
     guidance_styles=QWEN_IMAGE_EDIT_PLUS.guidance_styles,
     parallel=QWEN_IMAGE_EDIT_PLUS.parallel,
     image_inputs=("edit",),
+    lora=QWEN_IMAGE_EDIT_PLUS.lora,
     attention_masks=True,
     needs=QWEN_IMAGE_EDIT_PLUS.needs,
 )
@@ -164,6 +165,7 @@ QWEN_IMAGE_21 = Family(
     guidance_styles=("true-cfg",),
     parallel=("cfg-parallel", "ulysses"),
     image_inputs=("edit", "references"),
+    lora=True,
     attention_masks=True,
     needs=("torchvision",),
 )
@@ -305,8 +307,8 @@ def families_table() -> str:
         return ", ".join(values) or "-"
 
     lines = [
-        "| `_class_name` | family | output | guidance | parallel | step cache | image inputs | needs |",
-        "|---|---|---|---|---|---|---|---|",
+        "| `_class_name` | family | output | guidance | parallel | step cache | LoRA | image inputs | needs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, f in FAMILIES.items():
         cells = [
@@ -316,6 +318,7 @@ def families_table() -> str:
             listed(f.guidance_styles),
             listed(f.parallel),
             listed(f.cache_methods),
+            "yes" if f.lora else "-",
             listed(f.image_inputs),
             listed(f.needs),
         ]

@@ -22,8 +22,8 @@ text's share of each forward.
 On several ranks: CFG-parallel (each rank one row of every true-CFG request, or half of a batch's requests without
 it), and Ulysses: the target image's tokens are sharded (the text and condition-image prefix stays whole on every
 rank, as other families' text does) and each block's block-causal attention runs over the whole sequence for the
-rank's heads. Not served yet: LoRA, step caches, the other parallel strategies, and checkpoints that fix their
-schedule (`sample_sigmas`).
+rank's heads. LoRA per request in every call. Not served yet: step caches, the other parallel strategies, and
+checkpoints that fix their schedule (`sample_sigmas`).
 """
 
 from __future__ import annotations
@@ -218,7 +218,8 @@ class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
                 "timestep": timestep[index],
                 "encoder_hidden_states": torch.stack([states[i].rows[r] for i, r in (members[k] for k in ks)]),
             }
-            pred = self._call(batched, {"img_shapes": [shapes] * len(ks), "img_mask": img_mask})[:, -seq:]
+            with self._lora_rows([self._lora_of(states[members[k][0]]) for k in ks]):
+                pred = self._call(batched, {"img_shapes": [shapes] * len(ks), "img_mask": img_mask})[:, -seq:]
             out[torch.tensor(ks, device=self.device)] = pred
         return out
 

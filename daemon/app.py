@@ -30,6 +30,7 @@ from diffusiond.daemon.connections import CONNECTIONS, PROBES, ConnectionGuard, 
 from diffusiond.daemon.edge import READ_BUDGET, ReadBudget, edge_middleware
 from diffusiond.daemon.handover import CARRIED, carry_over
 from diffusiond.daemon.image_encoding import encoder_pool
+from diffusiond.daemon.listener import served_marker
 from diffusiond.daemon.native_api import native_limit
 from diffusiond.daemon.openapi import document
 from diffusiond.daemon.state import ENCODERS, LOAD, METRICS, STATE, ServerState
@@ -68,7 +69,7 @@ def create_app(config: ServeConfig, *, load: Loader | None = None, healing: bool
     )
     app[CONNECTIONS] = guard
     app[CARRIED] = {}
-    app[STATE] = ServerState(config)
+    app[STATE] = ServerState(config, healing=healing)
     app[READ_BUDGET] = ReadBudget(config.max_reading_bytes)
     app[METRICS] = Metrics()
     app[LOAD] = load or _default_loader(config)
@@ -151,16 +152,16 @@ async def _load(app: web.Application) -> None:
             version=__version__,
         )
         state.attach(engine)
-        # Warm-up through the whole path, not a user request (no metrics, no request log line).
-        t0 = time.monotonic()
-        for group in warm_up_requests(caps, compiled=config.compile, limits=engine.limits):
-            handles = [engine.add_request(params, internal=True) for params in group]
-            for handle in handles:
-                result = await handle.result()
-                if not isinstance(result, Completed):
-                    raise RuntimeError(f"warm-up request ended with {result}")
-        log.info("warm-up took %.1f s", time.monotonic() - t0)
+        marker = served_marker()
+        if state.healing and not config.compile and marker is not None and marker.exists():
+            # The group served before this heal: the same model and layout warmed up then, and nothing compiled
+            # is lost. Clients wait for the heal; the first step after it pays its own first forward.
+            log.info("warm-up skipped: a heal of a group that served before")
+        else:
+            await _warm_up(engine, caps, compiled=config.compile)
         state.ready = True
+        if marker is not None:
+            marker.touch()
         log.info("ready: serving %s (%s)", state.model_id, caps.family)
     except asyncio.CancelledError:
         raise
@@ -169,6 +170,18 @@ async def _load(app: web.Application) -> None:
         state.config_error = isinstance(exc, CONFIG_ERRORS)
         if engine.error is not exc:  # the step thread logged its own failure with the traceback
             log.exception("model failed to load")
+
+
+async def _warm_up(engine: Engine, caps: Capabilities, *, compiled: bool) -> None:
+    """Through the whole path, not a user request (no metrics, no request log line)."""
+    t0 = time.monotonic()
+    for group in warm_up_requests(caps, compiled=compiled, limits=engine.limits):
+        handles = [engine.add_request(params, internal=True) for params in group]
+        for handle in handles:
+            result = await handle.result()
+            if not isinstance(result, Completed):
+                raise RuntimeError(f"warm-up request ended with {result}")
+    log.info("warm-up took %.1f s", time.monotonic() - t0)
 
 
 def warm_up_params(caps: Capabilities, limits: RequestLimits | None = None) -> SamplingParams:

@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 
@@ -103,6 +104,14 @@ class Lent:
         if self.holder is not None:
             self.holder.close()
             self.holder = None
+
+
+def served_marker() -> Path | None:
+    """A file in the launcher's folder that rank 0 creates once its group is ready (warmed up): a restart of the
+    group then knows that this model, layout and node served before (models/setup.py's checks and the warm-up
+    passed). None outside our launcher (plain torchrun)."""
+    path = os.environ.get(LISTENER_ENV)
+    return Path(path).with_name("served") if path else None
 
 
 def borrow() -> Lent | None:

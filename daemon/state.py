@@ -51,6 +51,8 @@ class ServerState:
     model_id: str = ""
     engine: Engine | None = None
     ready: bool = False
+    # A restart of an SPMD group (the elastic agent's; daemon/launch.py): what the heal may skip.
+    healing: bool = False
     # SIGTERM with --unready-delay: /ready answers 503 (balancers drop us) while requests are still admitted.
     leaving: bool = False
     draining: bool = False

@@ -156,6 +156,9 @@ def survive_a_dead_rank(proc, base, log) -> None:
         f"{time.monotonic() - killed_at:.1f} s"
     )
     assert rank_pid(proc.pid, 1) not in (None, follower)
+    # The first start warmed up; the heal of a group that had served did not (nothing it would warm was lost).
+    text = log.read_text()
+    assert "warm-up took" in text and "warm-up skipped: a heal of a group that served before" in text, text[-3000:]
     events = list(
         stream(base, {"prompt": "after the restart", "width": 64, "height": 64, "num_inference_steps": 2, "seed": 2})
     )

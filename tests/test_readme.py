@@ -257,7 +257,13 @@ def test_generate_example(tmp_path):
 
 
 def test_make_tiny_example(tmp_path):
+    from diffusiond.models.tiny import FAMILIES
+
     (command,) = {c.split("#")[0].strip() for c in doc_commands("diffusiond make-tiny ")}
+    # README's comment lists every family make-tiny writes (it fell behind as families were added).
+    (line,) = doc_commands("diffusiond make-tiny ", [README])
+    listed = ["sd3", *line.split("#")[1].strip().removeprefix("or ").split(", ")]
+    assert sorted(listed) == sorted(FAMILIES), (listed, FAMILIES)
     result = run(command.replace("/tmp/tiny-sd3", str(tmp_path / "tiny-sd3")), tmp_path)
     assert result.returncode == 0, result.stderr.decode()
     assert (tmp_path / "tiny-sd3" / "model_index.json").exists()

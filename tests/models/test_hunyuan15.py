@@ -119,6 +119,27 @@ def test_one_call_per_step_for_the_whole_batch(tiny_hunyuan15):
     assert float((batched - alone).abs().max()) < 1e-5
 
 
+def test_attention_masks_keys_only(tiny_hunyuan15, monkeypatch):
+    """The pipeline's processor builds a [B, 1, L, L] mask in every block (gigabytes per row at real sizes); ours a
+    [B, 1, 1, L] key mask, over the same keys (the parity tests above hold with it). With the stock processor back:
+    red."""
+    adapter = load_adapter(tiny_hunyuan15)
+    states = adapter.prepare([("0", adapter.resolve(clip("a red cat", 1))), ("1", adapter.resolve(clip("a dog", 2)))])
+    masks = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):  # diffusers' dispatch passes query=, key=, value= by name
+        mask = kwargs.get("attn_mask")
+        masks.append(None if mask is None else tuple(mask.shape))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    adapter.denoise(states)
+    blocks = len(adapter.transformer.transformer_blocks)
+    joint = [m for m in masks if m is not None and m[-1] > 1000]  # over video and text (the refiner's: text only)
+    assert len(joint) == blocks and all(m[2] == 1 for m in joint), masks
+
+
 def test_defaults_are_the_pipeline_s_and_bad_requests_name_the_field(tiny_hunyuan15, tiny_hunyuan15_i2v):
     adapter = load_adapter(tiny_hunyuan15)
     resolved = adapter.resolve(SamplingParams(prompt="a cat"))

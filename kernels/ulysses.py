@@ -66,8 +66,14 @@ class UlyssesGroup:
     def split(self, total: int) -> tuple[int, int]:
         """Set this forward's shard sizes; returns (start, stop) of this rank's slice."""
         self.shards = self.split_sizes(total)
-        start = sum(self.shards[: self.rank])
-        return start, start + self.shards[self.rank]
+        span = self.span()
+        return span.start, span.stop
+
+    def span(self, shards: list[int] | None = None) -> slice:
+        """This rank's slice of a sequence sharded as `shards` (default: this forward's)."""
+        shards = self.shards if shards is None else shards
+        start = sum(shards[: self.rank])
+        return slice(start, start + shards[self.rank])
 
     def split_sizes(self, total: int) -> list[int]:
         """Shard sizes of a sequence of `total` tokens, per rank (the first ranks take one more)."""
@@ -119,7 +125,7 @@ def _heads_to_seq(x: torch.Tensor, g: UlyssesGroup, shards: list[int] | None = N
     block = g.block(g.ring_rank) if shards is None else shards
     parts = [p.contiguous() for p in x.split(block, dim=2)]  # part j goes back to rank j
     send = torch.cat([p.view(-1) for p in parts])
-    s_local = block[g.ulysses_rank] if shards is not None else g.shards[g.rank]
+    s_local = block[g.ulysses_rank]  # this rank's shard (its ring block's U sizes, or the given ones)
     out = x.new_empty(n * b * hn * s_local * d)
     with collective("ulysses all_to_all"):
         dist.all_to_all_single(out, send, [b * hn * s_local * d] * n, [p.numel() for p in parts], group=g.ulysses_group)

@@ -106,8 +106,7 @@ def enable(transformer: Any, g: UlyssesGroup) -> None:
         if module is blocks[0]:
             for kind, name in (("video", "hidden_states"), ("audio", "audio_hidden_states")):
                 shards[kind] = g.split_sizes(kwargs[name].shape[1])
-                start = sum(shards[kind][: g.rank])
-                spans[kind] = slice(start, start + shards[kind][g.rank])
+                spans[kind] = g.span(shards[kind])
             g.shards = shards["video"]  # what the shared bookkeeping (and the tests) read as this forward's split
             for kind, name in (("video", "hidden_states"), ("audio", "audio_hidden_states")):
                 kwargs[name] = kwargs[name][:, spans[kind]]

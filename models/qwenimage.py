@@ -171,8 +171,7 @@ class QwenImageAdapter(FlowMatchAdapter):
             index = kwargs.get("modulate_index")
             if index is None:
                 return None
-            start = sum(group.shards[: group.rank])
-            return args, {**kwargs, "modulate_index": index[:, start : start + group.shards[group.rank]]}
+            return args, {**kwargs, "modulate_index": index[:, group.span()]}
 
         self.transformer.register_forward_pre_hook(shard_inputs, with_kwargs=True)
         for block in self.transformer.transformer_blocks:

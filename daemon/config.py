@@ -118,6 +118,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # is decoded in horizontal strips by ranks 0..V-1 (several finishing together are spread over the ranks anyway).
     vae_parallel: Positive = 1
     max_restarts: NonNegative = 3
+    # Where each rank's share of the denoiser is kept for the group's next attempt (models/kept_weights.py): a
+    # folder in shared memory; a heal then maps it instead of reading the checkpoint. "none": a heal reloads.
+    keep_weights: str = "/dev/shm"
     # Step caching with a decision per request (models/stepcache.py): "fbcache" reuses a request's remaining
     # blocks while its first block's residual changes by less than cache_threshold; "teacache" reuses all blocks
     # while the accumulated rescaled change of its first block's modulated input stays below it (requests may send

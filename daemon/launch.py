@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -105,6 +106,12 @@ def launch(config: ServeConfig) -> int:
             log.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
             return 1
     os.environ[LISTENER_ENV] = lender.path
+    from diffusiond.models.kept_weights import FOLDER_ENV as KEPT_ENV
+    from diffusiond.models.kept_weights import make_folder
+
+    kept = make_folder(config.keep_weights) if config.keep_weights != "none" else None
+    if kept is not None:
+        os.environ[KEPT_ENV] = str(kept)
     try:
         elastic_launch(launch_config, sys.executable)("-m", "diffusiond", "serve")
     except ChildFailedError as exc:
@@ -117,6 +124,9 @@ def launch(config: ServeConfig) -> int:
     finally:
         lender.close()
         os.environ.pop(LISTENER_ENV, None)
+        if kept is not None:
+            shutil.rmtree(kept, ignore_errors=True)
+            os.environ.pop(KEPT_ENV, None)
     return 0
 
 

@@ -264,6 +264,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         help=f"restarts of the rank group after a failure, per agent (default: {d.max_restarts})",
     )
+    add(
+        "--keep-weights",
+        metavar="DIR",
+        help="shared-memory folder where each rank keeps its share of the denoiser, so that a heal maps it instead "
+        f"of reloading; none: reload (default: {d.keep_weights})",
+    )
     add("--nnodes", type=int, help=f"nodes in the group, --nproc ranks on each (default: {d.nnodes})")
     add("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous every node joins (required with --nnodes > 1)")
     add("--rdzv-id", metavar="ID", help=f"names the group at the rendezvous (default: {d.rdzv_id})")

@@ -46,3 +46,31 @@ def to_device(values: Sequence[float] | Sequence[int], device: torch.device | st
     if torch.device(device).type == "cpu":
         return tensor
     return tensor.to(device, non_blocking=True)
+
+
+MADV_DONTNEED = 4
+
+
+def drop_file_pages(folder: str) -> int:
+    """Pages of this process's mappings of files under `folder` (a checkpoint's safetensors, mapped by loading)
+    taken off its page tables; the bytes those mappings span. The pages stay in the page cache, and a tensor still
+    viewing the file reads them again at its next touch. Only for files mapped to be read: a page written through
+    a private mapping would be lost. 0 where /proc or madvise is missing."""
+    import os
+    from pathlib import Path
+
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    prefix = os.path.realpath(folder) + os.sep
+    released = 0
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(prefix):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if madvise(start, end - start, MADV_DONTNEED) == 0:
+                released += end - start
+    return released

@@ -157,6 +157,8 @@ class ModelAdapter(abc.ABC):
     vae_strips: Any = None
     # (bytes of the denoiser's parameters on this rank, before) once tensor parallel or sharded.
     weight_bytes: tuple[int, int] | None = None
+    # Denoiser tensors mapped from what the group's previous attempt kept (models/kept_weights.py), not read.
+    kept_restored: int = 0
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -253,6 +255,14 @@ class ModelAdapter(abc.ABC):
     def enable_lora(self, budget_bytes: int) -> Any:
         """LoRA per request: a registry of adapters of the denoiser (models/lora_registry.LoraRegistry)."""
         raise ValueError(f"the {self.family} family does not serve LoRA adapters")
+
+    def denoisers(self) -> dict[str, Any]:
+        """Every denoiser this checkpoint has, by pipeline component name."""
+        raise NotImplementedError
+
+    def use_kept(self, kept: dict[str, Any], now: bool) -> int:
+        """A heal: the denoisers' parameters from what the group's previous attempt kept (models/kept_weights.py)."""
+        raise NotImplementedError
 
     def enable_tp(self, mesh: Any) -> None:
         """Shard the denoiser's block linears over the tensor-parallel `mesh`."""

@@ -83,6 +83,10 @@ class LazyWeights:
             if buffer not in module._non_persistent_buffers_set
         }
         self._buffers_read: set[str] = set()
+        # Where the parameters come from instead of the checkpoint (models/kept_weights.py): a rank's share kept by
+        # the group's previous attempt, mapped once the layout has sharded the empty parameters (at the root).
+        self.kept: Any = None
+        self.params_read = 0
         # Buffers are built empty too (SD3.5's position table is 1 GB, computed in float64 on the way): those the
         # checkpoint holds are read from it; the others, and tensors kept as plain attributes (Wan's and
         # Qwen-Image's rotary tables; Qwen-Image 2.1 keeps a list of them), are computed by building the model once
@@ -129,13 +133,16 @@ class LazyWeights:
         prefix = self._names[id(module)]
         prefix = f"{prefix}." if prefix else ""
         count = 0
+        if self.kept is not None and module is self.root:
+            count += self.kept.restore(module, self.device)
         with self._reading() as get, torch.no_grad():
             for name, param in list(module.named_parameters()):
-                if param.device.type != "meta":
+                if param.device.type != "meta" or self.kept is not None:
                     continue
                 value = _copy(get(prefix + name), self.device, param.dtype)
                 _set(module, name, torch.nn.Parameter(value, requires_grad=False))
                 count += 1
+                self.params_read += 1
             for name, buffer in list(module.named_buffers()):
                 if prefix + name in self._buffers_read:
                     continue
@@ -154,8 +161,10 @@ class LazyWeights:
 
     def empty(self) -> list[str]:
         """Parameters and buffers never materialized (none, once the layout is wired)."""
+        from diffusiond.models.kept_weights import local_of
+
         tensors = [*self.root.named_parameters(), *self.root.named_buffers()]
-        return [name for name, tensor in tensors if tensor.device.type == "meta"]
+        return [name for name, tensor in tensors if local_of(tensor).device.type == "meta"]
 
 
 def _copy(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

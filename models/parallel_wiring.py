@@ -59,6 +59,25 @@ class ParallelWiring:
         self.weight_bytes = (sum(local for local, _ in sharded), sum(whole for _, whole in sharded))
         give_back()
 
+    def denoisers(self) -> dict[str, Any]:
+        """Every denoiser this checkpoint has, by pipeline component name."""
+        extra = {name: getattr(self.pipe, name, None) for name in self.extra_denoisers}
+        return {self.denoiser: self.transformer, **{name: m for name, m in extra.items() if m is not None}}
+
+    def use_kept(self, kept: dict[str, Any], now: bool) -> int:
+        """Parameters from the weights the group's previous attempt kept (models/kept_weights.py) instead of the
+        checkpoint's, for a denoiser built empty: mapped `now` (a layout that does not shard them), else once
+        tensor parallelism has sharded the empty parameters (at the root's `materialize`). Tensors mapped now."""
+        lazies = {self.denoiser: self.lazy_weights, **self.lazy_extra}
+        count = 0
+        for name, lazy in lazies.items():
+            if lazy is not None:
+                lazy.kept = kept[name]
+                count += lazy.materialize(lazy.root) if now else 0
+        if now:
+            self.lazy_weights, self.lazy_extra = None, {}
+        return count
+
     def _materialize(self, expert: str | None = None) -> Any:
         """What reads the parts of a denoiser built empty just before they are sharded (models/lazy_weights.py),
         and checks afterwards that every part was; None for a denoiser loaded whole. `expert`: a further denoiser's

@@ -113,6 +113,7 @@ def two_ranks(
     shard: bool = False,
     vae: int = 1,
     loras=(),
+    kept: Path | None = None,
 ) -> tuple[list[np.ndarray], list[list[dict]]]:
     """The requests through a group of cfg x ulysses x ring x tp ranks (2 unless a layout asks for more)."""
     nproc = cfg * ulysses * ring * tp
@@ -136,6 +137,8 @@ def two_ranks(
         env["SPMD_ATTENTION"] = attention
     if compile:
         env["SPMD_COMPILE"] = "1"
+    if kept is not None:  # the launcher's shared-memory folder (models/kept_weights.py)
+        env["_DIFFUSIOND_KEPT_WEIGHTS"] = str(kept)
     launch(cmd, nproc, env, out, timeout=240 * (nproc // 2))
     images = [np.load(out / f"{i}.npy") for i in range(len(requests))]
     return images, [json.loads((out / f"forwards{r}.json").read_text()) for r in range(nproc)]

@@ -146,6 +146,23 @@ def record_ring_keys() -> list[list[int]]:
     return calls
 
 
+def kept_mappings(adapter, folder: str) -> dict:
+    """How many of the denoisers' parameters were mapped from the kept folder, and how many lie in a mapping of a
+    file there now (/proc/self/maps)."""
+    from diffusiond.models.kept_weights import local_of
+
+    spans = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(folder):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            spans.append((start, end))
+    params = [local_of(p) for d in adapter.denoisers().values() for p in d.parameters()]
+    held = [p for p in params if p.numel()]
+    mapped = sum(any(a <= p.data_ptr() < b for a, b in spans) for p in held)
+    return {"restored": adapter.kept_restored, "params": len(params), "held": len(held), "mapped": mapped}
+
+
 def main() -> None:
     torch.set_num_threads(1)
     model, out, cfg, ulysses, requests_json = sys.argv[1:6]
@@ -219,6 +236,8 @@ def main() -> None:
         Path(out, f"ring{rank.rank}.json").write_text(json.dumps(ring_keys))
     if rank.adapter.weight_bytes is not None:
         Path(out, f"weights{rank.rank}.json").write_text(json.dumps(rank.adapter.weight_bytes))
+    if kept := os.environ.get("_DIFFUSIOND_KEPT_WEIGHTS"):
+        Path(out, f"kept{rank.rank}.json").write_text(json.dumps(kept_mappings(rank.adapter, kept)))
     if decisions:
         Path(out, f"reuse{rank.rank}.json").write_text(json.dumps(decisions))
     if attention_calls is not None:

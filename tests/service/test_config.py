@@ -72,7 +72,7 @@ def test_every_serve_flag_maps_to_its_field():
         "--model", "m", "--host", "0.0.0.0", "--port", "9", "--api-key", "k", "--max-batch", "2", "--max-queue", "3",
         "--device", "cuda:1", "--dtype", "bfloat16", "--threads", "2", "--drain-timeout", "1.5", "--nproc", "4",
         "--cfg-parallel", "2", "--ulysses", "2", "--ring", "2", "--tp", "2", "--shard-weights", "--vae-parallel", "2",
-        "--max-restarts", "0",
+        "--max-restarts", "0", "--keep-weights", "none",
         "--max-body-bytes", "100", "--max-frames", "33",
         "--max-image-bytes", "2048",
         "--log-level", "debug", "--log-format", "json", "--allow-unauthenticated", "--max-pixels", "4096",
@@ -92,7 +92,7 @@ def test_every_serve_flag_maps_to_its_field():
     assert config == ServeConfig(
         model="m", host="0.0.0.0", port=9, api_key="k", max_batch=2, max_queue=3, device="cuda:1", dtype="bfloat16",
         threads=2, drain_timeout=1.5, nproc=4, cfg_parallel=2, ulysses=2, ring=2, tp=2, shard_weights=True,
-        vae_parallel=2, max_restarts=0, max_body_bytes=100, max_frames=33,
+        vae_parallel=2, max_restarts=0, keep_weights="none", max_body_bytes=100, max_frames=33,
         max_image_bytes=2048, log_level="DEBUG", log_format="json", allow_unauthenticated=True, max_pixels=4096,
         max_steps=20, max_n=2,
         sse_keepalive=0.5, batch_wait_ms=0.0, unready_delay=2.0, nnodes=2, rdzv_endpoint="head:29400", rdzv_id="g1",

@@ -40,6 +40,8 @@ FOLDER_ENV = "_DIFFUSIOND_KEPT_WEIGHTS"
 PREFIX = "diffusiond-weights-"
 # Each tensor starts on a page: writes into the middle of a page were 5x slower here (2 GB: 3.0 s vs 0.6 s).
 ALIGN = 4096
+# Shared memory a rank leaves free when it keeps its weights (or a tenth of the folder's size, if less).
+SPARE = 1 << 30
 # A writer that dies mid-write leaves its claim behind: the others stop waiting when its process is gone.
 WAIT_S = 600.0
 
@@ -129,7 +131,8 @@ class KeptWeights:
             fcntl.flock(lock, fcntl.LOCK_EX)
             stat = os.statvfs(self.folder)
             free = stat.f_bavail * stat.f_frsize
-            if offset > free:
+            # Room left for what else lives there: NCCL's intra-node buffers are in /dev/shm too.
+            if offset + min(SPARE, stat.f_blocks * stat.f_frsize // 10) > free:
                 log.warning(
                     "not keeping the weights for a heal: %s has %.1f GiB free, this rank's share needs %.1f GiB "
                     "(Docker: --shm-size; Kubernetes: an emptyDir with medium Memory)",

@@ -24,7 +24,7 @@ from prometheus_client.exposition import choose_encoder
 from diffusiond import __version__
 from diffusiond.daemon import loras_api, native_api, openai_api, videos_api
 from diffusiond.daemon.api import ApiError, retry_later, too_large
-from diffusiond.daemon.auth import api_key_middleware
+from diffusiond.daemon.auth import TENANTS, tenant_middleware
 from diffusiond.daemon.config import ServeConfig, model_setup
 from diffusiond.daemon.connections import CONNECTIONS, PROBES, ConnectionGuard, connection_limit, open_files_limit
 from diffusiond.daemon.edge import READ_BUDGET, ReadBudget, edge_middleware
@@ -35,6 +35,7 @@ from diffusiond.daemon.native_api import native_limit
 from diffusiond.daemon.openapi import document
 from diffusiond.daemon.state import ENCODERS, LOAD, METRICS, STATE, ServerState
 from diffusiond.daemon.streaming import ClientGone
+from diffusiond.daemon.tenants import TenantBook
 from diffusiond.engine.engine import Engine, Loader, QueueFullError
 from diffusiond.engine.outputs import Completed
 from diffusiond.engine.step_loop import CONFIG_ERRORS
@@ -56,6 +57,7 @@ def create_app(config: ServeConfig, *, load: Loader | None = None, healing: bool
     this is a group's restart, so requests that arrive while it loads wait for it (up to HEAL_WAIT_S) rather than
     get 503: they were made to the same socket during the heal."""
     guard = ConnectionGuard(connection_limit(config, open_files_limit()), config.write_timeout)
+    tenants = TenantBook(config.api_keys_file, config.api_key)
     app = web.Application(
         client_max_size=native_limit(config),  # bodies are read by `edge.read_body`, against their route's limit
         middlewares=[
@@ -63,15 +65,17 @@ def create_app(config: ServeConfig, *, load: Loader | None = None, healing: bool
             carry_over,
             guard.middleware(),
             edge_middleware(config),
-            api_key_middleware(config.api_key),
+            tenant_middleware(tenants),
             *([wait_for_heal] if healing else []),
         ],
     )
     app[CONNECTIONS] = guard
+    app[TENANTS] = tenants
     app[CARRIED] = {}
-    app[STATE] = ServerState(config, healing=healing)
-    app[READ_BUDGET] = ReadBudget(config.max_reading_bytes)
     app[METRICS] = Metrics()
+    app[METRICS].add_tenants(tenants.current.names())
+    app[STATE] = ServerState(config, healing=healing, metrics=app[METRICS])
+    app[READ_BUDGET] = ReadBudget(config.max_reading_bytes)
     app[LOAD] = load or _default_loader(config)
     app.cleanup_ctx.append(engine_ctx)
     app.cleanup_ctx.append(videos_api.videos_ctx)  # after the engine's: it ends first, while the engine runs
@@ -245,6 +249,12 @@ def request_limits(config: ServeConfig, caps: Capabilities) -> RequestLimits:
 
 def _model_id(model: str) -> str:
     return os.path.basename(os.path.normpath(model)) if os.path.isdir(model) else model
+
+
+def reload_tenants(app: web.Application) -> None:
+    """SIGHUP: the tenants' file read again (a file that cannot be used changes nothing), their series added."""
+    if app[TENANTS].reload():
+        app[METRICS].add_tenants(app[TENANTS].current.names())
 
 
 # ---- middlewares ----

@@ -44,6 +44,8 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     host: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     api_key: str | None = None
+    # Tenants with their keys (as SHA-256 hashes) and quotas, a TOML file read again on SIGHUP (daemon/tenants.py).
+    api_keys_file: str | None = None
     # Binding anything but loopback without an API key must be asked for (daemon/auth.py `check_exposure`).
     allow_unauthenticated: bool = False
     max_batch: Positive = 8

@@ -16,6 +16,7 @@ is back.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -112,6 +113,10 @@ def launch(config: ServeConfig) -> int:
     kept = make_folder(config.keep_weights) if config.keep_weights != "none" else None
     if kept is not None:
         os.environ[KEPT_ENV] = str(kept)
+    # SIGHUP reloads the tenants (daemon/tenants.py), not the group: the agent (which would stop every worker on
+    # it) leaves it to us, and we pass it on to the workers; rank 0 reads its file again, followers ignore it.
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGINT,SIGQUIT"
+    signal.signal(signal.SIGHUP, lambda *_: _to_workers(signal.SIGHUP))
     try:
         elastic_launch(launch_config, sys.executable)("-m", "diffusiond", "serve")
     except ChildFailedError as exc:
@@ -128,6 +133,22 @@ def launch(config: ServeConfig) -> int:
             shutil.rmtree(kept, ignore_errors=True)
             os.environ.pop(KEPT_ENV, None)
     return 0
+
+
+def _to_workers(sig: signal.Signals) -> None:
+    """`sig` to every process this launcher started (its children: the agent runs in this process)."""
+    me = str(os.getpid())
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), sig)
 
 
 def worker_config(loaded: ServeConfig) -> ServeConfig:
@@ -171,6 +192,7 @@ def run_rank(config: ServeConfig) -> int:
         # first, or rank 0's last steps would fail. (A Python handler could not run inside gloo anyway.)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # rank 0 reads the tenants again; followers have none
         rank = join()
         try:
             run_follower(rank.adapter, rank.comm)

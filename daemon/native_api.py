@@ -10,6 +10,7 @@ import msgspec
 from aiohttp import web
 
 from diffusiond.daemon.api import ApiError, GenerationRequest, body_limit, decode_body
+from diffusiond.daemon.auth import TENANT, tenant_of
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.edge import read_body
 from diffusiond.daemon.handover import carried_ids, hand_over
@@ -64,7 +65,7 @@ async def generations(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "video_format is for video models; this model makes images", param="video_format")
     await check_images(request, {"image": body.image, "mask": body.mask, "reference_images": body.reference_images})
     # add_request checks it (Engine.check)
-    (handle,) = queue_requests(engine, state, [params], ids=carried_ids(request, 1))
+    (handle,) = queue_requests(engine, state, [params], tenant=tenant_of(request), ids=carried_ids(request, 1))
     unknown = unknown_words(engine, params.prompt)
     headers = {"X-Request-Id": handle.request_id}
     if unknown:
@@ -137,7 +138,7 @@ def video_payload(clip: EncodedVideo) -> dict:
 
 
 def _get_record(request: web.Request) -> Record:
-    rec = request.app[STATE].records.get(request.match_info["id"])
+    rec = request.app[STATE].owned(request.match_info["id"], request[TENANT])
     if rec is None:
         raise ApiError(404, f"no generation with id {request.match_info['id']!r}", param="id", code="not_found")
     return rec

@@ -25,6 +25,7 @@ from diffusiond.daemon.api import (
     parse_size,
     validate_openai,
 )
+from diffusiond.daemon.auth import tenant_of
 from diffusiond.daemon.edge import read_body, read_form
 from diffusiond.daemon.handover import carried_ids, hand_over
 from diffusiond.daemon.image_encoding import encode_image, encode_preview
@@ -172,7 +173,8 @@ async def _images(
     resolved = many[0]
     partial = body.partial_images or 0
     # OpenAI clients: no progress events.
-    handles = queue_requests(engine, state, many, progress=False, checked=True, ids=carried_ids(request, len(many)))
+    ids = carried_ids(request, len(many))
+    handles = queue_requests(engine, state, many, tenant=tenant_of(request), progress=False, checked=True, ids=ids)
     fmt = body.output_format or "png"
     meta = {
         "size": f"{resolved.width}x{resolved.height}",

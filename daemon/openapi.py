@@ -57,7 +57,9 @@ VIDEO = _obj(
     {"prompt": STR, "seconds": STR, "size": STR, "num_frames": INT, "fps": INT, "seed": INT},
 )
 LORA = _obj({"object": {"const": "lora"}, "name": STR}, {"path": STR, "bytes": INT, "sha256": STR, "resident": BOOL})
-RECORD = _obj({"id": STR, "created": INT, "status": STR, "step": INT, "total": INT}, {"error": NULLABLE_STR})
+RECORD = _obj(
+    {"id": STR, "created": INT, "status": STR, "step": INT, "total": INT}, {"error": NULLABLE_STR, "owner": STR}
+)
 
 
 def _list(item: dict) -> dict:

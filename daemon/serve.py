@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from diffusiond.daemon.app import create_app
+from diffusiond.daemon.app import create_app, reload_tenants
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.connections import listen, raise_open_files_limit, runner_options
 from diffusiond.daemon.handover import adopt
@@ -99,7 +99,7 @@ class Service:
             watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watchdog
-            for sig in SIGNALS:
+            for sig in (*SIGNALS, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
             self.notifier.close()
 
@@ -107,6 +107,9 @@ class Service:
         raise_open_files_limit()  # before the app sizes its connection cap by it
         app = create_app(self.config, **self.app_options)
         state = app[STATE]
+        # SIGHUP: the tenants' file read again (daemon/tenants.py); requests already admitted run on.
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, reload_tenants, app)
         # handler_cancellation: a client that disconnects cancels its handler, which cancels its request.
         runner = web.AppRunner(
             app, handler_cancellation=True, shutdown_timeout=HANDLER_GRACE_S, **runner_options(self.config)

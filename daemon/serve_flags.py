@@ -36,6 +36,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--port", type=int, help=f"port to listen on (default: {d.port}; 0 picks a free port)")
     add("--api-key", help="require 'Authorization: Bearer KEY' (or set DIFFUSIOND_API_KEY)")
     add(
+        "--api-keys-file",
+        metavar="FILE",
+        help="tenants: [tenants.NAME] tables with key_sha256 and quotas (TOML); read again on SIGHUP",
+    )
+    add(
         "--allow-unauthenticated",
         action="store_const",
         const=True,

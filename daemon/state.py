@@ -14,6 +14,7 @@ from aiohttp import web
 
 from diffusiond.daemon.api import ApiError, NotStarted, retry_later
 from diffusiond.daemon.config import ServeConfig
+from diffusiond.daemon.tenants import DEFAULT
 from diffusiond.engine.engine import Engine, RequestHandle
 from diffusiond.engine.outputs import TERMINAL, Cancelled, Completed, Event, Failed, Progress
 from diffusiond.metrics.registry import Metrics
@@ -33,6 +34,8 @@ class Record:
     step: int = 0
     total: int = 0
     error: str | None = None
+    # The tenant that made it (daemon/tenants.py): only it sees or cancels it.
+    owner: str = DEFAULT
 
     def update(self, event: Event) -> None:
         if isinstance(event, Progress):
@@ -62,6 +65,23 @@ class ServerState:
     # Set once loading ended, ready or failed (`serve.py` then notifies the service manager).
     loaded: asyncio.Event = field(default_factory=asyncio.Event)
     records: OrderedDict[str, Record] = field(default_factory=OrderedDict)
+    # Per-tenant series (admitted, finished); None in tests that build a bare state.
+    metrics: Metrics | None = None
+
+    def owned(self, request_id: str, owner: str) -> Record | None:
+        """A request's record, if `owner` made it (another tenant's is as unknown as an id never given)."""
+        rec = self.records.get(request_id)
+        return rec if rec is not None and rec.owner == owner else None
+
+    def usage(self, owner: str) -> tuple[int, int]:
+        """(requests in flight, of which waiting to start) of one tenant."""
+        steps = self.engine.steps_done if self.engine is not None else {}
+        in_flight = waiting = 0
+        for rec in self.records.values():
+            if rec.owner == owner and rec.status in ("queued", "running"):
+                in_flight += 1
+                waiting += rec.status == "queued" and rec.id not in steps
+        return in_flight, waiting
 
     def require_engine(self) -> Engine:
         if self.draining:
@@ -83,10 +103,15 @@ class ServerState:
         rec = self.records.get(event.request_id)
         if rec is not None:
             rec.update(event)
+            if isinstance(event, TERMINAL) and self.metrics is not None:
+                self.metrics.tenant_in_flight.labels(rec.owner).dec()
+                self.metrics.tenant_requests.labels(rec.owner, rec.status).inc()
 
-    def record(self, handle: RequestHandle) -> Record:
-        rec = Record(handle.request_id, int(time.time()), total=handle.params.steps_to_run)
+    def record(self, handle: RequestHandle, owner: str) -> Record:
+        rec = Record(handle.request_id, int(time.time()), total=handle.params.steps_to_run, owner=owner)
         self.records[rec.id] = rec
+        if self.metrics is not None:
+            self.metrics.tenant_in_flight.labels(owner).inc()
         while len(self.records) > MAX_RECORDS:
             self.records.popitem(last=False)
         return rec

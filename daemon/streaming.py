@@ -15,8 +15,9 @@ from typing import TypeVar
 import msgspec
 from aiohttp import web
 
-from diffusiond.daemon.api import ApiError, NotStarted
+from diffusiond.daemon.api import ApiError, NotStarted, retry_later
 from diffusiond.daemon.state import ENCODERS, METRICS, STATE, ServerState
+from diffusiond.daemon.tenants import Tenant
 from diffusiond.engine.engine import Engine, QueueFullError, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Event, Failed
 from diffusiond.models.inputs import admit_image, input_pixel_limit
@@ -168,26 +169,47 @@ def queue_requests(
     state: ServerState,
     params: list[SamplingParams],
     *,
+    tenant: Tenant,
     progress: bool = True,
     checked: bool = False,
     ids: Sequence[str] | None = None,
 ) -> list[RequestHandle]:
-    """`progress`: whether the client is sent a progress event every step (the native stream); without, the
-    engine emits none and status comes from `Engine.steps_done`. `checked`: `params` are resolved and wire-checked
-    already (`Engine.check`), so the engine queues them as they are. `ids`: the requests' ids (a stream carried
-    over a heal keeps those its client was told), else new ones."""
+    """`tenant`: who asks (its quotas are checked here; the requests are its own). `progress`: whether the client
+    is sent a progress event every step (the native stream); without, the engine emits none and status comes from
+    `Engine.steps_done`. `checked`: `params` are resolved and wire-checked already (`Engine.check`), so the engine
+    queues them as they are. `ids`: the requests' ids (a stream carried over a heal keeps those its client was
+    told), else new ones."""
     if not engine.has_capacity(len(params)):
         raise QueueFullError(f"{engine.num_in_flight} requests in flight")
+    check_quotas(state, tenant, len(params))
     handles = []
     try:
         for i, p in enumerate(params):
             handles.append(engine.add_request(p, ids[i] if ids else None, checked=checked, progress=progress))
-            state.record(handles[-1])
+            state.record(handles[-1], tenant.name)
     except Exception:
         for h in handles:
             h.cancel()
         raise
     return handles
+
+
+def check_quotas(state: ServerState, tenant: Tenant, n: int) -> None:
+    """429 naming the quota when `n` more requests would take `tenant` past its max_in_flight or max_queued."""
+    if tenant.max_in_flight is None and tenant.max_queued is None:
+        return
+    in_flight, waiting = state.usage(tenant.name)
+    for quota, used in (("max_in_flight", in_flight), ("max_queued", waiting)):
+        limit = getattr(tenant, quota)
+        if limit is not None and used + n > limit:
+            raise quota_exceeded(state, tenant, quota, f"{used} of {limit} used, {n} more asked")
+
+
+def quota_exceeded(state: ServerState, tenant: Tenant, quota: str, detail: str) -> ApiError:
+    """A tenant's quota reached (counted): 429, the quota named in the message and as the code."""
+    if state.metrics is not None:
+        state.metrics.tenant_refusals.labels(tenant.name, quota).inc()
+    return retry_later(f"tenant {tenant.name}: quota {quota} reached ({detail})", quota, status=429)
 
 
 async def last_event(events: AsyncIterator[Event]) -> Event:

@@ -68,6 +68,8 @@ class VideoJob(msgspec.Struct, kw_only=True):
     bytes: int = 0
     # When it finished, on the store's clock: expiry and eviction order.
     finished_at: float | None = None
+    # The tenant that made it (daemon/tenants.py): only it lists, reads, downloads or deletes it.
+    owner: str = "default"
 
     @property
     def finished(self) -> bool:
@@ -106,6 +108,14 @@ class VideoJob(msgspec.Struct, kw_only=True):
 
 class StoreFull(Exception):
     """`max_jobs` jobs are remembered and none of them has finished."""
+
+
+class QuotaFull(Exception):
+    """A tenant's share of the store is full (`quota`: max_stored_jobs or max_stored_bytes)."""
+
+    def __init__(self, quota: str, message: str) -> None:
+        super().__init__(message)
+        self.quota = quota
 
 
 class VideoTooLarge(Exception):
@@ -170,6 +180,18 @@ class VideoStore:
                 raise StoreFull(f"{len(self.jobs)} video jobs are queued or running (--video-max-jobs)")
             self.remove(oldest.id)
 
+    def make_room_for(self, owner: str, max_jobs: int | None) -> None:
+        """Room for one more job of `owner`, within its quota of jobs too (its own finished jobs forgotten first);
+        QuotaFull when all its jobs are queued or running."""
+        self.make_room()
+        while max_jobs is not None and sum(j.owner == owner for j in self.jobs.values()) >= max_jobs:
+            oldest = self._first_finished(with_file=False, without_file=True, owner=owner) or self._first_finished(
+                with_file=False, owner=owner
+            )
+            if oldest is None:
+                raise QuotaFull("max_stored_jobs", f"{max_jobs} of its video jobs are queued or running")
+            self.remove(oldest.id)
+
     def add(self, job: VideoJob) -> None:
         self.make_room()
         self.jobs[job.id] = job
@@ -203,20 +225,37 @@ class VideoStore:
             self.remove(job_id)
         return expired
 
-    def _first_finished(self, *, with_file: bool, without_file: bool = False) -> VideoJob | None:
+    def _first_finished(
+        self, *, with_file: bool, without_file: bool = False, owner: str | None = None
+    ) -> VideoJob | None:
         done = [
             j
             for j in self.jobs.values()
-            if j.finished and (j.file_name is not None or not with_file) and (j.file_name is None or not without_file)
+            if j.finished
+            and (j.file_name is not None or not with_file)
+            and (j.file_name is None or not without_file)
+            and (owner is None or j.owner == owner)
         ]
         return min(done, key=lambda j: j.finished_at or 0.0, default=None)
 
     # ---- a job's end ----
 
-    def reserve(self, job: VideoJob, size: int) -> None:
+    def reserve(self, job: VideoJob, size: int, owner_bytes: int | None = None) -> None:
         """Room for a job's video of `size` bytes, made by evicting the videos that finished first. VideoTooLarge
-        when it cannot fit; nothing is evicted then."""
+        when it cannot fit; nothing is evicted then. `owner_bytes`: the job's tenant's quota of bytes, made room in
+        by evicting its own videos first (QuotaFull when its video alone is larger)."""
         needed = size + self.sidecar_bytes
+        if owner_bytes is not None:
+            if needed > owner_bytes:
+                raise QuotaFull("max_stored_bytes", f"the video is {size} bytes; the tenant may keep {owner_bytes}")
+            mine = [j for j in self.jobs.values() if j.owner == job.owner and j is not job]
+            if sum(self.cost(j) for j in mine if not (j.finished and j.file_name is not None)) + needed > owner_bytes:
+                raise QuotaFull("max_stored_bytes", f"no room for {size} more bytes while its other videos are written")
+            while sum(self.cost(j) for j in mine if j.id in self.jobs) + needed > owner_bytes:
+                oldest = self._first_finished(with_file=True, owner=job.owner)
+                assert oldest is not None
+                log.info("video store: evicting %s (%d bytes) for its tenant's quota", oldest.id, oldest.bytes)
+                self.remove(oldest.id)
         if needed > self.max_bytes:
             raise VideoTooLarge(
                 f"the video is {size} bytes; this server keeps at most {self.max_bytes} (--video-store-bytes)"

@@ -43,13 +43,15 @@ from diffusiond.daemon.api import (
     parse_size,
     retry_later,
 )
+from diffusiond.daemon.auth import TENANT, TENANTS, tenant_of
 from diffusiond.daemon.edge import read_body, read_form
 from diffusiond.daemon.state import ENCODERS, STATE
-from diffusiond.daemon.streaming import check_images, queue_requests, run_encoder
+from diffusiond.daemon.streaming import check_images, queue_requests, quota_exceeded, run_encoder
 from diffusiond.daemon.video_encoding import MEDIA_TYPES, encode_video
 from diffusiond.daemon.video_store import (
     MIN_FREE_BYTES,
     DiskFull,
+    QuotaFull,
     StoreFull,
     VideoJob,
     VideoStore,
@@ -138,9 +140,12 @@ class VideoJobs:
         if store.jobs.get(job.id) is not job:  # deleted meanwhile
             return
         try:
-            store.reserve(job, len(clip.data))
+            store.reserve(job, len(clip.data), app[TENANTS].tenant(job.owner).max_stored_bytes)
         except VideoTooLarge as exc:
             store.end(job, "failed", "video_too_large", str(exc))
+            return
+        except QuotaFull as exc:
+            store.end(job, "failed", exc.quota, f"tenant {job.owner}: quota {exc.quota} reached ({exc})")
             return
         done = store.completion(job, clip.format, clip.fallback)
         loop = asyncio.get_running_loop()
@@ -231,10 +236,13 @@ async def create_video(request: web.Request) -> web.Response:
         await check_images(request, {"input_reference": reference})
     resolved = resolve_video(engine, body, reference)
     jobs = request.app[VIDEOS]
+    tenant = tenant_of(request)
     try:
-        jobs.store.make_room()
+        jobs.store.make_room_for(tenant.name, tenant.max_stored_jobs)
     except StoreFull as exc:
         raise retry_later(str(exc), "queue_full", status=429) from None
+    except QuotaFull as exc:
+        raise quota_exceeded(state, tenant, exc.quota, str(exc)) from None
     try:
         free = free_bytes(jobs.store.directory)  # one statfs call
     except OSError as exc:
@@ -245,7 +253,7 @@ async def create_video(request: web.Request) -> web.Response:
         raise ApiError(
             507, f"{why}; no new video jobs until there is room", type="server_error", code="insufficient_storage"
         )
-    (handle,) = queue_requests(engine, state, [resolved], checked=True)
+    (handle,) = queue_requests(engine, state, [resolved], tenant=tenant, checked=True)
     assert resolved.num_frames is not None and resolved.fps is not None and resolved.seed is not None
     job = VideoJob(
         id=f"video_{handle.request_id}",
@@ -258,6 +266,7 @@ async def create_video(request: web.Request) -> web.Response:
         num_frames=resolved.num_frames,
         fps=resolved.fps,
         seed=resolved.seed,
+        owner=tenant.name,
     )
     jobs.store.add(job)
     jobs.start(request.app, job, handle)
@@ -376,7 +385,7 @@ def frames_for(seconds: float, fps: int, caps: Capabilities) -> int:
 def _get_job(request: web.Request) -> VideoJob:
     job_id = request.match_info["id"]
     job = request.app[VIDEOS].store.get(job_id)
-    if job is None:
+    if job is None or job.owner != request[TENANT]:  # another tenant's job is as unknown as one never made
         raise ApiError(
             404,
             f"no video job {job_id!r} (unknown, deleted, expired or evicted)",
@@ -418,7 +427,7 @@ async def list_videos(request: web.Request) -> web.Response:
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise ApiError(400, f"order must be asc or desc; got {order!r}", param="order")
-    jobs = request.app[VIDEOS].store.listing()  # in creation order
+    jobs = [j for j in request.app[VIDEOS].store.listing() if j.owner == request[TENANT]]  # in creation order
     if order == "desc":
         jobs.reverse()
     start = 0

@@ -34,6 +34,7 @@ LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 # spent waiting on other ranks shows up here); encode_response: image encoding for the HTTP response.
 STAGES = ("queue", "encode", "denoise", "sampler", "preview", "decode", "broadcast", "encode_response")
 OUTCOMES = ("completed", "cancelled", "failed")
+QUOTAS = ("max_in_flight", "max_queued", "max_stored_jobs", "max_stored_bytes")
 
 
 class Metrics:
@@ -83,6 +84,25 @@ class Metrics:
             registry=r,
         )
         self.steps = Counter("diffusiond_steps", "Denoising steps advanced, summed over requests.", registry=r)
+        # Per tenant (daemon/tenants.py): the labels are the tenant names of the operator's file, never a client's.
+        self.tenant_requests = Counter(
+            "diffusiond_tenant_requests",
+            "Requests of a tenant that reached a terminal status, by outcome.",
+            ["tenant", "outcome"],
+            registry=r,
+        )
+        self.tenant_in_flight = Gauge(
+            "diffusiond_tenant_requests_in_flight",
+            "Requests of a tenant admitted and not finished.",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_refusals = Counter(
+            "diffusiond_tenant_quota_refusals",
+            "Requests refused (429) because a tenant's quota was reached, by quota.",
+            ["tenant", "quota"],
+            registry=r,
+        )
         self.loop_lag = Histogram(
             "diffusiond_event_loop_lag_seconds",
             "How late the event loop woke up from a timed sleep.",
@@ -98,6 +118,16 @@ class Metrics:
         for outcome in OUTCOMES:
             self.request_duration.labels(outcome)
             self.requests.labels(outcome)
+
+    def add_tenants(self, names: list[str]) -> None:
+        """Every series of these tenants, so that they exist before their first request (a reload adds more;
+        those of a tenant removed stay until the restart)."""
+        for name in names:
+            self.tenant_in_flight.labels(name)
+            for outcome in OUTCOMES:
+                self.tenant_requests.labels(name, outcome)
+            for quota in QUOTAS:
+                self.tenant_refusals.labels(name, quota)
 
     def set_info(self, *, model: str, family: str, dtype: str, device: str, world_size: int, version: str) -> None:
         self.info.info(

@@ -69,7 +69,8 @@ def test_flags_not_given_do_not_override(tmp_path):
 
 def test_every_serve_flag_maps_to_its_field():
     argv = [
-        "--model", "m", "--host", "0.0.0.0", "--port", "9", "--api-key", "k", "--max-batch", "2", "--max-queue", "3",
+        "--model", "m", "--host", "0.0.0.0", "--port", "9", "--api-key", "k", "--api-keys-file", "t.toml",
+        "--max-batch", "2", "--max-queue", "3",
         "--device", "cuda:1", "--dtype", "bfloat16", "--threads", "2", "--drain-timeout", "1.5", "--nproc", "4",
         "--cfg-parallel", "2", "--ulysses", "2", "--ring", "2", "--tp", "2", "--shard-weights", "--vae-parallel", "2",
         "--max-restarts", "0", "--keep-weights", "none",
@@ -90,7 +91,8 @@ def test_every_serve_flag_maps_to_its_field():
     ]  # fmt: skip
     config, sources = load_config(cli(*argv), {})
     assert config == ServeConfig(
-        model="m", host="0.0.0.0", port=9, api_key="k", max_batch=2, max_queue=3, device="cuda:1", dtype="bfloat16",
+        model="m", host="0.0.0.0", port=9, api_key="k", api_keys_file="t.toml",
+        max_batch=2, max_queue=3, device="cuda:1", dtype="bfloat16",
         threads=2, drain_timeout=1.5, nproc=4, cfg_parallel=2, ulysses=2, ring=2, tp=2, shard_weights=True,
         vae_parallel=2, max_restarts=0, keep_weights="none", max_body_bytes=100, max_frames=33,
         max_image_bytes=2048, log_level="DEBUG", log_format="json", allow_unauthenticated=True, max_pixels=4096,

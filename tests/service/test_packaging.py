@@ -67,6 +67,7 @@ def test_unit_is_a_sandboxed_notify_service():
     settings = unit_settings(UNIT.read_text())
     one = {key: values[-1] for key, values in settings.items()}
     assert one["Type"] == "notify"
+    assert one["ExecReload"] == "/bin/kill -HUP $MAINPID"  # the tenants' file (tests/daemon/test_tenants.py)
     assert one["Restart"] == "on-failure"
     assert one["DynamicUser"] == "yes" or one.get("User") == "diffusiond"
     assert one["ProtectSystem"] == "strict"

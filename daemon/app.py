@@ -29,6 +29,7 @@ from diffusiond.daemon.config import ServeConfig, model_setup
 from diffusiond.daemon.connections import CONNECTIONS, PROBES, ConnectionGuard, connection_limit, open_files_limit
 from diffusiond.daemon.edge import READ_BUDGET, ReadBudget, edge_middleware
 from diffusiond.daemon.handover import CARRIED, carry_over
+from diffusiond.daemon.idempotency import KEYS, IdempotencyKeys
 from diffusiond.daemon.image_encoding import encoder_pool
 from diffusiond.daemon.listener import served_marker
 from diffusiond.daemon.native_api import native_limit
@@ -71,6 +72,7 @@ def create_app(config: ServeConfig, *, load: Loader | None = None, healing: bool
     )
     app[CONNECTIONS] = guard
     app[TENANTS] = tenants
+    app[KEYS] = IdempotencyKeys()
     app[CARRIED] = {}
     app[METRICS] = Metrics()
     app[METRICS].add_tenants(tenants.current.names())

@@ -14,6 +14,7 @@ from diffusiond.daemon.auth import TENANT, tenant_of
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.edge import read_body
 from diffusiond.daemon.handover import carried_ids, hand_over
+from diffusiond.daemon.idempotency import KEYS, fingerprint, started
 from diffusiond.daemon.image_encoding import encode_image
 from diffusiond.daemon.state import STATE, Record
 from diffusiond.daemon.streaming import (
@@ -58,7 +59,14 @@ def parse_generation(data: bytes) -> tuple[GenerationRequest, SamplingParams]:
 
 async def generations(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body, params = parse_generation(await read_body(request, native_limit(state.config)))
+    data = await read_body(request, native_limit(state.config))
+    body, params = parse_generation(data)
+    digest = fingerprint(request.path, data)
+    return await request.app[KEYS].once(request, request[TENANT], digest, lambda: _generate(request, body, params))
+
+
+async def _generate(request: web.Request, body: GenerationRequest, params: SamplingParams) -> web.StreamResponse:
+    state = request.app[STATE]
     engine = state.require_engine()
     video = engine.adapter.capabilities.modality == "video"
     if body.video_format is not None and not video:
@@ -66,6 +74,7 @@ async def generations(request: web.Request) -> web.StreamResponse:
     await check_images(request, {"image": body.image, "mask": body.mask, "reference_images": body.reference_images})
     # add_request checks it (Engine.check)
     (handle,) = queue_requests(engine, state, [params], tenant=tenant_of(request), ids=carried_ids(request, 1))
+    started(request, [handle.request_id])
     unknown = unknown_words(engine, params.prompt)
     headers = {"X-Request-Id": handle.request_id}
     if unknown:

@@ -25,9 +25,10 @@ from diffusiond.daemon.api import (
     parse_size,
     validate_openai,
 )
-from diffusiond.daemon.auth import tenant_of
+from diffusiond.daemon.auth import TENANT, tenant_of
 from diffusiond.daemon.edge import read_body, read_form
 from diffusiond.daemon.handover import carried_ids, hand_over
+from diffusiond.daemon.idempotency import KEYS, fingerprint, started
 from diffusiond.daemon.image_encoding import encode_image, encode_preview
 from diffusiond.daemon.state import STATE, ServerState
 from diffusiond.daemon.streaming import (
@@ -133,7 +134,10 @@ async def images_generations(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     data = await read_body(request, state.config.max_body_bytes)
     body, base = parse_image_generation(data, state.config.max_n)
-    return await _images(request, state, body, base, "image_generation")
+    digest = fingerprint(request.path, data)
+    return await request.app[KEYS].once(
+        request, request[TENANT], digest, lambda: _images(request, state, body, base, "image_generation")
+    )
 
 
 async def images_edits(request: web.Request) -> web.StreamResponse:
@@ -152,7 +156,10 @@ async def images_edits(request: web.Request) -> web.StreamResponse:
     mask = files["mask"][0] if files["mask"] else None
     await check_images(request, {"image": image, "mask": mask, "reference_images": references})
     params = _params(body, image=image, mask=mask, reference_images=tuple(references) or None)
-    return await _images(request, state, body, params, "image_edit")
+    digest = fingerprint(request.path, msgspec.json.encode(body), *(f for name in sorted(files) for f in files[name]))
+    return await request.app[KEYS].once(
+        request, request[TENANT], digest, lambda: _images(request, state, body, params, "image_edit")
+    )
 
 
 async def _images(
@@ -186,6 +193,7 @@ async def _images(
     if unknown := unknown_words(engine, resolved.prompt):
         headers[UNKNOWN_WORDS_HEADER] = ", ".join(unknown)
     if body.stream:
+        started(request, [h.request_id for h in handles])
         return await _openai_stream(request, state, handles, fmt, body.output_compression, partial, meta, headers, kind)
     # Non-streaming: nothing to write until the end, so a client that hangs up is noticed through handler
     # cancellation (aiohttp), which cancels the requests through `track`.

@@ -45,6 +45,7 @@ from diffusiond.daemon.api import (
 )
 from diffusiond.daemon.auth import TENANT, TENANTS, tenant_of
 from diffusiond.daemon.edge import read_body, read_form
+from diffusiond.daemon.idempotency import KEYS, fingerprint
 from diffusiond.daemon.state import ENCODERS, STATE
 from diffusiond.daemon.streaming import check_images, queue_requests, quota_exceeded, run_encoder
 from diffusiond.daemon.video_encoding import MEDIA_TYPES, encode_video
@@ -209,9 +210,16 @@ async def _sweep(store: VideoStore, every: float) -> None:
 # ---- routes ----
 
 
-async def create_video(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+async def create_video(request: web.Request) -> web.StreamResponse:
     body, reference = await read_video_create(request)
+    digest = fingerprint(request.path, msgspec.json.encode(body), reference or b"")
+    return await request.app[KEYS].once(
+        request, request[TENANT], digest, lambda: _create_video(request, body, reference)
+    )
+
+
+async def _create_video(request: web.Request, body: VideoCreateRequest, reference: bytes | None) -> web.Response:
+    state = request.app[STATE]
     engine = state.require_engine()
     caps = engine.adapter.capabilities
     if caps.modality != "video":

@@ -254,3 +254,22 @@ def test_sighup_reads_the_file_again_under_the_launcher(tiny_sd3, tmp_path):
     finally:
         kill_tree(proc)
         log.close()
+
+
+def test_queued_and_in_flight_quotas_count_the_tenant_s_own_requests():
+    from diffusiond.daemon.state import Record, ServerState
+    from diffusiond.daemon.streaming import check_quotas
+    from diffusiond.daemon.tenants import Tenant
+
+    state = ServerState(ServeConfig())
+    for i, (owner, status) in enumerate([("alice", "queued"), ("alice", "running"), ("alice", "completed"),
+                                         ("bob", "queued"), ("bob", "queued")]):  # fmt: skip
+        state.records[str(i)] = Record(str(i), 0, status=status, owner=owner)
+    alice = Tenant(name="alice", key_sha256=sha("a"), max_in_flight=5, max_queued=2)
+    check_quotas(state, alice, 1)  # 2 in flight (1 waiting) + 1
+    with pytest.raises(Exception, match=r"quota max_queued reached \(1 of 2 used, 2 more asked\)") as info:
+        check_quotas(state, alice, 2)
+    assert info.value.status == 429 and info.value.code == "max_queued"
+    with pytest.raises(Exception, match="quota max_in_flight") as info:
+        check_quotas(state, Tenant(name="alice", key_sha256=sha("a"), max_in_flight=2), 1)
+    check_quotas(state, Tenant(name="carol", key_sha256=sha("c"), max_in_flight=1, max_queued=1), 1)

@@ -13,6 +13,7 @@ from diffusiond.daemon.video_store import (
     MIN_FREE_BYTES,
     SIDECAR_BYTES,
     DiskFull,
+    QuotaFull,
     StoreFull,
     VideoJob,
     VideoStore,
@@ -261,3 +262,47 @@ def test_jobs_without_a_video_are_forgotten_before_videos(tmp_path, clock):
         job = new_job(store, n)
         store.end(job, "cancelled", "cancelled", "cancelled by its client")
     assert store.get(video.id) is video and store.path(video).is_file()
+
+
+# ---- a tenant's share (daemon/tenants.py) ----
+
+
+def owned(store: VideoStore, n: int, owner: str) -> VideoJob:
+    job = VideoJob(
+        id=f"video_{n:032x}", request_id=f"{n:032x}", created_at=int(store.clock()), model="m", prompt=f"clip {n}",
+        size="48x32", seconds="0.5625", num_frames=9, fps=16, seed=n, owner=owner,
+    )  # fmt: skip
+    store.add(job)
+    return job
+
+
+def test_a_tenant_s_bytes_make_room_among_its_own_videos(tmp_path, clock):
+    store = make_store(tmp_path, clock)
+    a1, b1 = owned(store, 1, "alice"), owned(store, 2, "bob")
+    for job in (a1, b1):
+        store.reserve(job, 300, 500 if job.owner == "alice" else None)
+        store.complete(job, store.completion(job, "mp4", None))
+        clock.now += 1
+    # alice's quota of 500: her second video of 300 evicts her first, never bob's (older or not).
+    a2 = owned(store, 3, "alice")
+    store.reserve(a2, 300, 500)
+    assert a1.id not in store.jobs and b1.id in store.jobs and store.used == 600
+    # A video larger than her whole quota fails; nothing of hers or anyone's is evicted for it.
+    a3 = owned(store, 4, "alice")
+    with pytest.raises(QuotaFull, match="the tenant may keep 500") as info:
+        store.reserve(a3, 600, 500)
+    assert info.value.quota == "max_stored_bytes" and set(store.jobs) == {b1.id, a2.id, a3.id}
+
+
+def test_a_tenant_s_jobs_forget_its_own_finished_ones_first(tmp_path, clock):
+    store = make_store(tmp_path, clock)
+    a1 = owned(store, 1, "alice")
+    store.end(a1, "failed", "x", "y")
+    owned(store, 2, "bob")
+    store.make_room_for("alice", 1)  # her finished job goes, bob's stays
+    assert set(store.jobs) == {f"video_{2:032x}"}
+    owned(store, 3, "alice")
+    with pytest.raises(QuotaFull, match="1 of its video jobs are queued or running") as info:
+        store.make_room_for("alice", 1)
+    assert info.value.quota == "max_stored_jobs"
+    store.make_room_for("bob", None)

@@ -283,13 +283,14 @@ def validate_openai(req: ImageGenerationRequest, max_n: int = MAX_N) -> None:
     """The OpenAI fields we check ourselves; size, steps and guidance limits come from the model adapter."""
     if req.n is not None and req.n > max_n:
         raise ApiError(400, f"n is {req.n}; this server allows at most {max_n} images per request (--max-n)", param="n")
-    if req.response_format == "url":
+    check_choice("response_format", req.response_format, ("b64_json", "url"))
+    if req.response_format == "url" and req.stream:
         raise ApiError(
             400,
-            "response_format 'url' is not supported: diffusiond does not host images; use 'b64_json'",
+            "a streamed answer carries its images in b64_json; response_format 'url' is for "
+            "answers that are not streamed",
             param="response_format",
         )
-    check_choice("response_format", req.response_format, ("b64_json",))
     check_choice("output_format", req.output_format, OUTPUT_FORMATS)
     check_choice("quality", req.quality, QUALITIES)
     check_choice("moderation", req.moderation, ("auto", "low"))

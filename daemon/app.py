@@ -91,6 +91,7 @@ def create_app(config: ServeConfig, *, load: Loader | None = None, healing: bool
     app.router.add_get("/v1/videos/{id}", videos_api.retrieve_video)
     app.router.add_delete("/v1/videos/{id}", videos_api.delete_video)
     app.router.add_get("/v1/videos/{id}/content", videos_api.video_content)
+    app.router.add_get("/v1/files/{id}/content", videos_api.file_content)
     app.router.add_get("/v1/loras", loras_api.list_loras)
     app.router.add_post("/v1/loras", loras_api.create_lora)
     app.router.add_delete("/v1/loras/{name}", loras_api.delete_lora)

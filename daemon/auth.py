@@ -19,6 +19,7 @@ TENANTS = web.AppKey("tenants", TenantBook)
 # Liveness, readiness, scraping and the API document stay open when an API key is set (probes and scrapers carry
 # no key).
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/", "/openapi.json"})
+FILES_PREFIX = "/v1/files/"
 
 
 def tenant_of(request: web.Request) -> Tenant:
@@ -33,7 +34,8 @@ def tenant_middleware(book: TenantBook):
     @web.middleware
     async def check_key(request: web.Request, handler) -> web.StreamResponse:
         tenants = book.current
-        if tenants.open or request.path in OPEN_PATHS:
+        # A file's URL carries its own key: a signature (daemon/files.py).
+        if tenants.open or request.path in OPEN_PATHS or request.path.startswith(FILES_PREFIX):
             request[TENANT] = DEFAULT
             return await handler(request)
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")

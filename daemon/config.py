@@ -96,6 +96,10 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     video_dir: str | None = None
     video_store_bytes: Positive = 1 << 30
     video_ttl: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
+    # Images answered by URL (daemon/files.py): the key their URLs are signed with (default: random per start),
+    # and the address clients reach the daemon at, when a proxy is in front (default: the request's own).
+    url_secret: str | None = None
+    public_base_url: str | None = None
     video_max_jobs: Positive = 1024
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     log_format: Literal["text", "json"] = "text"
@@ -173,7 +177,7 @@ ENV_PREFIX = "DIFFUSIOND_"
 CONFIG_ENV = "DIFFUSIOND_CONFIG"
 # Variables with the prefix that are not fields: the config file path, and the model cache (models/default.py).
 ENV_NOT_FIELDS = frozenset({CONFIG_ENV, "DIFFUSIOND_CACHE"})
-SECRET_FIELDS = frozenset({"api_key"})
+SECRET_FIELDS = frozenset({"api_key", "url_secret"})
 LIST_FIELDS = frozenset({"lora", "allowed_hosts", "cors_origins"})
 HIDDEN = "<hidden>"
 

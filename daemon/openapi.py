@@ -49,7 +49,7 @@ ERROR = _obj(
     }
 )
 IMAGES = _obj(
-    {"created": INT, "data": {"type": "array", "items": _obj({"b64_json": STR})}},
+    {"created": INT, "data": {"type": "array", "items": _obj({}, {"b64_json": STR, "url": STR})}},
     {"size": STR, "quality": STR, "background": STR, "output_format": STR, "usage": {"type": "object"}},
 )
 VIDEO = _obj(
@@ -181,6 +181,21 @@ def document() -> dict:
                 "summary": "A completed job's file",
                 "responses": _responses(
                     _ok("the video", {"video/mp4": STR, "image/webp": STR}), "404 no such job", "409 not completed"
+                ),
+            },
+        },
+        "/v1/files/{id}/content": {
+            "parameters": [
+                *_id_param("id"),
+                {"name": "expires", "in": "query", "required": True, "schema": {"type": "string", "maxLength": 32}},
+                {"name": "signature", "in": "query", "required": True, "schema": {"type": "string", "maxLength": 128}},
+            ],
+            "get": {
+                "summary": "An image answered by URL (response_format url): signed, expiring, no API key",
+                "security": [],
+                "responses": _responses(
+                    _ok("the image", {"image/png": STR, "image/jpeg": STR, "image/webp": STR}),
+                    "404 no such file, expired, or not signed here",
                 ),
             },
         },

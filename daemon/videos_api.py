@@ -22,6 +22,7 @@ import errno
 import logging
 import math
 import re
+import secrets
 import shutil
 import tempfile
 from collections.abc import AsyncIterator
@@ -45,6 +46,7 @@ from diffusiond.daemon.api import (
 )
 from diffusiond.daemon.auth import TENANT, TENANTS, tenant_of
 from diffusiond.daemon.edge import read_body, read_form
+from diffusiond.daemon.files import MEDIA, FileStore
 from diffusiond.daemon.idempotency import KEYS, fingerprint
 from diffusiond.daemon.state import ENCODERS, STATE
 from diffusiond.daemon.streaming import check_images, queue_requests, quota_exceeded, run_encoder
@@ -169,6 +171,7 @@ class VideoJobs:
 
 
 VIDEOS = web.AppKey("videos", VideoJobs)
+FILES = web.AppKey("files", FileStore)
 
 
 async def videos_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -185,6 +188,8 @@ async def videos_ctx(app: web.Application) -> AsyncIterator[None]:
         if loaded:
             log.info("video store: %d videos kept in %s", loaded, directory)
     jobs = app[VIDEOS] = VideoJobs(store)
+    secret = config.url_secret.encode() if config.url_secret else secrets.token_bytes(32)
+    app[FILES] = FileStore(directory / "files", max_bytes=config.video_store_bytes, ttl=config.video_ttl, secret=secret)
     sweeper = asyncio.create_task(_sweep(store, min(60.0, max(1.0, config.video_ttl / 4))))
     try:
         yield
@@ -195,6 +200,17 @@ async def videos_ctx(app: web.Application) -> AsyncIterator[None]:
         await jobs.close()
         if owned:
             await asyncio.to_thread(shutil.rmtree, directory, True)
+
+
+async def file_content(request: web.Request) -> web.StreamResponse:
+    """An image by its signed URL (daemon/files.py): no API key, 404 for anything not signed here or expired."""
+    files = request.app[FILES]
+    entry = files.lookup(request.match_info["id"], request.query.get("expires", ""), request.query.get("signature", ""))
+    if entry is None:
+        raise ApiError(404, "no such file, or its URL expired or was not signed here", code="not_found")
+    left = max(0, entry.expires_at - int(files.clock()))
+    headers = {"Content-Type": MEDIA[entry.format], "Cache-Control": f"private, max-age={left}"}
+    return web.FileResponse(files.directory / entry.name, headers=headers)
 
 
 async def _sweep(store: VideoStore, every: float) -> None:

@@ -1,0 +1,75 @@
+"""Images by URL (`response_format: "url"`, daemon/files.py): the official client gets a URL that serves the PNG
+without the API key (the same bytes `b64_json` gives for the same seed); a URL with another id, another expiry or a
+signature of another key serves nothing, nor one that expired."""
+
+from __future__ import annotations
+
+import base64
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from diffusiond.daemon.files import FileStore, write_file
+
+API_KEY = "secret"
+
+
+def fetch(url: str) -> tuple[int, bytes, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status, resp.read(), resp.headers["Content-Type"]
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read(), exc.headers["Content-Type"]
+
+
+def test_the_openai_client_gets_a_url_that_serves_the_png(auth_server):
+    with openai.OpenAI(base_url=f"{auth_server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as client:
+        model = client.models.list().data[0].id
+        args = {"model": model, "prompt": "a red circle", "size": "64x64", "extra_body": {"num_inference_steps": 2,
+                "seed": 5}}  # fmt: skip
+        by_url = client.images.generate(**args, response_format="url")
+        by_b64 = client.images.generate(**args, response_format="b64_json")
+    url = by_url.data[0].url
+    assert url.startswith(f"{auth_server.base_url}/v1/files/file_") and by_url.data[0].b64_json is None
+    status, data, media = fetch(url)  # no Authorization header
+    assert (status, media) == (200, "image/png") and data == base64.b64decode(by_b64.data[0].b64_json)
+
+    path, _, query = url.partition("?")
+    fields = dict(pair.split("=") for pair in query.split("&"))
+    signature, expires = fields["signature"], fields["expires"]
+    forged = [
+        f"{path}?expires={expires}&signature={signature[:-1]}{'0' if signature[-1] != '0' else '1'}",
+        f"{path}?expires={int(expires) + 3600}&signature={signature}",  # a later expiry, the same signature
+        f"{path.replace('file_', 'file_0', 1)[:-1]}?expires={expires}&signature={signature}",
+        f"{path}?expires={expires}",
+        path,
+    ]
+    for bad in forged:
+        status, body, _ = fetch(bad)
+        assert status == 404, (bad, status, body[:200])
+
+
+def test_a_url_expires_with_its_file(tmp_path):
+    now = [1000.0]
+    store = FileStore(tmp_path, max_bytes=100, ttl=60, secret=b"k", clock=lambda: now[0])
+    entry = store.reserve("alice", "png", 10)
+    write_file(tmp_path, entry, b"x" * 10)
+    query = store.url("http://h", entry).split("?")[1]
+    fields = dict(pair.split("=") for pair in query.split("&"))
+    assert store.lookup(entry.id, fields["expires"], fields["signature"]) is entry
+    other = FileStore(tmp_path / "other", max_bytes=100, ttl=60, secret=b"another key", clock=lambda: now[0])
+    assert other.signature(entry.id, entry.expires_at) != fields["signature"]
+    now[0] += 60
+    assert store.lookup(entry.id, fields["expires"], fields["signature"]) is None
+    assert not (tmp_path / entry.name).exists() and store.used == 0
+
+
+def test_room_is_made_by_forgetting_the_oldest(tmp_path):
+    store = FileStore(tmp_path, max_bytes=25, ttl=60, secret=b"k")
+    first, second = store.reserve("a", "png", 10), store.reserve("a", "png", 10)
+    store.reserve("a", "png", 10)
+    assert first.id not in store.files and second.id in store.files and store.used == 20
+    with pytest.raises(ValueError, match="the image is 30 bytes"):
+        store.reserve("a", "png", 30)

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from aiohttp import web
+
 log = logging.getLogger(__name__)
 
 MEDIA = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
@@ -53,7 +55,6 @@ class FileStore:
         self._secret = secret
         self.files: OrderedDict[str, StoredFile] = OrderedDict()
         self.used = 0
-        directory.mkdir(parents=True, exist_ok=True)
         for stale in directory.glob("file_*"):  # a previous run's: their URLs died with its secret
             stale.unlink(missing_ok=True)
 
@@ -66,6 +67,7 @@ class FileStore:
             )
         while self.used + size > self.max_bytes:
             self.remove(next(iter(self.files)))
+        self.directory.mkdir(parents=True, exist_ok=True)  # at the first image: a video server has none
         entry = StoredFile(f"file_{secrets.token_hex(16)}", owner, fmt, size, int(self.clock() + self.ttl))
         self.files[entry.id] = entry
         self.used += size
@@ -87,18 +89,27 @@ class FileStore:
         return hmac.new(self._secret, f"{file_id}.{expires}".encode(), hashlib.sha256).hexdigest()
 
     def url(self, base: str, entry: StoredFile) -> str:
-        expires = entry.expires_at
-        return f"{base}/v1/files/{entry.id}/content?expires={expires}&signature={self.signature(entry.id, expires)}"
+        return self.signed(base, entry.id, entry.expires_at)
+
+    def signed(self, base: str, file_id: str, expires: int) -> str:
+        """The URL of a file (an image here, or a completed video of the video store) valid until `expires`."""
+        return f"{base}/v1/files/{file_id}/content?expires={expires}&signature={self.signature(file_id, expires)}"
+
+    def valid(self, file_id: str, expires: str, signature: str) -> bool:
+        """Whether a URL's signature is this store's and its expiry is still ahead."""
+        if not expires.isdigit() or len(expires) > 12:
+            return False
+        return hmac.compare_digest(self.signature(file_id, int(expires)), signature) and int(expires) > self.clock()
 
     def lookup(self, file_id: str, expires: str, signature: str) -> StoredFile | None:
-        """The file a URL names, if its signature is this store's and it has not expired."""
-        if not expires.isdigit() or len(expires) > 12:
-            return None
-        if not hmac.compare_digest(self.signature(file_id, int(expires)), signature):
-            return None
+        """The image a URL names, if the URL is valid and the image still kept."""
         self.sweep()
-        entry = self.files.get(file_id)
-        return entry if entry is not None and int(expires) > self.clock() else None
+        return self.files.get(file_id) if self.valid(file_id, expires, signature) else None
+
+
+def base_url(request: web.Request, configured: str | None) -> str:
+    """Where clients reach the daemon: `--public-base-url`, else the scheme and Host of the request."""
+    return (configured or f"{request.scheme}://{request.host}").rstrip("/")
 
 
 def write_file(directory: Path, entry: StoredFile, data: bytes) -> None:

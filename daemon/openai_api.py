@@ -27,7 +27,7 @@ from diffusiond.daemon.api import (
 )
 from diffusiond.daemon.auth import TENANT, tenant_of
 from diffusiond.daemon.edge import read_body, read_form
-from diffusiond.daemon.files import write_file
+from diffusiond.daemon.files import base_url, write_file
 from diffusiond.daemon.handover import carried_ids, hand_over
 from diffusiond.daemon.idempotency import KEYS, fingerprint, started
 from diffusiond.daemon.image_encoding import encode_image, encode_preview
@@ -237,8 +237,7 @@ async def _stored(request: web.Request, image: bytes, fmt: str) -> str:
             type="server_error",
             code="insufficient_storage",
         ) from None
-    base = request.app[STATE].config.public_base_url or f"{request.scheme}://{request.host}"
-    return files.url(base.rstrip("/"), entry)
+    return files.url(base_url(request, request.app[STATE].config.public_base_url), entry)
 
 
 def _usage() -> dict:

@@ -54,7 +54,7 @@ IMAGES = _obj(
 )
 VIDEO = _obj(
     {"id": STR, "object": {"const": "video"}, "status": STR, "progress": INT, "created_at": INT, "model": STR},
-    {"prompt": STR, "seconds": STR, "size": STR, "num_frames": INT, "fps": INT, "seed": INT},
+    {"prompt": STR, "seconds": STR, "size": STR, "num_frames": INT, "fps": INT, "seed": INT, "url": STR},
 )
 LORA = _obj({"object": {"const": "lora"}, "name": STR}, {"path": STR, "bytes": INT, "sha256": STR, "resident": BOOL})
 RECORD = _obj(

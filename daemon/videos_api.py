@@ -46,7 +46,7 @@ from diffusiond.daemon.api import (
 )
 from diffusiond.daemon.auth import TENANT, TENANTS, tenant_of
 from diffusiond.daemon.edge import read_body, read_form
-from diffusiond.daemon.files import MEDIA, FileStore
+from diffusiond.daemon.files import MEDIA, FileStore, base_url
 from diffusiond.daemon.idempotency import KEYS, fingerprint
 from diffusiond.daemon.state import ENCODERS, STATE
 from diffusiond.daemon.streaming import check_images, queue_requests, quota_exceeded, run_encoder
@@ -202,15 +202,35 @@ async def videos_ctx(app: web.Application) -> AsyncIterator[None]:
             await asyncio.to_thread(shutil.rmtree, directory, True)
 
 
+def _public(request: web.Request, job: VideoJob) -> dict:
+    """The video object, with `url` once completed: its file at a signed URL that needs no API key
+    (daemon/files.py), valid until the job expires."""
+    out = job.public()
+    if job.file_name is not None and job.expires_at is not None:
+        base = base_url(request, request.app[STATE].config.public_base_url)
+        out["url"] = request.app[FILES].signed(base, job.id, job.expires_at)
+    return out
+
+
 async def file_content(request: web.Request) -> web.StreamResponse:
-    """An image by its signed URL (daemon/files.py): no API key, 404 for anything not signed here or expired."""
-    files = request.app[FILES]
-    entry = files.lookup(request.match_info["id"], request.query.get("expires", ""), request.query.get("signature", ""))
-    if entry is None:
-        raise ApiError(404, "no such file, or its URL expired or was not signed here", code="not_found")
-    left = max(0, entry.expires_at - int(files.clock()))
-    headers = {"Content-Type": MEDIA[entry.format], "Cache-Control": f"private, max-age={left}"}
-    return web.FileResponse(files.directory / entry.name, headers=headers)
+    """An image, or a completed video, by its signed URL (daemon/files.py): no API key; 404 for anything not
+    signed here, expired, or gone."""
+    files, file_id = request.app[FILES], request.match_info["id"]
+    expires, signature = request.query.get("expires", ""), request.query.get("signature", "")
+    gone = ApiError(404, "no such file, or its URL expired or was not signed here", code="not_found")
+    if file_id.startswith("video_"):
+        job = request.app[VIDEOS].store.get(file_id) if files.valid(file_id, expires, signature) else None
+        path = request.app[VIDEOS].store.path(job) if job is not None else None
+        if job is None or path is None:
+            raise gone
+        media, until = MEDIA_TYPES[job.format], job.expires_at or 0
+    else:
+        entry = files.lookup(file_id, expires, signature)
+        if entry is None:
+            raise gone
+        path, media, until = files.directory / entry.name, MEDIA[entry.format], entry.expires_at
+    left = max(0, until - int(files.clock()))
+    return web.FileResponse(path, headers={"Content-Type": media, "Cache-Control": f"private, max-age={left}"})
 
 
 async def _sweep(store: VideoStore, every: float) -> None:
@@ -294,7 +314,7 @@ async def _create_video(request: web.Request, body: VideoCreateRequest, referenc
     )
     jobs.store.add(job)
     jobs.start(request.app, job, handle)
-    return _json(job.public())
+    return _json(_public(request, job))
 
 
 async def read_video_create(request: web.Request) -> tuple[VideoCreateRequest, bytes | None]:
@@ -420,7 +440,7 @@ def _get_job(request: web.Request) -> VideoJob:
 
 
 async def retrieve_video(request: web.Request) -> web.Response:
-    return _json(_get_job(request).public())
+    return _json(_public(request, _get_job(request)))
 
 
 async def video_content(request: web.Request) -> web.StreamResponse:
@@ -464,7 +484,7 @@ async def list_videos(request: web.Request) -> web.Response:
     return _json(
         {
             "object": "list",
-            "data": [j.public() for j in page],
+            "data": [_public(request, j) for j in page],
             "first_id": page[0].id if page else None,
             "last_id": page[-1].id if page else None,
             "has_more": start + limit < len(jobs),

@@ -73,3 +73,20 @@ def test_room_is_made_by_forgetting_the_oldest(tmp_path):
     assert first.id not in store.files and second.id in store.files and store.used == 20
     with pytest.raises(ValueError, match="the image is 30 bytes"):
         store.reserve("a", "png", 30)
+
+
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # as tests/daemon/test_videos.py
+def test_a_completed_video_has_a_url_too(serve, tiny_wan):
+    server = serve(model=tiny_wan, api_key=API_KEY, max_pixels=64 * 64)  # test_videos.py's server
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as client:
+        job = client.videos.create_and_poll(
+            prompt="a clip by url", size="64x64", extra_body={"num_frames": 5, "num_inference_steps": 1, "seed": 2}
+        )
+        assert job.status == "completed"
+        content = client.videos.download_content(job.id).read()
+        listed = client.videos.retrieve(job.id).model_extra["url"]
+    status, data, media = fetch(listed)  # no Authorization header
+    assert (status, media, data) == (200, "video/mp4", content)
+    path, _, query = listed.partition("?")
+    assert fetch(f"{path}?{query.replace('signature=', 'signature=0')}")[0] == 404
+    assert fetch(path.replace("/v1/files/", "/v1/files/x") + "?" + query)[0] == 404

@@ -94,6 +94,8 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # oldest finished go first), the seconds each is kept after it finishes (its `expires_at`), and how many jobs,
     # finished or not, are remembered (a running job is never dropped).
     video_dir: str | None = None
+    # Durable video jobs (daemon/job_db.py): DIR/diffusiond.db (SQLite), and DIR/videos unless video_dir says.
+    state_dir: str | None = None
     video_store_bytes: Positive = 1 << 30
     video_ttl: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
     # Images answered by URL (daemon/files.py): the key their URLs are signed with (default: random per start),
@@ -384,6 +386,11 @@ def check_serving(config: ServeConfig) -> ModelSetup:
 
         if (problem := folder_problem(config.video_dir)) is not None:
             raise ConfigError(f"--video-dir {config.video_dir}: {problem}")
+    if config.state_dir is not None:
+        from diffusiond.daemon.video_store import folder_problem
+
+        if (problem := folder_problem(config.state_dir)) is not None:
+            raise ConfigError(f"--state-dir {config.state_dir}: {problem}")
     setup = model_setup(config)
     check_setup(setup)
     return setup

@@ -35,6 +35,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--host", help=f"bind address (default: {d.host}, loopback only)")
     add("--port", type=int, help=f"port to listen on (default: {d.port}; 0 picks a free port)")
     add("--api-key", help="require 'Authorization: Bearer KEY' (or set DIFFUSIOND_API_KEY)")
+    add("--state-dir", metavar="DIR", help="durable video jobs: a SQLite database and the videos (DIR/videos)")
     add("--url-secret", help="the key image URLs are signed with (response_format url; default: random per start)")
     add("--public-base-url", metavar="URL", help="the daemon's address as clients reach it, for image URLs")
     add(

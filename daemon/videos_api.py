@@ -25,6 +25,7 @@ import re
 import secrets
 import shutil
 import tempfile
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -48,6 +49,7 @@ from diffusiond.daemon.auth import TENANT, TENANTS, tenant_of
 from diffusiond.daemon.edge import read_body, read_form
 from diffusiond.daemon.files import MEDIA, FileStore, base_url
 from diffusiond.daemon.idempotency import KEYS, fingerprint
+from diffusiond.daemon.job_db import JobDB
 from diffusiond.daemon.state import ENCODERS, STATE
 from diffusiond.daemon.streaming import check_images, queue_requests, quota_exceeded, run_encoder
 from diffusiond.daemon.video_encoding import MEDIA_TYPES, encode_video
@@ -62,7 +64,7 @@ from diffusiond.daemon.video_store import (
     free_bytes,
     write_video,
 )
-from diffusiond.engine.engine import Engine, RequestHandle
+from diffusiond.engine.engine import Engine, QueueFullError, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Completed, Failed, Progress
 from diffusiond.models.base import Capabilities
 from diffusiond.models.params import MAX_FRAMES, ParamError, SamplingParams, params_from
@@ -107,7 +109,15 @@ class VideoJobs:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _run(self, app: web.Application, job: VideoJob, handle: RequestHandle) -> None:
-        store = self.store
+        store, db = self.store, app.get(JOB_DB)
+        written = job.status
+
+        def write() -> None:  # each change of status, in order (one writer thread)
+            nonlocal written
+            if db is not None and job.status != written:
+                written = job.status
+                db.update(job.id, job.status, msgspec.json.encode(job))
+
         try:
             async for event in app[STATE].track(handle):
                 if isinstance(event, Progress):
@@ -121,13 +131,16 @@ class VideoJobs:
                     store.end(job, "cancelled", "cancelled", f"cancelled: {event.reason}")
                 elif isinstance(event, Failed):
                     store.end(job, "failed", "generation_failed", event.error)
+                write()
         except asyncio.CancelledError:
+            # Its row stays unfinished: the next start runs it again (daemon/job_db.py).
             store.end(job, "cancelled", "cancelled", "the server shut down before the video was done")
             raise
         except Exception:
             log.exception("video job %s failed", job.id)
             message = "internal error while storing the video; details are in the server log"
             store.end(job, "failed", "internal_error", message)
+            write()
         finally:
             self.storing.discard(job.id)
 
@@ -171,6 +184,7 @@ class VideoJobs:
 
 
 VIDEOS = web.AppKey("videos", VideoJobs)
+JOB_DB = web.AppKey("job_db", JobDB)
 FILES = web.AppKey("files", FileStore)
 
 
@@ -178,8 +192,9 @@ async def videos_ctx(app: web.Application) -> AsyncIterator[None]:
     """The store (`--video-dir`, else a temporary folder removed at exit), its expiry sweep, and the jobs' tasks,
     cancelled at shutdown. Registered after the engine's context, so it ends first, while the engine still runs."""
     config = app[STATE].config
-    owned = config.video_dir is None
-    directory = Path(tempfile.mkdtemp(prefix="diffusiond-videos-") if owned else config.video_dir)
+    folder = config.video_dir or (str(Path(config.state_dir) / "videos") if config.state_dir else None)
+    owned = folder is None
+    directory = Path(tempfile.mkdtemp(prefix="diffusiond-videos-") if owned else folder)
     store = VideoStore(
         directory, max_bytes=config.video_store_bytes, ttl=config.video_ttl, max_jobs=config.video_max_jobs
     )
@@ -188,16 +203,23 @@ async def videos_ctx(app: web.Application) -> AsyncIterator[None]:
         if loaded:
             log.info("video store: %d videos kept in %s", loaded, directory)
     jobs = app[VIDEOS] = VideoJobs(store)
+    db = None
+    if config.state_dir is not None:
+        db = app[JOB_DB] = await asyncio.to_thread(JobDB, Path(config.state_dir) / "diffusiond.db")
     secret = config.url_secret.encode() if config.url_secret else secrets.token_bytes(32)
     app[FILES] = FileStore(directory / "files", max_bytes=config.video_store_bytes, ttl=config.video_ttl, secret=secret)
     sweeper = asyncio.create_task(_sweep(store, min(60.0, max(1.0, config.video_ttl / 4))))
+    readmitting = asyncio.create_task(readmit(app, db)) if db is not None else None
     try:
         yield
     finally:
-        sweeper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sweeper
+        for task in filter(None, (sweeper, readmitting)):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await jobs.close()
+        if db is not None:
+            await asyncio.to_thread(db.close)
         if owned:
             await asyncio.to_thread(shutil.rmtree, directory, True)
 
@@ -231,6 +253,36 @@ async def file_content(request: web.Request) -> web.StreamResponse:
         path, media, until = files.directory / entry.name, MEDIA[entry.format], entry.expires_at
     left = max(0, until - int(files.clock()))
     return web.FileResponse(path, headers={"Content-Type": media, "Cache-Control": f"private, max-age={left}"})
+
+
+async def readmit(app: web.Application, db: JobDB) -> None:
+    """The jobs a previous run left unfinished (queued, or running when it stopped or crashed), admitted again from
+    the start under their ids, oldest first, once the model is ready; their seeds are explicit, so each makes the
+    video it would have made. A full queue is waited out."""
+    rows = await db.unfinished()
+    if not rows:
+        return
+    state, jobs = app[STATE], app[VIDEOS]
+    await state.loaded.wait()
+    if not state.ready or state.engine is None:
+        return  # the model failed to load: nothing can run them (they stay in the database)
+    log.info("video jobs: %d left unfinished by the previous run, admitted again", len(rows))
+    for job_id, tenant, raw_params, raw_job in rows:
+        params = msgspec.json.decode(raw_params, type=SamplingParams)
+        job = msgspec.json.decode(raw_job, type=VideoJob)
+        job.status, job.progress = "queued", 0
+        while True:
+            try:
+                (handle,) = queue_requests(
+                    state.engine, state, [params], tenant=app[TENANTS].tenant(tenant), checked=True,
+                    ids=[job.request_id],
+                )  # fmt: skip
+                break
+            except (QueueFullError, ApiError):
+                await asyncio.sleep(0.5)
+        jobs.store.add(job)
+        db.update(job_id, job.status, msgspec.json.encode(job))
+        jobs.start(app, job, handle)
 
 
 async def _sweep(store: VideoStore, every: float) -> None:
@@ -297,11 +349,11 @@ async def _create_video(request: web.Request, body: VideoCreateRequest, referenc
         raise ApiError(
             507, f"{why}; no new video jobs until there is room", type="server_error", code="insufficient_storage"
         )
-    (handle,) = queue_requests(engine, state, [resolved], tenant=tenant, checked=True)
     assert resolved.num_frames is not None and resolved.fps is not None and resolved.seed is not None
+    rid = uuid.uuid4().hex
     job = VideoJob(
-        id=f"video_{handle.request_id}",
-        request_id=handle.request_id,
+        id=f"video_{rid}",
+        request_id=rid,
         created_at=int(jobs.store.clock()),
         model=state.model_id,
         prompt=resolved.prompt,
@@ -312,6 +364,15 @@ async def _create_video(request: web.Request, body: VideoCreateRequest, referenc
         seed=resolved.seed,
         owner=tenant.name,
     )
+    db = request.app.get(JOB_DB)
+    if db is not None:  # written before it is admitted: a job the client hears of is never lost
+        await db.put(job.id, tenant.name, job.status, msgspec.json.encode(resolved), msgspec.json.encode(job))
+    try:
+        (handle,) = queue_requests(engine, state, [resolved], tenant=tenant, checked=True, ids=[rid])
+    except BaseException:
+        if db is not None:
+            db.delete(job.id)
+        raise
     jobs.store.add(job)
     jobs.start(request.app, job, handle)
     return _json(_public(request, job))
@@ -498,6 +559,8 @@ async def delete_video(request: web.Request) -> web.Response:
     job = _get_job(request)
     videos = request.app[VIDEOS]
     videos.store.remove(job.id)
+    if (db := request.app.get(JOB_DB)) is not None:
+        db.delete(job.id)
     task = videos.tasks.get(job.id)
     engine = request.app[STATE].engine
     if task is not None:

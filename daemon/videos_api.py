@@ -114,6 +114,8 @@ class VideoJobs:
 
         def write() -> None:  # each change of status, in order (one writer thread)
             nonlocal written
+            if job.status == "cancelled" and app[STATE].draining:
+                return  # cancelled by the drain's deadline, not by its client: the next start runs it again
             if db is not None and job.status != written:
                 written = job.status
                 db.update(job.id, job.status, msgspec.json.encode(job))

@@ -17,7 +17,6 @@ offloaded or FSDP2-sharded ones (their storage moves), and weights with a LoRA f
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import json
@@ -107,7 +106,14 @@ class KeptWeights:
         else:
             with os.fdopen(fd, "w") as f:
                 f.write(str(os.getpid()))
-            if not self._write(params):
+            try:
+                written = self._write(params)
+            except OSError as exc:  # the folder filled up meanwhile, or went away: a heal reloads, nothing more
+                log.warning("not keeping the weights for a heal: %s", exc)
+                written = False
+            if not written:
+                self.data.unlink(missing_ok=True)
+                claim.unlink(missing_ok=True)  # the ranks waiting for this file stop waiting
                 return False
         if all(t.device.type == "cpu" for _, t in params):  # on a GPU the file is a host copy, mapped by no one
             try:
@@ -162,9 +168,13 @@ class KeptWeights:
         """Until the rank that claimed the file has written it; False if it is gone first."""
         deadline = time.monotonic() + WAIT_S
         while not self.ready():
-            with contextlib.suppress(OSError, ValueError):
+            try:
                 if not _alive(int(claim.read_text() or "0")):
                     return False
+            except FileNotFoundError:  # its writer gave up
+                return self.ready()
+            except (OSError, ValueError):
+                pass
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.05)

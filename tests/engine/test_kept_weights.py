@@ -113,3 +113,23 @@ def test_dropping_a_checkpoint_s_pages_leaves_its_views_readable(tmp_path):
     print(f"RssFile fell by {dropped / 2**20:.1f} MiB")
     assert dropped >= 0.9 * values.numel()
     assert torch.equal(view, values)
+
+
+def test_a_writer_that_gives_up_releases_its_claim(tmp_path, monkeypatch):
+    """Ranks waiting for a share that its writer could not keep stop waiting at once (not after WAIT_S)."""
+    import threading
+    import time
+
+    keeper = KeptWeights(tmp_path, "k")
+    claim = tmp_path / "k.claim"
+    claim.write_text(str(os.getpid()))  # another rank of this node claimed it and is writing
+    threading.Timer(0.2, claim.unlink).start()  # ... then found no room and gave up
+    started = time.monotonic()
+    assert not keeper.store(torch.nn.Linear(4, 3))
+    assert time.monotonic() - started < 5
+    real = os.statvfs(tmp_path)
+    monkeypatch.setattr(kept_weights.os, "statvfs", lambda _: os.statvfs_result((*real[:4], 0, *real[5:])))
+    assert not keeper.store(torch.nn.Linear(4, 3))  # no room: its claim is gone again, and no half file
+    assert not claim.exists() and not keeper.data.exists()
+    monkeypatch.undo()
+    assert keeper.store(torch.nn.Linear(4, 3)) and keeper.ready()  # the next attempt keeps it

@@ -381,16 +381,11 @@ def check_serving(config: ServeConfig) -> ModelSetup:
     check_exposure(config)
     if config.nnodes > 1 and not config.rdzv_endpoint:
         raise ConfigError(f"--nnodes {config.nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node")
-    if config.video_dir is not None:
-        from diffusiond.daemon.video_store import folder_problem
+    from diffusiond.daemon.video_store import folder_problem
 
-        if (problem := folder_problem(config.video_dir)) is not None:
-            raise ConfigError(f"--video-dir {config.video_dir}: {problem}")
-    if config.state_dir is not None:
-        from diffusiond.daemon.video_store import folder_problem
-
-        if (problem := folder_problem(config.state_dir)) is not None:
-            raise ConfigError(f"--state-dir {config.state_dir}: {problem}")
+    for flag, folder in (("--video-dir", config.video_dir), ("--state-dir", config.state_dir)):
+        if folder is not None and (problem := folder_problem(folder)) is not None:
+            raise ConfigError(f"{flag} {folder}: {problem}")
     setup = model_setup(config)
     check_setup(setup)
     return setup

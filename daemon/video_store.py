@@ -175,7 +175,7 @@ class VideoStore:
         (creating and cancelling jobs in a loop must not push out others' videos), StoreFull when none has."""
         self.sweep()
         while len(self.jobs) >= self.max_jobs:
-            oldest = self._first_finished(with_file=False, without_file=True) or self._first_finished(with_file=False)
+            oldest = self._first_forgettable()
             if oldest is None:
                 raise StoreFull(f"{len(self.jobs)} video jobs are queued or running (--video-max-jobs)")
             self.remove(oldest.id)
@@ -185,9 +185,7 @@ class VideoStore:
         QuotaFull when all its jobs are queued or running."""
         self.make_room()
         while max_jobs is not None and sum(j.owner == owner for j in self.jobs.values()) >= max_jobs:
-            oldest = self._first_finished(with_file=False, without_file=True, owner=owner) or self._first_finished(
-                with_file=False, owner=owner
-            )
+            oldest = self._first_forgettable(owner)
             if oldest is None:
                 raise QuotaFull("max_stored_jobs", f"{max_jobs} of its video jobs are queued or running")
             self.remove(oldest.id)
@@ -224,6 +222,13 @@ class VideoStore:
         for job_id in expired:
             self.remove(job_id)
         return expired
+
+    def _first_forgettable(self, owner: str | None = None) -> VideoJob | None:
+        """The job to forget for room (of `owner`'s, if given): the first finished without a video, else the first
+        finished at all."""
+        return self._first_finished(with_file=False, without_file=True, owner=owner) or self._first_finished(
+            with_file=False, owner=owner
+        )
 
     def _first_finished(
         self, *, with_file: bool, without_file: bool = False, owner: str | None = None

@@ -28,7 +28,8 @@ RUN pip install "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" 
     && pip install "setuptools>=69" "wheel>=0.43" "packaging>=24" "ninja>=1.11" "psutil>=5.9"
 WORKDIR /src
 COPY . .
-RUN pip install --no-build-isolation "./[gpu]"
+# postgres: --state-url, video jobs shared by replicas (deploy/kubernetes/replicas.yaml sets it).
+RUN pip install --no-build-isolation "./[gpu,postgres]"
 
 # ---- runtime: the CUDA runtime image, the virtual environment, a user without privileges
 FROM ${CUDA_IMAGE}-runtime-${UBUNTU}

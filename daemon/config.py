@@ -96,6 +96,11 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     video_dir: str | None = None
     # Durable video jobs (daemon/job_db.py): DIR/diffusiond.db (SQLite), and DIR/videos unless video_dir says.
     state_dir: str | None = None
+    # Video jobs in PostgreSQL, shared by replicas (their videos in state_dir or video_dir, a folder all of them
+    # mount); this replica's name in the jobs' leases (default: host:port), and how long a lease lasts unrenewed.
+    state_url: str | None = None
+    replica_id: str | None = None
+    job_lease: Annotated[float, msgspec.Meta(ge=1.0, le=3600.0)] = 30.0
     video_store_bytes: Positive = 1 << 30
     video_ttl: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
     # Images answered by URL (daemon/files.py): the key their URLs are signed with (default: random per start),
@@ -179,7 +184,7 @@ ENV_PREFIX = "DIFFUSIOND_"
 CONFIG_ENV = "DIFFUSIOND_CONFIG"
 # Variables with the prefix that are not fields: the config file path, and the model cache (models/default.py).
 ENV_NOT_FIELDS = frozenset({CONFIG_ENV, "DIFFUSIOND_CACHE"})
-SECRET_FIELDS = frozenset({"api_key", "url_secret"})
+SECRET_FIELDS = frozenset({"api_key", "url_secret", "state_url"})
 LIST_FIELDS = frozenset({"lora", "allowed_hosts", "cors_origins"})
 HIDDEN = "<hidden>"
 
@@ -386,6 +391,15 @@ def check_serving(config: ServeConfig) -> ModelSetup:
     for flag, folder in (("--video-dir", config.video_dir), ("--state-dir", config.state_dir)):
         if folder is not None and (problem := folder_problem(folder)) is not None:
             raise ConfigError(f"{flag} {folder}: {problem}")
+    if config.state_url is not None:
+        if not config.state_url.startswith(("postgresql://", "postgres://")):
+            scheme = config.state_url.split(":")[0]
+            raise ConfigError(f"--state-url must be a PostgreSQL URL (postgresql://...); got {scheme}:...")
+        if config.state_dir is None and config.video_dir is None:
+            raise ConfigError(
+                "--state-url needs --state-dir or --video-dir: the folder the replicas keep their videos in, one "
+                "that all of them mount (a ReadWriteMany volume on Kubernetes)"
+            )
     setup = model_setup(config)
     check_setup(setup)
     return setup

@@ -10,16 +10,20 @@ with.
 
 The files live in the results folder (`--video-dir`, else a temporary one) under `files/`, bounded like the videos
 there (`--video-store-bytes` of them, kept `--video-ttl` seconds; the oldest go first when a new one needs room),
-each kind counted apart.
+each kind counted apart. Replicas that share a results folder (`--state-url`) each keep their images in a folder
+of their own under `files/`, and serve each other's: with one `--url-secret`, a URL any of them signed is valid on
+all, and the file is found by its id.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import hmac
 import logging
 import os
+import re
 import secrets
 import time
 from collections import OrderedDict
@@ -29,9 +33,14 @@ from pathlib import Path
 
 from aiohttp import web
 
+from diffusiond.daemon.api import ApiError
+from diffusiond.daemon.auth import TENANT
+from diffusiond.daemon.state import ENCODERS, STATE
+
 log = logging.getLogger(__name__)
 
-MEDIA = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+MEDIA = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp", "mp4": "video/mp4"}
+FILE_ID = re.compile(r"file_[0-9a-f]{32}")
 
 
 @dataclass
@@ -97,7 +106,8 @@ class FileStore:
 
     def valid(self, file_id: str, expires: str, signature: str) -> bool:
         """Whether a URL's signature is this store's and its expiry is still ahead."""
-        if not expires.isdigit() or len(expires) > 12:
+        # ASCII only: "²" is a digit to str.isdigit (not to int), and compare_digest refuses other strings.
+        if not (expires.isascii() and expires.isdigit()) or len(expires) > 12 or not signature.isascii():
             return False
         return hmac.compare_digest(self.signature(file_id, int(expires)), signature) and int(expires) > self.clock()
 
@@ -105,6 +115,18 @@ class FileStore:
         """The image a URL names, if the URL is valid and the image still kept."""
         self.sweep()
         return self.files.get(file_id) if self.valid(file_id, expires, signature) else None
+
+    def elsewhere(self, file_id: str, expires: str, signature: str) -> tuple[Path, str] | None:
+        """(path, format) of an image another replica sharing the results folder keeps (in a sibling of this
+        store's folder), if the URL is valid."""
+        if not FILE_ID.fullmatch(file_id) or not self.valid(file_id, expires, signature):
+            return None
+        with contextlib.suppress(OSError):
+            for folder in self.directory.parent.iterdir():
+                for fmt in MEDIA:
+                    if folder != self.directory and (path := folder / f"{file_id}.{fmt}").is_file():
+                        return path, fmt
+        return None
 
 
 def base_url(request: web.Request, configured: str | None) -> str:
@@ -121,3 +143,28 @@ def write_file(directory: Path, entry: StoredFile, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+FILES = web.AppKey("files", FileStore)
+
+
+async def store_result(request: web.Request, data: bytes, fmt: str) -> str:
+    """An image (or a native stream's clip) kept in the results folder; its signed URL."""
+    files = request.app[FILES]
+    try:
+        entry = files.reserve(request[TENANT], fmt, len(data))
+    except ValueError as exc:
+        raise ApiError(507, str(exc), type="server_error", code="insufficient_storage") from None
+    try:
+        await asyncio.get_running_loop().run_in_executor(
+            request.app[ENCODERS], write_file, files.directory, entry, data
+        )
+    except OSError as exc:
+        files.remove(entry.id)
+        raise ApiError(
+            507,
+            f"the file could not be stored: {exc.strerror or exc}",
+            type="server_error",
+            code="insufficient_storage",
+        ) from None
+    return files.url(base_url(request, request.app[STATE].config.public_base_url), entry)

@@ -1,22 +1,31 @@
 """Video jobs that survive the daemon (issue 33, part 2): their records in SQLite (`--state-dir DIR`:
-`DIR/diffusiond.db`, WAL), written by one thread of their own, never on the event loop.
+`DIR/diffusiond.db`, WAL), or in PostgreSQL (`--state-url postgresql://...`), which replicas share; written by one
+thread of their own, never on the event loop.
 
 A job is written before its creation is answered (a client that got an id can count on it), with the parameters it
-runs with (the seed resolved, so that a rerun makes the same video), then again at each change of status. After a
-restart or a crash, the jobs the database holds unfinished are admitted again from the start, under the same ids
-(`videos_api.readmit`); completed ones are served from their files (video_store.py keeps a JSON beside each). The
+runs with (the seed resolved, so that a rerun makes the same video), then again at each change of status. The
 schema is versioned (`schema_version`, forward-only migrations); a database from a newer diffusiond is refused.
+
+Who runs a job: the replica that holds its lease (`lease_owner`, `lease_until` on the database's clock). The replica
+that creates a job takes the lease with the row; while the job is unfinished, it renews the lease every third of
+`lease_s` (`renew`), and every write of the job's status is fenced by it (`update` changes nothing once another
+replica holds the lease). A replica that dies stops renewing: once the lease runs out, another replica's `claim`
+takes the job (one UPDATE over the rows it selects; PostgreSQL's `FOR UPDATE SKIP LOCKED`, SQLite's single writer)
+and runs it again from the start; a replica that comes back under the same id (`--replica-id`, by default host and
+port) takes its own jobs back at once. A replica that finds a job it runs no longer its own (its lease ran out
+while it stalled, or the job was deleted) cancels it: two replicas never both finish one job.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,48 +33,183 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Each migration once, in order; never edited once released (add the next instead).
-MIGRATIONS: tuple[str, ...] = (
-    """
-    CREATE TABLE jobs (
-        id TEXT PRIMARY KEY,
-        tenant TEXT NOT NULL,
-        status TEXT NOT NULL,
-        params BLOB NOT NULL,
-        job BLOB NOT NULL,
-        created_at REAL NOT NULL,
-        updated_at REAL NOT NULL
-    );
-    CREATE INDEX jobs_unfinished ON jobs (status, created_at);
-    """,
-)
 UNFINISHED = ("queued", "in_progress")
+FINISHED = ("completed", "failed", "cancelled")
+
+# Each migration once, in order, in each dialect; never edited once released (add the next instead).
+MIGRATIONS: dict[str, tuple[str, ...]] = {
+    "sqlite": (
+        """
+        CREATE TABLE jobs (
+            id TEXT PRIMARY KEY,
+            tenant TEXT NOT NULL,
+            status TEXT NOT NULL,
+            params BLOB NOT NULL,
+            job BLOB NOT NULL,
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL
+        );
+        CREATE INDEX jobs_unfinished ON jobs (status, created_at)
+        """,
+        """
+        ALTER TABLE jobs ADD COLUMN lease_owner TEXT;
+        ALTER TABLE jobs ADD COLUMN lease_until REAL;
+        ALTER TABLE jobs ADD COLUMN expires_at REAL;
+        CREATE INDEX jobs_tenant ON jobs (tenant, created_at)
+        """,
+        """
+        CREATE TABLE idempotency_keys (
+            tenant TEXT NOT NULL,
+            route TEXT NOT NULL,
+            key TEXT NOT NULL,
+            fingerprint TEXT NOT NULL,
+            job_id TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            PRIMARY KEY (tenant, route, key)
+        )
+        """,
+        """
+        CREATE TABLE requests (
+            id TEXT PRIMARY KEY,
+            tenant TEXT NOT NULL,
+            replica TEXT NOT NULL,
+            status TEXT NOT NULL,
+            error TEXT,
+            params BLOB,
+            record BLOB NOT NULL,
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL
+        );
+        CREATE INDEX requests_open ON requests (replica, status)
+        """,
+    ),
+    "postgresql": (
+        """
+        CREATE TABLE jobs (
+            id TEXT PRIMARY KEY,
+            tenant TEXT NOT NULL,
+            status TEXT NOT NULL,
+            params BYTEA NOT NULL,
+            job BYTEA NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            updated_at DOUBLE PRECISION NOT NULL
+        );
+        CREATE INDEX jobs_unfinished ON jobs (status, created_at)
+        """,
+        """
+        ALTER TABLE jobs ADD COLUMN lease_owner TEXT;
+        ALTER TABLE jobs ADD COLUMN lease_until DOUBLE PRECISION;
+        ALTER TABLE jobs ADD COLUMN expires_at DOUBLE PRECISION;
+        CREATE INDEX jobs_tenant ON jobs (tenant, created_at)
+        """,
+        """
+        CREATE TABLE idempotency_keys (
+            tenant TEXT NOT NULL,
+            route TEXT NOT NULL,
+            key TEXT NOT NULL,
+            fingerprint TEXT NOT NULL,
+            job_id TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (tenant, route, key)
+        )
+        """,
+        """
+        CREATE TABLE requests (
+            id TEXT PRIMARY KEY,
+            tenant TEXT NOT NULL,
+            replica TEXT NOT NULL,
+            status TEXT NOT NULL,
+            error TEXT,
+            params BYTEA,
+            record BYTEA NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            updated_at DOUBLE PRECISION NOT NULL
+        );
+        CREATE INDEX requests_open ON requests (replica, status)
+        """,
+    ),
+}
+# The lock two PostgreSQL replicas starting at once take around their migrations (pg_advisory_lock's key).
+_MIGRATION_LOCK = 0x64696666
 
 
 class JobDBError(RuntimeError):
-    """A database that cannot be used (written by a newer diffusiond, or not a database)."""
+    """A database that cannot be used (written by a newer diffusiond, not a database, or not reachable)."""
+
+
+class Dialect:
+    """What SQLite and PostgreSQL spell differently. Queries are written with `?` and `{now}` (seconds since the
+    epoch on the database's clock, so that replicas' clocks need not agree)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        postgres = name == "postgresql"
+        self._param = "%s" if postgres else "?"
+        epoch = "EXTRACT(EPOCH FROM clock_timestamp())" if postgres else "((julianday('now') - 2440587.5) * 86400.0)"
+        self._now = epoch
+        self.skip_locked = " FOR UPDATE SKIP LOCKED" if postgres else ""
+
+    def sql(self, query: str) -> str:
+        return query.replace("?", self._param).replace("{now}", self._now)
+
+
+def connect(target: Path | str) -> tuple[Any, Dialect]:
+    """A connection in autocommit mode (each statement its own transaction) and its dialect."""
+    if isinstance(target, str) and target.startswith(("postgresql://", "postgres://")):
+        try:
+            import psycopg
+        except ImportError:
+            raise JobDBError("--state-url postgresql://... needs psycopg: pip install 'diffusiond[postgres]'") from None
+        try:
+            return psycopg.connect(target, autocommit=True, connect_timeout=10), Dialect("postgresql")
+        except psycopg.Error as exc:
+            raise JobDBError(f"cannot connect to the job database: {exc}") from None
+    conn = sqlite3.connect(target, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")  # a crash of the process loses nothing; a power cut the last
+    return conn, Dialect("sqlite")
+
+
+def database_errors() -> tuple[type[BaseException], ...]:
+    errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
+    try:
+        import psycopg
+    except ImportError:
+        return errors
+    return (*errors, psycopg.Error)
 
 
 class JobDB:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._queue: queue.SimpleQueue[tuple[Callable[[sqlite3.Connection], Any], Any] | None] = queue.SimpleQueue()
+    """`target`: a SQLite file, or a PostgreSQL URL (`shared`: replicas use it together). `replica`: this
+    replica's name in the leases; `lease_s`: how long a lease lasts unrenewed."""
+
+    def __init__(self, target: Path | str, *, replica: str = "local", lease_s: float = 30.0) -> None:
+        self.target = target
+        self.replica = replica
+        self.lease_s = lease_s
+        self.shared = isinstance(target, str)
+        self.dialect = Dialect("postgresql" if self.shared else "sqlite")
+        self._queue: queue.SimpleQueue[tuple[Callable[[Any], Any], Any] | None] = queue.SimpleQueue()
         self._ready: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name="diffusiond-job-db", daemon=True)
         self._thread.start()
         if (error := self._ready.get()) is not None:
             raise error
 
+    def __repr__(self) -> str:  # never the URL: it may hold a password
+        return f"JobDB({self.dialect.name}, replica={self.replica!r})"
+
     # ---- the writer thread ----
 
     def _main(self) -> None:
+        conn = None
         try:
-            conn = sqlite3.connect(self.path, isolation_level=None)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")  # a crash of the process loses nothing; a power cut the last
-            migrate(conn)
-        except (sqlite3.Error, JobDBError) as exc:
-            self._ready.put(exc if isinstance(exc, JobDBError) else JobDBError(f"{self.path}: {exc}"))
+            conn, _ = connect(self.target)
+            migrate(conn, self.dialect)
+        except (*database_errors(), JobDBError) as exc:
+            if conn is not None:
+                conn.close()
+            self._ready.put(exc if isinstance(exc, JobDBError) else JobDBError(f"{self.dialect.name}: {exc}"))
             return
         self._ready.put(None)
         try:
@@ -80,7 +224,7 @@ class JobDB:
         finally:
             conn.close()
 
-    def _submit(self, work: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
+    def _submit(self, work: Callable[[Any], T]) -> asyncio.Future[T]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
 
@@ -98,6 +242,18 @@ class JobDB:
         self._queue.put((work, done))
         return future
 
+    def _run(self, query: str, args: Sequence[Any] = ()) -> asyncio.Future[Any]:
+        """One statement; its rows (RETURNING, SELECT) or [] and, for others, how many rows it changed."""
+        sql = self.dialect.sql(query)
+
+        def work(conn: Any) -> Any:
+            cursor = conn.execute(sql, tuple(args))
+            if cursor.description is None:
+                return cursor.rowcount
+            return [tuple(row) for row in cursor.fetchall()]
+
+        return self._submit(work)
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(10)
@@ -105,75 +261,240 @@ class JobDB:
     # ---- jobs ----
 
     async def put(self, job_id: str, tenant: str, status: str, params: bytes, job: bytes) -> None:
-        """A new job, durable once this returns."""
+        """A new job, leased to this replica, durable once this returns."""
         now = time.time()
+        await self._run(
+            "INSERT INTO jobs (id, tenant, status, params, job, created_at, updated_at, lease_owner, lease_until) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, {now} + ?)",
+            (job_id, tenant, status, params, job, now, now, self.replica, self.lease_s),
+        )
 
-        def insert(conn: sqlite3.Connection) -> None:
-            conn.execute(
-                "INSERT OR REPLACE INTO jobs (id, tenant, status, params, job, created_at, updated_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (job_id, tenant, status, params, job, now, now),
-            )
-
-        await self._submit(insert)
-
-    def update(self, job_id: str, status: str, job: bytes) -> asyncio.Future[None]:
-        """A job's new status (in the order given: one writer)."""
-        now = time.time()
-
-        def write(conn: sqlite3.Connection) -> None:
-            conn.execute("UPDATE jobs SET status = ?, job = ?, updated_at = ? WHERE id = ?", (status, job, now, job_id))
-
-        future = self._submit(write)
+    def update(self, job_id: str, status: str, job: bytes, expires_at: float | None = None) -> asyncio.Future[int]:
+        """A job's new status (in the order given: one writer), written only while this replica holds its lease;
+        how many rows it changed (0: the job is another replica's now, or deleted)."""
+        future = self._run(
+            "UPDATE jobs SET status = ?, job = ?, expires_at = ?, updated_at = ? WHERE id = ? AND lease_owner = ?",
+            (status, job, expires_at, time.time(), job_id, self.replica),
+        )
         future.add_done_callback(_logged)
         return future
 
-    def delete(self, job_id: str) -> asyncio.Future[None]:
-        future = self._submit(lambda conn: conn.execute("DELETE FROM jobs WHERE id = ?", (job_id,)) and None)
+    def delete(self, job_id: str) -> asyncio.Future[list[tuple]]:
+        """Forgets a job; the `(job,)` it had, if any."""
+        future = self._run("DELETE FROM jobs WHERE id = ? RETURNING job", (job_id,))
         future.add_done_callback(_logged)
         return future
 
-    async def unfinished(self) -> list[tuple[str, str, bytes, bytes]]:
-        """(id, tenant, params, job) of every job not finished, oldest first."""
+    async def get(self, job_id: str) -> tuple[str, bytes] | None:
+        """(tenant, job) of one job, whichever replica runs it."""
+        rows = await self._run("SELECT tenant, job FROM jobs WHERE id = ?", (job_id,))
+        return (rows[0][0], bytes(rows[0][1])) if rows else None
 
-        def read(conn: sqlite3.Connection) -> list[tuple[str, str, bytes, bytes]]:
-            marks = ",".join("?" * len(UNFINISHED))
-            rows = conn.execute(
-                f"SELECT id, tenant, params, job FROM jobs WHERE status IN ({marks}) ORDER BY created_at", UNFINISHED
-            )
-            return list(rows)
-
-        return await self._submit(read)
+    async def listing(self, tenant: str) -> list[bytes]:
+        """A tenant's jobs, in creation order."""
+        rows = await self._run("SELECT job FROM jobs WHERE tenant = ? ORDER BY created_at, id", (tenant,))
+        return [bytes(r[0]) for r in rows]
 
     async def status(self, job_id: str) -> str | None:
-        def read(conn: sqlite3.Connection) -> str | None:
-            row = conn.execute("SELECT status FROM jobs WHERE id = ?", (job_id,)).fetchone()
-            return row[0] if row else None
+        rows = await self._run("SELECT status FROM jobs WHERE id = ?", (job_id,))
+        return rows[0][0] if rows else None
 
-        return await self._submit(read)
-
-
-def migrate(conn: sqlite3.Connection) -> int:
-    """Every migration not applied yet, each in its own transaction; the schema's version."""
-    conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)")
-    version = conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_version").fetchone()[0]
-    if version > len(MIGRATIONS):
-        raise JobDBError(
-            f"the job database is at schema version {version}, written by a newer diffusiond (this one knows "
-            f"{len(MIGRATIONS)}); use that version, or another --state-dir"
+    async def claim(self, limit: int, *, mine: bool = False) -> list[tuple[str, str, bytes, bytes]]:
+        """(id, tenant, params, job) of up to `limit` unfinished jobs whose lease ran out (and, with `mine`, those
+        this replica held before it restarted), now leased to this replica; oldest first."""
+        if limit <= 0:
+            return []
+        marks = ",".join("?" * len(UNFINISHED))
+        own = " OR lease_owner = ?" if mine else ""
+        args: list[Any] = [self.replica, self.lease_s, *UNFINISHED]
+        if mine:
+            args.append(self.replica)
+        rows = await self._run(
+            "UPDATE jobs SET lease_owner = ?, lease_until = {now} + ? WHERE id IN ("
+            f"SELECT id FROM jobs WHERE status IN ({marks}) AND (lease_until IS NULL OR lease_until < {{now}}{own}) "
+            f"ORDER BY created_at LIMIT ?{self.dialect.skip_locked}) RETURNING id, tenant, params, job, created_at",
+            (*args, limit),
         )
-    for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            for statement in filter(str.strip, script.split(";")):
-                conn.execute(statement)
-            conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, ?)", (number, time.time()))
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
-        log.info("job database: schema version %d", number)
-    return len(MIGRATIONS)
+        return [(r[0], r[1], bytes(r[2]), bytes(r[3])) for r in sorted(rows, key=lambda r: r[4])]
+
+    async def renew(self, held: dict[str, bytes]) -> set[str]:
+        """Renews this replica's leases of the jobs it runs (`held`: id -> the job as it is now, its progress
+        written with it); the ids it still holds (the others went to another replica, or were deleted)."""
+        if not held:
+            return set()
+
+        def work(conn: Any) -> set[str]:
+            kept = set()
+            sql = self.dialect.sql(
+                "UPDATE jobs SET lease_until = {now} + ?, job = ?, updated_at = ? "
+                "WHERE id = ? AND lease_owner = ? AND status IN (?, ?)"
+            )
+            now = time.time()
+            for job_id, job in held.items():
+                if conn.execute(sql, (self.lease_s, job, now, job_id, self.replica, *UNFINISHED)).rowcount:
+                    kept.add(job_id)
+            return kept
+
+        return await self._submit(work)
+
+    async def release(self, job_id: str | None = None) -> int:
+        """This replica's unfinished jobs (or one of them), free for any replica's next claim (at a drain; a job
+        claimed that cannot be admitted now)."""
+        marks = ",".join("?" * len(UNFINISHED))
+        one = "" if job_id is None else " AND id = ?"
+        return await self._run(
+            f"UPDATE jobs SET lease_until = NULL WHERE lease_owner = ? AND status IN ({marks}){one}",
+            (self.replica, *UNFINISHED, *([] if job_id is None else [job_id])),
+        )
+
+    async def expire(self) -> list[bytes]:
+        """Forgets finished jobs whose time is up, whichever replica ran them; their jobs (whose files the caller
+        removes: exactly one replica gets each)."""
+        marks = ",".join("?" * len(FINISHED))
+        rows = await self._run(
+            f"DELETE FROM jobs WHERE status IN ({marks}) AND expires_at <= {{now}} RETURNING job", FINISHED
+        )
+        return [bytes(r[0]) for r in rows]
+
+    async def expire_keys(self, window_s: float) -> int:
+        return await self._run("DELETE FROM idempotency_keys WHERE created_at < {now} - ?", (window_s,))
+
+    # ---- requests (every engine request: images, native streams, the videos' own) ----
+
+    def journal(
+        self, request_id: str, tenant: str, status: str, error: str | None, record: bytes, params: bytes | None
+    ) -> None:
+        """A request's record, admitted (`params` given) or ended; not waited for (one writer keeps the order)."""
+        now = time.time()
+        if params is not None:
+            query = (
+                "INSERT INTO requests (id, tenant, replica, status, error, params, record, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET replica = ?, status = ?, "
+                "error = ?, record = ?, updated_at = ?"
+            )
+            args: tuple = (request_id, tenant, self.replica, status, error, params, record, now, now)
+            args += (self.replica, status, error, record, now)
+        else:
+            query = "UPDATE requests SET status = ?, error = ?, record = ?, updated_at = ? WHERE id = ?"
+            args = (status, error, record, now, request_id)
+        sql = self.dialect.sql(query)
+
+        def work(conn: Any) -> None:
+            conn.execute(sql, args)
+
+        def done(_: Any, exc: BaseException | None) -> None:  # on the writer thread
+            if exc is not None:
+                log.error("job database: a request's record was not written: %s", exc)
+
+        self._queue.put((work, done))
+
+    async def request(self, request_id: str) -> tuple[str, str, str | None, bytes] | None:
+        """(tenant, status, error, record) of a request, whichever replica ran it."""
+        rows = await self._run("SELECT tenant, status, error, record FROM requests WHERE id = ?", (request_id,))
+        return (rows[0][0], rows[0][1], rows[0][2], bytes(rows[0][3])) if rows else None
+
+    async def abandon_requests(self, why: str) -> int:
+        """At the start: this replica's requests its previous run left unfinished, failed (their clients' connections
+        went with it)."""
+        return await self._run(
+            "UPDATE requests SET status = 'failed', error = ?, updated_at = ? WHERE replica = ? "
+            "AND status IN ('queued', 'running')",
+            (why, time.time(), self.replica),
+        )
+
+    async def expire_requests(self, older_s: float) -> int:
+        return await self._run(
+            "DELETE FROM requests WHERE status IN ('completed', 'failed', 'cancelled') AND updated_at < ?",
+            (time.time() - older_s,),
+        )
+
+    # ---- idempotency keys of the POSTs that create jobs ----
+
+    async def remember_key(
+        self, tenant: str, route: str, key: str, fingerprint: str, job_id: str, window_s: float
+    ) -> tuple[str, str]:
+        """(fingerprint, job id) the key names: `job_id` and `fingerprint` if this is the key's first use (within
+        `window_s`), else the first use's, whichever replica saw it."""
+        ident = (tenant, route, key)
+
+        def work(conn: Any) -> tuple[str, str]:
+            sql = self.dialect.sql
+            conn.execute(
+                sql(
+                    "DELETE FROM idempotency_keys WHERE tenant = ? AND route = ? AND key = ? AND created_at < {now} - ?"
+                ),
+                (*ident, window_s),
+            )
+            conn.execute(
+                sql(
+                    "INSERT INTO idempotency_keys (tenant, route, key, fingerprint, job_id, created_at) "
+                    "VALUES (?, ?, ?, ?, ?, {now}) ON CONFLICT DO NOTHING"
+                ),
+                (*ident, fingerprint, job_id),
+            )
+            row = conn.execute(
+                sql("SELECT fingerprint, job_id FROM idempotency_keys WHERE tenant = ? AND route = ? AND key = ?"),
+                ident,
+            ).fetchone()
+            return row[0], row[1]
+
+        return await self._submit(work)
+
+    def forget_key(self, tenant: str, route: str, key: str, job_id: str) -> asyncio.Future[Any]:
+        """A key whose first use made no job (an error): the next try runs."""
+        future = self._run(
+            "DELETE FROM idempotency_keys WHERE tenant = ? AND route = ? AND key = ? AND job_id = ?",
+            (tenant, route, key, job_id),
+        )
+        future.add_done_callback(_logged)
+        return future
+
+
+def migrate(conn: Any, dialect: Dialect | None = None) -> int:
+    """Every migration not applied yet, each in its own transaction; the schema's version."""
+    dialect = dialect or Dialect("sqlite")
+    migrations = MIGRATIONS[dialect.name]
+    postgres = dialect.name == "postgresql"
+    if postgres:  # replicas starting together: one migrates, the others wait and find it done
+        conn.execute("SELECT pg_advisory_lock(%s)", (_MIGRATION_LOCK,))
+    try:
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_version "
+            "(version INTEGER PRIMARY KEY, applied_at DOUBLE PRECISION NOT NULL)"
+        )
+        version = conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_version").fetchone()[0]
+        if version > len(migrations):
+            raise JobDBError(
+                f"the job database is at schema version {version}, written by a newer diffusiond (this one knows "
+                f"{len(migrations)}); use that version, or another --state-dir / --state-url"
+            )
+        for number, script in enumerate(migrations[version:], start=version + 1):
+            with _transaction(conn, postgres):
+                for statement in filter(str.strip, script.split(";")):
+                    conn.execute(statement)
+                conn.execute(
+                    dialect.sql("INSERT INTO schema_version (version, applied_at) VALUES (?, ?)"), (number, time.time())
+                )
+            log.info("job database: schema version %d", number)
+    finally:
+        if postgres:
+            conn.execute("SELECT pg_advisory_unlock(%s)", (_MIGRATION_LOCK,))
+    return len(migrations)
+
+
+@contextlib.contextmanager
+def _transaction(conn: Any, postgres: bool) -> Iterator[None]:
+    if postgres:  # psycopg's own: BEGIN, then COMMIT, or ROLLBACK on an error
+        with conn.transaction():
+            yield
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
 
 
 def _logged(future: asyncio.Future) -> None:

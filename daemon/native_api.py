@@ -13,6 +13,7 @@ from diffusiond.daemon.api import ApiError, GenerationRequest, body_limit, decod
 from diffusiond.daemon.auth import TENANT, tenant_of
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.edge import read_body
+from diffusiond.daemon.files import store_result
 from diffusiond.daemon.handover import carried_ids, hand_over
 from diffusiond.daemon.idempotency import KEYS, fingerprint, started
 from diffusiond.daemon.image_encoding import encode_image
@@ -33,6 +34,7 @@ from diffusiond.daemon.streaming import (
     with_keepalive,
 )
 from diffusiond.daemon.video_encoding import EncodedVideo, encode_video
+from diffusiond.daemon.videos_api import stored_record
 from diffusiond.engine.engine import RequestHandle
 from diffusiond.engine.outputs import Cancelled, Completed, Event, Failed, Latent, Preview, Progress, Queued
 from diffusiond.models.params import SamplingParams, params_from
@@ -115,12 +117,20 @@ async def _render(
         latent = {"dtype": str(event.latent.dtype), "shape": list(event.latent.shape)}
         b64 = base64.b64encode(event.latent.tobytes()).decode()
         return "latent", {"step": event.step, "total": event.total, **latent, "b64": b64}, None
+    by_url = body.response_format == "url"
     if isinstance(event, Completed) and video:
         fmt = body.video_format or "mp4"
         clip = await encode_off_loop(request, encode_video, event.image, handle.params.fps, fmt, None, event.audio)
-        return "completed", {"seed": event.seed, "video": video_payload(clip), **told}, clip.data
+        payload = video_payload(clip)
+        if by_url:
+            del payload["b64"]
+            payload["url"] = await store_result(request, clip.data, clip.format)
+        return "completed", {"seed": event.seed, "video": payload, **told}, None if by_url else clip.data
     if isinstance(event, Completed):
         data = await encode_off_loop(request, encode_image, event.image, body.output_format)
+        if by_url:
+            images = [{"format": body.output_format, "url": await store_result(request, data, body.output_format)}]
+            return "completed", {"seed": event.seed, "images": images, **told}, None
         images = [{"format": body.output_format, "b64": BLOB}]
         return "completed", {"seed": event.seed, "images": images, **told}, data
     if isinstance(event, Cancelled):
@@ -146,15 +156,20 @@ def video_payload(clip: EncodedVideo) -> dict:
     return out
 
 
-def _get_record(request: web.Request) -> Record:
-    rec = request.app[STATE].owned(request.match_info["id"], request[TENANT])
+async def _get_record(request: web.Request) -> Record:
+    """A request's record: this process's, else the job database's (`--state-dir`, `--state-url`): one a previous
+    run of this replica or another replica made."""
+    request_id = request.match_info["id"]
+    rec = request.app[STATE].owned(request_id, request[TENANT])
+    if rec is None and (stored := await stored_record(request.app, request_id)) is not None:
+        rec = stored if stored.owner == request[TENANT] else None
     if rec is None:
-        raise ApiError(404, f"no generation with id {request.match_info['id']!r}", param="id", code="not_found")
+        raise ApiError(404, f"no generation with id {request_id!r}", param="id", code="not_found")
     return rec
 
 
 async def generation_status(request: web.Request) -> web.Response:
-    rec = _get_record(request)
+    rec = await _get_record(request)
     engine = request.app[STATE].engine
     if rec.status in ("queued", "running") and engine is not None:
         # Requests without progress events (the OpenAI routes) and streams behind their readers: the step count
@@ -166,8 +181,15 @@ async def generation_status(request: web.Request) -> web.Response:
 
 
 async def generation_cancel(request: web.Request) -> web.Response:
-    rec = _get_record(request)
+    rec = await _get_record(request)
     state = request.app[STATE]
+    if rec.status in ("queued", "running") and rec.id not in state.records:
+        raise ApiError(
+            409,
+            f"generation {rec.id} runs on another replica; cancel it there, or close its stream",
+            param="id",
+            code="not_here",
+        )
     if rec.status in ("queued", "running") and state.engine is not None:
         state.engine.cancel(rec.id)
         return web.json_response({**msgspec.to_builtins(rec), "cancel_requested": True}, status=202)

@@ -27,11 +27,11 @@ from diffusiond.daemon.api import (
 )
 from diffusiond.daemon.auth import TENANT, tenant_of
 from diffusiond.daemon.edge import read_body, read_form
-from diffusiond.daemon.files import base_url, write_file
+from diffusiond.daemon.files import store_result
 from diffusiond.daemon.handover import carried_ids, hand_over
 from diffusiond.daemon.idempotency import KEYS, fingerprint, started
 from diffusiond.daemon.image_encoding import encode_image, encode_preview
-from diffusiond.daemon.state import ENCODERS, STATE, ServerState
+from diffusiond.daemon.state import STATE, ServerState
 from diffusiond.daemon.streaming import (
     BLOB,
     KEEPALIVE,
@@ -49,7 +49,6 @@ from diffusiond.daemon.streaming import (
     unknown_words,
     with_keepalive,
 )
-from diffusiond.daemon.videos_api import FILES
 from diffusiond.engine.engine import Engine, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Completed, Event, Failed, Preview
 from diffusiond.models.params import MAX_REFERENCES, MAX_SEED, ParamError, SamplingParams, params_from
@@ -206,7 +205,7 @@ async def _images(
         raise terminal_error(min(unfinished, key=lambda r: isinstance(r, Failed) and r.retry))
     images = [await encode_off_loop(request, encode_image, r.image, fmt, body.output_compression) for r in results]
     if body.response_format == "url":
-        data = [{"url": await _stored(request, img, fmt)} for img in images]
+        data = [{"url": await store_result(request, img, fmt)} for img in images]
     else:
         data = [{"b64_json": base64.b64encode(img).decode()} for img in images]
     payload = {
@@ -216,28 +215,6 @@ async def _images(
         "usage": _usage(),
     }
     return web.json_response(payload, headers=headers, dumps=lambda o: msgspec.json.encode(o).decode())
-
-
-async def _stored(request: web.Request, image: bytes, fmt: str) -> str:
-    """The image kept in the results folder, and its signed URL (daemon/files.py)."""
-    files = request.app[FILES]
-    try:
-        entry = files.reserve(request[TENANT], fmt, len(image))
-    except ValueError as exc:
-        raise ApiError(507, str(exc), type="server_error", code="insufficient_storage") from None
-    try:
-        await asyncio.get_running_loop().run_in_executor(
-            request.app[ENCODERS], write_file, files.directory, entry, image
-        )
-    except OSError as exc:
-        files.remove(entry.id)
-        raise ApiError(
-            507,
-            f"the image could not be stored: {exc.strerror or exc}",
-            type="server_error",
-            code="insufficient_storage",
-        ) from None
-    return files.url(base_url(request, request.app[STATE].config.public_base_url), entry)
 
 
 def _usage() -> dict:

@@ -36,6 +36,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--port", type=int, help=f"port to listen on (default: {d.port}; 0 picks a free port)")
     add("--api-key", help="require 'Authorization: Bearer KEY' (or set DIFFUSIOND_API_KEY)")
     add("--state-dir", metavar="DIR", help="durable video jobs: a SQLite database and the videos (DIR/videos)")
+    add(
+        "--state-url",
+        metavar="URL",
+        help="video jobs in PostgreSQL (postgresql://...), shared by replicas; the videos in --state-dir or "
+        "--video-dir, a folder they all mount",
+    )
+    add("--replica-id", help="this replica's name in job leases (default: HOST:PORT; keep it across restarts)")
+    add(
+        "--job-lease",
+        type=float,
+        metavar="S",
+        help=f"seconds a replica's claim on a video job lasts unrenewed (default: {d.job_lease:g})",
+    )
     add("--url-secret", help="the key image URLs are signed with (response_format url; default: random per start)")
     add("--public-base-url", metavar="URL", help="the daemon's address as clients reach it, for image URLs")
     add(

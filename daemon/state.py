@@ -18,6 +18,7 @@ from diffusiond.daemon.tenants import DEFAULT
 from diffusiond.engine.engine import Engine, RequestHandle
 from diffusiond.engine.outputs import TERMINAL, Cancelled, Completed, Event, Failed, Progress
 from diffusiond.metrics.registry import Metrics
+from diffusiond.models.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,9 @@ class ServerState:
     records: OrderedDict[str, Record] = field(default_factory=OrderedDict)
     # Per-tenant series (admitted, finished); None in tests that build a bare state.
     metrics: Metrics | None = None
+    # Writes each record to the job database when it is made (with the request's parameters) and when it ends
+    # (daemon/job_db.py `journal`); None without one.
+    journal: Callable[[Record, SamplingParams | None], None] | None = None
 
     def owned(self, request_id: str, owner: str) -> Record | None:
         """A request's record, if `owner` made it (another tenant's is as unknown as an id never given)."""
@@ -106,6 +110,8 @@ class ServerState:
             if isinstance(event, TERMINAL) and self.metrics is not None:
                 self.metrics.tenant_in_flight.labels(rec.owner).dec()
                 self.metrics.tenant_requests.labels(rec.owner, rec.status).inc()
+            if isinstance(event, TERMINAL) and self.journal is not None:
+                self.journal(rec, None)
 
     def record(self, handle: RequestHandle, owner: str) -> Record:
         rec = Record(handle.request_id, int(time.time()), total=handle.params.steps_to_run, owner=owner)
@@ -114,6 +120,8 @@ class ServerState:
             self.metrics.tenant_in_flight.labels(owner).inc()
         while len(self.records) > MAX_RECORDS:
             self.records.popitem(last=False)
+        if self.journal is not None:
+            self.journal(rec, handle.params)
         return rec
 
     async def track(self, handle: RequestHandle) -> AsyncIterator[Event]:

@@ -151,6 +151,8 @@ class VideoStore:
         self.jobs: dict[str, VideoJob] = {}
         # Bytes of the videos on disk and of those being written.
         self.used = 0
+        # Called with the id of each job the store forgets (removed, expired, evicted): the job database's delete.
+        self.forgotten: Callable[[str], object] | None = None
 
     def cost(self, job: VideoJob) -> int:
         """What a job's files take of the budget: its video and the JSON beside it."""
@@ -196,10 +198,18 @@ class VideoStore:
 
     def remove(self, job_id: str) -> VideoJob | None:
         """Forgets a job and removes its files."""
+        job = self.drop(job_id)
+        if job is not None:
+            self.discard_files(job)
+            if self.forgotten is not None:
+                self.forgotten(job_id)
+        return job
+
+    def drop(self, job_id: str) -> VideoJob | None:
+        """Forgets a job here only: its files and its record stay (another replica runs it now, or removed it)."""
         job = self.jobs.pop(job_id, None)
         if job is not None:
             self.used -= self.cost(job)
-            self.discard_files(job)
         return job
 
     def discard_files(self, job: VideoJob) -> None:

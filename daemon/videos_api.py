@@ -19,12 +19,15 @@ import base64
 import binascii
 import contextlib
 import errno
+import functools
 import logging
 import math
 import re
 import secrets
 import shutil
+import socket
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -47,10 +50,10 @@ from diffusiond.daemon.api import (
 )
 from diffusiond.daemon.auth import TENANT, TENANTS, tenant_of
 from diffusiond.daemon.edge import read_body, read_form
-from diffusiond.daemon.files import MEDIA, FileStore, base_url
-from diffusiond.daemon.idempotency import KEYS, fingerprint
-from diffusiond.daemon.job_db import JobDB
-from diffusiond.daemon.state import ENCODERS, STATE
+from diffusiond.daemon.files import FILES, MEDIA, FileStore, base_url
+from diffusiond.daemon.idempotency import HEADER, KEYS, REPLAYED, WINDOW_S, fingerprint
+from diffusiond.daemon.job_db import JobDB, database_errors
+from diffusiond.daemon.state import ENCODERS, STATE, Record
 from diffusiond.daemon.streaming import check_images, queue_requests, quota_exceeded, run_encoder
 from diffusiond.daemon.video_encoding import MEDIA_TYPES, encode_video
 from diffusiond.daemon.video_store import (
@@ -79,6 +82,11 @@ LIST_LIMIT = (20, 100)  # default, most
 DELETE_WAIT_S = 30.0
 # At shutdown, jobs whose clip is done get this long to write their file before they are cancelled.
 STORE_GRACE_S = 10.0
+# How long a repeated POST waits for the job its Idempotency-Key names to be recorded (by another replica).
+REPLAY_WAIT_S = 5.0
+ABANDONED = "the server stopped before the request finished (a restart or a crash); send it again"
+# How long finished requests' records are kept in the job database.
+REQUEST_RECORDS_S = 24 * 3600.0
 # Which `image_inputs` a family declares when its videos may start from an image (`input_reference`).
 FIRST_FRAME = "first-frame"
 
@@ -91,6 +99,8 @@ class VideoJobs:
         self.tasks: dict[str, asyncio.Task] = {}
         # Jobs whose clip is done and is being encoded and written.
         self.storing: set[str] = set()
+        # Jobs this replica ran whose lease went to another (daemon/job_db.py): cancelled here, not ended.
+        self.lost: set[str] = set()
 
     def start(self, app: web.Application, job: VideoJob, handle: RequestHandle) -> None:
         task = asyncio.create_task(self._run(app, job, handle), name=f"diffusiond-{job.id}")
@@ -118,7 +128,7 @@ class VideoJobs:
                 return  # cancelled by the drain's deadline, not by its client: the next start runs it again
             if db is not None and job.status != written:
                 written = job.status
-                db.update(job.id, job.status, msgspec.json.encode(job))
+                db.update(job.id, job.status, msgspec.json.encode(job), job.expires_at)
 
         try:
             async for event in app[STATE].track(handle):
@@ -145,6 +155,20 @@ class VideoJobs:
             write()
         finally:
             self.storing.discard(job.id)
+            if job.id in self.lost:  # its record and files are the other replica's
+                self.lost.discard(job.id)
+                store.drop(job.id)
+
+    def lose(self, app: web.Application, job_id: str) -> None:
+        """A job this replica runs is no longer its own (its lease ran out while it stalled, or another replica
+        deleted it): cancelled at its next step, its end written nowhere (`update` is fenced by the lease)."""
+        job = self.store.jobs.get(job_id)
+        if job is None or job.finished or job_id not in self.tasks:  # ended here after the renewal's snapshot
+            return
+        log.warning("video job %s: its lease is another replica's now (or it was deleted); stopping it here", job_id)
+        self.lost.add(job_id)
+        if (engine := app[STATE].engine) is not None:
+            engine.cancel(job.request_id)
 
     async def _store(self, app: web.Application, job: VideoJob, event: Completed) -> None:
         store = self.store
@@ -187,7 +211,6 @@ class VideoJobs:
 
 VIDEOS = web.AppKey("videos", VideoJobs)
 JOB_DB = web.AppKey("job_db", JobDB)
-FILES = web.AppKey("files", FileStore)
 
 
 async def videos_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -200,27 +223,43 @@ async def videos_ctx(app: web.Application) -> AsyncIterator[None]:
     store = VideoStore(
         directory, max_bytes=config.video_store_bytes, ttl=config.video_ttl, max_jobs=config.video_max_jobs
     )
-    if not owned:
+    if config.state_url is not None:  # a shared folder's videos are the job table's (and others' files)
+        await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
+    elif not owned:
         loaded = await asyncio.to_thread(store.load)
         if loaded:
             log.info("video store: %d videos kept in %s", loaded, directory)
     jobs = app[VIDEOS] = VideoJobs(store)
     db = None
-    if config.state_dir is not None:
-        db = app[JOB_DB] = await asyncio.to_thread(JobDB, Path(config.state_dir) / "diffusiond.db")
+    if config.state_url is not None or config.state_dir is not None:
+        target = config.state_url or Path(str(config.state_dir)) / "diffusiond.db"
+        replica = config.replica_id or (f"{socket.gethostname()}:{config.port}" if config.state_url else "local")
+        db = app[JOB_DB] = await asyncio.to_thread(JobDB, target, replica=replica, lease_s=config.job_lease)
+        store.forgotten = db.delete
+        abandoned = await db.abandon_requests(ABANDONED)
+        if abandoned:
+            log.info("requests: %d left unfinished by the previous run of this replica, marked failed", abandoned)
+        app[STATE].journal = functools.partial(_journal, db)
     secret = config.url_secret.encode() if config.url_secret else secrets.token_bytes(32)
-    app[FILES] = FileStore(directory / "files", max_bytes=config.video_store_bytes, ttl=config.video_ttl, secret=secret)
+    # Replicas sharing the folder: each its own images, in a folder of its own (each removes its stale ones).
+    files = directory / "files" / re.sub(r"[^\w.-]", "_", db.replica) if db is not None and db.shared else None
+    app[FILES] = FileStore(
+        files or directory / "files", max_bytes=config.video_store_bytes, ttl=config.video_ttl, secret=secret
+    )
     sweeper = asyncio.create_task(_sweep(store, min(60.0, max(1.0, config.video_ttl / 4))))
-    readmitting = asyncio.create_task(readmit(app, db)) if db is not None else None
+    leasing = asyncio.create_task(keep_leases(app, db)) if db is not None else None
     try:
         yield
     finally:
-        for task in filter(None, (sweeper, readmitting)):
+        for task in filter(None, (sweeper, leasing)):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await jobs.close()
         if db is not None:
+            if db.shared:  # what this replica leaves unfinished, another takes at once
+                with contextlib.suppress(*database_errors()):
+                    await db.release()
             await asyncio.to_thread(db.close)
         if owned:
             await asyncio.to_thread(shutil.rmtree, directory, True)
@@ -236,6 +275,25 @@ def _public(request: web.Request, job: VideoJob) -> dict:
     return out
 
 
+def _journal(db: JobDB, rec: Record, params: SamplingParams | None) -> None:
+    """A request's record to the job database (ServerState.journal): its parameters without its input images."""
+    if params is not None:
+        params = msgspec.structs.replace(params, image=None, mask=None, reference_images=None)
+    encoded = None if params is None else msgspec.json.encode(params)
+    db.journal(rec.id, rec.owner, rec.status, rec.error, msgspec.json.encode(rec), encoded)
+
+
+async def stored_record(app: web.Application, request_id: str) -> Record | None:
+    """A request's record from the job database: one a previous run of this replica (or another replica) made."""
+    db = app.get(JOB_DB)
+    row = None if db is None else await db.request(request_id)
+    if row is None:
+        return None
+    rec = msgspec.json.decode(row[3], type=Record)
+    rec.owner, rec.status, rec.error = row[0], row[1], row[2]
+    return rec
+
+
 async def file_content(request: web.Request) -> web.StreamResponse:
     """An image, or a completed video, by its signed URL (daemon/files.py): no API key; 404 for anything not
     signed here, expired, or gone."""
@@ -243,45 +301,88 @@ async def file_content(request: web.Request) -> web.StreamResponse:
     expires, signature = request.query.get("expires", ""), request.query.get("signature", "")
     gone = ApiError(404, "no such file, or its URL expired or was not signed here", code="not_found")
     if file_id.startswith("video_"):
-        job = request.app[VIDEOS].store.get(file_id) if files.valid(file_id, expires, signature) else None
+        job = await find_job(request.app, file_id) if files.valid(file_id, expires, signature) else None
         path = request.app[VIDEOS].store.path(job) if job is not None else None
-        if job is None or path is None:
+        if job is None or path is None or not path.is_file():
             raise gone
         media, until = MEDIA_TYPES[job.format], job.expires_at or 0
     else:
         entry = files.lookup(file_id, expires, signature)
-        if entry is None:
+        if entry is not None:
+            path, media, until = files.directory / entry.name, MEDIA[entry.format], entry.expires_at
+        elif (found := files.elsewhere(file_id, expires, signature)) is not None:
+            path, media, until = found[0], MEDIA[found[1]], int(expires)
+        else:
             raise gone
-        path, media, until = files.directory / entry.name, MEDIA[entry.format], entry.expires_at
     left = max(0, until - int(files.clock()))
     return web.FileResponse(path, headers={"Content-Type": media, "Cache-Control": f"private, max-age={left}"})
 
 
-async def readmit(app: web.Application, db: JobDB) -> None:
-    """The jobs a previous run left unfinished (queued, or running when it stopped or crashed), admitted again from
-    the start under their ids, oldest first, once the model is ready; their seeds are explicit, so each makes the
-    video it would have made. A full queue is waited out."""
-    rows = await db.unfinished()
-    if not rows:
-        return
+async def keep_leases(app: web.Application, db: JobDB) -> None:
+    """Once the model is ready, every third of a lease: renews the leases of the jobs running here (with their
+    progress, which other replicas report), stops those that went to another replica, and claims the unfinished
+    jobs whose lease ran out (first: also those this replica held before it restarted), admitted again from the
+    start under their ids, oldest first, as far as the engine has room; their seeds are explicit, so each makes
+    the video it would have made. With a shared database, also forgets the finished jobs whose time is up and
+    removes their files, whichever replica made them."""
     state, jobs = app[STATE], app[VIDEOS]
     await state.loaded.wait()
     if not state.ready or state.engine is None:
         return  # the model failed to load: nothing can run them (they stay in the database)
-    log.info("video jobs: %d left unfinished by the previous run, admitted again", len(rows))
+    every, first, keys_swept = db.lease_s / 3, True, 0.0
+    while True:
+        try:
+            held = {i: msgspec.json.encode(jobs.store.jobs[i]) for i in list(jobs.tasks) if i in jobs.store.jobs}
+            held = {i: raw for i, raw in held.items() if i not in jobs.lost}
+            for job_id in held.keys() - await db.renew(held):
+                jobs.lose(app, job_id)
+            await _claim(app, db, first)
+            first = False
+            if time.monotonic() - keys_swept > 60:
+                await db.expire_keys(WINDOW_S)
+                await db.expire_requests(REQUEST_RECORDS_S)
+                keys_swept = time.monotonic()
+            if db.shared:
+                for raw in await db.expire():
+                    job = msgspec.json.decode(raw, type=VideoJob)
+                    jobs.store.drop(job.id)
+                    jobs.store.discard_files(job)
+        except database_errors() as exc:  # the database is away: jobs run on; leases are renewed when it is back
+            log.warning("job database: %s; trying again in %gs", exc, every)
+        except Exception:  # never the end of the renewals: other replicas would take every job running here
+            log.exception("video jobs: keeping the leases failed; trying again in %gs", every)
+        await asyncio.sleep(every)
+
+
+async def _claim(app: web.Application, db: JobDB, first: bool) -> None:
+    state, jobs = app[STATE], app[VIDEOS]
+    engine = state.engine
+    assert engine is not None
+    if state.draining:
+        return
+    # At the start: as many as the engine queues (this replica's own come back to it); later, only what would run
+    # at once, so that a busy replica leaves the others' jobs to idle replicas.
+    room = engine.capacity_left if first else min(engine.capacity_left, state.config.max_batch - engine.num_in_flight)
+    rows = await db.claim(room, mine=first)
+    if not rows:
+        return
+    log.info(
+        "video jobs: %d %s, admitted again", len(rows), "left unfinished by the previous run" if first else "claimed"
+    )
     for job_id, tenant, raw_params, raw_job in rows:
+        if job_id in jobs.tasks:  # its lease ran out while the database was away, and it is running here still
+            continue
         params = msgspec.json.decode(raw_params, type=SamplingParams)
         job = msgspec.json.decode(raw_job, type=VideoJob)
         job.status, job.progress = "queued", 0
-        while True:
-            try:
-                (handle,) = queue_requests(
-                    state.engine, state, [params], tenant=app[TENANTS].tenant(tenant), checked=True,
-                    ids=[job.request_id],
-                )  # fmt: skip
-                break
-            except (QueueFullError, ApiError):
-                await asyncio.sleep(0.5)
+        try:
+            (handle,) = queue_requests(
+                engine, state, [params], tenant=app[TENANTS].tenant(tenant), checked=True, ids=[job.request_id]
+            )
+        except (QueueFullError, ApiError) as exc:  # a full queue, a tenant's quota: the next claim (any replica's)
+            log.info("video job %s: not admitted yet (%s)", job_id, exc)
+            await db.release(job_id)
+            continue
         jobs.store.add(job)
         db.update(job_id, job.status, msgspec.json.encode(job))
         jobs.start(app, job, handle)
@@ -304,11 +405,13 @@ async def create_video(request: web.Request) -> web.StreamResponse:
     body, reference = await read_video_create(request)
     digest = fingerprint(request.path, msgspec.json.encode(body), reference or b"")
     return await request.app[KEYS].once(
-        request, request[TENANT], digest, lambda: _create_video(request, body, reference)
+        request, request[TENANT], digest, lambda: _create_video(request, body, reference, digest)
     )
 
 
-async def _create_video(request: web.Request, body: VideoCreateRequest, reference: bytes | None) -> web.Response:
+async def _create_video(
+    request: web.Request, body: VideoCreateRequest, reference: bytes | None, digest: str
+) -> web.Response:
     state = request.app[STATE]
     engine = state.require_engine()
     caps = engine.adapter.capabilities
@@ -333,8 +436,25 @@ async def _create_video(request: web.Request, body: VideoCreateRequest, referenc
             )
         await check_images(request, {"input_reference": reference})
     resolved = resolve_video(engine, body, reference)
-    jobs = request.app[VIDEOS]
     tenant = tenant_of(request)
+    rid = uuid.uuid4().hex
+    db, key = request.app.get(JOB_DB), request.headers.get(HEADER)
+    if db is None or key is None:
+        return await _new_job(request, resolved, rid)
+    # The key is kept with the jobs too: a retry that reaches another replica, or comes after a restart, finds it.
+    first = await db.remember_key(tenant.name, request.path, key, digest, f"video_{rid}", WINDOW_S)
+    if first[1] != f"video_{rid}":
+        return await _replayed(request, key, digest, *first)
+    try:
+        return await _new_job(request, resolved, rid)
+    except BaseException:
+        db.forget_key(tenant.name, request.path, key, f"video_{rid}")
+        raise
+
+
+async def _new_job(request: web.Request, resolved: SamplingParams, rid: str) -> web.Response:
+    state, jobs, tenant = request.app[STATE], request.app[VIDEOS], tenant_of(request)
+    engine = state.require_engine()
     try:
         jobs.store.make_room_for(tenant.name, tenant.max_stored_jobs)
     except StoreFull as exc:
@@ -352,7 +472,6 @@ async def _create_video(request: web.Request, body: VideoCreateRequest, referenc
             507, f"{why}; no new video jobs until there is room", type="server_error", code="insufficient_storage"
         )
     assert resolved.num_frames is not None and resolved.fps is not None and resolved.seed is not None
-    rid = uuid.uuid4().hex
     job = VideoJob(
         id=f"video_{rid}",
         request_id=rid,
@@ -378,6 +497,33 @@ async def _create_video(request: web.Request, body: VideoCreateRequest, referenc
     jobs.store.add(job)
     jobs.start(request.app, job, handle)
     return _json(_public(request, job))
+
+
+async def _replayed(request: web.Request, key: str, digest: str, first_digest: str, job_id: str) -> web.Response:
+    """The answer to a repeat of a POST whose Idempotency-Key the job database knows: the job the first made."""
+    if first_digest != digest:
+        raise ApiError(
+            422,
+            f"{HEADER} {key!r} was used with another body; use a new key for a new request",
+            param=HEADER,
+            code="idempotency_key_reused",
+        )
+    # The first may be between its key and its job's record (on another replica): polled, a few times.
+    for _ in range(int(REPLAY_WAIT_S / 0.1)):
+        if (job := await find_job(request.app, job_id)) is not None:
+            break
+        await asyncio.sleep(0.1)
+    if job is None or job.owner != request[TENANT]:
+        raise ApiError(
+            409,
+            f"the video job the first request with {HEADER} {key!r} made is gone (deleted, expired, or it never "
+            "started); send the request with a new key",
+            param=HEADER,
+            code="idempotency_key_retry",
+        )
+    response = _json(_public(request, job))
+    response.headers[REPLAYED] = "true"
+    return response
 
 
 async def read_video_create(request: web.Request) -> tuple[VideoCreateRequest, bytes | None]:
@@ -489,9 +635,24 @@ def frames_for(seconds: float, fps: int, caps: Capabilities) -> int:
     return frames
 
 
-def _get_job(request: web.Request) -> VideoJob:
+async def find_job(app: web.Application, job_id: str) -> VideoJob | None:
+    """A job, whichever replica runs it: with a shared database, its record there (this replica's own copy while
+    it runs here, whose progress is fresher); else the store's."""
+    videos, db = app[VIDEOS], app.get(JOB_DB)
+    job = videos.store.get(job_id)
+    if db is None or not db.shared or (job is not None and job_id in videos.tasks and job_id not in videos.lost):
+        return job
+    row = await db.get(job_id)
+    if row is None:
+        if job is not None:  # another replica deleted it, or its time was up
+            videos.store.drop(job_id)
+        return None
+    return msgspec.json.decode(row[1], type=VideoJob)
+
+
+async def _get_job(request: web.Request) -> VideoJob:
     job_id = request.match_info["id"]
-    job = request.app[VIDEOS].store.get(job_id)
+    job = await find_job(request.app, job_id)
     if job is None or job.owner != request[TENANT]:  # another tenant's job is as unknown as one never made
         raise ApiError(
             404,
@@ -503,16 +664,16 @@ def _get_job(request: web.Request) -> VideoJob:
 
 
 async def retrieve_video(request: web.Request) -> web.Response:
-    return _json(_public(request, _get_job(request)))
+    return _json(_public(request, await _get_job(request)))
 
 
 async def video_content(request: web.Request) -> web.StreamResponse:
-    job = _get_job(request)
+    job = await _get_job(request)
     variant = request.query.get("variant", "video")
     if variant != "video":
         raise ApiError(400, f"variant {variant!r} is not made here; only 'video' is", param="variant")
     path = request.app[VIDEOS].store.path(job)
-    if path is None:
+    if path is None or not path.is_file():
         raise ApiError(
             409,
             f"video {job.id} is {job.status}; its file exists once it is completed",
@@ -534,7 +695,7 @@ async def list_videos(request: web.Request) -> web.Response:
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise ApiError(400, f"order must be asc or desc; got {order!r}", param="order")
-    jobs = [j for j in request.app[VIDEOS].store.listing() if j.owner == request[TENANT]]  # in creation order
+    jobs = await _listing(request.app, request[TENANT])  # in creation order
     if order == "desc":
         jobs.reverse()
     start = 0
@@ -558,11 +719,13 @@ async def list_videos(request: web.Request) -> web.Response:
 async def delete_video(request: web.Request) -> web.Response:
     """Forgets the job at once and removes its file; a job still running is cancelled, and the answer waits (up to
     DELETE_WAIT_S) for it to stop at its next step boundary."""
-    job = _get_job(request)
+    job = await _get_job(request)
     videos = request.app[VIDEOS]
-    videos.store.remove(job.id)
-    if (db := request.app.get(JOB_DB)) is not None:
-        db.delete(job.id)
+    if videos.store.remove(job.id) is None and (db := request.app.get(JOB_DB)) is not None:
+        # Another replica's (a shared database): its record and files go here; if it runs the job, it finds its
+        # lease gone at its next renewal and stops it.
+        await db.delete(job.id)
+        videos.store.discard_files(job)
     task = videos.tasks.get(job.id)
     engine = request.app[STATE].engine
     if task is not None:
@@ -570,6 +733,15 @@ async def delete_video(request: web.Request) -> web.Response:
             engine.cancel(job.request_id)
         await asyncio.wait([task], timeout=DELETE_WAIT_S)  # never cancels the task itself
     return _json({"id": job.id, "object": "video.deleted", "deleted": True})
+
+
+async def _listing(app: web.Application, tenant: str) -> list[VideoJob]:
+    videos, db = app[VIDEOS], app.get(JOB_DB)
+    if db is None or not db.shared:
+        return [j for j in videos.store.listing() if j.owner == tenant]
+    here = {i: videos.store.jobs[i] for i in videos.tasks if i in videos.store.jobs and i not in videos.lost}
+    records = [msgspec.json.decode(raw, type=VideoJob) for raw in await db.listing(tenant)]
+    return [here.get(j.id, j) for j in records]
 
 
 def _json(data: dict) -> web.Response:

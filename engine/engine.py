@@ -174,6 +174,10 @@ class Engine:
     def num_in_flight(self) -> int:
         return len(self._mailboxes)
 
+    @property
+    def capacity_left(self) -> int:
+        return max(0, self._capacity - len(self._mailboxes))
+
     # ---- requests (event-loop thread) ----
 
     def resolve(self, params: SamplingParams) -> SamplingParams:

@@ -47,6 +47,18 @@ def _restore_logging():
 
 
 @pytest.fixture(scope="session")
+def postgres():
+    """A PostgreSQL server of the session's own (tests/pg.py); `postgres.database()` makes a database per test."""
+    from pg import Postgres, binaries
+
+    if binaries() is None:
+        pytest.skip("needs Debian's postgresql (.ci/run installs it)")
+    server = Postgres()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def tiny_sd3(tmp_path_factory) -> str:
     return str(build_tiny("sd3", tmp_path_factory.mktemp("tiny") / "sd3"))
 

@@ -5,6 +5,7 @@ signature of another key serves nothing, nor one that expired."""
 from __future__ import annotations
 
 import base64
+import json
 import urllib.error
 import urllib.request
 
@@ -51,6 +52,38 @@ def test_the_openai_client_gets_a_url_that_serves_the_png(auth_server):
         assert status == 404, (bad, status, body[:200])
 
 
+def sse(body: bytes) -> list[tuple[str, dict]]:
+    events = []
+    for block in body.decode().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line and not line.startswith(":"))
+        if "event" in lines:
+            events.append((lines["event"], json.loads(lines["data"])))
+    return events
+
+
+def test_a_native_stream_completes_with_a_url_when_asked(auth_server):
+    """`response_format: "url"` on `POST /v1/generations`: the completed event names the image by its signed URL,
+    and carries no base64; the URL serves the same PNG a base64 answer carries."""
+
+    def generate(**extra) -> dict:
+        body = {"prompt": "a red circle", "width": 64, "height": 64, "num_inference_steps": 2, "seed": 5, **extra}
+        request = urllib.request.Request(
+            f"{auth_server.base_url}/v1/generations",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            events = sse(resp.read())
+        assert events[-1][0] == "completed", events[-1]
+        return events[-1][1]
+
+    by_url, by_b64 = generate(response_format="url"), generate()
+    (image,) = by_url["images"]
+    assert set(image) == {"format", "url"} and image["url"].startswith(f"{auth_server.base_url}/v1/files/file_")
+    status, data, media = fetch(image["url"])
+    assert (status, media) == (200, "image/png") and data == base64.b64decode(by_b64["images"][0]["b64"])
+
+
 def test_a_url_expires_with_its_file(tmp_path):
     now = [1000.0]
     store = FileStore(tmp_path, max_bytes=100, ttl=60, secret=b"k", clock=lambda: now[0])
@@ -90,3 +123,34 @@ def test_a_completed_video_has_a_url_too(serve, tiny_wan):
     path, _, query = listed.partition("?")
     assert fetch(f"{path}?{query.replace('signature=', 'signature=0')}")[0] == 404
     assert fetch(path.replace("/v1/files/", "/v1/files/x") + "?" + query)[0] == 404
+
+
+def test_replicas_sharing_a_folder_serve_each_others_images(tmp_path):
+    """`--state-url` replicas keep their images in sibling folders; one signed URL is valid on each (one secret),
+    and a replica that did not make the image finds it by its id. A URL of another secret, or changed, is not."""
+    one = FileStore(tmp_path / "files" / "replica1", max_bytes=100, ttl=60, secret=b"shared")
+    two = FileStore(tmp_path / "files" / "replica2", max_bytes=100, ttl=60, secret=b"shared")
+    entry = one.reserve("alice", "png", 3)
+    write_file(one.directory, entry, b"png")
+    expires, signature = str(entry.expires_at), one.signature(entry.id, entry.expires_at)
+    assert two.lookup(entry.id, expires, signature) is None  # not its own
+    assert two.elsewhere(entry.id, expires, signature) == (one.directory / entry.name, "png")
+    assert two.elsewhere(entry.id, expires, "0" * 64) is None
+    assert two.elsewhere(entry.id, str(entry.expires_at + 1), signature) is None
+    stranger = FileStore(tmp_path / "files" / "replica3", max_bytes=100, ttl=60, secret=b"its own")
+    assert stranger.elsewhere(entry.id, expires, signature) is None
+    # A replica that restarts removes its own stale images only.
+    FileStore(tmp_path / "files" / "replica2", max_bytes=100, ttl=60, secret=b"shared")
+    assert (one.directory / entry.name).is_file()
+
+
+def test_a_url_with_non_ascii_parts_is_refused_not_an_error(tmp_path):
+    """Found by schemathesis: a non-ASCII signature made hmac.compare_digest raise (a 500), and "²" passes
+    str.isdigit but not int()."""
+    store = FileStore(tmp_path, max_bytes=100, ttl=60, secret=b"k")
+    entry = store.reserve("alice", "png", 3)
+    good = store.signature(entry.id, entry.expires_at)
+    assert store.valid(entry.id, str(entry.expires_at), good)
+    assert not store.valid(entry.id, str(entry.expires_at), good[:-1] + "ñ")
+    assert not store.valid(entry.id, "²", good)
+    assert store.elsewhere("file_ñ", str(entry.expires_at), good) is None

@@ -1,12 +1,13 @@
 """Durable video jobs (`--state-dir`, daemon/job_db.py). The daemon is killed (SIGKILL) with 2 completed, 2 running
 and 3 queued jobs; after a restart on the same folder the completed ones download byte-identical, the 5 others run
 again from the start and complete with the videos an uninterrupted run makes (the same seeds: the same frames), each
-job completes exactly once and none is duplicated. Broken on purpose once: without `readmit`, the 5 stayed unknown
+job completes exactly once and none is duplicated; their POSTs sent again with their Idempotency-Keys after the
+restart answer the same jobs (another body: 422). Broken on purpose once: without `readmit`, the 5 stayed unknown
 after the restart (404, red). The schema: versioned, forward-only, a newer database refused."""
 
 from __future__ import annotations
 
-import io
+import http.client
 import json
 import os
 import signal
@@ -14,27 +15,15 @@ import sqlite3
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
-import av
 import numpy as np
 import pytest
+from jobs import call, content, frames, job, wait_all
 from procs import free_port, kill_tree, wait_ready
 
 from diffusiond.daemon.job_db import MIGRATIONS, JobDB, JobDBError, migrate
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
-
-
-def call(method: str, url: str, body: dict | None = None) -> tuple[int, bytes]:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
 
 
 def start(model: str, state: str, port: int, log) -> subprocess.Popen:
@@ -44,31 +33,6 @@ def start(model: str, state: str, port: int, log) -> subprocess.Popen:
     env.update(OMP_NUM_THREADS="1", DIFFUSIOND_CACHE=os.environ.get("DIFFUSIOND_CACHE", ""))
     env = {k: v for k, v in env.items() if v}
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def job(base: str, job_id: str) -> dict:
-    status, body = call("GET", f"{base}/v1/videos/{job_id}")
-    assert status == 200, (job_id, status, body[:300])
-    return json.loads(body)
-
-
-def wait_all(base: str, ids: list[str], status: str, within: float) -> None:
-    deadline = time.monotonic() + within
-    while not all(job(base, i)["status"] == status for i in ids):
-        assert time.monotonic() < deadline, [job(base, i)["status"] for i in ids]
-        time.sleep(0.1)
-
-
-def frames(mp4: bytes) -> np.ndarray:
-    """The decoded frames of an MP4 (its bytes also hold the time it was written)."""
-    with av.open(io.BytesIO(mp4)) as container:
-        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(container.streams.video[0])])
-
-
-def content(base: str, job_id: str) -> bytes:
-    status, body = call("GET", f"{base}/v1/videos/{job_id}/content")
-    assert status == 200, (job_id, status)
-    return body
 
 
 def test_jobs_survive_a_kill(tiny_wan, tmp_path):
@@ -86,8 +50,8 @@ def test_jobs_survive_a_kill(tiny_wan, tmp_path):
         wait_all(base, done, "completed", 60)
         kept = {i: content(base, i) for i in done}
         pending = []
-        for body in long:
-            status, answer = call("POST", f"{base}/v1/videos", body)
+        for n, body in enumerate(long):
+            status, answer = call("POST", f"{base}/v1/videos", body, {"Idempotency-Key": f"k{n}"})
             assert status == 200, answer
             pending.append(json.loads(answer)["id"])
         deadline = time.monotonic() + 30
@@ -96,13 +60,33 @@ def test_jobs_survive_a_kill(tiny_wan, tmp_path):
             time.sleep(0.05)
         statuses = [job(base, i)["status"] for i in pending]
         assert statuses.count("in_progress") == 2 and statuses.count("queued") == 3, statuses
+        # A native stream waiting behind them when the daemon dies: its connection goes with it.
+        stream = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        native = {"prompt": "a stream", "width": 64, "height": 64, "num_frames": 5, "num_inference_steps": 150}
+        stream.request("POST", "/v1/generations", json.dumps(native).encode(), {"Content-Type": "application/json"})
+        cut = stream.getresponse().headers["X-Request-Id"]
+        time.sleep(0.5)  # its record reaches the database (written off the event loop, not waited for)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
+        stream.close()
 
         proc = start(tiny_wan, state, port, log)
         wait_ready(base, proc)
+        # Request records are kept too: the completed jobs' requests say so, the cut stream's says what happened.
+        for i in done:
+            status, body = call("GET", f"{base}/v1/generations/{i.removeprefix('video_')}")
+            assert status == 200 and json.loads(body)["status"] == "completed", body
+        status, body = call("GET", f"{base}/v1/generations/{cut}")
+        record = json.loads(body)
+        assert status == 200 and record["status"] == "failed" and "restart or a crash" in record["error"], body
         for i in done:  # served from their files, byte-identical
             assert job(base, i)["status"] == "completed" and content(base, i) == kept[i]
+        # Idempotency keys are kept with the jobs: a retry after the restart gets its first try's job.
+        for n, body in enumerate(long):
+            status, answer = call("POST", f"{base}/v1/videos", body, {"Idempotency-Key": f"k{n}"})
+            assert status == 200 and json.loads(answer)["id"] == pending[n], answer
+        status, answer = call("POST", f"{base}/v1/videos", short[0], {"Idempotency-Key": "k0"})
+        assert status == 422 and b"idempotency_key_reused" in answer, answer
         wait_all(base, pending, "completed", 240)
         rerun = {i: content(base, i) for i in pending}
         # An uninterrupted run of the same requests: the same videos.
@@ -130,10 +114,11 @@ def test_jobs_survive_a_kill(tiny_wan, tmp_path):
 
 def test_the_schema_is_versioned_and_a_newer_one_refused(tmp_path):
     conn = sqlite3.connect(tmp_path / "a.db", isolation_level=None)
-    assert migrate(conn) == len(MIGRATIONS) and migrate(conn) == len(MIGRATIONS)  # forward-only, idempotent
+    known = len(MIGRATIONS["sqlite"])
+    assert migrate(conn) == known and migrate(conn) == known  # forward-only, idempotent
     versions = [v for (v,) in conn.execute("SELECT version FROM schema_version ORDER BY version")]
-    assert versions == list(range(1, len(MIGRATIONS) + 1))
-    conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, 0)", (len(MIGRATIONS) + 1,))
+    assert versions == list(range(1, len(MIGRATIONS["sqlite"]) + 1))
+    conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, 0)", (len(MIGRATIONS["sqlite"]) + 1,))
     conn.close()
     with pytest.raises(JobDBError, match="written by a newer diffusiond"):
         JobDB(tmp_path / "a.db")

@@ -58,8 +58,15 @@ def test_built_in_objects_validate(name):
 
 def test_replicas_have_what_a_service_needs():
     kinds = {doc["kind"]: doc for doc in documents("replicas.yaml")}
-    assert set(kinds) == {"Deployment", "Service", "PodDisruptionBudget"}
+    assert set(kinds) == {"Deployment", "Service", "PodDisruptionBudget", "PersistentVolumeClaim"}
     labels = kinds["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    # Video jobs shared by the pods: PostgreSQL, and one folder every pod mounts (ReadWriteMany).
+    pod = kinds["Deployment"]["spec"]["template"]["spec"]
+    env = {e["name"] for e in pod["containers"][0]["env"]}
+    assert {"DIFFUSIOND_STATE_URL", "DIFFUSIOND_STATE_DIR", "DIFFUSIOND_REPLICA_ID", "DIFFUSIOND_URL_SECRET"} <= env
+    claim = kinds["PersistentVolumeClaim"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert {"name": "state", "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]}} in pod["volumes"]
     assert kinds["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert kinds["Service"]["spec"]["selector"].items() <= labels.items()
     container = kinds["Deployment"]["spec"]["template"]["spec"]["containers"][0]

@@ -71,6 +71,7 @@ def test_every_serve_flag_maps_to_its_field():
     argv = [
         "--model", "m", "--host", "0.0.0.0", "--port", "9", "--api-key", "k", "--api-keys-file", "t.toml",
         "--state-dir", "/var/lib/d", "--url-secret", "s", "--public-base-url", "https://d.example",
+        "--state-url", "postgresql://db/d", "--replica-id", "r1", "--job-lease", "9",
         "--max-batch", "2", "--max-queue", "3",
         "--device", "cuda:1", "--dtype", "bfloat16", "--threads", "2", "--drain-timeout", "1.5", "--nproc", "4",
         "--cfg-parallel", "2", "--ulysses", "2", "--ring", "2", "--tp", "2", "--shard-weights", "--vae-parallel", "2",
@@ -94,7 +95,8 @@ def test_every_serve_flag_maps_to_its_field():
     assert config == ServeConfig(
         model="m", host="0.0.0.0", port=9, api_key="k", api_keys_file="t.toml",
         state_dir="/var/lib/d", url_secret="s", public_base_url="https://d.example",
-        max_batch=2, max_queue=3, device="cuda:1", dtype="bfloat16",
+        state_url="postgresql://db/d", replica_id="r1", job_lease=9.0, max_batch=2, max_queue=3, device="cuda:1",
+        dtype="bfloat16",
         threads=2, drain_timeout=1.5, nproc=4, cfg_parallel=2, ulysses=2, ring=2, tp=2, shard_weights=True,
         vae_parallel=2, max_restarts=0, keep_weights="none", max_body_bytes=100, max_frames=33,
         max_image_bytes=2048, log_level="DEBUG", log_format="json", allow_unauthenticated=True, max_pixels=4096,

@@ -1,0 +1,109 @@
+"""Two replicas on one PostgreSQL job table (`--state-url`, a real server: tests/pg.py) and one shared folder, behind
+HAProxy with the repo's configuration (tests/balancer.py):
+
+- a job created through replica 1 is polled (its progress too) and downloaded through replica 2, byte-identical;
+  deleted through replica 2, it is gone on replica 1; a POST retried through replica 2 with its Idempotency-Key
+  gets the job replica 1 made;
+- replica 1 killed (SIGKILL) while it runs a job: once its lease runs out (`--job-lease 3`), replica 2 claims the
+  job, runs it again from the start, and it completes, through the balancer, with the video an uninterrupted run
+  of the same request makes; its engine request completed once, on replica 2, and never on replica 1.
+
+Broken on purpose once: with `keep_leases` never claiming, the killed replica's job stayed in_progress (red).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import numpy as np
+import pytest
+from balancer import HAPROXY, Replicas
+from jobs import call, content, frames, job, wait_all
+from procs import wait_ready
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
+
+
+@pytest.fixture
+def shared(tiny_wan, tmp_path, postgres):
+    if HAPROXY is None:
+        pytest.skip("needs Debian's haproxy (.ci/run installs it)")
+    url = postgres.database()
+    args = ["--state-url", url, "--state-dir", str(tmp_path / "shared"), "--replica-id", "replica{i}",
+            "--job-lease", "3", "--max-batch", "2", "--max-pixels", str(64 * 64), "--max-steps", "1000"]  # fmt: skip
+    replicas = Replicas(tiny_wan, tmp_path, args)
+    try:
+        for i in (0, 1):
+            replicas.start(i)
+        for i in (0, 1):
+            wait_ready(replicas.base(i), replicas.procs[i])
+        replicas.start_balancer()
+        for i in (0, 1):
+            replicas.wait_in_pool(i)
+        yield replicas
+    finally:
+        replicas.stop()
+
+
+def test_replicas_share_jobs_and_rerun_a_dead_ones(shared):
+    one, two, lb = shared.base(0), shared.base(1), shared.lb_url
+    clip = {"prompt": "a clip", "size": "64x64", "num_frames": 5}
+
+    # Created on replica 1; polled and downloaded on replica 2.
+    status, body = call("POST", f"{one}/v1/videos", {**clip, "num_inference_steps": 2, "seed": 1})
+    assert status == 200, body
+    short = json.loads(body)["id"]
+    wait_all(two, [short], "completed", 60)
+    assert content(two, short) == content(one, short) == content(lb, short)
+    listed = json.loads(call("GET", f"{two}/v1/videos")[1])["data"]
+    assert [j["id"] for j in listed] == [short]
+
+    # A long one on replica 1: replica 2 reports its progress (replica 1 writes it with each lease renewal).
+    long = {**clip, "num_inference_steps": 400, "seed": 7}
+    status, body = call("POST", f"{one}/v1/videos", long, {"Idempotency-Key": "the-long-one"})
+    assert status == 200, body
+    running = json.loads(body)["id"]
+    # Its client retries through replica 2 with the same key: the same job, not a second run.
+    status, body = call("POST", f"{two}/v1/videos", long, {"Idempotency-Key": "the-long-one"})
+    assert status == 200 and json.loads(body)["id"] == running, body
+    deadline = time.monotonic() + 30
+    while job(two, running)["progress"] < 5:
+        assert time.monotonic() < deadline, job(two, running)
+        time.sleep(0.1)
+    assert job(one, running)["status"] == "in_progress"
+
+    shared.procs[0].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    shared.procs[0].wait(10)
+    # Through the balancer (only replica 2 is left): the job is claimed once the lease runs out, and completes.
+    deadline = time.monotonic() + 60  # it took 5 s here (a lease of 3 s, and the rerun)
+    while (now := job(lb, running))["status"] != "completed":
+        assert now["status"] in ("queued", "in_progress"), now
+        assert time.monotonic() < deadline, now
+        time.sleep(0.2)
+    print(f"replica 1 killed: its job completed on replica 2 {time.monotonic() - killed_at:.1f} s later")
+    rerun = frames(content(lb, running))
+
+    # An uninterrupted run of the same request: the same video.
+    status, body = call("POST", f"{two}/v1/videos", long)
+    again = json.loads(body)["id"]
+    wait_all(two, [again], "completed", 240)
+    diff = float(np.abs(rerun.astype(int) - frames(content(two, again)).astype(int)).mean())
+    print(f"rerun vs uninterrupted: mean abs diff {diff:.3f}")
+    assert diff <= 1.0
+
+    # Deleted through replica 2: gone (its file too) on replica 2, and on replica 1 once it is back.
+    assert call("DELETE", f"{two}/v1/videos/{short}")[0] == 200
+    assert call("GET", f"{two}/v1/videos/{short}")[0] == 404
+    shared.start(0)
+    wait_ready(one, shared.procs[0])
+    assert call("GET", f"{one}/v1/videos/{short}")[0] == 404
+    assert job(one, running)["status"] == "completed"  # replica 2's, read by replica 1
+    assert call("GET", f"{one}/v1/videos/{running}/content")[0] == 200
+
+    logs = [(shared.tmp / f"replica{i}.log").read_text() for i in (1, 2)]
+    rid = running.removeprefix("video_")
+    assert logs[0].count(f"request {rid} completed") == 0 and logs[1].count(f"request {rid} completed") == 1
+    assert "video jobs: 1 claimed, admitted again" in logs[1], logs[1][-3000:]

@@ -76,6 +76,10 @@ def _dumps(obj) -> str:
     return msgspec.json.encode(obj).decode()
 
 
+# A request's class (engine/scheduler.py MAX_PRIORITY).
+Priority = Annotated[int, msgspec.Meta(ge=0, le=9)]
+
+
 class ImageGenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """OpenAI `POST /v1/images/generations`, plus our extensions (from `negative_prompt` on)."""
 
@@ -110,6 +114,8 @@ class ImageGenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only
     cache_threshold: CacheThreshold | None = None
     # LoRA adapters for this request: [{"name": "style", "scale": 0.8}] (multipart edits: the same, as a JSON string).
     lora: Loras | None = None
+    # Its class, 0-9, higher served first (engine/scheduler.py); default --default-priority.
+    priority: Priority | None = None
 
 
 class ImageEditRequest(ImageGenerationRequest, kw_only=True):
@@ -168,6 +174,8 @@ class VideoCreateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     fps: Fps | None = None
     # LoRA adapters for this request (multipart bodies: as a JSON string), for families that serve them.
     lora: Loras | None = None
+    # The job's class, 0-9, higher served first (engine/scheduler.py); default --default-priority.
+    priority: Priority | None = None
 
 
 class GenerationRequest(RequestFields, frozen=True, forbid_unknown_fields=True):
@@ -182,6 +190,8 @@ class GenerationRequest(RequestFields, frozen=True, forbid_unknown_fields=True):
     # The completed event's file: in base64 inside it, or kept here and named by a signed, expiring URL
     # (daemon/files.py).
     response_format: Literal["b64_json", "url"] = "b64_json"
+    # Its class, 0-9, higher served first (engine/scheduler.py); default --default-priority.
+    priority: Priority | None = None
 
 
 _PARAM_PATTERNS = (

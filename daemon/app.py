@@ -140,6 +140,7 @@ async def _load(app: web.Application) -> None:
         max_waiting=config.max_queue,
         observer=PrometheusObserver(app[METRICS]),
         batch_wait=config.batch_wait_ms / 1000,
+        aging_steps=config.priority_aging_steps,
     )
     # Set before it loads, so that cleanup stops it whatever happens; routes wait for `ready`.
     state.engine = engine

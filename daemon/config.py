@@ -49,6 +49,11 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # Binding anything but loopback without an API key must be asked for (daemon/auth.py `check_exposure`).
     allow_unauthenticated: bool = False
     max_batch: Positive = 8
+    # Priority classes (engine/scheduler.py): the class of a request that names none (within its tenant's range),
+    # and the steps a waiting request takes to rise one class (aging: a class p waits at most (t - p) * this many
+    # steps before it competes with the top class t).
+    default_priority: Annotated[int, msgspec.Meta(ge=0, le=9)] = 0
+    priority_aging_steps: Positive = 20
     # Admission window: an idle engine waits up to this long for a burst of requests to start together. It stops at
     # max_batch, or after 1/40 of it without a new request (all a lone request pays: 0.5 ms), 1/4 while clients of
     # requests that finished together are coming back (engine/admission.py).

@@ -75,7 +75,9 @@ async def _generate(request: web.Request, body: GenerationRequest, params: Sampl
         raise ApiError(400, "video_format is for video models; this model makes images", param="video_format")
     await check_images(request, {"image": body.image, "mask": body.mask, "reference_images": body.reference_images})
     # add_request checks it (Engine.check)
-    (handle,) = queue_requests(engine, state, [params], tenant=tenant_of(request), ids=carried_ids(request, 1))
+    (handle,) = queue_requests(
+        engine, state, [params], tenant=tenant_of(request), ids=carried_ids(request, 1), priority=body.priority
+    )
     started(request, [handle.request_id])
     unknown = unknown_words(engine, params.prompt)
     headers = {"X-Request-Id": handle.request_id}

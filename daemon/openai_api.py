@@ -182,7 +182,9 @@ async def _images(
     partial = body.partial_images or 0
     # OpenAI clients: no progress events.
     ids = carried_ids(request, len(many))
-    handles = queue_requests(engine, state, many, tenant=tenant_of(request), progress=False, checked=True, ids=ids)
+    handles = queue_requests(
+        engine, state, many, tenant=tenant_of(request), progress=False, checked=True, ids=ids, priority=body.priority
+    )
     fmt = body.output_format or "png"
     meta = {
         "size": f"{resolved.width}x{resolved.height}",

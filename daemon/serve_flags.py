@@ -122,6 +122,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--max-batch", type=int, help=f"requests per batched forward (default: {d.max_batch})")
     add("--max-queue", type=int, help=f"waiting requests before answering 429 (default: {d.max_queue})")
     add(
+        "--default-priority",
+        type=int,
+        metavar="P",
+        help=f"class (0-9, higher first) of requests naming none, in the tenant range (default: {d.default_priority})",
+    )
+    add(
+        "--priority-aging-steps",
+        type=int,
+        metavar="N",
+        help=f"steps a waiting request takes to rise one class (default: {d.priority_aging_steps})",
+    )
+    add(
         "--batch-wait-ms",
         type=float,
         metavar="MS",

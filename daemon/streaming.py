@@ -173,25 +173,49 @@ def queue_requests(
     progress: bool = True,
     checked: bool = False,
     ids: Sequence[str] | None = None,
+    priority: int | None = None,
 ) -> list[RequestHandle]:
     """`tenant`: who asks (its quotas are checked here; the requests are its own). `progress`: whether the client
     is sent a progress event every step (the native stream); without, the engine emits none and status comes from
     `Engine.steps_done`. `checked`: `params` are resolved and wire-checked already (`Engine.check`), so the engine
     queues them as they are. `ids`: the requests' ids (a stream carried over a heal keeps those its client was
-    told), else new ones."""
+    told), else new ones. `priority`: the class the client asked for (None: `--default-priority`, within the
+    tenant's range)."""
+    chosen = resolve_priority(state, tenant, priority)
     if not engine.has_capacity(len(params)):
         raise QueueFullError(f"{engine.num_in_flight} requests in flight")
     check_quotas(state, tenant, len(params))
     handles = []
     try:
         for i, p in enumerate(params):
-            handles.append(engine.add_request(p, ids[i] if ids else None, checked=checked, progress=progress))
+            handles.append(
+                engine.add_request(
+                    p, ids[i] if ids else None, checked=checked, progress=progress, priority=chosen,
+                    tenant=tenant.name, weight=tenant.weight,
+                )
+            )  # fmt: skip
             state.record(handles[-1], tenant.name)
     except Exception:
         for h in handles:
             h.cancel()
         raise
     return handles
+
+
+def resolve_priority(state: ServerState, tenant: Tenant, asked: int | None) -> int:
+    """The class a request runs in: the one asked for, which must be in the tenant's range (403 naming `priority`
+    otherwise), else `--default-priority` brought into that range."""
+    low, high = tenant.priority
+    if asked is None:
+        return min(max(state.config.default_priority, low), high)
+    if not low <= asked <= high:
+        raise ApiError(
+            403,
+            f"priority {asked} is outside what tenant {tenant.name} may ask for ({low} to {high})",
+            param="priority",
+            code="priority_not_allowed",
+        )
+    return asked
 
 
 def check_quotas(state: ServerState, tenant: Tenant, n: int) -> None:

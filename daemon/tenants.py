@@ -8,8 +8,8 @@
     max_queued = 16                 # of those, waiting to start
     max_stored_jobs = 100           # video jobs remembered
     max_stored_bytes = 1073741824   # bytes of finished videos on disk
-    priority = [0, 5]               # the range of `priority` the tenant may ask for
-    weight = 1.0                    # its share under fair scheduling
+    priority = [0, 5]               # the range of `priority` (0-9) the tenant may ask for (default: all)
+    weight = 1.0                    # its share under fair scheduling (default 1)
 
 Every quota is optional (none: the daemon's own bounds only). `--api-key KEY` is the one-tenant shorthand (tenant
 "default"); with neither, every request is tenant "default". A tenant sees, cancels and downloads only what it
@@ -45,7 +45,8 @@ class Tenant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_queued: Quota = None
     max_stored_jobs: Quota = None
     max_stored_bytes: Quota = None
-    priority: tuple[int, int] = (0, 0)
+    # The classes it may ask for (engine/scheduler.py; default: all of them).
+    priority: tuple[Annotated[int, msgspec.Meta(ge=0, le=9)], Annotated[int, msgspec.Meta(ge=0, le=9)]] = (0, 9)
     weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0
 
     def hashes(self) -> tuple[str, ...]:

@@ -70,6 +70,8 @@ class VideoJob(msgspec.Struct, kw_only=True):
     finished_at: float | None = None
     # The tenant that made it (daemon/tenants.py): only it lists, reads, downloads or deletes it.
     owner: str = "default"
+    # Its class (engine/scheduler.py), kept for a rerun after a restart.
+    priority: int = 0
 
     @property
     def finished(self) -> bool:

@@ -54,7 +54,7 @@ from diffusiond.daemon.files import FILES, MEDIA, FileStore, base_url
 from diffusiond.daemon.idempotency import HEADER, KEYS, REPLAYED, WINDOW_S, fingerprint
 from diffusiond.daemon.job_db import JobDB, database_errors
 from diffusiond.daemon.state import ENCODERS, STATE, Record
-from diffusiond.daemon.streaming import check_images, queue_requests, quota_exceeded, run_encoder
+from diffusiond.daemon.streaming import check_images, queue_requests, quota_exceeded, resolve_priority, run_encoder
 from diffusiond.daemon.video_encoding import MEDIA_TYPES, encode_video
 from diffusiond.daemon.video_store import (
     MIN_FREE_BYTES,
@@ -376,8 +376,10 @@ async def _claim(app: web.Application, db: JobDB, first: bool) -> None:
         job = msgspec.json.decode(raw_job, type=VideoJob)
         job.status, job.progress = "queued", 0
         try:
+            owner = app[TENANTS].tenant(tenant)
+            priority = min(max(job.priority, owner.priority[0]), owner.priority[1])  # its range may have changed
             (handle,) = queue_requests(
-                engine, state, [params], tenant=app[TENANTS].tenant(tenant), checked=True, ids=[job.request_id]
+                engine, state, [params], tenant=owner, checked=True, ids=[job.request_id], priority=priority
             )
         except (QueueFullError, ApiError) as exc:  # a full queue, a tenant's quota: the next claim (any replica's)
             log.info("video job %s: not admitted yet (%s)", job_id, exc)
@@ -440,21 +442,22 @@ async def _create_video(
     rid = uuid.uuid4().hex
     db, key = request.app.get(JOB_DB), request.headers.get(HEADER)
     if db is None or key is None:
-        return await _new_job(request, resolved, rid)
+        return await _new_job(request, resolved, rid, body.priority)
     # The key is kept with the jobs too: a retry that reaches another replica, or comes after a restart, finds it.
     first = await db.remember_key(tenant.name, request.path, key, digest, f"video_{rid}", WINDOW_S)
     if first[1] != f"video_{rid}":
         return await _replayed(request, key, digest, *first)
     try:
-        return await _new_job(request, resolved, rid)
+        return await _new_job(request, resolved, rid, body.priority)
     except BaseException:
         db.forget_key(tenant.name, request.path, key, f"video_{rid}")
         raise
 
 
-async def _new_job(request: web.Request, resolved: SamplingParams, rid: str) -> web.Response:
+async def _new_job(request: web.Request, resolved: SamplingParams, rid: str, asked: int | None) -> web.Response:
     state, jobs, tenant = request.app[STATE], request.app[VIDEOS], tenant_of(request)
     engine = state.require_engine()
+    priority = resolve_priority(state, tenant, asked)
     try:
         jobs.store.make_room_for(tenant.name, tenant.max_stored_jobs)
     except StoreFull as exc:
@@ -484,12 +487,13 @@ async def _new_job(request: web.Request, resolved: SamplingParams, rid: str) -> 
         fps=resolved.fps,
         seed=resolved.seed,
         owner=tenant.name,
+        priority=priority,
     )
     db = request.app.get(JOB_DB)
     if db is not None:  # written before it is admitted: a job the client hears of is never lost
         await db.put(job.id, tenant.name, job.status, msgspec.json.encode(resolved), msgspec.json.encode(job))
     try:
-        (handle,) = queue_requests(engine, state, [resolved], tenant=tenant, checked=True, ids=[rid])
+        (handle,) = queue_requests(engine, state, [resolved], tenant=tenant, checked=True, ids=[rid], priority=priority)
     except BaseException:
         if db is not None:
             db.delete(job.id)

@@ -22,7 +22,7 @@ from diffusiond.engine.executor import Executor, GroupFault
 from diffusiond.engine.mailbox import Mailbox
 from diffusiond.engine.observer import EngineObserver, NullObserver
 from diffusiond.engine.outputs import TERMINAL, Event, Failed
-from diffusiond.engine.scheduler import QueueFullError, SchedRequest, Scheduler
+from diffusiond.engine.scheduler import AGING_STEPS, QueueFullError, SchedRequest, Scheduler
 from diffusiond.engine.step_loop import Add, Cancel, EngineDeadError, StepLoop, Stop, engine_failed
 from diffusiond.engine.wire import LoraOp, LoraOpKind, NewRequest, WireError, check_request
 from diffusiond.models.base import ModelAdapter
@@ -89,6 +89,7 @@ class Engine:
         heartbeat: float = 1.0,
         limits: RequestLimits | None = None,
         batch_wait: float = 0.0,
+        aging_steps: int = AGING_STEPS,
     ) -> None:
         self.loader: Loader | None = None
         # Set on the step thread once the model is loaded (before `start()` returns).
@@ -104,6 +105,7 @@ class Engine:
             max_running=max_running,
             max_waiting=max_waiting,
             gate=lambda request, running: lora_commands.fits(self.adapter, request, running),
+            aging_steps=aging_steps,
         )
         self.limits = limits
         # The admission window (engine/admission.py): how long an idle engine lets a burst gather.
@@ -209,10 +211,14 @@ class Engine:
         checked: bool = False,
         progress: bool = True,
         internal: bool = False,
+        priority: int = 0,
+        tenant: str = "",
+        weight: float = 1.0,
     ) -> RequestHandle:
         """Validate, resolve defaults and queue a request (`checked`: `params` came from `check`, or were resolved
         and wire-checked by the caller). Raises ParamError (bad input), QueueFullError (retry later) or
-        EngineDeadError. `internal`: the engine's own (warm-up), kept out of metrics and request logs."""
+        EngineDeadError. `internal`: the engine's own (warm-up), kept out of metrics and request logs. `priority`,
+        `tenant`, `weight`: its class and who asks, for the scheduler (engine/scheduler.py)."""
         if not self.alive or self.executor is None:
             raise EngineDeadError("engine is not running")
         resolved = params if checked else self.check(params)
@@ -228,6 +234,9 @@ class Engine:
             params=resolved,
             key=self.adapter.batch_key(resolved),
             total_steps=resolved.steps_to_run,
+            priority=priority,
+            tenant=tenant,
+            weight=weight,
         )
         self.step_loop.commands.put(Add(request, time.perf_counter(), progress, internal))
         return RequestHandle(self, request_id, resolved, mailbox)

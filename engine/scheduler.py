@@ -10,6 +10,19 @@ full, and every key with work gets its share of turns, so none starves. Ties go 
 (Plain alternation made 7 requests of one size and 1 of another take 55 forward-times for the seven instead of ~32.)
 A busy key also never starves a lone request of another key of a running slot: while an older request of another key
 waits, admissions of the running key leave one slot free for it.
+
+Priority classes (issue 34): each request has a class, 0 to MAX_PRIORITY, higher served first. A key's class is the
+highest effective class of its requests, and only keys of the highest class take turns (the round robin above runs
+among them); waiting requests are admitted highest class first. Aging bounds the wait of a low class: a request's
+effective class rises by one for every `aging_steps` steps it waited (to be admitted, or, running, to be advanced),
+up to the highest class in flight (it catches up, never overtakes), so a request of class p competes in the top class
+t after at most (t - p) * aging_steps steps of others' work, and is served from there (admitted by fair share, then
+age; advanced by the round robin).
+
+Fair share across tenants: within a class, waiting requests are admitted in order of their tenant's work served
+(denoising steps x pixels x frames) divided by its weight, least first (weighted fair queueing of admissions). A
+tenant that starts asking is charged as much as the least-served tenant with work in flight, so that idling earns
+no credit to spend later.
 """
 
 from __future__ import annotations
@@ -22,6 +35,10 @@ from dataclasses import dataclass, field
 from diffusiond.engine.request import RequestStatus
 from diffusiond.engine.wire import NewRequest, StepPlan
 from diffusiond.models.params import SamplingParams
+
+MAX_PRIORITY = 9
+# Steps a request waits per class it rises (issue 34's aging; `--priority-aging-steps`).
+AGING_STEPS = 20
 
 
 class QueueFullError(Exception):
@@ -41,6 +58,18 @@ class SchedRequest:
     last_advanced: int = -1
     cancel_requested: bool = False
     error: str | None = None
+    # Its class (0-MAX_PRIORITY, higher first), and who asked (fair share by weight).
+    priority: int = 0
+    tenant: str = ""
+    weight: float = 1.0
+    # The step it was added at (its wait, for aging).
+    enqueued: int = 0
+
+    @property
+    def work(self) -> int:
+        """What one step of it costs, in pixel-frames."""
+        p = self.params
+        return (p.width or 1) * (p.height or 1) * (p.num_frames or 1)
 
 
 @dataclass
@@ -59,6 +88,7 @@ class Scheduler:
         max_running: int | None = None,
         max_waiting: int = 256,
         gate: Callable[[SchedRequest, list[SchedRequest]], bool] | None = None,
+        aging_steps: int = AGING_STEPS,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -78,6 +108,13 @@ class Scheduler:
         # Whether a waiting request may join the running ones now (its LoRA adapters fit beside theirs); one that
         # may not stays waiting, and others of its key may go first.
         self.gate = gate
+        if aging_steps < 1:
+            raise ValueError(f"aging_steps must be >= 1, got {aging_steps}")
+        self.aging_steps = aging_steps
+        # Work served per tenant (pixel-frame steps), for fair share.
+        self.served: dict[str, float] = {}
+        # The highest class asked for by a request in flight (aging's ceiling), as of the last schedule().
+        self._ceiling = 0
 
     # ---- admission and cancellation (called between steps) ----
 
@@ -91,10 +128,35 @@ class Scheduler:
                 f"{len(self.waiting)} waiting and {len(self.running)} running "
                 f"(max_waiting={self.max_waiting}, max_running={self.max_running})"
             )
+        if not 0 <= req.priority <= MAX_PRIORITY:
+            raise ValueError(f"priority must be 0 to {MAX_PRIORITY}, got {req.priority}")
+        if req.weight <= 0:
+            raise ValueError(f"weight must be above 0, got {req.weight}")
+        if not any(r.tenant == req.tenant for r in self._requests.values()):
+            # Back after idling: charged as the least-served tenant asking now (no credit saved up while idle).
+            active = [self.served.get(r.tenant, 0.0) for r in self._requests.values()]
+            self.served[req.tenant] = max(self.served.get(req.tenant, 0.0), min(active, default=0.0))
         req.status = RequestStatus.WAITING
         req.arrival = next(self._arrivals)
+        req.enqueued = self._step
         self.waiting.append(req)
         self._requests[req.request_id] = req
+
+    def effective_priority(self, req: SchedRequest) -> int:
+        """Its class, raised by one for every `aging_steps` steps it has waited (to be admitted, or to advance), up
+        to the highest class asked for now: aging lets a low class catch up, never overtake, so that within a
+        class, fair share (not age) orders admissions."""
+        since = req.last_advanced if req.status == RequestStatus.RUNNING and req.last_advanced >= 0 else req.enqueued
+        ceiling = max(req.priority, self._ceiling)
+        return min(ceiling, req.priority + max(0, self._step - since) // self.aging_steps)
+
+    def _admission_order(self) -> list[SchedRequest]:
+        """Waiting requests, the next to admit first: highest effective class, then least-served tenant (by
+        weight), then oldest."""
+        return sorted(
+            self.waiting,
+            key=lambda r: (-self.effective_priority(r), self.served.get(r.tenant, 0.0) / r.weight, r.arrival),
+        )
 
     def cancel(self, request_id: str) -> SchedRequest | None:
         """Cancel a request. A waiting one finishes now (the returned request is FINISHED_CANCELLED); a running one
@@ -126,6 +188,7 @@ class Scheduler:
     # ---- one step ----
 
     def schedule(self) -> StepPlan:
+        self._ceiling = max((r.priority for r in self._requests.values()), default=0)
         step = self._step
         self._step += 1
         drop = self._pending_drop
@@ -174,6 +237,7 @@ class Scheduler:
             if req is None or req.status.is_finished:
                 continue
             req.steps_done += 1
+            self.served[req.tenant] = self.served.get(req.tenant, 0.0) + req.work
             if req.steps_done >= req.total_steps:
                 self.running.pop(request_id, None)
                 finished.append(self._finish(req, RequestStatus.FINISHED_COMPLETED))
@@ -196,40 +260,46 @@ class Scheduler:
         del self._requests[req.request_id]
         return req
 
-    def _candidates(self) -> dict[Hashable, tuple[int, int]]:
-        """key -> (weight, oldest arrival) for every key that could run now. Weight: the requests its forward would
-        carry (its running ones, plus waiting ones that fit into free slots), at most max_batch."""
+    def _candidates(self) -> dict[Hashable, tuple[int, int, int]]:
+        """key -> (weight, oldest arrival, class) for every key that could run now. Weight: the requests its forward
+        would carry (its running ones, plus waiting ones that fit into free slots), at most max_batch. Class: the
+        highest effective class of those requests."""
         running: dict[Hashable, int] = {}
         oldest: dict[Hashable, int] = {}
+        top: dict[Hashable, int] = {}
         for req in self.running.values():
             running[req.key] = running.get(req.key, 0) + 1
             oldest[req.key] = min(oldest.get(req.key, req.arrival), req.arrival)
+            top[req.key] = max(top.get(req.key, 0), self.effective_priority(req))
         waiting: dict[Hashable, int] = {}
         free = self.max_running - len(self.running)
         if free > 0:
             for req in self.waiting:
                 waiting[req.key] = waiting.get(req.key, 0) + 1
                 oldest.setdefault(req.key, req.arrival)
+                top[req.key] = max(top.get(req.key, 0), self.effective_priority(req))
         return {
-            key: (min(self.max_batch, running.get(key, 0) + min(waiting.get(key, 0), free)), first)
+            key: (min(self.max_batch, running.get(key, 0) + min(waiting.get(key, 0), free)), first, top[key])
             for key, first in oldest.items()
         }
 
     def _keys_in_turn(self) -> tuple[list[Hashable], int]:
-        """Keys that could run now, the one with the most credit first (ties: the oldest request first), and the
-        total weight that the served key pays back."""
+        """Keys that could run now: the highest class first, within it the one with the most credit first (ties:
+        the oldest request first); and the total weight that the served key pays back."""
         candidates = self._candidates()
-        self._credit = {key: self._credit.get(key, 0) + weight for key, (weight, _) in candidates.items()}
-        total = sum(weight for weight, _ in candidates.values())
-        ranked = sorted(candidates, key=lambda key: (-self._credit[key], candidates[key][1]))
+        self._credit = {key: self._credit.get(key, 0) + weight for key, (weight, _, _) in candidates.items()}
+        total = sum(weight for weight, _, _ in candidates.values())
+        ranked = sorted(candidates, key=lambda key: (-candidates[key][2], -self._credit[key], candidates[key][1]))
         return ranked, total
 
     def _admit(self, key: Hashable, room: int) -> list[SchedRequest]:
         admitted: list[SchedRequest] = []
-        head = self.waiting[0] if self.waiting else None
-        # Keep a slot for an older request of another key, or a busy key would starve it.
+        order = self._admission_order()
+        head = order[0] if order else None
+        # Keep a slot for the next request of another key (older, or of a higher class), or a busy key would
+        # starve it.
         reserve = 1 if head is not None and head.key != key else 0
-        for req in list(self.waiting):
+        for req in order:
             if len(admitted) >= room or len(self.running) + reserve >= self.max_running:
                 break
             if req.key != key:

@@ -97,6 +97,7 @@ valid = {
     "partial_images": st.integers(min_value=0, max_value=3),
     "output_compression": st.integers(min_value=0, max_value=100),
     "response_format": st.just("b64_json"),
+    "priority": st.none() | st.integers(min_value=0, max_value=9),
     "quality": st.sampled_from(["auto", "low", "high"]),
     "background": st.sampled_from(["auto", "opaque"]),
     "moderation": st.sampled_from(["auto", "low"]),

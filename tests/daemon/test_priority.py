@@ -1,0 +1,84 @@
+"""Priority classes over HTTP (issue 34): a request's `priority` reaches the scheduler, so a class-9 request sent
+after three class-0 ones finishes before the two that were still waiting; a tenant asking outside its range is
+refused (403, `priority` named). Broken on purpose once: with `queue_requests` not passing the class on, the
+class-9 request finished last (red)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import aiohttp
+import pytest
+
+TIMEOUT = aiohttp.ClientTimeout(total=120)
+
+
+def sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def one_slot(serve):
+    # Aging slower than the test's 900 steps: the waiting class-0 requests stay below class 9 (tests/engine/
+    # test_priorities.py checks aging itself).
+    return serve(max_batch=1, max_queue=8, priority_aging_steps=10_000)
+
+
+@pytest.fixture(scope="module")
+def ranged(serve, tmp_path_factory):
+    path = tmp_path_factory.mktemp("priority") / "keys.toml"
+    path.write_text(
+        f'[tenants.alice]\nkey_sha256 = "{sha("alice-key")}"\npriority = [0, 3]\n'
+        f'[tenants.bob]\nkey_sha256 = "{sha("bob-key")}"\n'
+    )
+    return serve(api_keys_file=str(path))
+
+
+async def finish(session: aiohttp.ClientSession, base: str, name: str, body: dict, done: list[str]) -> None:
+    async with session.post(f"{base}/v1/generations", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        last = None
+        async for line in resp.content:
+            if line.startswith(b"event:"):
+                last = line.split(b":", 1)[1].strip()
+        assert last == b"completed", (name, last)
+    done.append(name)
+
+
+@pytest.mark.asyncio
+async def test_a_higher_class_overtakes_the_waiting_ones(one_slot):
+    base = one_slot.base_url
+    low = {"prompt": "a red circle", "width": 64, "height": 64, "num_inference_steps": 300, "seed": 1}
+    done: list[str] = []
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        tasks = []
+        for i in range(3):
+            tasks.append(asyncio.create_task(finish(session, base, f"low{i}", {**low, "priority": 0}, done)))
+            await asyncio.sleep(0.1)  # in this order
+        high = {**low, "num_inference_steps": 2, "priority": 9}
+        tasks.append(asyncio.create_task(finish(session, base, "high", high, done)))
+        await asyncio.gather(*tasks)
+    assert done == ["low0", "high", "low1", "low2"], done  # low0 was running: no preemption yet
+
+
+@pytest.mark.asyncio
+async def test_a_tenant_asks_only_for_its_classes(ranged):
+    base = ranged.base_url
+    body = {"prompt": "a red circle", "width": 64, "height": 64, "num_inference_steps": 2, "seed": 1}
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        alice, bob = {"Authorization": "Bearer alice-key"}, {"Authorization": "Bearer bob-key"}
+        for route, extra in (("/v1/generations", {}), ("/v1/images/generations", {"size": "64x64"})):
+            payload = {k: v for k, v in body.items() if not (extra and k in ("width", "height"))} | extra
+            async with session.post(f"{base}{route}", json={**payload, "priority": 5}, headers=alice) as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 403 and error["param"] == "priority", error
+                assert error["code"] == "priority_not_allowed" and "0 to 3" in error["message"], error
+            async with session.post(f"{base}{route}", json={**payload, "priority": 3}, headers=alice) as resp:
+                assert resp.status == 200, await resp.text()
+                await resp.read()
+            async with session.post(f"{base}{route}", json={**payload, "priority": 9}, headers=bob) as resp:
+                assert resp.status == 200, await resp.text()  # bob's range: every class
+                await resp.read()
+        async with session.post(f"{base}/v1/generations", json={**body, "priority": 10}, headers=bob) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["param"] == "priority"

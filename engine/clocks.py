@@ -25,6 +25,8 @@ class Clock:
     first_preview: float | None = None
     # The engine's own (the warm-up): no metrics, no request log line.
     internal: bool = False
+    # Its class (engine/scheduler.py), a label of the per-class metrics.
+    priority: int = 0
 
 
 class RequestClocks:
@@ -34,8 +36,8 @@ class RequestClocks:
         self.observer = observer
         self._clocks: dict[str, Clock] = {}
 
-    def submitted(self, request_id: str, at: float, *, progress: bool, internal: bool) -> None:
-        self._clocks[request_id] = Clock(at, progress, internal=internal)
+    def submitted(self, request_id: str, at: float, *, progress: bool, internal: bool, priority: int = 0) -> None:
+        self._clocks[request_id] = Clock(at, progress, internal=internal, priority=priority)
 
     def wants_progress(self, request_id: str) -> bool:
         clock = self._clocks.get(request_id)
@@ -51,7 +53,7 @@ class RequestClocks:
             if clock is not None:
                 clock.admitted = now
                 if not clock.internal:
-                    self.observer.on_admitted(request_id, now - clock.submitted)
+                    self.observer.on_admitted(request_id, now - clock.submitted, clock.priority)
 
     def previewed(self, request_id: str, now: float) -> None:
         clock = self._clocks.get(request_id)
@@ -69,7 +71,9 @@ class RequestClocks:
         duration = now - clock.submitted
         queue_wait = (clock.admitted if clock.admitted is not None else now) - clock.submitted
         outcome = status.name.removeprefix("FINISHED_").lower()
-        self.observer.on_finished(request.request_id, outcome, duration, request.steps_done, request.total_steps)
+        self.observer.on_finished(
+            request.request_id, outcome, duration, request.steps_done, request.total_steps, clock.priority
+        )
         fields = {
             "request_id": request.request_id,
             "outcome": outcome,

@@ -14,12 +14,14 @@ class EngineObserver(Protocol):
     def on_counts(self, waiting: int, running: int) -> None:
         """The scheduler's queue and running set changed size (after a step, an admission or a cancel)."""
 
-    def on_admitted(self, request_id: str, queue_wait: float) -> None:
-        """A request left the queue (its parameters went out in a plan)."""
+    def on_admitted(self, request_id: str, queue_wait: float, priority: int = 0) -> None:
+        """A request of class `priority` left the queue (its parameters went out in a plan)."""
 
     def on_first_preview(self, request_id: str, since_submit: float) -> None: ...
 
-    def on_finished(self, request_id: str, outcome: str, duration: float, steps_done: int, total_steps: int) -> None:
+    def on_finished(
+        self, request_id: str, outcome: str, duration: float, steps_done: int, total_steps: int, priority: int = 0
+    ) -> None:
         """A request reached its terminal status (`outcome`: completed, cancelled or failed) `duration` seconds after
         it was submitted."""
 
@@ -31,11 +33,13 @@ class NullObserver:
     def on_counts(self, waiting: int, running: int) -> None:
         pass
 
-    def on_admitted(self, request_id: str, queue_wait: float) -> None:
+    def on_admitted(self, request_id: str, queue_wait: float, priority: int = 0) -> None:
         pass
 
     def on_first_preview(self, request_id: str, since_submit: float) -> None:
         pass
 
-    def on_finished(self, request_id: str, outcome: str, duration: float, steps_done: int, total_steps: int) -> None:
+    def on_finished(
+        self, request_id: str, outcome: str, duration: float, steps_done: int, total_steps: int, priority: int = 0
+    ) -> None:
         pass

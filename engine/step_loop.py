@@ -187,7 +187,11 @@ class StepLoop:
         if isinstance(command, Add):
             request = command.request
             engine.clocks.submitted(
-                request.request_id, command.submitted, progress=command.progress, internal=command.internal
+                request.request_id,
+                command.submitted,
+                progress=command.progress,
+                internal=command.internal,
+                priority=request.priority,
             )
             try:
                 engine.scheduler.add(request)

@@ -21,13 +21,17 @@ class PrometheusObserver:
         self.metrics.waiting.set(waiting)
         self.metrics.running.set(running)
 
-    def on_admitted(self, request_id: str, queue_wait: float) -> None:
+    def on_admitted(self, request_id: str, queue_wait: float, priority: int = 0) -> None:
         self.metrics.queue_wait.observe(queue_wait)
         self.metrics.stage_seconds.labels("queue").observe(queue_wait)
+        self.metrics.class_queue_wait.labels(str(priority)).observe(queue_wait)
 
     def on_first_preview(self, request_id: str, since_submit: float) -> None:
         self.metrics.time_to_first_preview.observe(since_submit)
 
-    def on_finished(self, request_id: str, outcome: str, duration: float, steps_done: int, total_steps: int) -> None:
+    def on_finished(
+        self, request_id: str, outcome: str, duration: float, steps_done: int, total_steps: int, priority: int = 0
+    ) -> None:
         self.metrics.requests.labels(outcome).inc()
         self.metrics.request_duration.labels(outcome).observe(duration)
+        self.metrics.class_request_duration.labels(str(priority), outcome).observe(duration)

@@ -67,6 +67,21 @@ class Metrics:
             buckets=REQUEST_BUCKETS,
             registry=r,
         )
+        # Per priority class (engine/scheduler.py): labels "0" to "9", set by the operator's range, never free text.
+        self.class_queue_wait = Histogram(
+            "diffusiond_class_queue_wait_seconds",
+            "Seconds a request waited before joining the running batch, by its priority class.",
+            ["priority"],
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.class_request_duration = Histogram(
+            "diffusiond_class_request_duration_seconds",
+            "Seconds from submission to the terminal event, by priority class and outcome.",
+            ["priority", "outcome"],
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
         self.batch_size = Histogram(
             "diffusiond_batch_size",
             "Requests sharing one batched denoising forward.",

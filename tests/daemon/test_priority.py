@@ -59,7 +59,16 @@ async def test_a_higher_class_overtakes_the_waiting_ones(one_slot):
         high = {**low, "num_inference_steps": 2, "priority": 9}
         tasks.append(asyncio.create_task(finish(session, base, "high", high, done)))
         await asyncio.gather(*tasks)
+        async with session.get(f"{base}/metrics") as resp:
+            text = await resp.text()
     assert done == ["low0", "high", "low1", "low2"], done  # low0 was running: no preemption yet
+    # Per-class series: three of class 0 and one of class 9 waited and completed.
+    for priority, n in (("0", 3), ("9", 1)):
+        assert f'diffusiond_class_queue_wait_seconds_count{{priority="{priority}"}} {n}.0' in text
+        assert (
+            f'diffusiond_class_request_duration_seconds_count{{outcome="completed",priority="{priority}"}} {n}.0'
+            in text
+        )
 
 
 @pytest.mark.asyncio

@@ -124,6 +124,21 @@ def test_a_completed_video_has_a_url_too(serve, tiny_wan):
     assert fetch(f"{path}?{query.replace('signature=', 'signature=0')}")[0] == 404
     assert fetch(path.replace("/v1/files/", "/v1/files/x") + "?" + query)[0] == 404
 
+    # The native stream of a video model, asked for a URL: its completed event names the clip, with no base64.
+    body = {"prompt": "a clip by url", "width": 64, "height": 64, "num_frames": 5, "num_inference_steps": 1,
+            "seed": 2, "response_format": "url"}  # fmt: skip
+    request = urllib.request.Request(
+        f"{server.base_url}/v1/generations",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        name, completed = sse(resp.read())[-1]
+    video = completed["video"]
+    assert name == "completed" and "b64" not in video and video["format"] == "mp4", completed
+    status, data, media = fetch(video["url"])
+    assert (status, media) == (200, "video/mp4") and data[4:8] == b"ftyp"
+
 
 def test_replicas_sharing_a_folder_serve_each_others_images(tmp_path):
     """`--state-url` replicas keep their images in sibling folders; one signed URL is valid on each (one secret),

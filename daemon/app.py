@@ -141,6 +141,7 @@ async def _load(app: web.Application) -> None:
         observer=PrometheusObserver(app[METRICS]),
         batch_wait=config.batch_wait_ms / 1000,
         aging_steps=config.priority_aging_steps,
+        result_cache_bytes=config.result_cache_bytes,
     )
     # Set before it loads, so that cleanup stops it whatever happens; routes wait for `ready`.
     state.engine = engine
@@ -151,6 +152,7 @@ async def _load(app: web.Application) -> None:
         state.model_id = config.served_model_name or caps.name or _model_id(config.model or adapter.source)
         engine.limits = request_limits(config, caps)
         app[METRICS].lora.source = lambda: adapter.lora_registry
+        app[METRICS].result_cache.source = lambda: engine.result_cache
         app[METRICS].set_info(
             model=state.model_id,
             family=caps.family,

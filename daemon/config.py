@@ -54,6 +54,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # steps before it competes with the top class t).
     default_priority: Annotated[int, msgspec.Meta(ge=0, le=9)] = 0
     priority_aging_steps: Positive = 20
+    # Finished results answered again to identical requests whose client chose the seed (engine/result_cache.py),
+    # at most this many bytes of them; 0: off.
+    result_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Admission window: an idle engine waits up to this long for a burst of requests to start together. It stops at
     # max_batch, or after 1/40 of it without a new request (all a lone request pays: 0.5 ms), 1/4 while clients of
     # requests that finished together are coming back (engine/admission.py).

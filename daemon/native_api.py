@@ -76,8 +76,9 @@ async def _generate(request: web.Request, body: GenerationRequest, params: Sampl
     await check_images(request, {"image": body.image, "mask": body.mask, "reference_images": body.reference_images})
     # add_request checks it (Engine.check)
     (handle,) = queue_requests(
-        engine, state, [params], tenant=tenant_of(request), ids=carried_ids(request, 1), priority=body.priority
-    )
+        engine, state, [params], tenant=tenant_of(request), ids=carried_ids(request, 1), priority=body.priority,
+        cacheable=body.seed is not None,
+    )  # fmt: skip
     started(request, [handle.request_id])
     unknown = unknown_words(engine, params.prompt)
     headers = {"X-Request-Id": handle.request_id}
@@ -134,7 +135,8 @@ async def _render(
             images = [{"format": body.output_format, "url": await store_result(request, data, body.output_format)}]
             return "completed", {"seed": event.seed, "images": images, **told}, None
         images = [{"format": body.output_format, "b64": BLOB}]
-        return "completed", {"seed": event.seed, "images": images, **told}, data
+        cached = {"cached": True} if event.cached else {}
+        return "completed", {"seed": event.seed, "images": images, **cached, **told}, data
     if isinstance(event, Cancelled):
         return "cancelled", {"reason": event.reason}, None
     assert isinstance(event, Failed)

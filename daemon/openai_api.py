@@ -34,6 +34,7 @@ from diffusiond.daemon.image_encoding import encode_image, encode_preview
 from diffusiond.daemon.state import STATE, ServerState
 from diffusiond.daemon.streaming import (
     BLOB,
+    CACHE_HEADER,
     KEEPALIVE,
     UNKNOWN_WORDS_HEADER,
     check_images,
@@ -183,8 +184,9 @@ async def _images(
     # OpenAI clients: no progress events.
     ids = carried_ids(request, len(many))
     handles = queue_requests(
-        engine, state, many, tenant=tenant_of(request), progress=False, checked=True, ids=ids, priority=body.priority
-    )
+        engine, state, many, tenant=tenant_of(request), progress=False, checked=True, ids=ids, priority=body.priority,
+        cacheable=body.seed is not None,
+    )  # fmt: skip
     fmt = body.output_format or "png"
     meta = {
         "size": f"{resolved.width}x{resolved.height}",
@@ -206,6 +208,8 @@ async def _images(
         # Not started at all (each a retry): NotStarted, which the next rank 0 may serve (daemon/handover.py).
         raise terminal_error(min(unfinished, key=lambda r: isinstance(r, Failed) and r.retry))
     images = [await encode_off_loop(request, encode_image, r.image, fmt, body.output_compression) for r in results]
+    if all(r.cached for r in results):  # every image from the result cache (engine/result_cache.py)
+        headers[CACHE_HEADER] = "hit"
     if body.response_format == "url":
         data = [{"url": await store_result(request, img, fmt)} for img in images]
     else:

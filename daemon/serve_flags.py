@@ -128,6 +128,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help=f"class (0-9, higher first) of requests naming none, in the tenant range (default: {d.default_priority})",
     )
     add(
+        "--result-cache-bytes",
+        type=int,
+        metavar="N",
+        help="answer a request identical to a finished one (seed chosen) from its result; N bytes (default: 0, off)",
+    )
+    add(
         "--priority-aging-steps",
         type=int,
         metavar="N",

@@ -156,6 +156,8 @@ async def check_images(request: web.Request, images: dict[str, bytes | Sequence[
 # absent, so the client is told, never refused. Comma-separated in this header on both APIs, and a list in the native
 # stream's `queued` and `completed` events.
 UNKNOWN_WORDS_HEADER = "X-Unknown-Words"
+# Set on an answer whose every image came from the result cache (engine/result_cache.py).
+CACHE_HEADER = "X-Diffusiond-Cache"
 
 
 def unknown_words(engine: Engine, prompt: str) -> list[str]:
@@ -174,13 +176,14 @@ def queue_requests(
     checked: bool = False,
     ids: Sequence[str] | None = None,
     priority: int | None = None,
+    cacheable: bool = False,
 ) -> list[RequestHandle]:
     """`tenant`: who asks (its quotas are checked here; the requests are its own). `progress`: whether the client
     is sent a progress event every step (the native stream); without, the engine emits none and status comes from
     `Engine.steps_done`. `checked`: `params` are resolved and wire-checked already (`Engine.check`), so the engine
     queues them as they are. `ids`: the requests' ids (a stream carried over a heal keeps those its client was
     told), else new ones. `priority`: the class the client asked for (None: `--default-priority`, within the
-    tenant's range)."""
+    tenant's range). `cacheable`: the client chose the seed (the result cache may answer)."""
     chosen = resolve_priority(state, tenant, priority)
     if not engine.has_capacity(len(params)):
         raise QueueFullError(f"{engine.num_in_flight} requests in flight")
@@ -191,7 +194,7 @@ def queue_requests(
             handles.append(
                 engine.add_request(
                     p, ids[i] if ids else None, checked=checked, progress=progress, priority=chosen,
-                    tenant=tenant.name, weight=tenant.weight,
+                    tenant=tenant.name, weight=tenant.weight, cacheable=cacheable,
                 )
             )  # fmt: skip
             state.record(handles[-1], tenant.name)

@@ -442,19 +442,21 @@ async def _create_video(
     rid = uuid.uuid4().hex
     db, key = request.app.get(JOB_DB), request.headers.get(HEADER)
     if db is None or key is None:
-        return await _new_job(request, resolved, rid, body.priority)
+        return await _new_job(request, resolved, rid, body.priority, body.seed is not None)
     # The key is kept with the jobs too: a retry that reaches another replica, or comes after a restart, finds it.
     first = await db.remember_key(tenant.name, request.path, key, digest, f"video_{rid}", WINDOW_S)
     if first[1] != f"video_{rid}":
         return await _replayed(request, key, digest, *first)
     try:
-        return await _new_job(request, resolved, rid, body.priority)
+        return await _new_job(request, resolved, rid, body.priority, body.seed is not None)
     except BaseException:
         db.forget_key(tenant.name, request.path, key, f"video_{rid}")
         raise
 
 
-async def _new_job(request: web.Request, resolved: SamplingParams, rid: str, asked: int | None) -> web.Response:
+async def _new_job(
+    request: web.Request, resolved: SamplingParams, rid: str, asked: int | None, cacheable: bool
+) -> web.Response:
     state, jobs, tenant = request.app[STATE], request.app[VIDEOS], tenant_of(request)
     engine = state.require_engine()
     priority = resolve_priority(state, tenant, asked)
@@ -493,7 +495,9 @@ async def _new_job(request: web.Request, resolved: SamplingParams, rid: str, ask
     if db is not None:  # written before it is admitted: a job the client hears of is never lost
         await db.put(job.id, tenant.name, job.status, msgspec.json.encode(resolved), msgspec.json.encode(job))
     try:
-        (handle,) = queue_requests(engine, state, [resolved], tenant=tenant, checked=True, ids=[rid], priority=priority)
+        (handle,) = queue_requests(
+            engine, state, [resolved], tenant=tenant, checked=True, ids=[rid], priority=priority, cacheable=cacheable
+        )
     except BaseException:
         if db is not None:
             db.delete(job.id)

@@ -21,7 +21,8 @@ from diffusiond.engine.comm import Communicator, LocalComm
 from diffusiond.engine.executor import Executor, GroupFault
 from diffusiond.engine.mailbox import Mailbox
 from diffusiond.engine.observer import EngineObserver, NullObserver
-from diffusiond.engine.outputs import TERMINAL, Event, Failed
+from diffusiond.engine.outputs import TERMINAL, Completed, Event, Failed
+from diffusiond.engine.result_cache import ResultCache
 from diffusiond.engine.scheduler import AGING_STEPS, QueueFullError, SchedRequest, Scheduler
 from diffusiond.engine.step_loop import Add, Cancel, EngineDeadError, StepLoop, Stop, engine_failed
 from diffusiond.engine.wire import LoraOp, LoraOpKind, NewRequest, WireError, check_request
@@ -90,6 +91,7 @@ class Engine:
         limits: RequestLimits | None = None,
         batch_wait: float = 0.0,
         aging_steps: int = AGING_STEPS,
+        result_cache_bytes: int = 0,
     ) -> None:
         self.loader: Loader | None = None
         # Set on the step thread once the model is loaded (before `start()` returns).
@@ -130,6 +132,9 @@ class Engine:
         # Called on the event loop with every event as the engine delivers it, whether or not anyone reads the
         # request's mailbox (status records stay current for slow readers).
         self.on_event: Callable[[Event], None] | None = None
+        # Finished results of requests whose client chose the seed (engine/result_cache.py); None: off.
+        self.result_cache = ResultCache(result_cache_bytes) if result_cache_bytes > 0 else None
+        self._cache_keys: dict[str, str] = {}
         self._stopping = threading.Event()
         # request id -> steps done, written by the step thread when the request joins a step (0) and after each
         # step, read by the loop for status (plain dict operations are atomic under the GIL); an entry goes with its
@@ -214,11 +219,13 @@ class Engine:
         priority: int = 0,
         tenant: str = "",
         weight: float = 1.0,
+        cacheable: bool = False,
     ) -> RequestHandle:
         """Validate, resolve defaults and queue a request (`checked`: `params` came from `check`, or were resolved
         and wire-checked by the caller). Raises ParamError (bad input), QueueFullError (retry later) or
         EngineDeadError. `internal`: the engine's own (warm-up), kept out of metrics and request logs. `priority`,
-        `tenant`, `weight`: its class and who asks, for the scheduler (engine/scheduler.py)."""
+        `tenant`, `weight`: its class and who asks, for the scheduler (engine/scheduler.py). `cacheable`: its
+        client chose the seed, so an identical request's result answers it (engine/result_cache.py)."""
         if not self.alive or self.executor is None:
             raise EngineDeadError("engine is not running")
         resolved = params if checked else self.check(params)
@@ -229,6 +236,13 @@ class Engine:
             raise ValueError(f"duplicate request id {request_id!r}")
         mailbox = Mailbox()
         self._mailboxes[request_id] = mailbox
+        if self.result_cache is not None and cacheable and not internal:
+            key = self.result_cache.key(self.adapter.source, resolved, self.adapter)
+            kept = self.result_cache.get(key)
+            if kept is not None:  # delivered once the caller has its handle (and has recorded it)
+                asyncio.get_running_loop().call_soon(self._deliver, [self.result_cache.answer(request_id, kept)])
+                return RequestHandle(self, request_id, resolved, mailbox)
+            self._cache_keys[request_id] = key
         request = SchedRequest(
             request_id=request_id,
             params=resolved,
@@ -308,6 +322,9 @@ class Engine:
                 continue
             mailbox.put(event)
             if isinstance(event, TERMINAL):
+                key = self._cache_keys.pop(event.request_id, None)
+                if key is not None and isinstance(event, Completed) and self.result_cache is not None:
+                    self.result_cache.put(key, event)
                 del self._mailboxes[event.request_id]
                 self._cancelling.discard(event.request_id)
                 self.steps_done.pop(event.request_id, None)

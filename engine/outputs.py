@@ -57,6 +57,8 @@ class Completed:
     timings: dict[str, float] = field(default_factory=dict)
     # A clip's sound track (families with `audio_sample_rate`); None: silent.
     audio: Sound | None = None
+    # Answered from the result cache (engine/result_cache.py), without a step.
+    cached: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -127,6 +127,8 @@ class Metrics:
         self.info = Info("diffusiond_model", "The served model and how it runs.", registry=r)
         self.lora = LoraCollector()
         r.register(self.lora)
+        self.result_cache = ResultCacheCollector()
+        r.register(self.result_cache)
         # Every labelled series exists from the start, so rates and dashboards work before the first event.
         for stage in STAGES:
             self.stage_seconds.labels(stage)
@@ -192,3 +194,27 @@ class LoraCollector:
         for entry in entries:
             requests.add_metric([entry.name], entry.requests)
         yield requests
+
+
+class ResultCacheCollector:
+    """The result cache's numbers (engine/result_cache.py), read when scraped."""
+
+    def __init__(self) -> None:
+        # The engine's cache, once it runs (None: no engine yet, or the cache is off).
+        self.source: Callable[[], Any] = lambda: None
+
+    def collect(self) -> Iterator[Metric]:
+        cache = self.source()
+        lookups = CounterMetricFamily(
+            "diffusiond_result_cache_lookups",
+            "Requests with a seed of their client's looked up in the result cache (--result-cache-bytes), by result.",
+            labels=["result"],
+        )
+        lookups.add_metric(["hit"], cache.hits if cache is not None else 0)
+        lookups.add_metric(["miss"], cache.misses if cache is not None else 0)
+        yield lookups
+        yield GaugeMetricFamily(
+            "diffusiond_result_cache_bytes",
+            "Bytes of the results the cache holds.",
+            value=cache.used if cache is not None else 0,
+        )

@@ -1,0 +1,69 @@
+"""The exact result cache (`--result-cache-bytes`, engine/result_cache.py; issue 34): a request identical to a
+finished one, its seed chosen by its client, is answered with the first's image without a step (the engine's step
+counter does not move), marked as cached; another seed, or no seed, runs. Broken on purpose once: with the seed
+left out of the key, the request with another seed was answered from the cache (red)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import urllib.request
+
+import pytest
+
+BODY = {"prompt": "a red circle", "width": 64, "height": 64, "num_inference_steps": 3, "seed": 11}
+
+
+@pytest.fixture(scope="module")
+def cached(serve):
+    return serve(result_cache_bytes=16 << 20)
+
+
+def post(base: str, path: str, body: dict) -> tuple[bytes, dict]:
+    request = urllib.request.Request(
+        f"{base}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        return resp.read(), dict(resp.headers)
+
+
+def completed(base: str, body: dict) -> dict:
+    raw, _ = post(base, "/v1/generations", body)
+    events = [block for block in raw.decode().split("\n\n") if block.startswith("event: completed")]
+    assert len(events) == 1, raw[-500:]
+    return json.loads(events[0].split("data: ", 1)[1])
+
+
+def metric(base: str, name: str) -> float:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_an_identical_request_is_answered_from_the_cache(cached):
+    base = cached.base_url
+    first = completed(base, BODY)
+    steps = metric(base, "diffusiond_steps_total")
+    again = completed(base, BODY)
+    assert again.get("cached") is True and "cached" not in first
+    assert again["images"][0]["b64"] == first["images"][0]["b64"] and again["seed"] == first["seed"]
+    assert metric(base, "diffusiond_steps_total") == steps  # no step ran for it
+    assert metric(base, 'diffusiond_result_cache_lookups_total{result="hit"}') >= 1
+
+    # Another seed, or none: it runs.
+    other = completed(base, {**BODY, "seed": 12})
+    assert "cached" not in other and other["images"][0]["b64"] != first["images"][0]["b64"]
+    unseeded = {k: v for k, v in BODY.items() if k != "seed"}
+    for _ in range(2):
+        assert "cached" not in completed(base, unseeded)
+    assert metric(base, "diffusiond_steps_total") == steps + 3 * 3
+
+    # The Images API: the same cache; the answer says so in a header.
+    image = {"prompt": "a blue square", "size": "64x64", "num_inference_steps": 2, "seed": 5}
+    one, _ = post(base, "/v1/images/generations", image)
+    two, headers = post(base, "/v1/images/generations", image)
+    assert headers.get("X-Diffusiond-Cache") == "hit"
+    decoded = [base64.b64decode(json.loads(r)["data"][0]["b64_json"]) for r in (one, two)]
+    assert decoded[0] == decoded[1]

@@ -78,6 +78,8 @@ def _dumps(obj) -> str:
 
 # A request's class (engine/scheduler.py MAX_PRIORITY).
 Priority = Annotated[int, msgspec.Meta(ge=0, le=9)]
+# Milliseconds its client waits for it (engine/deadlines.py), at most a day.
+DeadlineMs = Annotated[int, msgspec.Meta(ge=1, le=86_400_000)]
 
 
 class ImageGenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -116,6 +118,8 @@ class ImageGenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only
     lora: Loras | None = None
     # Its class, 0-9, higher served first (engine/scheduler.py); default --default-priority.
     priority: Priority | None = None
+    # Milliseconds its client waits: refused (429) when the engine's estimate is later; earlier deadlines first.
+    deadline_ms: DeadlineMs | None = None
 
 
 class ImageEditRequest(ImageGenerationRequest, kw_only=True):
@@ -192,6 +196,8 @@ class GenerationRequest(RequestFields, frozen=True, forbid_unknown_fields=True):
     response_format: Literal["b64_json", "url"] = "b64_json"
     # Its class, 0-9, higher served first (engine/scheduler.py); default --default-priority.
     priority: Priority | None = None
+    # Milliseconds its client waits: refused (429) when the engine's estimate is later; earlier deadlines first.
+    deadline_ms: DeadlineMs | None = None
 
 
 _PARAM_PATTERNS = (

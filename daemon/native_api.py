@@ -77,7 +77,7 @@ async def _generate(request: web.Request, body: GenerationRequest, params: Sampl
     # add_request checks it (Engine.check)
     (handle,) = queue_requests(
         engine, state, [params], tenant=tenant_of(request), ids=carried_ids(request, 1), priority=body.priority,
-        cacheable=body.seed is not None,
+        cacheable=body.seed is not None, deadline_ms=body.deadline_ms,
     )  # fmt: skip
     started(request, [handle.request_id])
     unknown = unknown_words(engine, params.prompt)

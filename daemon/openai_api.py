@@ -185,7 +185,7 @@ async def _images(
     ids = carried_ids(request, len(many))
     handles = queue_requests(
         engine, state, many, tenant=tenant_of(request), progress=False, checked=True, ids=ids, priority=body.priority,
-        cacheable=body.seed is not None,
+        cacheable=body.seed is not None, deadline_ms=body.deadline_ms,
     )  # fmt: skip
     fmt = body.output_format or "png"
     meta = {

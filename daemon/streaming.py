@@ -177,6 +177,7 @@ def queue_requests(
     ids: Sequence[str] | None = None,
     priority: int | None = None,
     cacheable: bool = False,
+    deadline_ms: int | None = None,
 ) -> list[RequestHandle]:
     """`tenant`: who asks (its quotas are checked here; the requests are its own). `progress`: whether the client
     is sent a progress event every step (the native stream); without, the engine emits none and status comes from
@@ -185,6 +186,8 @@ def queue_requests(
     told), else new ones. `priority`: the class the client asked for (None: `--default-priority`, within the
     tenant's range). `cacheable`: the client chose the seed (the result cache may answer)."""
     chosen = resolve_priority(state, tenant, priority)
+    if deadline_ms is not None:
+        check_deadline(engine, params, chosen, deadline_ms, checked)
     if not engine.has_capacity(len(params)):
         raise QueueFullError(f"{engine.num_in_flight} requests in flight")
     check_quotas(state, tenant, len(params))
@@ -195,6 +198,7 @@ def queue_requests(
                 engine.add_request(
                     p, ids[i] if ids else None, checked=checked, progress=progress, priority=chosen,
                     tenant=tenant.name, weight=tenant.weight, cacheable=cacheable,
+                    deadline_s=None if deadline_ms is None else deadline_ms / 1000,
                 )
             )  # fmt: skip
             state.record(handles[-1], tenant.name)
@@ -203,6 +207,28 @@ def queue_requests(
             h.cancel()
         raise
     return handles
+
+
+def check_deadline(
+    engine: Engine, params: list[SamplingParams], priority: int, deadline_ms: int, checked: bool
+) -> None:
+    """429 naming `deadline_ms` when the engine estimates the requests finish after it (engine/deadlines.py)."""
+    resolved = params if checked else [engine.check(p) for p in params]
+    estimates = [engine.estimate(p, priority) for p in resolved]
+    if any(e is None for e in estimates):
+        return  # nothing measured yet: no grounds to refuse
+    worst = max(e for e in estimates if e is not None)
+    if worst * 1000 > deadline_ms:
+        per_step = engine.step_times.of(engine.adapter.batch_key(resolved[0])) or 0.0
+        raise ApiError(
+            429,
+            f"deadline_ms {deadline_ms}: the server estimates {worst:.1f} s to finish (the steps in flight of this "
+            f"class and above, and this request's, at {per_step:.3f} s per step); ask for a longer deadline, a "
+            "lower cost, or retry later",
+            type="rate_limit_error",
+            param="deadline_ms",
+            code="deadline_unmeetable",
+        )
 
 
 def resolve_priority(state: ServerState, tenant: Tenant, asked: int | None) -> int:

@@ -18,6 +18,7 @@ from diffusiond.engine import lora_commands
 from diffusiond.engine.admission import AdmissionWindow
 from diffusiond.engine.clocks import RequestClocks
 from diffusiond.engine.comm import Communicator, LocalComm
+from diffusiond.engine.deadlines import StepTimes, estimate_seconds
 from diffusiond.engine.executor import Executor, GroupFault
 from diffusiond.engine.mailbox import Mailbox
 from diffusiond.engine.observer import EngineObserver, NullObserver
@@ -132,6 +133,10 @@ class Engine:
         # Called on the event loop with every event as the engine delivers it, whether or not anyone reads the
         # request's mailbox (status records stay current for slow readers).
         self.on_event: Callable[[Event], None] | None = None
+        # Seconds per step of each batch key, as measured (deadline estimates; engine/deadlines.py).
+        self.step_times = StepTimes()
+        # Loop side: what each request in flight runs (steps, class), for the estimates.
+        self._work: dict[str, tuple[int, int]] = {}
         # Finished results of requests whose client chose the seed (engine/result_cache.py); None: off.
         self.result_cache = ResultCache(result_cache_bytes) if result_cache_bytes > 0 else None
         self._cache_keys: dict[str, str] = {}
@@ -220,12 +225,14 @@ class Engine:
         tenant: str = "",
         weight: float = 1.0,
         cacheable: bool = False,
+        deadline_s: float | None = None,
     ) -> RequestHandle:
         """Validate, resolve defaults and queue a request (`checked`: `params` came from `check`, or were resolved
         and wire-checked by the caller). Raises ParamError (bad input), QueueFullError (retry later) or
         EngineDeadError. `internal`: the engine's own (warm-up), kept out of metrics and request logs. `priority`,
         `tenant`, `weight`: its class and who asks, for the scheduler (engine/scheduler.py). `cacheable`: its
-        client chose the seed, so an identical request's result answers it (engine/result_cache.py)."""
+        client chose the seed, so an identical request's result answers it (engine/result_cache.py). `deadline_s`:
+        seconds from now its client waits; earlier deadlines go first within a class (engine/scheduler.py)."""
         if not self.alive or self.executor is None:
             raise EngineDeadError("engine is not running")
         resolved = params if checked else self.check(params)
@@ -251,9 +258,19 @@ class Engine:
             priority=priority,
             tenant=tenant,
             weight=weight,
+            deadline=None if deadline_s is None else time.perf_counter() + deadline_s,
         )
+        self._work[request_id] = (resolved.steps_to_run, priority)
         self.step_loop.commands.put(Add(request, time.perf_counter(), progress, internal))
         return RequestHandle(self, request_id, resolved, mailbox)
+
+    def estimate(self, params: SamplingParams, priority: int) -> float | None:
+        """Seconds until a request of `params` (resolved) would finish if it were queued now, from the measured
+        step times and the work in flight of its class and above; None before anything was measured."""
+        ahead = [total - self.steps_done.get(rid, 0) for rid, (total, p) in list(self._work.items()) if p >= priority]
+        return estimate_seconds(
+            self.step_times, self.adapter.batch_key(params), params.steps_to_run, ahead, self.scheduler.max_batch
+        )
 
     def cancel(self, request_id: str) -> None:
         """Stops the request at the next step boundary; its terminal event is Cancelled (unless it finished first)."""
@@ -322,6 +339,7 @@ class Engine:
                 continue
             mailbox.put(event)
             if isinstance(event, TERMINAL):
+                self._work.pop(event.request_id, None)
                 key = self._cache_keys.pop(event.request_id, None)
                 if key is not None and isinstance(event, Completed) and self.result_cache is not None:
                     self.result_cache.put(key, event)

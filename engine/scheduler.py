@@ -19,15 +19,19 @@ up to the highest class in flight (it catches up, never overtakes), so a request
 t after at most (t - p) * aging_steps steps of others' work, and is served from there (admitted by fair share, then
 age; advanced by the round robin).
 
-Fair share across tenants: within a class, waiting requests are admitted in order of their tenant's work served
-(denoising steps x pixels x frames) divided by its weight, least first (weighted fair queueing of admissions). A
-tenant that starts asking is charged as much as the least-served tenant with work in flight, so that idling earns
-no credit to spend later.
+Deadlines: within a class, the waiting request whose client stops waiting first is admitted first (earliest deadline
+first; requests without one after those with one).
+
+Fair share across tenants: within a class and deadline, waiting requests are admitted in order of their tenant's
+work served (denoising steps x pixels x frames) divided by its weight, least first (weighted fair queueing of
+admissions). A tenant that starts asking is charged as much as the least-served tenant with work in flight, so
+that idling earns no credit to spend later.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -64,6 +68,8 @@ class SchedRequest:
     weight: float = 1.0
     # The step it was added at (its wait, for aging).
     enqueued: int = 0
+    # When its client stops waiting (perf_counter seconds; None: no deadline): earlier first within a class.
+    deadline: float | None = None
 
     @property
     def work(self) -> int:
@@ -151,11 +157,16 @@ class Scheduler:
         return min(ceiling, req.priority + max(0, self._step - since) // self.aging_steps)
 
     def _admission_order(self) -> list[SchedRequest]:
-        """Waiting requests, the next to admit first: highest effective class, then least-served tenant (by
-        weight), then oldest."""
+        """Waiting requests, the next to admit first: highest effective class, then earliest deadline (none: last),
+        then least-served tenant (by weight), then oldest."""
         return sorted(
             self.waiting,
-            key=lambda r: (-self.effective_priority(r), self.served.get(r.tenant, 0.0) / r.weight, r.arrival),
+            key=lambda r: (
+                -self.effective_priority(r),
+                math.inf if r.deadline is None else r.deadline,
+                self.served.get(r.tenant, 0.0) / r.weight,
+                r.arrival,
+            ),
         )
 
     def cancel(self, request_id: str) -> SchedRequest | None:

@@ -135,8 +135,11 @@ class StepLoop:
         engine.clocks.admitted([new.request_id for new in plan.new], t0)
         for new in plan.new:  # in a step from now on: a failure of this step is theirs too (no retry)
             engine.steps_done.setdefault(new.request_id, 0)
+        first = engine.scheduler.get(plan.advance[0]) if plan.advance else None
         result = engine.executor.execute(plan)
         engine.steps += 1
+        if first is not None and result.batch_size and not quiet:
+            engine.step_times.record(first.key, time.perf_counter() - t0)
         result.timings["broadcast"] = broadcast
         events.extend(self._events_for(plan, result))
         if not quiet:

@@ -98,6 +98,7 @@ valid = {
     "output_compression": st.integers(min_value=0, max_value=100),
     "response_format": st.just("b64_json"),
     "priority": st.none() | st.integers(min_value=0, max_value=9),
+    "deadline_ms": st.none() | st.integers(min_value=60_000, max_value=86_400_000),
     "quality": st.sampled_from(["auto", "low", "high"]),
     "background": st.sampled_from(["auto", "opaque"]),
     "moderation": st.sampled_from(["auto", "low"]),

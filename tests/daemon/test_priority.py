@@ -72,6 +72,33 @@ async def test_a_higher_class_overtakes_the_waiting_ones(one_slot):
 
 
 @pytest.mark.asyncio
+async def test_a_deadline_the_engine_cannot_make_is_refused(one_slot):
+    """With 300 steps in flight (their step time measured), a request that must finish within 50 ms is refused with
+    the estimate (429, `deadline_ms` named), on both APIs; one with a minute to spare runs."""
+    base = one_slot.base_url
+    long = {"prompt": "a red circle", "width": 64, "height": 64, "num_inference_steps": 300, "seed": 1}
+    quick = {"prompt": "a red circle", "width": 64, "height": 64, "num_inference_steps": 2, "seed": 2}
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.post(f"{base}/v1/generations", json=long) as stream,
+    ):
+        async for line in stream.content:  # its steps are running: measured
+            if line.startswith(b"event: progress"):
+                break
+        async with session.post(f"{base}/v1/generations", json={**quick, "deadline_ms": 50}) as resp:
+            error = (await resp.json())["error"]
+            assert resp.status == 429 and error["param"] == "deadline_ms", error
+            assert error["code"] == "deadline_unmeetable" and "estimates" in error["message"], error
+        openai_body = {"prompt": "a red circle", "size": "64x64", "num_inference_steps": 2, "deadline_ms": 50}
+        async with session.post(f"{base}/v1/images/generations", json=openai_body) as resp:
+            assert resp.status == 429 and (await resp.json())["error"]["code"] == "deadline_unmeetable"
+        async with session.post(f"{base}/v1/generations", json={**quick, "deadline_ms": 60_000}) as resp:
+            assert resp.status == 200, await resp.text()
+            assert b"event: completed" in await resp.read()
+        stream.close()
+
+
+@pytest.mark.asyncio
 async def test_a_tenant_asks_only_for_its_classes(ranged):
     base = ranged.base_url
     body = {"prompt": "a red circle", "width": 64, "height": 64, "num_inference_steps": 2, "seed": 1}

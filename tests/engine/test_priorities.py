@@ -106,3 +106,29 @@ def test_a_class_out_of_range_is_refused():
     sched = Scheduler(max_batch=1)
     with pytest.raises(ValueError, match="priority must be 0 to 9"):
         sched.add(make("x", MAX_PRIORITY + 1))
+
+
+def test_the_earliest_deadline_goes_first_within_a_class():
+    sched = Scheduler(max_batch=1)
+    for rid, deadline, priority in (("none", None, 0), ("late", 30.0, 0), ("soon", 10.0, 0), ("high", None, 1)):
+        req = make(rid, priority, steps=1)
+        req.deadline = deadline
+        sched.add(req)
+    order = []
+    while sched.has_work():
+        plan, _ = run_step(sched)
+        order += [n.request_id for n in plan.new]
+    assert order == ["high", "soon", "late", "none"]  # the class first, then the deadline, none last
+
+
+def test_an_estimate_counts_the_work_ahead_at_the_measured_step_time():
+    from diffusiond.engine.deadlines import StepTimes, estimate_seconds
+
+    times = StepTimes()
+    assert estimate_seconds(times, "a", 10, [100], 4) is None  # nothing measured: no grounds to refuse
+    times.record("a", 0.5)
+    times.record("a", 1.5)  # a running average: 0.8 x 0.5 + 0.2 x 1.5
+    assert times.of("a") == pytest.approx(0.7)
+    assert times.of("b") == pytest.approx(0.7)  # a key not run yet: the slowest measured
+    # 100 + 20 steps ahead, 4 to a forward: 30 forwards, then its own 10.
+    assert estimate_seconds(times, "a", 10, [100, 20], 4) == pytest.approx(40 * 0.7)

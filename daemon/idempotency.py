@@ -9,7 +9,8 @@ try runs again. A streamed answer (SSE) cannot be sent twice: a repeat gets 409 
 (its status: `GET /v1/generations/{id}`).
 
 Answers are kept in memory, at most MAX_BYTES of them (the oldest forgotten first, after which a repeat runs
-again) and MAX_ENTRIES keys; a restart forgets them (durable jobs: issue 33, part 2).
+again) and MAX_ENTRIES keys; a restart forgets them, except the keys of `POST /v1/videos` under a job database,
+which daemon/job_db.py keeps with the jobs (`remember_key`: a retry after a restart, or through another replica).
 """
 
 from __future__ import annotations

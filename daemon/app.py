@@ -140,9 +140,9 @@ async def _load(app: web.Application) -> None:
         max_waiting=config.max_queue,
         observer=PrometheusObserver(app[METRICS]),
         batch_wait=config.batch_wait_ms / 1000,
-        aging_steps=config.priority_aging_steps,
         result_cache_bytes=config.result_cache_bytes,
     )
+    engine.scheduler.aging_steps = config.priority_aging_steps  # before it starts: the scheduler's own setting
     # Set before it loads, so that cleanup stops it whatever happens; routes wait for `ready`.
     state.engine = engine
     try:

@@ -15,19 +15,15 @@ the job's `seconds` is the clip's real length (65 frames at 16 fps: "4.0625").
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import errno
 import functools
 import logging
-import math
 import re
 import secrets
 import shutil
 import socket
 import tempfile
-import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -37,25 +33,18 @@ from aiohttp import web
 
 from diffusiond.daemon.api import (
     ApiError,
-    InputReference,
-    Layers,
-    Loras,
     VideoCreateRequest,
-    body_limit,
-    convert_fields,
-    decode_body,
-    json_fields,
-    parse_size,
     retry_later,
 )
 from diffusiond.daemon.auth import TENANT, TENANTS, tenant_of
-from diffusiond.daemon.edge import read_body, read_form
 from diffusiond.daemon.files import FILES, MEDIA, FileStore, base_url
 from diffusiond.daemon.idempotency import HEADER, KEYS, REPLAYED, WINDOW_S, fingerprint
 from diffusiond.daemon.job_db import JobDB, database_errors
+from diffusiond.daemon.job_leases import keep_leases
 from diffusiond.daemon.state import ENCODERS, STATE, Record
 from diffusiond.daemon.streaming import check_images, queue_requests, quota_exceeded, resolve_priority, run_encoder
 from diffusiond.daemon.video_encoding import MEDIA_TYPES, encode_video
+from diffusiond.daemon.video_requests import read_video_create, resolve_video
 from diffusiond.daemon.video_store import (
     MIN_FREE_BYTES,
     DiskFull,
@@ -67,16 +56,14 @@ from diffusiond.daemon.video_store import (
     free_bytes,
     write_video,
 )
-from diffusiond.engine.engine import Engine, QueueFullError, RequestHandle
+from diffusiond.engine.engine import RequestHandle
 from diffusiond.engine.outputs import Cancelled, Completed, Failed, Progress
-from diffusiond.models.base import Capabilities
-from diffusiond.models.params import MAX_FRAMES, ParamError, SamplingParams, params_from
+from diffusiond.models.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 # Progress the denoising steps take; encoding and writing the file take the rest.
 STEPS_SHARE = 95
-MAX_SECONDS = 3600.0
 LIST_LIMIT = (20, 100)  # default, most
 # How long DELETE waits for a running job to stop (at its next step boundary) before it answers.
 DELETE_WAIT_S = 30.0
@@ -85,8 +72,6 @@ STORE_GRACE_S = 10.0
 # How long a repeated POST waits for the job its Idempotency-Key names to be recorded (by another replica).
 REPLAY_WAIT_S = 5.0
 ABANDONED = "the server stopped before the request finished (a restart or a crash); send it again"
-# How long finished requests' records are kept in the job database.
-REQUEST_RECORDS_S = 24 * 3600.0
 # Which `image_inputs` a family declares when its videos may start from an image (`input_reference`).
 FIRST_FRAME = "first-frame"
 
@@ -247,7 +232,7 @@ async def videos_ctx(app: web.Application) -> AsyncIterator[None]:
         files or directory / "files", max_bytes=config.video_store_bytes, ttl=config.video_ttl, secret=secret
     )
     sweeper = asyncio.create_task(_sweep(store, min(60.0, max(1.0, config.video_ttl / 4))))
-    leasing = asyncio.create_task(keep_leases(app, db)) if db is not None else None
+    leasing = asyncio.create_task(keep_leases(app, db, jobs)) if db is not None else None
     try:
         yield
     finally:
@@ -316,78 +301,6 @@ async def file_content(request: web.Request) -> web.StreamResponse:
             raise gone
     left = max(0, until - int(files.clock()))
     return web.FileResponse(path, headers={"Content-Type": media, "Cache-Control": f"private, max-age={left}"})
-
-
-async def keep_leases(app: web.Application, db: JobDB) -> None:
-    """Once the model is ready, every third of a lease: renews the leases of the jobs running here (with their
-    progress, which other replicas report), stops those that went to another replica, and claims the unfinished
-    jobs whose lease ran out (first: also those this replica held before it restarted), admitted again from the
-    start under their ids, oldest first, as far as the engine has room; their seeds are explicit, so each makes
-    the video it would have made. With a shared database, also forgets the finished jobs whose time is up and
-    removes their files, whichever replica made them."""
-    state, jobs = app[STATE], app[VIDEOS]
-    await state.loaded.wait()
-    if not state.ready or state.engine is None:
-        return  # the model failed to load: nothing can run them (they stay in the database)
-    every, first, keys_swept = db.lease_s / 3, True, 0.0
-    while True:
-        try:
-            held = {i: msgspec.json.encode(jobs.store.jobs[i]) for i in list(jobs.tasks) if i in jobs.store.jobs}
-            held = {i: raw for i, raw in held.items() if i not in jobs.lost}
-            for job_id in held.keys() - await db.renew(held):
-                jobs.lose(app, job_id)
-            await _claim(app, db, first)
-            first = False
-            if time.monotonic() - keys_swept > 60:
-                await db.expire_keys(WINDOW_S)
-                await db.expire_requests(REQUEST_RECORDS_S)
-                keys_swept = time.monotonic()
-            if db.shared:
-                for raw in await db.expire():
-                    job = msgspec.json.decode(raw, type=VideoJob)
-                    jobs.store.drop(job.id)
-                    jobs.store.discard_files(job)
-        except database_errors() as exc:  # the database is away: jobs run on; leases are renewed when it is back
-            log.warning("job database: %s; trying again in %gs", exc, every)
-        except Exception:  # never the end of the renewals: other replicas would take every job running here
-            log.exception("video jobs: keeping the leases failed; trying again in %gs", every)
-        await asyncio.sleep(every)
-
-
-async def _claim(app: web.Application, db: JobDB, first: bool) -> None:
-    state, jobs = app[STATE], app[VIDEOS]
-    engine = state.engine
-    assert engine is not None
-    if state.draining:
-        return
-    # At the start: as many as the engine queues (this replica's own come back to it); later, only what would run
-    # at once, so that a busy replica leaves the others' jobs to idle replicas.
-    room = engine.capacity_left if first else min(engine.capacity_left, state.config.max_batch - engine.num_in_flight)
-    rows = await db.claim(room, mine=first)
-    if not rows:
-        return
-    log.info(
-        "video jobs: %d %s, admitted again", len(rows), "left unfinished by the previous run" if first else "claimed"
-    )
-    for job_id, tenant, raw_params, raw_job in rows:
-        if job_id in jobs.tasks:  # its lease ran out while the database was away, and it is running here still
-            continue
-        params = msgspec.json.decode(raw_params, type=SamplingParams)
-        job = msgspec.json.decode(raw_job, type=VideoJob)
-        job.status, job.progress = "queued", 0
-        try:
-            owner = app[TENANTS].tenant(tenant)
-            priority = min(max(job.priority, owner.priority[0]), owner.priority[1])  # its range may have changed
-            (handle,) = queue_requests(
-                engine, state, [params], tenant=owner, checked=True, ids=[job.request_id], priority=priority
-            )
-        except (QueueFullError, ApiError) as exc:  # a full queue, a tenant's quota: the next claim (any replica's)
-            log.info("video job %s: not admitted yet (%s)", job_id, exc)
-            await db.release(job_id)
-            continue
-        jobs.store.add(job)
-        db.update(job_id, job.status, msgspec.json.encode(job))
-        jobs.start(app, job, handle)
 
 
 async def _sweep(store: VideoStore, every: float) -> None:
@@ -532,115 +445,6 @@ async def _replayed(request: web.Request, key: str, digest: str, first_digest: s
     response = _json(_public(request, job))
     response.headers[REPLAYED] = "true"
     return response
-
-
-async def read_video_create(request: web.Request) -> tuple[VideoCreateRequest, bytes | None]:
-    """The body of `POST /v1/videos`, multipart (OpenAI's clients) or JSON, and its input_reference image, if any,
-    unchecked (ApiError)."""
-    config = request.app[STATE].config
-    reference = None
-    if request.content_type == "multipart/form-data":
-        fields, files = await read_form(request, {"input_reference": 1}, config.max_image_bytes)
-        nested = {k[len("input_reference[") : -1]: fields.pop(k) for k in list(fields) if _NESTED.fullmatch(k)}
-        form = json_fields(fields, {"lora": Loras, "stg_blocks": Layers})
-        if nested:
-            form["input_reference"] = nested
-        body = convert_fields(form, VideoCreateRequest)
-        if files["input_reference"]:
-            if body.input_reference is not None:
-                raise ApiError(400, "input_reference is sent twice", param="input_reference")
-            reference = files["input_reference"][0]
-    else:  # JSON (edge.check_content_type refused anything else)
-        limit = body_limit(config.max_body_bytes, config.max_image_bytes)
-        return parse_video_create(await read_body(request, limit))
-    if body.input_reference is not None:
-        reference = _reference_image(body.input_reference)
-    return body, reference
-
-
-def parse_video_create(data: bytes) -> tuple[VideoCreateRequest, bytes | None]:
-    """A JSON body of `POST /v1/videos`, and its input_reference image (a data URL), if any, unchecked (ApiError)."""
-    body = decode_body(data, VideoCreateRequest)
-    return body, None if body.input_reference is None else _reference_image(body.input_reference)
-
-
-_NESTED = re.compile(r"input_reference\[\w+\]")
-_DATA_URL = re.compile(r"data:[\w.+-]+/[\w.+-]+(?:;[\w.+-]+=[\w.+-]+)*;base64,(.*)", re.DOTALL)
-
-
-def _reference_image(ref: InputReference) -> bytes:
-    if ref.file_id is not None:
-        raise ApiError(
-            400, "diffusiond keeps no files: send input_reference as a file, or as a data URL", param="input_reference"
-        )
-    match = _DATA_URL.fullmatch(ref.image_url or "")
-    if match is None:
-        raise ApiError(
-            400,
-            "input_reference.image_url must be a base64 data URL (data:image/png;base64,...); diffusiond fetches no "
-            "URLs",
-            param="input_reference",
-        )
-    try:
-        return base64.b64decode(match.group(1), validate=True)
-    except binascii.Error:
-        raise ApiError(400, "input_reference.image_url is not valid base64", param="input_reference") from None
-
-
-def resolve_video(engine: Engine, body: VideoCreateRequest, reference: bytes | None) -> SamplingParams:
-    """The request the job runs, checked against the model, the limits and the wire; errors name the fields the
-    client sent (`size`, not width; `seconds` when it chose the frames; `input_reference`, not image)."""
-    width, height = parse_size(body.size)
-    seconds = parse_seconds(body.seconds)
-    if seconds is not None and body.num_frames is not None:
-        raise ApiError(400, "send seconds or num_frames, not both", param="seconds")
-    caps = engine.adapter.capabilities
-    computed: dict = {"width": width, "height": height, "image": reference}
-    renames = {"width": "size", "height": "size", "image": "input_reference"}
-    if seconds is not None:
-        fps = body.fps or caps.default_fps  # the model's default unless the client chose one
-        assert fps is not None
-        computed["num_frames"] = frames_for(seconds, fps, caps)
-        renames["num_frames"] = "seconds"
-    params = params_from(msgspec.structs.asdict(body), **computed)
-    try:
-        return engine.check(params)
-    except ParamError as exc:
-        if exc.param in renames:
-            raise ParamError(renames[exc.param], str(exc)) from None
-        raise
-
-
-def parse_seconds(value: str | float | None) -> float | None:
-    if value is None:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not 0 < seconds <= MAX_SECONDS:  # NaN too
-        raise ApiError(
-            400, f"seconds must be a number above 0 and at most {MAX_SECONDS:g}; got {value!r}", param="seconds"
-        )
-    return seconds
-
-
-def frames_for(seconds: float, fps: int, caps: Capabilities) -> int:
-    """The shortest clip of the family's form (1 + frame_step * k frames) that plays for at least `seconds` at
-    `fps` (N frames play for N / fps seconds). ApiError naming `seconds` when the model makes no clip that long."""
-    step = caps.frame_step or 1
-    wanted = max(1, math.ceil(seconds * fps - 1e-9))
-    frames = 1 + step * math.ceil((wanted - 1) / step)
-    most = min(caps.max_num_frames or MAX_FRAMES, MAX_FRAMES)
-    if frames > most:
-        longest = 1 + step * ((most - 1) // step)
-        raise ApiError(
-            400,
-            f"seconds {seconds:g} at {fps} fps is {frames} frames; this model makes at most {longest} "
-            f"({longest / fps:g} s at {fps} fps): ask for fewer seconds, or a lower fps",
-            param="seconds",
-        )
-    return frames
 
 
 async def find_job(app: web.Application, job_id: str) -> VideoJob | None:

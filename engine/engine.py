@@ -24,7 +24,7 @@ from diffusiond.engine.mailbox import Mailbox
 from diffusiond.engine.observer import EngineObserver, NullObserver
 from diffusiond.engine.outputs import TERMINAL, Completed, Event, Failed
 from diffusiond.engine.result_cache import ResultCache
-from diffusiond.engine.scheduler import AGING_STEPS, QueueFullError, SchedRequest, Scheduler
+from diffusiond.engine.scheduler import QueueFullError, SchedRequest, Scheduler
 from diffusiond.engine.step_loop import Add, Cancel, EngineDeadError, StepLoop, Stop, engine_failed
 from diffusiond.engine.wire import LoraOp, LoraOpKind, NewRequest, WireError, check_request
 from diffusiond.models.base import ModelAdapter
@@ -91,7 +91,6 @@ class Engine:
         heartbeat: float = 1.0,
         limits: RequestLimits | None = None,
         batch_wait: float = 0.0,
-        aging_steps: int = AGING_STEPS,
         result_cache_bytes: int = 0,
     ) -> None:
         self.loader: Loader | None = None
@@ -108,7 +107,6 @@ class Engine:
             max_running=max_running,
             max_waiting=max_waiting,
             gate=lambda request, running: lora_commands.fits(self.adapter, request, running),
-            aging_steps=aging_steps,
         )
         self.limits = limits
         # The admission window (engine/admission.py): how long an idle engine lets a burst gather.

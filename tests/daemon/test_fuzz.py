@@ -29,7 +29,7 @@ from diffusiond.daemon.app import request_limits
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.native_api import parse_generation
 from diffusiond.daemon.openai_api import expand, parse_image_generation
-from diffusiond.daemon.videos_api import parse_video_create, resolve_video
+from diffusiond.daemon.video_requests import parse_video_create, resolve_video
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.wire import NewRequest, StepPlan, decode_plan, encode_plan
 from diffusiond.models.loader import load_adapter

@@ -36,98 +36,56 @@ T = TypeVar("T")
 UNFINISHED = ("queued", "in_progress")
 FINISHED = ("completed", "failed", "cancelled")
 
-# Each migration once, in order, in each dialect; never edited once released (add the next instead).
+# Each migration once, in order; never edited once released (add the next instead). Written once for both
+# dialects: {blob} and {real} are each one's binary and floating-point types.
+_MIGRATIONS = (
+    """
+    CREATE TABLE jobs (
+        id TEXT PRIMARY KEY,
+        tenant TEXT NOT NULL,
+        status TEXT NOT NULL,
+        params {blob} NOT NULL,
+        job {blob} NOT NULL,
+        created_at {real} NOT NULL,
+        updated_at {real} NOT NULL
+    );
+    CREATE INDEX jobs_unfinished ON jobs (status, created_at)
+    """,
+    """
+    ALTER TABLE jobs ADD COLUMN lease_owner TEXT;
+    ALTER TABLE jobs ADD COLUMN lease_until {real};
+    ALTER TABLE jobs ADD COLUMN expires_at {real};
+    CREATE INDEX jobs_tenant ON jobs (tenant, created_at)
+    """,
+    """
+    CREATE TABLE idempotency_keys (
+        tenant TEXT NOT NULL,
+        route TEXT NOT NULL,
+        key TEXT NOT NULL,
+        fingerprint TEXT NOT NULL,
+        job_id TEXT NOT NULL,
+        created_at {real} NOT NULL,
+        PRIMARY KEY (tenant, route, key)
+    )
+    """,
+    """
+    CREATE TABLE requests (
+        id TEXT PRIMARY KEY,
+        tenant TEXT NOT NULL,
+        replica TEXT NOT NULL,
+        status TEXT NOT NULL,
+        error TEXT,
+        params {blob},
+        record {blob} NOT NULL,
+        created_at {real} NOT NULL,
+        updated_at {real} NOT NULL
+    );
+    CREATE INDEX requests_open ON requests (replica, status)
+    """,
+)
+_TYPES = {"sqlite": {"blob": "BLOB", "real": "REAL"}, "postgresql": {"blob": "BYTEA", "real": "DOUBLE PRECISION"}}
 MIGRATIONS: dict[str, tuple[str, ...]] = {
-    "sqlite": (
-        """
-        CREATE TABLE jobs (
-            id TEXT PRIMARY KEY,
-            tenant TEXT NOT NULL,
-            status TEXT NOT NULL,
-            params BLOB NOT NULL,
-            job BLOB NOT NULL,
-            created_at REAL NOT NULL,
-            updated_at REAL NOT NULL
-        );
-        CREATE INDEX jobs_unfinished ON jobs (status, created_at)
-        """,
-        """
-        ALTER TABLE jobs ADD COLUMN lease_owner TEXT;
-        ALTER TABLE jobs ADD COLUMN lease_until REAL;
-        ALTER TABLE jobs ADD COLUMN expires_at REAL;
-        CREATE INDEX jobs_tenant ON jobs (tenant, created_at)
-        """,
-        """
-        CREATE TABLE idempotency_keys (
-            tenant TEXT NOT NULL,
-            route TEXT NOT NULL,
-            key TEXT NOT NULL,
-            fingerprint TEXT NOT NULL,
-            job_id TEXT NOT NULL,
-            created_at REAL NOT NULL,
-            PRIMARY KEY (tenant, route, key)
-        )
-        """,
-        """
-        CREATE TABLE requests (
-            id TEXT PRIMARY KEY,
-            tenant TEXT NOT NULL,
-            replica TEXT NOT NULL,
-            status TEXT NOT NULL,
-            error TEXT,
-            params BLOB,
-            record BLOB NOT NULL,
-            created_at REAL NOT NULL,
-            updated_at REAL NOT NULL
-        );
-        CREATE INDEX requests_open ON requests (replica, status)
-        """,
-    ),
-    "postgresql": (
-        """
-        CREATE TABLE jobs (
-            id TEXT PRIMARY KEY,
-            tenant TEXT NOT NULL,
-            status TEXT NOT NULL,
-            params BYTEA NOT NULL,
-            job BYTEA NOT NULL,
-            created_at DOUBLE PRECISION NOT NULL,
-            updated_at DOUBLE PRECISION NOT NULL
-        );
-        CREATE INDEX jobs_unfinished ON jobs (status, created_at)
-        """,
-        """
-        ALTER TABLE jobs ADD COLUMN lease_owner TEXT;
-        ALTER TABLE jobs ADD COLUMN lease_until DOUBLE PRECISION;
-        ALTER TABLE jobs ADD COLUMN expires_at DOUBLE PRECISION;
-        CREATE INDEX jobs_tenant ON jobs (tenant, created_at)
-        """,
-        """
-        CREATE TABLE idempotency_keys (
-            tenant TEXT NOT NULL,
-            route TEXT NOT NULL,
-            key TEXT NOT NULL,
-            fingerprint TEXT NOT NULL,
-            job_id TEXT NOT NULL,
-            created_at DOUBLE PRECISION NOT NULL,
-            PRIMARY KEY (tenant, route, key)
-        )
-        """,
-        """
-        CREATE TABLE requests (
-            id TEXT PRIMARY KEY,
-            tenant TEXT NOT NULL,
-            replica TEXT NOT NULL,
-            status TEXT NOT NULL,
-            error TEXT,
-            params BYTEA,
-            record BYTEA NOT NULL,
-            created_at DOUBLE PRECISION NOT NULL,
-            updated_at DOUBLE PRECISION NOT NULL
-        );
-        CREATE INDEX requests_open ON requests (replica, status)
-        """,
-    ),
+    dialect: tuple(m.format(**types) for m in _MIGRATIONS) for dialect, types in _TYPES.items()
 }
 # The lock two PostgreSQL replicas starting at once take around their migrations (pg_advisory_lock's key).
 _MIGRATION_LOCK = 0x64696666

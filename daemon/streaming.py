@@ -187,7 +187,9 @@ def queue_requests(
     tenant's range). `cacheable`: the client chose the seed (the result cache may answer)."""
     chosen = resolve_priority(state, tenant, priority)
     if deadline_ms is not None:
-        check_deadline(engine, params, chosen, deadline_ms, checked)
+        if not checked:  # resolved once, for the estimate and for the queue
+            params, checked = [engine.check(p) for p in params], True
+        check_deadline(engine, params, chosen, deadline_ms)
     if not engine.has_capacity(len(params)):
         raise QueueFullError(f"{engine.num_in_flight} requests in flight")
     check_quotas(state, tenant, len(params))
@@ -209,11 +211,9 @@ def queue_requests(
     return handles
 
 
-def check_deadline(
-    engine: Engine, params: list[SamplingParams], priority: int, deadline_ms: int, checked: bool
-) -> None:
-    """429 naming `deadline_ms` when the engine estimates the requests finish after it (engine/deadlines.py)."""
-    resolved = params if checked else [engine.check(p) for p in params]
+def check_deadline(engine: Engine, resolved: list[SamplingParams], priority: int, deadline_ms: int) -> None:
+    """429 naming `deadline_ms` when the engine estimates the (resolved) requests finish after it
+    (engine/deadlines.py)."""
     estimates = [engine.estimate(p, priority) for p in resolved]
     if any(e is None for e in estimates):
         return  # nothing measured yet: no grounds to refuse

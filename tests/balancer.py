@@ -6,6 +6,7 @@ On the test path through `pythonpath = ["tests"]` in pyproject.toml: `from balan
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -13,9 +14,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from procs import free_port
+from procs import free_port, wait_ready
 
 HAPROXY = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None)
 CONFIG = Path(__file__).parents[1] / "deploy" / "haproxy" / "haproxy.cfg"
@@ -106,3 +108,19 @@ class Replicas:
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+@contextlib.contextmanager
+def running(replicas: Replicas) -> Iterator[Replicas]:
+    """Both replicas ready and in HAProxy's pool; everything stopped at the end."""
+    try:
+        for i in (0, 1):
+            replicas.start(i)
+        for i in (0, 1):
+            wait_ready(replicas.base(i), replicas.procs[i])
+        replicas.start_balancer()
+        for i in (0, 1):
+            replicas.wait_in_pool(i)
+        yield replicas
+    finally:
+        replicas.stop()

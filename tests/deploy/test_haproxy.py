@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from balancer import HAPROXY, Replicas
+from balancer import HAPROXY, Replicas, running
 from procs import get, wait_ready
 
 pytestmark = pytest.mark.slow
@@ -28,17 +28,8 @@ def replicas(tiny_sd3, tmp_path):
     if HAPROXY is None:
         pytest.skip("needs Debian's haproxy (.ci/run installs it)")
     replicas = Replicas(tiny_sd3, tmp_path)
-    try:
-        for i in (0, 1):
-            replicas.start(i)
-        for i in (0, 1):
-            wait_ready(replicas.base(i), replicas.procs[i])
-        replicas.start_balancer()
-        for i in (0, 1):
-            replicas.wait_in_pool(i)
+    with running(replicas):
         yield replicas
-    finally:
-        replicas.stop()
 
 
 CONCURRENCY = 6

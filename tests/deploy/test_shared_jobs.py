@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 import pytest
-from balancer import HAPROXY, Replicas
+from balancer import HAPROXY, Replicas, running
 from jobs import call, content, frames, job, wait_all
 from procs import wait_ready
 
@@ -34,17 +34,8 @@ def shared(tiny_wan, tmp_path, postgres):
     args = ["--state-url", url, "--state-dir", str(tmp_path / "shared"), "--replica-id", "replica{i}",
             "--job-lease", "3", "--max-batch", "2", "--max-pixels", str(64 * 64), "--max-steps", "1000"]  # fmt: skip
     replicas = Replicas(tiny_wan, tmp_path, args)
-    try:
-        for i in (0, 1):
-            replicas.start(i)
-        for i in (0, 1):
-            wait_ready(replicas.base(i), replicas.procs[i])
-        replicas.start_balancer()
-        for i in (0, 1):
-            replicas.wait_in_pool(i)
+    with running(replicas):
         yield replicas
-    finally:
-        replicas.stop()
 
 
 def test_replicas_share_jobs_and_rerun_a_dead_ones(shared):

@@ -25,7 +25,7 @@ generate: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest
+	$(VENV)/bin/pytest
 
 bench: setup
 	$(VENV)/bin/diffusiond bench compare

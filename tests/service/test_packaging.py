@@ -153,3 +153,18 @@ def test_the_test_extra_installs_what_the_quant_extra_does():
     the quantization tests run against what users install."""
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["quant"] and set(extras["quant"]) <= set(extras["test"])
+
+
+@pytest.mark.parametrize("entry", ["''", "ROOT"], ids=["python -c", "python -m"])
+def test_python_run_in_the_checkout_imports_the_pypi_kernels_package(entry):
+    """Python run in the checkout's root puts the root first on sys.path ('' for -c, the full path for -m, which is how
+    each rank of `serve --nproc N` starts), where kernels/ (diffusiond's) shadows the Hub's `kernels`, which
+    transformers >= 5.25 imports on its own import. Importing diffusiond first takes the root off the path; without
+    that this fails, as CI did once."""
+    code = (
+        f"import sys; ROOT = {str(ROOT)!r}; sys.path.insert(0, {entry}); import diffusiond, kernels, "
+        "transformers.activations; print(kernels.__file__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert Path(out.stdout.strip()).resolve() != ROOT / "kernels" / "__init__.py"

@@ -142,7 +142,10 @@ async def _load(app: web.Application) -> None:
         batch_wait=config.batch_wait_ms / 1000,
         result_cache_bytes=config.result_cache_bytes,
     )
-    engine.scheduler.aging_steps = config.priority_aging_steps  # before it starts: the scheduler's own setting
+    # Before it starts: the scheduler's own settings, and the paused states' budget (engine/parking.py).
+    engine.scheduler.aging_steps = config.priority_aging_steps
+    engine.scheduler.preemption = config.preemption
+    engine.paused_bytes = config.paused_bytes
     # Set before it loads, so that cleanup stops it whatever happens; routes wait for `ready`.
     state.engine = engine
     try:

@@ -54,6 +54,10 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # steps before it competes with the top class t).
     default_priority: Annotated[int, msgspec.Meta(ge=0, le=9)] = 0
     priority_aging_steps: Positive = 20
+    # Preemption (engine/scheduler.py): a running request of a lower class is paused at a step boundary for one of a
+    # higher class that finds no free slot; on a GPU paused states wait in host memory, at most this many bytes.
+    preemption: bool = True
+    paused_bytes: Annotated[int, msgspec.Meta(ge=0)] = 8 << 30  # engine/parking.py's PAUSED_BYTES
     # Finished results answered again to identical requests whose client chose the seed (engine/result_cache.py),
     # at most this many bytes of them; 0: off.
     result_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0

@@ -356,7 +356,7 @@ class JobDB:
         went with it)."""
         return await self._run(
             "UPDATE requests SET status = 'failed', error = ?, updated_at = ? WHERE replica = ? "
-            "AND status IN ('queued', 'running')",
+            "AND status IN ('queued', 'running', 'paused')",
             (why, time.time(), self.replica),
         )
 

@@ -195,7 +195,7 @@ def run_rank(config: ServeConfig) -> int:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # rank 0 reads the tenants again; followers have none
         rank = join()
         try:
-            run_follower(rank.adapter, rank.comm)
+            run_follower(rank.adapter, rank.comm, config.paused_bytes)
         except Exception as exc:
             log.error("rank %d: %s; exiting so the agent restarts the group", rank.rank, exc)
             return 1

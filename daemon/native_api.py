@@ -17,7 +17,7 @@ from diffusiond.daemon.files import store_result
 from diffusiond.daemon.handover import carried_ids, hand_over
 from diffusiond.daemon.idempotency import KEYS, fingerprint, started
 from diffusiond.daemon.image_encoding import encode_image
-from diffusiond.daemon.state import STATE, Record
+from diffusiond.daemon.state import IN_FLIGHT, STATE, Record
 from diffusiond.daemon.streaming import (
     BLOB,
     KEEPALIVE,
@@ -36,7 +36,18 @@ from diffusiond.daemon.streaming import (
 from diffusiond.daemon.video_encoding import EncodedVideo, encode_video
 from diffusiond.daemon.videos_api import stored_record
 from diffusiond.engine.engine import RequestHandle
-from diffusiond.engine.outputs import Cancelled, Completed, Event, Failed, Latent, Preview, Progress, Queued
+from diffusiond.engine.outputs import (
+    Cancelled,
+    Completed,
+    Event,
+    Failed,
+    Latent,
+    Paused,
+    Preview,
+    Progress,
+    Queued,
+    Resumed,
+)
 from diffusiond.models.params import SamplingParams, params_from
 
 
@@ -111,6 +122,8 @@ async def _render(
         return "queued", {"position": event.position, **told}, None
     if isinstance(event, Progress):
         return "progress", {"step": event.step, "total": event.total}, None
+    if isinstance(event, Paused | Resumed):  # preempted by a higher class, and back (engine/scheduler.py)
+        return type(event).__name__.lower(), {"step": event.step, "total": event.total}, None
     if isinstance(event, Preview):
         data = await encode_off_loop(request, encode_image, event.image, body.output_format)
         preview = {"step": event.step, "total": event.total, "format": body.output_format}
@@ -175,7 +188,7 @@ async def _get_record(request: web.Request) -> Record:
 async def generation_status(request: web.Request) -> web.Response:
     rec = await _get_record(request)
     engine = request.app[STATE].engine
-    if rec.status in ("queued", "running") and engine is not None:
+    if rec.status in ("queued", "running") and engine is not None:  # a paused one reports where it stopped
         # Requests without progress events (the OpenAI routes) and streams behind their readers: the step count
         # comes from the engine itself.
         step = engine.steps_done.get(rec.id)
@@ -187,14 +200,14 @@ async def generation_status(request: web.Request) -> web.Response:
 async def generation_cancel(request: web.Request) -> web.Response:
     rec = await _get_record(request)
     state = request.app[STATE]
-    if rec.status in ("queued", "running") and rec.id not in state.records:
+    if rec.status in IN_FLIGHT and rec.id not in state.records:
         raise ApiError(
             409,
             f"generation {rec.id} runs on another replica; cancel it there, or close its stream",
             param="id",
             code="not_here",
         )
-    if rec.status in ("queued", "running") and state.engine is not None:
+    if rec.status in IN_FLIGHT and state.engine is not None:
         state.engine.cancel(rec.id)
         return web.json_response({**msgspec.to_builtins(rec), "cancel_requested": True}, status=202)
     raise ApiError(

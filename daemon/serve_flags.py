@@ -140,6 +140,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help=f"steps a waiting request takes to rise one class (default: {d.priority_aging_steps})",
     )
     add(
+        "--no-preemption",
+        dest="preemption",
+        action="store_const",
+        const=False,
+        help="never pause a running request for a higher class (default: the lowest class running is paused)",
+    )
+    add(
+        "--paused-bytes",
+        type=int,
+        metavar="N",
+        help=f"GPU: host memory for paused requests' states, beyond which they stay on it (default: {d.paused_bytes})",
+    )
+    add(
         "--batch-wait-ms",
         type=float,
         metavar="MS",

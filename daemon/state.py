@@ -16,13 +16,15 @@ from diffusiond.daemon.api import ApiError, NotStarted, retry_later
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.tenants import DEFAULT
 from diffusiond.engine.engine import Engine, RequestHandle
-from diffusiond.engine.outputs import TERMINAL, Cancelled, Completed, Event, Failed, Progress
+from diffusiond.engine.outputs import TERMINAL, Cancelled, Completed, Event, Failed, Paused, Progress, Resumed
 from diffusiond.metrics.registry import Metrics
 from diffusiond.models.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 MAX_RECORDS = 4096
+# A record's statuses before its terminal one ("paused": preempted by a higher class, engine/scheduler.py).
+IN_FLIGHT = ("queued", "running", "paused")
 
 
 @dataclass
@@ -39,8 +41,10 @@ class Record:
     owner: str = DEFAULT
 
     def update(self, event: Event) -> None:
-        if isinstance(event, Progress):
+        if isinstance(event, Progress | Resumed):
             self.status, self.step = "running", event.step
+        elif isinstance(event, Paused):
+            self.status, self.step = "paused", event.step
         elif isinstance(event, Completed):
             self.status, self.step = "completed", self.total
         elif isinstance(event, Cancelled):
@@ -82,7 +86,7 @@ class ServerState:
         steps = self.engine.steps_done if self.engine is not None else {}
         in_flight = waiting = 0
         for rec in self.records.values():
-            if rec.owner == owner and rec.status in ("queued", "running"):
+            if rec.owner == owner and rec.status in IN_FLIGHT:
                 in_flight += 1
                 waiting += rec.status == "queued" and rec.id not in steps
         return in_flight, waiting

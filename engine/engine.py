@@ -23,6 +23,7 @@ from diffusiond.engine.executor import Executor, GroupFault
 from diffusiond.engine.mailbox import Mailbox
 from diffusiond.engine.observer import EngineObserver, NullObserver
 from diffusiond.engine.outputs import TERMINAL, Completed, Event, Failed
+from diffusiond.engine.parking import PAUSED_BYTES
 from diffusiond.engine.result_cache import ResultCache
 from diffusiond.engine.scheduler import QueueFullError, SchedRequest, Scheduler
 from diffusiond.engine.step_loop import Add, Cancel, EngineDeadError, StepLoop, Stop, engine_failed
@@ -94,6 +95,8 @@ class Engine:
         result_cache_bytes: int = 0,
     ) -> None:
         self.loader: Loader | None = None
+        # Host memory for paused states on a GPU (engine/parking.py; `--paused-bytes`), set before start().
+        self.paused_bytes = PAUSED_BYTES
         # Set on the step thread once the model is loaded (before `start()` returns).
         self.adapter: ModelAdapter = None  # type: ignore[assignment]
         self.executor: Executor | None = None
@@ -161,6 +164,7 @@ class Engine:
         self.adapter = adapter
         self.comm = comm or self.comm
         self.executor = Executor(adapter, comm=self.comm, driver=True)
+        self.executor.parking.budget = self.paused_bytes
 
     async def stop(self) -> None:
         self._stopping.set()

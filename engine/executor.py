@@ -37,6 +37,7 @@ import torch.distributed
 
 from diffusiond.engine.comm import Communicator, LocalComm
 from diffusiond.engine.outputs import Sound
+from diffusiond.engine.parking import Parking
 from diffusiond.engine.timing import stage_timer
 from diffusiond.engine.wire import StepPlan
 from diffusiond.kernels.collectives import CommError
@@ -98,6 +99,8 @@ class Executor:
         self.driver = driver
         self.states: dict[str, RequestState] = {}
         self.timer = stage_timer(adapter.capabilities.device)
+        # Paused requests' states (a GPU's in host memory while they wait).
+        self.parking = Parking(adapter.capabilities.device)
 
     def execute(self, plan: StepPlan) -> ExecResult:
         result = ExecResult()
@@ -108,6 +111,8 @@ class Executor:
             for request_id in plan.drop:
                 self.states.pop(request_id, None)
             self._forget(plan.drop)
+        if plan.pause or plan.resume:
+            self._park(plan, result)
 
         if plan.new:
             new = [(n.request_id, n.params) for n in plan.new]  # the adapter takes ids and parameters
@@ -363,7 +368,24 @@ class Executor:
             self._forget(list(result.failed))
         return result
 
+    def _park(self, plan: StepPlan, result: ExecResult) -> None:
+        """Paused states to host memory (a GPU's), resumed ones back. A state that cannot be moved out stays where
+        it is (pausing goes on); one that cannot be moved back fails its request."""
+        for request_id in plan.pause:
+            if (state := self.states.get(request_id)) is not None:
+                try:
+                    self.parking.park(state)
+                except Exception:
+                    log.exception("rank %d: request %s stays on the device while paused", self.rank, request_id)
+        for request_id in plan.resume:
+            if (state := self.states.get(request_id)) is not None:
+                try:
+                    self.parking.resume(state)
+                except Exception as exc:
+                    self._fail(request_id, "resuming", exc, result)
+
     def _forget(self, request_ids: Sequence[str]) -> None:
+        self.parking.forget(request_ids)
         self.adapter.forget(request_ids)
 
     def _preview_vae(self, part: list[tuple[RequestState, torch.Tensor]], result: ExecResult) -> list[None]:

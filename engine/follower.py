@@ -12,14 +12,16 @@ import logging
 from diffusiond.engine.comm import Communicator
 from diffusiond.engine.executor import FATAL, Executor, GroupFault
 from diffusiond.engine.memory import Trimmer
+from diffusiond.engine.parking import PAUSED_BYTES
 from diffusiond.engine.wire import PlanKind, decode_plan
 from diffusiond.models.base import ModelAdapter
 
 log = logging.getLogger(__name__)
 
 
-def run_follower(adapter: ModelAdapter, comm: Communicator) -> None:
+def run_follower(adapter: ModelAdapter, comm: Communicator, paused_bytes: int = PAUSED_BYTES) -> None:
     executor = Executor(adapter, comm=comm, driver=False)
+    executor.parking.budget = paused_bytes
     trimmer = Trimmer()
     while True:
         try:

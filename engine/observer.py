@@ -19,6 +19,12 @@ class EngineObserver(Protocol):
 
     def on_first_preview(self, request_id: str, since_submit: float) -> None: ...
 
+    def on_paused(self, request_id: str, priority: int, paused: int) -> None:
+        """A request of class `priority` was paused for a higher class; `paused` are paused now."""
+
+    def on_resumed(self, request_id: str, priority: int, paused: int) -> None:
+        """A paused request of class `priority` was admitted again; `paused` are still paused."""
+
     def on_finished(
         self, request_id: str, outcome: str, duration: float, steps_done: int, total_steps: int, priority: int = 0
     ) -> None:
@@ -37,6 +43,12 @@ class NullObserver:
         pass
 
     def on_first_preview(self, request_id: str, since_submit: float) -> None:
+        pass
+
+    def on_paused(self, request_id: str, priority: int, paused: int) -> None:
+        pass
+
+    def on_resumed(self, request_id: str, priority: int, paused: int) -> None:
         pass
 
     def on_finished(

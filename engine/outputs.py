@@ -22,6 +22,24 @@ class Progress:
 
 
 @dataclass(frozen=True, slots=True)
+class Paused:
+    """Paused after `step` steps for requests of a higher class (engine/scheduler.py); its state is kept."""
+
+    request_id: str
+    step: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """Admitted again: it goes on from step `step`, where it was paused."""
+
+    request_id: str
+    step: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
 class Preview:
     request_id: str
     step: int
@@ -76,7 +94,7 @@ class Failed:
     retry: bool = False
 
 
-Event = Queued | Progress | Preview | Latent | Completed | Cancelled | Failed
+Event = Queued | Progress | Paused | Resumed | Preview | Latent | Completed | Cancelled | Failed
 TERMINAL = (Completed, Cancelled, Failed)
 # A slow reader may miss intermediate progress and previews (only the newest is kept), never a terminal event.
 COALESCIBLE = (Progress, Preview, Latent)

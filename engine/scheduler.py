@@ -26,6 +26,14 @@ Fair share across tenants: within a class and deadline, waiting requests are adm
 work served (denoising steps x pixels x frames) divided by its weight, least first (weighted fair queueing of
 admissions). A tenant that starts asking is charged as much as the least-served tenant with work in flight, so
 that idling earns no credit to spend later.
+
+Preemption at step boundaries: when every running slot is taken and a waiting request of a higher class than some
+running one would run now (its key is the one this step serves), the lowest-class running request (the newest of
+them) is paused: the plan lists it in `pause`, every rank keeps its state (engine/parking.py moves a GPU's to host
+memory) and it waits again, PREEMPTED, in the queue; admitted again, it is listed in `resume` and goes on from the
+step it reached. At most as many are paused as this step admits, and at most `max_paused` are paused at once. A
+request keeps the class it was admitted at (aging's included), so a request that aged its way in is not paused
+again by the class it caught up with: the aging bound holds for paused requests too.
 """
 
 from __future__ import annotations
@@ -70,6 +78,11 @@ class SchedRequest:
     enqueued: int = 0
     # When its client stops waiting (perf_counter seconds; None: no deadline): earlier first within a class.
     deadline: float | None = None
+    # The effective class it was admitted at: it keeps it while it runs (and when paused and admitted again).
+    floor: int = 0
+    # Times it was paused; and whether it is paused now (every rank holds its state, out of the batch).
+    pauses: int = 0
+    parked: bool = False
 
     @property
     def work(self) -> int:
@@ -95,6 +108,8 @@ class Scheduler:
         max_waiting: int = 256,
         gate: Callable[[SchedRequest, list[SchedRequest]], bool] | None = None,
         aging_steps: int = AGING_STEPS,
+        preemption: bool = True,
+        max_paused: int | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -121,6 +136,10 @@ class Scheduler:
         self.served: dict[str, float] = {}
         # The highest class asked for by a request in flight (aging's ceiling), as of the last schedule().
         self._ceiling = 0
+        # Pause lower classes for higher ones (`--no-preemption` turns it off); at most `max_paused` at once.
+        self.preemption = preemption
+        self.max_paused = max_paused if max_paused is not None else self.max_running
+        self.num_paused = 0
 
     # ---- admission and cancellation (called between steps) ----
 
@@ -154,7 +173,8 @@ class Scheduler:
         class, fair share (not age) orders admissions."""
         since = req.last_advanced if req.status == RequestStatus.RUNNING and req.last_advanced >= 0 else req.enqueued
         ceiling = max(req.priority, self._ceiling)
-        return min(ceiling, req.priority + max(0, self._step - since) // self.aging_steps)
+        aged = min(ceiling, req.priority + max(0, self._step - since) // self.aging_steps)
+        return max(aged, req.floor)
 
     def _admission_order(self) -> list[SchedRequest]:
         """Waiting requests, the next to admit first: highest effective class, then earliest deadline (none: last),
@@ -175,7 +195,10 @@ class Scheduler:
         req = self._requests.get(request_id)
         if req is None or req.status.is_finished:
             return None
-        if req.status == RequestStatus.WAITING:
+        if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            if req.status == RequestStatus.PREEMPTED:  # every rank still holds its state
+                self.num_paused -= 1
+                self._pending_drop.append(request_id)
             self.waiting.remove(req)
             self._finish(req, RequestStatus.FINISHED_CANCELLED)
         else:
@@ -209,23 +232,36 @@ class Scheduler:
                 drop.append(req.request_id)
                 del self.running[req.request_id]
 
+        paused = self._preempt() if self.preemption else []
         advance: list[SchedRequest] = []
         new: list[NewRequest] = []
+        resume: list[str] = []
         keys, total = self._keys_in_turn()
         for key in keys:
             group = sorted(
-                (r for r in self.running.values() if r.key == key), key=lambda r: (r.last_advanced, r.arrival)
+                (r for r in self.running.values() if r.key == key),
+                key=lambda r: (-self.effective_priority(r), r.last_advanced, r.arrival),
             )
             advance = group[: self.max_batch]
             for req in self._admit(key, self.max_batch - len(advance)):
                 advance.append(req)
-                new.append(NewRequest(req.request_id, req.params))
+                if not req.parked:
+                    new.append(NewRequest(req.request_id, req.params))
+                    continue
+                req.parked = False
+                if req.request_id in paused:  # paused and taken back by this very plan: it never left
+                    paused.remove(req.request_id)
+                    req.pauses -= 1
+                else:
+                    resume.append(req.request_id)
             if advance:
                 self._credit[key] -= total
                 break
         for req in advance:
             req.last_advanced = step
-        return StepPlan(step=step, new=new, advance=[r.request_id for r in advance], drop=drop)
+        return StepPlan(
+            step=step, new=new, advance=[r.request_id for r in advance], drop=drop, pause=paused, resume=resume
+        )
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[SchedRequest]:
         """Record an executed plan; returns the requests that reached a terminal status with it."""
@@ -259,6 +295,7 @@ class Scheduler:
         victims = [*self.waiting, *self.running.values()]
         self.waiting.clear()
         self.running.clear()
+        self.num_paused = 0
         for req in victims:
             req.error = error
             self._finish(req, RequestStatus.FINISHED_FAILED)
@@ -303,6 +340,34 @@ class Scheduler:
         ranked = sorted(candidates, key=lambda key: (-candidates[key][2], -self._credit[key], candidates[key][1]))
         return ranked, total
 
+    def _preempt(self) -> list[str]:
+        """Pause running requests of a lower class for the waiting ones of a higher class that this step would
+        admit (the highest-ranked waiting key's, at most max_batch of them) and find no free running slot; returns
+        the ids paused (now PREEMPTED, back in the queue)."""
+        order = self._admission_order()
+        if not order or len(self.running) < self.max_running:
+            return []
+        key = order[0].key
+        heads = [r for r in order if r.key == key][: self.max_batch]
+        paused: list[str] = []
+        for head in heads:
+            if len(self.running) < self.max_running or self.num_paused >= self.max_paused:
+                break
+            rank = self.effective_priority(head)
+            victims = [r for r in self.running.values() if not r.cancel_requested and self.effective_priority(r) < rank]
+            if not victims:
+                break
+            victim = min(victims, key=lambda r: (self.effective_priority(r), -r.arrival))
+            del self.running[victim.request_id]
+            victim.status = RequestStatus.PREEMPTED
+            victim.pauses += 1
+            victim.parked = True
+            victim.enqueued = self._step  # its wait, for aging, starts now
+            self.num_paused += 1
+            self.waiting.append(victim)
+            paused.append(victim.request_id)
+        return paused
+
     def _admit(self, key: Hashable, room: int) -> list[SchedRequest]:
         admitted: list[SchedRequest] = []
         order = self._admission_order()
@@ -315,10 +380,15 @@ class Scheduler:
                 break
             if req.key != key:
                 continue
-            if self.gate is not None and not self.gate(req, list(self.running.values())):
+            # Paused requests keep their adapters resident: they count as running for the gate.
+            held = [*self.running.values(), *(r for r in self.waiting if r.parked)]
+            if self.gate is not None and not self.gate(req, held):
                 continue
             self.waiting.remove(req)
+            if req.status == RequestStatus.PREEMPTED:
+                self.num_paused -= 1
             req.status = RequestStatus.RUNNING
+            req.floor = max(req.floor, self.effective_priority(req))
             self.running[req.request_id] = req
             admitted.append(req)
         return admitted

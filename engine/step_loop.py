@@ -15,7 +15,18 @@ from typing import TYPE_CHECKING
 from diffusiond.engine import lora_commands
 from diffusiond.engine.executor import FATAL, ExecResult, GroupFault
 from diffusiond.engine.memory import Trimmer
-from diffusiond.engine.outputs import Cancelled, Completed, Event, Failed, Latent, Preview, Progress, Queued
+from diffusiond.engine.outputs import (
+    Cancelled,
+    Completed,
+    Event,
+    Failed,
+    Latent,
+    Paused,
+    Preview,
+    Progress,
+    Queued,
+    Resumed,
+)
 from diffusiond.engine.request import RequestStatus
 from diffusiond.engine.scheduler import QueueFullError, SchedRequest, StepResult
 from diffusiond.engine.wire import PlanKind, StepPlan, decode_plan, encode_plan
@@ -232,7 +243,7 @@ class StepLoop:
         engine.window.finished_together(completed, time.perf_counter())
         finished_by_id = {r.request_id: r for r in finished}
         now = time.perf_counter()
-        events: list[Event] = []
+        events: list[Event] = self._pauses(plan)
         for request_id in result.advanced:
             request = scheduler.get(request_id) or finished_by_id.get(request_id)
             if request is None or request.status == RequestStatus.FINISHED_FAILED:
@@ -264,6 +275,22 @@ class StepLoop:
                 events.append(Cancelled(request.request_id))
             else:
                 events.append(Failed(request.request_id, request.error or "failed"))
+        return events
+
+    def _pauses(self, plan: StepPlan) -> list[Event]:
+        """Paused and resumed events of a plan (before its progress: a resumed request's next step follows)."""
+        engine = self.engine
+        scheduler, observer, quiet = engine.scheduler, engine.observer, engine.clocks.only_internal()
+        events: list[Event] = []
+        changes = ((plan.pause, Paused, observer.on_paused), (plan.resume, Resumed, observer.on_resumed))
+        for ids, kind, report in changes:
+            for request_id in ids:
+                if (request := scheduler.get(request_id)) is None:
+                    continue
+                steps = request.steps_done - (kind is Resumed and request_id in plan.advance)
+                events.append(kind(request_id, max(0, steps), request.total_steps))
+                if not quiet:
+                    report(request_id, request.priority, scheduler.num_paused)
         return events
 
     def _report_counts(self) -> None:

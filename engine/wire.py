@@ -55,10 +55,14 @@ class StepPlan(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     drop: list[str] = []
     # LoRA registrations, applied before anything else (kind LORA).
     loras: list[LoraOp] = []
+    # Paused for a higher class (engine/scheduler.py): keep their states (a GPU's in host memory), out of the batch.
+    pause: list[str] = []
+    # Paused ones admitted again: their states go on from where they stopped (they are in `advance` too).
+    resume: list[str] = []
 
     @property
     def is_empty(self) -> bool:
-        return not (self.new or self.advance or self.drop)
+        return not (self.new or self.advance or self.drop or self.pause or self.resume)
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -29,6 +29,13 @@ class PrometheusObserver:
     def on_first_preview(self, request_id: str, since_submit: float) -> None:
         self.metrics.time_to_first_preview.observe(since_submit)
 
+    def on_paused(self, request_id: str, priority: int, paused: int) -> None:
+        self.metrics.preemptions.labels(str(priority)).inc()
+        self.metrics.paused.set(paused)
+
+    def on_resumed(self, request_id: str, priority: int, paused: int) -> None:
+        self.metrics.paused.set(paused)
+
     def on_finished(
         self, request_id: str, outcome: str, duration: float, steps_done: int, total_steps: int, priority: int = 0
     ) -> None:

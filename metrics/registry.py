@@ -89,7 +89,17 @@ class Metrics:
             registry=r,
         )
         self.running = Gauge("diffusiond_requests_running", "Requests in the running batch set.", registry=r)
-        self.waiting = Gauge("diffusiond_requests_waiting", "Requests waiting to be admitted.", registry=r)
+        self.waiting = Gauge(
+            "diffusiond_requests_waiting", "Requests waiting to be admitted (paused ones included).", registry=r
+        )
+        # Preemption (engine/scheduler.py): pauses by the paused request's class, and how many are paused now.
+        self.preemptions = Counter(
+            "diffusiond_preemptions",
+            "Running requests paused at a step boundary for a higher class, by the paused request's class.",
+            ["priority"],
+            registry=r,
+        )
+        self.paused = Gauge("diffusiond_requests_paused", "Requests paused for a higher class now.", registry=r)
         self.requests = Counter(
             "diffusiond_requests", "Requests that reached a terminal status, by outcome.", ["outcome"], registry=r
         )

@@ -1,7 +1,7 @@
 """Priority classes over HTTP (issue 34): a request's `priority` reaches the scheduler, so a class-9 request sent
-after three class-0 ones finishes before the two that were still waiting; a tenant asking outside its range is
-refused (403, `priority` named). Broken on purpose once: with `queue_requests` not passing the class on, the
-class-9 request finished last (red)."""
+after three class-0 ones to a one-slot server pauses the running one (its stream says `paused`, then `resumed`) and
+finishes first; a tenant asking outside its range is refused (403, `priority` named). Broken on purpose once: with
+`queue_requests` not passing the class on, the class-9 request finished last (red)."""
 
 from __future__ import annotations
 
@@ -35,15 +35,19 @@ def ranged(serve, tmp_path_factory):
     return serve(api_keys_file=str(path))
 
 
-async def finish(session: aiohttp.ClientSession, base: str, name: str, body: dict, done: list[str]) -> None:
+async def finish(
+    session: aiohttp.ClientSession, base: str, name: str, body: dict, done: list[str], seen: dict | None = None
+) -> None:
     async with session.post(f"{base}/v1/generations", json=body) as resp:
         assert resp.status == 200, await resp.text()
-        last = None
+        names = []
         async for line in resp.content:
             if line.startswith(b"event:"):
-                last = line.split(b":", 1)[1].strip()
-        assert last == b"completed", (name, last)
+                names.append(line.split(b":", 1)[1].strip().decode())
+        assert names[-1] == "completed", (name, names)
     done.append(name)
+    if seen is not None:
+        seen[name] = [n for n in names if n in ("paused", "resumed")]
 
 
 @pytest.mark.asyncio
@@ -52,16 +56,18 @@ async def test_a_higher_class_overtakes_the_waiting_ones(one_slot):
     low = {"prompt": "a red circle", "width": 64, "height": 64, "num_inference_steps": 300, "seed": 1}
     done: list[str] = []
     async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
-        tasks = []
+        tasks, seen = [], {}
         for i in range(3):
-            tasks.append(asyncio.create_task(finish(session, base, f"low{i}", {**low, "priority": 0}, done)))
+            tasks.append(asyncio.create_task(finish(session, base, f"low{i}", {**low, "priority": 0}, done, seen)))
             await asyncio.sleep(0.1)  # in this order
         high = {**low, "num_inference_steps": 2, "priority": 9}
         tasks.append(asyncio.create_task(finish(session, base, "high", high, done)))
         await asyncio.gather(*tasks)
         async with session.get(f"{base}/metrics") as resp:
             text = await resp.text()
-    assert done == ["low0", "high", "low1", "low2"], done  # low0 was running: no preemption yet
+    assert done == ["high", "low0", "low1", "low2"], done  # low0 was running: paused for it
+    assert seen == {"low0": ["paused", "resumed"], "low1": [], "low2": []}, seen
+    assert 'diffusiond_preemptions_total{priority="0"} 1.0' in text
     # Per-class series: three of class 0 and one of class 9 waited and completed.
     for priority, n in (("0", 3), ("9", 1)):
         assert f'diffusiond_class_queue_wait_seconds_count{{priority="{priority}"}} {n}.0' in text

@@ -132,3 +132,89 @@ def test_an_estimate_counts_the_work_ahead_at_the_measured_step_time():
     assert times.of("b") == pytest.approx(0.7)  # a key not run yet: the slowest measured
     # 100 + 20 steps ahead, 4 to a forward: 30 forwards, then its own 10.
     assert estimate_seconds(times, "a", 10, [100, 20], 4) == pytest.approx(40 * 0.7)
+
+
+# ---- preemption (issue 34): pausing at step boundaries ----
+
+
+def full_of_low(preemption: bool = True, **kwargs) -> Scheduler:
+    """Two slots, both running: "low0" (class 0) and "low1" (class 1), ten steps each, two steps done."""
+    sched = Scheduler(max_batch=2, max_running=2, aging_steps=1000, preemption=preemption, **kwargs)
+    sched.add(make("low0", 0, steps=10))
+    sched.add(make("low1", 1, steps=10))
+    run_step(sched)
+    run_step(sched)
+    return sched
+
+
+def test_a_higher_class_pauses_the_lowest_running_request_and_it_resumes_where_it_stopped():
+    sched = full_of_low()
+    sched.add(make("high", 5, steps=3))
+    plan, _ = run_step(sched)
+    assert plan.pause == ["low0"] and [n.request_id for n in plan.new] == ["high"]
+    assert sorted(plan.advance) == ["high", "low1"] and not plan.resume
+    assert sched.get("low0").steps_done == 2 and sched.num_paused == 1
+    plans = [run_step(sched)[0] for _ in range(2)]  # "high" runs its last two steps
+    assert all("low0" not in p.advance for p in plans)
+    plan, _ = run_step(sched)
+    assert plan.resume == ["low0"] and "low0" in plan.advance and not plan.new  # its state, not a new one
+    assert sched.get("low0").steps_done == 3 and sched.num_paused == 0
+    while sched.has_work():
+        run_step(sched)
+
+
+def test_an_equal_class_waits_and_so_does_everyone_without_preemption():
+    for sched, rid, priority in ((full_of_low(), "peer", 0), (full_of_low(preemption=False), "high", 5)):
+        sched.add(make(rid, priority, steps=3))
+        plan, _ = run_step(sched)
+        assert not plan.pause and not plan.new, plan
+        assert sched.get(rid).status.name == "WAITING"
+
+
+def test_only_as_many_are_paused_as_this_step_admits():
+    sched = full_of_low()
+    sched.add(make("high", 5, steps=3))
+    sched.add(make("other-key", 7, key="b", steps=3))  # the top class: its key runs this step, alone
+    plan, _ = run_step(sched)
+    assert plan.pause == ["low0"] and [n.request_id for n in plan.new] == ["other-key"]
+    sched = full_of_low(max_paused=1)
+    sched.add(make("h1", 5, steps=3))
+    sched.add(make("h2", 5, steps=3))
+    plan, _ = run_step(sched)
+    assert plan.pause == ["low0"] and [n.request_id for n in plan.new] == ["h1"]  # max_paused=1: one pause
+
+
+def test_a_paused_request_cancelled_ends_now_and_every_rank_frees_its_state():
+    sched = full_of_low()
+    sched.add(make("high", 5, steps=3))
+    run_step(sched)
+    cancelled = sched.cancel("low0")
+    assert cancelled is not None and cancelled.status.name == "FINISHED_CANCELLED" and sched.num_paused == 0
+    plan, _ = run_step(sched)
+    assert plan.drop == ["low0"]
+
+
+def test_a_request_that_aged_in_keeps_its_class_and_is_not_paused_again_by_it():
+    """Aging's bound holds for pauses too: a class-0 request paused behind a stream of class-5 requests that never
+    ends is admitted again within (5 + 1) * aging_steps steps, keeps the class it aged to, and the class-5 requests
+    arriving after that wait for its slot instead of pausing it again."""
+    sched = Scheduler(max_batch=1, max_running=1, aging_steps=2)
+    sched.add(make("low", 0, steps=8))
+    run_step(sched)
+    sched.add(make("h0", 5, steps=1))
+    plan, _ = run_step(sched)
+    assert plan.pause == ["low"]
+    resumed_at = None
+    for step in range(1, 40):
+        sched.add(make(f"h{step}", 5, steps=1))
+        plan, _ = run_step(sched)
+        if "low" in plan.resume:
+            resumed_at = step
+            break
+    assert resumed_at is not None and resumed_at <= (5 + 1) * 2, resumed_at
+    plans = []
+    while "low" in sched._requests:
+        sched.add(make(f"late{len(plans)}", 5, steps=1))
+        plans.append(run_step(sched)[0])
+    assert not any(p.pause for p in plans) and all(p.advance == ["low"] for p in plans), plans
+    assert len(plans) == 8 - 2  # its two steps before the pause and at the resume counted once each

@@ -5,6 +5,10 @@
     diffusiond bench serve --request-rate 2 --num-requests 100 --stream --slo 5 --json out.json
     diffusiond bench serve --workload mix.jsonl        # one request body per line (native or OpenAI fields)
 
+A workload line may also hold `_group` (the name it is reported under; default: its `priority`) and `_api_key` (the
+tenant it is sent as, instead of --api-key): a mix of classes and tenants is reported group by group, each with its
+latency, time to first preview and SLO attainment.
+
 Requests go to the OpenAI route (`/v1/images/generations`; with --stream, one partial image each), or to the native
 SSE route with `--api native` (previews every step with --stream). Time to first preview is measured when streaming.
 Refusals (429 while the queue is full, 503 while not ready or draining) are counted as such, not raised. Queue wait
@@ -32,6 +36,17 @@ import numpy as np
 _UNIQUE = itertools.count()
 
 
+class Group(msgspec.Struct):
+    """One group of a mixed workload (`_group`, or its class)."""
+
+    requests: int
+    completed: int
+    refused: int
+    latency_s: dict[str, float]
+    time_to_first_preview_s: dict[str, float] | None
+    slo_attainment: float | None
+
+
 class Summary(msgspec.Struct):
     """What `--json` writes. completed + failed = requests; refused counts the failed ones by status (429/503)."""
 
@@ -49,6 +64,8 @@ class Summary(msgspec.Struct):
     slo_attainment: float | None
     concurrency: int | None
     request_rate: float | None
+    # A --workload's groups by name (`_group`, else "priority P"); None without one.
+    groups: dict[str, Group] | None = None
 
 
 @dataclass
@@ -59,6 +76,7 @@ class Outcome:
     first_preview: float | None = None
     images: int = 0
     error: str = ""
+    group: str = ""
 
 
 @dataclass
@@ -70,16 +88,20 @@ class Load:
     api_key: str | None = None
     outcomes: list[Outcome] = field(default_factory=list)
 
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
     async def one(self, session: aiohttp.ClientSession, body: dict) -> Outcome:
+        body = dict(body)
+        group = str(body.pop("_group", f"priority {body.get('priority', '-')}"))
+        key = body.pop("_api_key", self.api_key)
+        outcome = await self._send(session, body, {"Authorization": f"Bearer {key}"} if key else {})
+        outcome.group = group
+        return outcome
+
+    async def _send(self, session: aiohttp.ClientSession, body: dict, headers: dict[str, str]) -> Outcome:
         route = "/v1/generations" if self.api == "native" else "/v1/images/generations"
         t0 = time.perf_counter()
         first = None
         try:
-            async with session.post(self.base_url + route, json=body, headers=self.headers) as resp:
+            async with session.post(self.base_url + route, json=body, headers=headers) as resp:
                 if resp.status != 200:
                     text = await resp.text()
                     return Outcome(False, resp.status, time.perf_counter() - t0, error=_error_code(text))
@@ -227,6 +249,10 @@ def summarize(outcomes: list[Outcome], duration: float, args, before, after) -> 
         queue_wait = (after[0] - before[0]) / (after[1] - before[1])
     previews = [o.first_preview for o in ok if o.first_preview is not None]
     slo = args.slo
+    groups = None
+    if args.workload:
+        names = sorted({o.group for o in outcomes})
+        groups = {name: _group([o for o in outcomes if o.group == name], slo) for name in names}
     return Summary(
         requests=len(outcomes),
         completed=len(ok),
@@ -242,6 +268,20 @@ def summarize(outcomes: list[Outcome], duration: float, args, before, after) -> 
         slo_attainment=(sum(o.latency <= slo for o in ok) / len(outcomes)) if slo and outcomes else None,
         concurrency=None if args.request_rate else args.concurrency,
         request_rate=args.request_rate,
+        groups=groups,
+    )
+
+
+def _group(outcomes: list[Outcome], slo: float | None) -> Group:
+    ok = [o for o in outcomes if o.ok]
+    previews = [o.first_preview for o in ok if o.first_preview is not None]
+    return Group(
+        requests=len(outcomes),
+        completed=len(ok),
+        refused=sum(o.status in (429, 503) for o in outcomes),
+        latency_s=_percentiles([o.latency for o in ok]),
+        time_to_first_preview_s=_percentiles(previews) if previews else None,
+        slo_attainment=(sum(o.latency <= slo for o in ok) / len(outcomes)) if slo else None,
     )
 
 
@@ -269,6 +309,15 @@ def print_table(s: Summary, out=None) -> None:
         rows.append(("queue wait mean (daemon)", f"{s.queue_wait_mean_s * 1e3:.1f} ms"))
     if s.slo_attainment is not None:
         rows.append((f"SLO {s.slo_s:g} s attained", f"{s.slo_attainment * 100:.1f}%"))
+    for name, g in (s.groups or {}).items():
+        line = f"{g.completed}/{g.requests} completed"
+        line += f", {g.refused} refused" if g.refused else ""
+        for what, values in (("latency", g.latency_s), ("first preview", g.time_to_first_preview_s)):
+            if values:
+                line += f", {what} p50/p99 {values['p50'] * 1e3:.1f}/{values['p99'] * 1e3:.1f} ms"
+        if g.slo_attainment is not None:
+            line += f", SLO {g.slo_attainment * 100:.1f}%"
+        rows.append((f"[{name}]", line))
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}", file=out)

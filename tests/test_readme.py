@@ -56,6 +56,8 @@ ELSEWHERE: list[tuple[str, str]] = [
     (r"diffusiond bench compare", "tests/bench/test_compare.py"),
     (r"python -m diffusiond\.bench\.gpu_check --device cpu", "tests/bench/test_gpu_check.py"),
     (r"diffusiond bench serve", "tests/bench/test_serve.py"),
+    (r"python -m diffusiond\.bench\.priorities", "tests/bench/test_priorities.py"),
+    (r"python -m diffusiond\.tools\.dashboard", "tests/metrics/test_dashboard.py"),
     (r"diffusiond bench spmd", "tests/test_readme.py"),
     (r"diffusiond serve --port 800[12] --unready-delay 2", "tests/deploy/test_haproxy.py"),
     (r"haproxy -f deploy/haproxy/haproxy\.cfg", "tests/deploy/test_haproxy.py"),

@@ -55,6 +55,25 @@ def test_poisson_arrivals_and_a_workload_file(server, tmp_path):
     assert abs(s["images_per_s"] * s["duration_s"] - 6) < 1e-6  # 2 x 1 image + 2 x 2 images
 
 
+def test_a_mixed_workload_is_reported_group_by_group(server, tmp_path, capsys):
+    """Classes and tenants in one workload: each line's `_group` (else its class) gets its own numbers; `_group`
+    and `_api_key` never reach the daemon (it refuses unknown fields)."""
+    workload = tmp_path / "mix.jsonl"
+    lines = [
+        {"prompt": "a red circle", "size": "64x64", "num_inference_steps": 2, "priority": 9, "_group": "urgent"},
+        {"prompt": "a blue square", "size": "64x64", "num_inference_steps": 2, "priority": 0, "_api_key": "k"},
+        {"prompt": "a green disc", "size": "64x64", "num_inference_steps": 2},
+    ]
+    workload.write_text("\n".join(json.dumps(line) for line in lines))
+    s = bench(server, tmp_path, "--num-requests", "6", "--workload", str(workload), "--slo", "60")
+    assert s["completed"] == 6, s
+    assert sorted(s["groups"]) == ["priority -", "priority 0", "urgent"]
+    for group in s["groups"].values():
+        assert group["requests"] == group["completed"] == 2 and group["slo_attainment"] == 1.0
+        assert ordered(group["latency_s"])
+    assert "[urgent]" in capsys.readouterr().out
+
+
 def test_serving_never_imports_the_bench_package():
     import subprocess
     import sys

@@ -1,23 +1,18 @@
-"""/metrics on a live daemon: valid exposition (promtool), scraped by a real Prometheus, numbers that add up, and a
-dashboard that only queries metrics the daemon exports."""
+"""/metrics on a live daemon: valid exposition (promtool), scraped by a real Prometheus, numbers that add up (the
+dashboard's queries: tests/metrics/test_dashboard.py)."""
 
 from __future__ import annotations
 
 import json
-import re
-import socket
 import subprocess
 import time
 import urllib.parse
 import urllib.request
-from pathlib import Path
 
 import pytest
-from exposition import need, samples
+from exposition import need, prometheus_scraping, samples
 
 from diffusiond.metrics.registry import STAGES
-
-DASHBOARD = Path(__file__).parents[2] / "metrics" / "grafana-dashboard.json"
 
 
 def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, str]:
@@ -94,75 +89,17 @@ def test_counts_agree_with_requests_and_steps(live):
     assert after["diffusiond_event_loop_lag_seconds_count"] > before.get("diffusiond_event_loop_lag_seconds_count", 0)
 
 
-def test_dashboard_queries_only_exported_metrics(live):
-    generate(live, steps=1, seed=0)
-    exported = {key.partition("{")[0] for key in samples(get(f"{live.base_url}/metrics")[2])}
-    dashboard = json.loads(DASHBOARD.read_text())
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    assert len(exprs) >= 10
-    queried = {name for expr in exprs for name in re.findall(r"\bdiffusiond_[a-z_]+\b", expr)}
-    assert queried, "dashboard queries no diffusiond metric"
-    missing = queried - exported
-    assert not missing, f"dashboard queries metrics the daemon does not export: {sorted(missing)}"
-    # Importable as is: a Prometheus datasource variable, no hard-coded datasource uid.
-    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
-    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    assert all(p["datasource"]["uid"] == "${datasource}" for p in dashboard["panels"])
-    titles = " ".join(p["title"].lower() for p in dashboard["panels"])
-    for topic in ("throughput", "latency", "queue", "batch", "stage", "preview", "lag"):
-        assert topic in titles, topic
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_real_prometheus_scrapes_stage_series(live, tmp_path):
-    prometheus = need("prometheus")
-    port = free_port()
-    target = urllib.parse.urlparse(live.base_url).netloc
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        f"scrape_configs:\n  - job_name: diffusiond\n    static_configs:\n      - targets: ['{target}']\n"
-    )
-    proc = subprocess.Popen(
-        [
-            prometheus,
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with prometheus_scraping(urllib.parse.urlparse(live.base_url).netloc, tmp_path) as query:
         for seed in range(3):
             generate(live, steps=2, seed=seed)
-        query = urllib.parse.quote('diffusiond_stage_seconds_count{job="diffusiond"}')
         deadline = time.monotonic() + 60
         stages: dict[str, float] = {}
         while time.monotonic() < deadline:
-            try:
-                _, _, body = get(f"http://127.0.0.1:{port}/api/v1/query?query={query}")
-            except OSError:
-                time.sleep(0.5)
-                continue
-            result = json.loads(body)["data"]["result"]
+            result = query('diffusiond_stage_seconds_count{job="diffusiond"}')
             stages = {r["metric"]["stage"]: float(r["value"][1]) for r in result}
             if stages.get("denoise", 0) > 0 and stages.get("decode", 0) > 0:
                 break
             time.sleep(0.5)
         assert set(STAGES) <= set(stages), stages
         assert stages["denoise"] >= 6 and stages["decode"] >= 3, stages
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()

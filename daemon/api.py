@@ -180,6 +180,10 @@ class VideoCreateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     lora: Loras | None = None
     # The job's class, 0-9, higher served first (engine/scheduler.py); default --default-priority.
     priority: Priority | None = None
+    # Milliseconds within which the clip must be done: refused (429) at once when the engine's estimate is later;
+    # earlier deadlines first within a class. Its admission only: a job run again (a restart, another replica's
+    # claim) runs without it.
+    deadline_ms: DeadlineMs | None = None
 
 
 class GenerationRequest(RequestFields, frozen=True, forbid_unknown_fields=True):

@@ -56,6 +56,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     priority_aging_steps: Positive = 20
     # Preemption (engine/scheduler.py): a running request of a lower class is paused at a step boundary for one of a
     # higher class that finds no free slot; on a GPU paused states wait in host memory, at most this many bytes.
+    # The deadline of a request of class P that names none (`deadline_ms`), as P=MS pairs: its client is assumed to
+    # wait MS milliseconds (refused at once when the estimate is later; earliest deadline first within a class).
+    class_deadlines: tuple[str, ...] = ()
     preemption: bool = True
     paused_bytes: Annotated[int, msgspec.Meta(ge=0)] = 8 << 30  # engine/parking.py's PAUSED_BYTES
     # Finished results answered again to identical requests whose client chose the seed (engine/result_cache.py),
@@ -197,7 +200,7 @@ CONFIG_ENV = "DIFFUSIOND_CONFIG"
 # Variables with the prefix that are not fields: the config file path, and the model cache (models/default.py).
 ENV_NOT_FIELDS = frozenset({CONFIG_ENV, "DIFFUSIOND_CACHE"})
 SECRET_FIELDS = frozenset({"api_key", "url_secret", "state_url"})
-LIST_FIELDS = frozenset({"lora", "allowed_hosts", "cors_origins"})
+LIST_FIELDS = frozenset({"lora", "allowed_hosts", "cors_origins", "class_deadlines"})
 HIDDEN = "<hidden>"
 
 
@@ -388,6 +391,23 @@ def model_setup(config: ServeConfig) -> ModelSetup:
     )
 
 
+def class_deadlines(config: ServeConfig) -> dict[int, int]:
+    """`--class-deadline P=MS` pairs as {class: milliseconds}; ConfigError naming a bad one."""
+    out: dict[int, int] = {}
+    for pair in config.class_deadlines:
+        priority, _, ms = pair.partition("=")
+        try:
+            p, m = int(priority), int(ms)
+        except ValueError:
+            p = m = -1
+        if not 0 <= p <= 9 or not 1 <= m <= 86_400_000 or p in out:
+            raise ConfigError(
+                f"--class-deadline {pair!r}: expected P=MS, a class 0-9 (once each) and milliseconds 1-86400000"
+            )
+        out[p] = m
+    return out
+
+
 def check_serving(config: ServeConfig) -> ModelSetup:
     """Every start-up rule, before any rank starts or torch is imported: the daemon's own (exposure, several nodes,
     the video folder) and the model setup's (models/setup.py `check_setup`). ConfigError or SetupError, saying
@@ -396,6 +416,7 @@ def check_serving(config: ServeConfig) -> ModelSetup:
     from diffusiond.models.setup import check_setup
 
     check_exposure(config)
+    class_deadlines(config)
     if config.nnodes > 1 and not config.rdzv_endpoint:
         raise ConfigError(f"--nnodes {config.nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node")
     from diffusiond.daemon.video_store import folder_problem

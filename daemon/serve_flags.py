@@ -140,6 +140,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help=f"steps a waiting request takes to rise one class (default: {d.priority_aging_steps})",
     )
     add(
+        "--class-deadline",
+        dest="class_deadlines",
+        action="append",
+        metavar="P=MS",
+        help="requests of class P naming no deadline_ms get MS; repeat for more classes (default: none)",
+    )
+    add(
         "--no-preemption",
         dest="preemption",
         action="store_const",

@@ -16,6 +16,7 @@ import msgspec
 from aiohttp import web
 
 from diffusiond.daemon.api import ApiError, NotStarted, retry_later
+from diffusiond.daemon.config import class_deadlines
 from diffusiond.daemon.state import ENCODERS, METRICS, STATE, ServerState
 from diffusiond.daemon.tenants import Tenant
 from diffusiond.engine.engine import Engine, QueueFullError, RequestHandle
@@ -186,6 +187,8 @@ def queue_requests(
     told), else new ones. `priority`: the class the client asked for (None: `--default-priority`, within the
     tenant's range). `cacheable`: the client chose the seed (the result cache may answer)."""
     chosen = resolve_priority(state, tenant, priority)
+    if deadline_ms is None:
+        deadline_ms = class_deadlines(state.config).get(chosen)
     if deadline_ms is not None:
         if not checked:  # resolved once, for the estimate and for the queue
             params, checked = [engine.check(p) for p in params], True

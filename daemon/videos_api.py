@@ -355,24 +355,22 @@ async def _create_video(
     rid = uuid.uuid4().hex
     db, key = request.app.get(JOB_DB), request.headers.get(HEADER)
     if db is None or key is None:
-        return await _new_job(request, resolved, rid, body.priority, body.seed is not None)
+        return await _new_job(request, resolved, rid, body)
     # The key is kept with the jobs too: a retry that reaches another replica, or comes after a restart, finds it.
     first = await db.remember_key(tenant.name, request.path, key, digest, f"video_{rid}", WINDOW_S)
     if first[1] != f"video_{rid}":
         return await _replayed(request, key, digest, *first)
     try:
-        return await _new_job(request, resolved, rid, body.priority, body.seed is not None)
+        return await _new_job(request, resolved, rid, body)
     except BaseException:
         db.forget_key(tenant.name, request.path, key, f"video_{rid}")
         raise
 
 
-async def _new_job(
-    request: web.Request, resolved: SamplingParams, rid: str, asked: int | None, cacheable: bool
-) -> web.Response:
+async def _new_job(request: web.Request, resolved: SamplingParams, rid: str, body: VideoCreateRequest) -> web.Response:
     state, jobs, tenant = request.app[STATE], request.app[VIDEOS], tenant_of(request)
     engine = state.require_engine()
-    priority = resolve_priority(state, tenant, asked)
+    priority = resolve_priority(state, tenant, body.priority)
     try:
         jobs.store.make_room_for(tenant.name, tenant.max_stored_jobs)
     except StoreFull as exc:
@@ -409,8 +407,9 @@ async def _new_job(
         await db.put(job.id, tenant.name, job.status, msgspec.json.encode(resolved), msgspec.json.encode(job))
     try:
         (handle,) = queue_requests(
-            engine, state, [resolved], tenant=tenant, checked=True, ids=[rid], priority=priority, cacheable=cacheable
-        )
+            engine, state, [resolved], tenant=tenant, checked=True, ids=[rid], priority=priority,
+            cacheable=body.seed is not None, deadline_ms=body.deadline_ms,
+        )  # fmt: skip
     except BaseException:
         if db is not None:
             db.delete(job.id)

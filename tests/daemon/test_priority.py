@@ -124,3 +124,35 @@ async def test_a_tenant_asks_only_for_its_classes(ranged):
                 await resp.read()
         async with session.post(f"{base}/v1/generations", json={**body, "priority": 10}, headers=bob) as resp:
             assert resp.status == 400 and (await resp.json())["error"]["param"] == "priority"
+
+
+@pytest.mark.asyncio
+async def test_a_class_default_deadline_and_a_video_job_deadline(serve, tiny_wan):
+    """`--class-deadline 3=50`: a class-3 request naming no deadline gets 50 ms, so it is refused while a long
+    clip's steps run; a class-0 one is not. A `/v1/videos` job with `deadline_ms` it cannot make is refused at once
+    (429, `deadline_ms` named) and no job is made; with time to spare it is made."""
+    server = serve(model=tiny_wan, max_batch=1, class_deadlines=("3=50",), max_pixels=64 * 64)
+    base = server.base_url
+    long = {"prompt": "a red cat", "width": 48, "height": 32, "num_frames": 5, "num_inference_steps": 300}
+    quick = {"prompt": "a cat", "width": 48, "height": 32, "num_frames": 1, "num_inference_steps": 2}
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.post(f"{base}/v1/generations", json=long) as stream,
+    ):
+        async for line in stream.content:  # its steps are running: measured
+            if line.startswith(b"event: progress"):
+                break
+        async with session.post(f"{base}/v1/generations", json={**quick, "priority": 3}) as resp:
+            error = (await resp.json())["error"]
+            assert resp.status == 429 and error["code"] == "deadline_unmeetable", error
+        job = {"prompt": "a cat", "size": "48x32", "num_frames": 5, "num_inference_steps": 2}
+        async with session.post(f"{base}/v1/videos", json={**job, "deadline_ms": 50}) as resp:
+            error = (await resp.json())["error"]
+            assert resp.status == 429 and error["param"] == "deadline_ms", error
+        async with session.get(f"{base}/v1/videos") as resp:
+            assert (await resp.json())["data"] == []
+        async with session.post(f"{base}/v1/videos", json={**job, "deadline_ms": 600_000}) as resp:
+            assert resp.status == 200, await resp.text()
+        async with session.post(f"{base}/v1/generations", json={**quick, "priority": 0}) as resp:
+            assert resp.status == 200, await resp.text()
+        stream.close()

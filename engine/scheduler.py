@@ -19,6 +19,9 @@ up to the highest class in flight (it catches up, never overtakes), so a request
 t after at most (t - p) * aging_steps steps of others' work, and is served from there (admitted by fair share, then
 age; advanced by the round robin).
 
+A forward carries only its key's top class: lower ones (running, or waiting for a free slot) sit out the step, and
+join once aged into it; a request keeps the class it was admitted or advanced at (`floor`).
+
 Deadlines: within a class, the waiting request whose client stops waiting first is admitted first (earliest deadline
 first; requests without one after those with one).
 
@@ -242,8 +245,15 @@ class Scheduler:
                 (r for r in self.running.values() if r.key == key),
                 key=lambda r: (-self.effective_priority(r), r.last_advanced, r.arrival),
             )
-            advance = group[: self.max_batch]
-            for req in self._admit(key, self.max_batch - len(advance)):
+            # A forward carries only its key's top class (a lower one beside it would slow it down); lower classes
+            # rise into it by aging. If the top class cannot run now (its admission is gated), the rest may.
+            top = self._top_class(key, group)
+            advance = [r for r in group if self.effective_priority(r) >= top][: self.max_batch]
+            admitted = self._admit(key, self.max_batch - len(advance), top)
+            if not advance and not admitted:
+                advance = group[: self.max_batch]
+                admitted = self._admit(key, self.max_batch - len(advance))
+            for req in admitted:
                 advance.append(req)
                 if not req.parked:
                     new.append(NewRequest(req.request_id, req.params))
@@ -257,7 +267,8 @@ class Scheduler:
             if advance:
                 self._credit[key] -= total
                 break
-        for req in advance:
+        for req in advance:  # the class it ran at stays its own (aging's included)
+            req.floor = max(req.floor, self.effective_priority(req))
             req.last_advanced = step
         return StepPlan(
             step=step, new=new, advance=[r.request_id for r in advance], drop=drop, pause=paused, resume=resume
@@ -368,7 +379,14 @@ class Scheduler:
             paused.append(victim.request_id)
         return paused
 
-    def _admit(self, key: Hashable, room: int) -> list[SchedRequest]:
+    def _top_class(self, key: Hashable, group: list[SchedRequest]) -> int:
+        """The highest effective class of a key's running requests, and of its waiting ones while a slot is free."""
+        running = (self.effective_priority(r) for r in group)
+        free = len(self.running) < self.max_running
+        waiting = (self.effective_priority(r) for r in self.waiting if r.key == key) if free else ()
+        return max(*running, *waiting, 0)
+
+    def _admit(self, key: Hashable, room: int, floor: int = 0) -> list[SchedRequest]:
         admitted: list[SchedRequest] = []
         order = self._admission_order()
         head = order[0] if order else None
@@ -378,7 +396,7 @@ class Scheduler:
         for req in order:
             if len(admitted) >= room or len(self.running) + reserve >= self.max_running:
                 break
-            if req.key != key:
+            if req.key != key or self.effective_priority(req) < floor:
                 continue
             # Paused requests keep their adapters resident: they count as running for the gate.
             held = [*self.running.values(), *(r for r in self.waiting if r.parked)]

@@ -138,12 +138,13 @@ def test_an_estimate_counts_the_work_ahead_at_the_measured_step_time():
 
 
 def full_of_low(preemption: bool = True, **kwargs) -> Scheduler:
-    """Two slots, both running: "low0" (class 0) and "low1" (class 1), ten steps each, two steps done."""
+    """Two slots, both running: "low0" (class 0, one step done) and "low1" (class 1, one step done; the forward
+    carries only the top class, so low0 waits beside it)."""
     sched = Scheduler(max_batch=2, max_running=2, aging_steps=1000, preemption=preemption, **kwargs)
     sched.add(make("low0", 0, steps=10))
+    run_step(sched)
     sched.add(make("low1", 1, steps=10))
-    run_step(sched)
-    run_step(sched)
+    assert run_step(sched)[0].advance == ["low1"]
     return sched
 
 
@@ -152,13 +153,15 @@ def test_a_higher_class_pauses_the_lowest_running_request_and_it_resumes_where_i
     sched.add(make("high", 5, steps=3))
     plan, _ = run_step(sched)
     assert plan.pause == ["low0"] and [n.request_id for n in plan.new] == ["high"]
-    assert sorted(plan.advance) == ["high", "low1"] and not plan.resume
-    assert sched.get("low0").steps_done == 2 and sched.num_paused == 1
+    assert plan.advance == ["high"] and not plan.resume  # alone: low1, a lower class, waits a step
+    assert sched.get("low0").steps_done == 1 and sched.num_paused == 1
     plans = [run_step(sched)[0] for _ in range(2)]  # "high" runs its last two steps
-    assert all("low0" not in p.advance for p in plans)
+    assert all(p.advance == ["high"] for p in plans)
+    plans = [run_step(sched)[0] for _ in range(9)]  # then low1 (class 1) to its end, before low0
+    assert all(p.advance == ["low1"] and not p.resume for p in plans), plans
     plan, _ = run_step(sched)
-    assert plan.resume == ["low0"] and "low0" in plan.advance and not plan.new  # its state, not a new one
-    assert sched.get("low0").steps_done == 3 and sched.num_paused == 0
+    assert plan.resume == ["low0"] and plan.advance == ["low0"] and not plan.new  # its state, not a new one
+    assert sched.get("low0").steps_done == 2 and sched.num_paused == 0
     while sched.has_work():
         run_step(sched)
 
@@ -218,3 +221,17 @@ def test_a_request_that_aged_in_keeps_its_class_and_is_not_paused_again_by_it():
         plans.append(run_step(sched)[0])
     assert not any(p.pause for p in plans) and all(p.advance == ["low"] for p in plans), plans
     assert len(plans) == 8 - 2  # its two steps before the pause and at the resume counted once each
+
+
+def test_a_forward_carries_only_its_key_s_top_class_until_aging_lifts_the_others():
+    """Same key, free slots: a class-5 request runs alone (a class-0 one beside it would slow its forward down);
+    the class-0 one, still running, shares the forward once aged to class 5 (aging_steps=3: 15 steps), and from
+    then on (it keeps the class it ran at)."""
+    sched = Scheduler(max_batch=4, max_running=4, aging_steps=3)
+    sched.add(make("low", 0, steps=40))
+    run_step(sched)
+    sched.add(make("high", 5, steps=40))
+    advanced = [run_step(sched)[0].advance for _ in range(20)]
+    joined = [sorted(a) == ["high", "low"] for a in advanced]
+    assert advanced[0] == ["high"] and joined.index(True) in range(13, 17), advanced
+    assert all(joined[joined.index(True) :]), advanced

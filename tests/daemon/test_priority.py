@@ -50,6 +50,13 @@ async def finish(
         seen[name] = [n for n in names if n in ("paused", "resumed")]
 
 
+async def stepping(stream: aiohttp.ClientResponse) -> None:
+    """Returns once the native stream's request runs its steps (its step time is then measured)."""
+    async for line in stream.content:
+        if line.startswith(b"event: progress"):
+            return
+
+
 @pytest.mark.asyncio
 async def test_a_higher_class_overtakes_the_waiting_ones(one_slot):
     base = one_slot.base_url
@@ -88,9 +95,7 @@ async def test_a_deadline_the_engine_cannot_make_is_refused(one_slot):
         aiohttp.ClientSession(timeout=TIMEOUT) as session,
         session.post(f"{base}/v1/generations", json=long) as stream,
     ):
-        async for line in stream.content:  # its steps are running: measured
-            if line.startswith(b"event: progress"):
-                break
+        await stepping(stream)
         async with session.post(f"{base}/v1/generations", json={**quick, "deadline_ms": 50}) as resp:
             error = (await resp.json())["error"]
             assert resp.status == 429 and error["param"] == "deadline_ms", error
@@ -139,9 +144,7 @@ async def test_a_class_default_deadline_and_a_video_job_deadline(serve, tiny_wan
         aiohttp.ClientSession(timeout=TIMEOUT) as session,
         session.post(f"{base}/v1/generations", json=long) as stream,
     ):
-        async for line in stream.content:  # its steps are running: measured
-            if line.startswith(b"event: progress"):
-                break
+        await stepping(stream)
         async with session.post(f"{base}/v1/generations", json={**quick, "priority": 3}) as resp:
             error = (await resp.json())["error"]
             assert resp.status == 429 and error["code"] == "deadline_unmeetable", error

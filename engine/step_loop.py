@@ -239,8 +239,9 @@ class StepLoop:
         engine = self.engine
         scheduler, clocks = engine.scheduler, engine.clocks
         finished = scheduler.update_from_output(plan, StepResult(result.advanced, result.failed))
-        completed = sum(r.status == RequestStatus.FINISHED_COMPLETED for r in finished)
-        engine.window.finished_together(completed, time.perf_counter())
+        done = [r for r in finished if r.status == RequestStatus.FINISHED_COMPLETED]
+        step_s = engine.step_times.seconds.get(done[0].key) if done else None
+        engine.window.finished_together(len(done), time.perf_counter(), step_s)
         finished_by_id = {r.request_id: r for r in finished}
         now = time.perf_counter()
         events: list[Event] = self._pauses(plan)

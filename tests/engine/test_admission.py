@@ -46,3 +46,19 @@ def test_one_request_finishing_alone_is_not_a_round():
     window.finished_together(1, now=1.0)
     window.start(now=1.1)
     assert window.next_wait(waiting=1, now=1.1) == 0.04 / 40
+
+
+def test_clients_coming_back_are_waited_for_up_to_a_step_of_their_round():
+    """Answers leave one after another (each is encoded): a round whose returns spread beyond the window would split,
+    and its late half run a step behind for good. Waiting up to a step costs the early ones no more than a step."""
+    window = AdmissionWindow(0.02, max_batch=8)
+    window.finished_together(8, now=5.0, step_s=0.08)
+    window.start(now=5.01)
+    assert window.next_wait(waiting=1, now=5.01) == 0.08 / 4
+    assert window.next_wait(waiting=5, now=5.06) > 0  # past the 20 ms window, within the step
+    assert window.next_wait(waiting=7, now=5.0901) is None  # a step has passed
+    window.close()
+    window.finished_together(8, now=6.0, step_s=0.005)  # a step shorter than the window: the window's own bounds
+    window.start(now=6.0)
+    assert window.next_wait(waiting=1, now=6.0) == 0.02 / 4
+    assert window.next_wait(waiting=1, now=6.0201) is None

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
+import runpy
 import socket
 import subprocess
 import sys
@@ -31,11 +33,75 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# What every rank of tests/engine/spmd_worker.py imports, imported once in a fork server (the `multiprocessing`
+# one): each of the ~100 groups these tests start would otherwise spend 6.5 s of a core importing torch, diffusers and
+# transformers in every rank (measured here, `python -X importtime`). The server only imports: it runs no torch op,
+# starts no OpenMP team and no thread, so its forks start as clean as a new interpreter (the worker sets its own
+# thread count, the variables below are set in the fork before the worker's code runs).
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "diffusers",
+    "transformers",
+    "diffusiond.daemon.ranks",
+    "diffusiond.engine.engine",
+    "diffusiond.engine.follower",
+    "diffusiond.kernels.layout",
+    "diffusiond.models.loader",
+    "diffusiond.models.setup",
+]
+_forks: multiprocessing.context.ForkServerContext | None = None
+
+
+def _fork_server() -> multiprocessing.context.ForkServerContext:
+    global _forks
+    if _forks is None:
+        _forks = multiprocessing.get_context("forkserver")
+        _forks.set_forkserver_preload(PRELOAD)
+    return _forks
+
+
+def _run_script(argv: list[str], env: dict[str, str], log: str) -> None:
+    """In a fork of the fork server: `python argv...` with exactly `env`, its output to `log`."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = list(argv)
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+class _Forked:
+    """A forked rank with `subprocess.Popen`'s poll/kill/wait/returncode."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.process = _fork_server().Process(target=_run_script, args=(argv, env, str(log)))
+        self.process.start()
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def wait(self) -> int | None:
+        self.process.join()
+        return self.process.exitcode
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+
 def launch(cmd: list[str], nproc: int, env: dict[str, str], out: Path, timeout: float) -> None:
     """`cmd` as `nproc` ranks of one gloo group on this host, with the variables torchrun gives its workers (RANK,
     LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT: rank 0's init_process_group hosts the store). Not torchrun itself:
     its elastic agent costs each of these ~100 launches about 1.5 s of start-up, and these tests restart nothing
-    (tests/spmd run the daemon under the real launcher). Asserts that every rank exited 0."""
+    (tests/spmd run the daemon under the real launcher). A Python script of this interpreter runs forked from the
+    fork server (`PRELOAD`), anything else as a new process. Asserts that every rank exited 0."""
+    forked = cmd[0] == sys.executable and cmd[1].endswith(".py")
     port = str(free_port())
     procs = []
     for rank in range(nproc):
@@ -50,7 +116,10 @@ def launch(cmd: list[str], nproc: int, env: dict[str, str], out: Path, timeout: 
             "MASTER_PORT": port,
         }
         log = open(out / f"rank{rank}.log", "w+")  # noqa: SIM115 (closed below)
-        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env), log))
+        if forked:
+            procs.append((_Forked(cmd[1:], rank_env, out / f"rank{rank}.log"), log))
+        else:
+            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env), log))
     deadline = time.monotonic() + timeout
     try:
         # As torchrun: the first rank that fails takes the others down (they would wait on it in a collective).

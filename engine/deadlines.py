@@ -36,6 +36,41 @@ class StepTimes:
         return seconds
 
 
+class AdmissionCosts:
+    """What the scheduler reads to admit in chunks (issue 34, part 6): seconds to take a new request in (its prompts
+    encoded, its state prepared: the `encode` stage) and seconds of a key's step without that, both exponentially
+    weighted averages written by the step thread. While requests run, a step takes in no more new requests than one
+    step's time of encoding, so that running requests never wait more than a step's worth of it; at least one, so
+    that admission always moves. (A step's time without its encoding: with it, admitting a step's worth would
+    lengthen the next estimate, and the next chunk, without bound.) On CUDA a stage's time arrives a few steps late
+    (engine/timing.py): new requests are counted until it does."""
+
+    def __init__(self) -> None:
+        self.steps = StepTimes()
+        self.encode_s: float | None = None
+        self._uncounted = 0
+
+    def record(self, key: Hashable | None, seconds: float, new: int, encode_s: float | None) -> None:
+        """A step of `key` (None: it advanced nothing) took `seconds` in all and took `new` requests in; `encode_s`:
+        the encode time its timings report (None: none yet)."""
+        if key is not None:
+            self.steps.record(key, max(0.0, seconds - (encode_s or 0.0)))
+        self._uncounted += new
+        if encode_s is None or self._uncounted == 0:
+            return
+        sample = encode_s / self._uncounted
+        self._uncounted = 0
+        old = self.encode_s
+        self.encode_s = sample if old is None else (1 - ALPHA) * old + ALPHA * sample
+
+    def new_per_step(self, key: Hashable) -> int | None:
+        """How many new requests a step of `key` may take in beside running ones; None: not measured yet."""
+        step = self.steps.seconds.get(key)
+        if step is None or not self.encode_s:
+            return None
+        return max(1, int(step / self.encode_s))
+
+
 def estimate_seconds(times: StepTimes, key: Hashable, steps: int, ahead: Sequence[int], max_batch: int) -> float | None:
     per_step = times.of(key)
     if per_step is None:

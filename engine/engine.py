@@ -18,7 +18,7 @@ from diffusiond.engine import lora_commands
 from diffusiond.engine.admission import AdmissionWindow
 from diffusiond.engine.clocks import RequestClocks
 from diffusiond.engine.comm import Communicator, LocalComm
-from diffusiond.engine.deadlines import StepTimes, estimate_seconds
+from diffusiond.engine.deadlines import AdmissionCosts, StepTimes, estimate_seconds
 from diffusiond.engine.executor import Executor, GroupFault
 from diffusiond.engine.mailbox import Mailbox
 from diffusiond.engine.observer import EngineObserver, NullObserver
@@ -136,6 +136,8 @@ class Engine:
         self.on_event: Callable[[Event], None] | None = None
         # Seconds per step of each batch key, as measured (deadline estimates; engine/deadlines.py).
         self.step_times = StepTimes()
+        # ... and of taking new requests in: while requests run, a step admits a step's time of it at most.
+        self.scheduler.costs = AdmissionCosts()
         # Loop side: what each request in flight runs (steps, class), for the estimates.
         self._work: dict[str, tuple[int, int]] = {}
         # Finished results of requests whose client chose the seed (engine/result_cache.py); None: off.

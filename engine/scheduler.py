@@ -37,6 +37,11 @@ memory) and it waits again, PREEMPTED, in the queue; admitted again, it is liste
 step it reached. At most as many are paused as this step admits, and at most `max_paused` are paused at once. A
 request keeps the class it was admitted at (aging's included), so a request that aged its way in is not paused
 again by the class it caught up with: the aging bound holds for paused requests too.
+
+Admission in chunks: a step that advances running requests takes in only as many new ones as one step's time of
+encoding their prompts allows (`costs`, measured by the engine; at least one), so a burst of arrivals never holds
+the running requests for more than a step's worth of encoding; the rest join over the next steps. An idle key takes
+in as many as it has room for (nothing waits on their encoding but themselves).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
+from diffusiond.engine.deadlines import AdmissionCosts
 from diffusiond.engine.request import RequestStatus
 from diffusiond.engine.wire import NewRequest, StepPlan
 from diffusiond.models.params import SamplingParams
@@ -143,6 +149,9 @@ class Scheduler:
         self.preemption = preemption
         self.max_paused = max_paused if max_paused is not None else self.max_running
         self.num_paused = 0
+        # Measured admission costs (engine/deadlines.py): with them, a step that advances running requests takes in
+        # only as many new ones as a step's time of encoding allows (paused ones coming back cost no encoding).
+        self.costs: AdmissionCosts | None = None
 
     # ---- admission and cancellation (called between steps) ----
 
@@ -249,7 +258,8 @@ class Scheduler:
             # rise into it by aging. If the top class cannot run now (its admission is gated), the rest may.
             top = self._top_class(key, group)
             advance = [r for r in group if self.effective_priority(r) >= top][: self.max_batch]
-            admitted = self._admit(key, self.max_batch - len(advance), top)
+            encodes = self.costs.new_per_step(key) if self.costs is not None and advance else None
+            admitted = self._admit(key, self.max_batch - len(advance), top, encodes)
             if not advance and not admitted:
                 advance = group[: self.max_batch]
                 admitted = self._admit(key, self.max_batch - len(advance))
@@ -386,8 +396,10 @@ class Scheduler:
         waiting = (self.effective_priority(r) for r in self.waiting if r.key == key) if free else ()
         return max(*running, *waiting, 0)
 
-    def _admit(self, key: Hashable, room: int, floor: int = 0) -> list[SchedRequest]:
+    def _admit(self, key: Hashable, room: int, floor: int = 0, encodes: int | None = None) -> list[SchedRequest]:
+        """Up to `room` waiting requests of `key` and class >= `floor`, of which at most `encodes` new (not paused)."""
         admitted: list[SchedRequest] = []
+        new = 0
         order = self._admission_order()
         head = order[0] if order else None
         # Keep a slot for the next request of another key (older, or of a higher class), or a busy key would
@@ -397,6 +409,8 @@ class Scheduler:
             if len(admitted) >= room or len(self.running) + reserve >= self.max_running:
                 break
             if req.key != key or self.effective_priority(req) < floor:
+                continue
+            if encodes is not None and not req.parked and new >= encodes:
                 continue
             # Paused requests keep their adapters resident: they count as running for the gate.
             held = [*self.running.values(), *(r for r in self.waiting if r.parked)]
@@ -409,4 +423,5 @@ class Scheduler:
             req.floor = max(req.floor, self.effective_priority(req))
             self.running[req.request_id] = req
             admitted.append(req)
+            new += not req.parked
         return admitted

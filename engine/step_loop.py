@@ -149,8 +149,13 @@ class StepLoop:
         first = engine.scheduler.get(plan.advance[0]) if plan.advance else None
         result = engine.executor.execute(plan)
         engine.steps += 1
-        if first is not None and result.batch_size and not quiet:
-            engine.step_times.record(first.key, time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        stepped = first is not None and result.batch_size and not quiet
+        if stepped:
+            engine.step_times.record(first.key, elapsed)
+        if not quiet:
+            key = first.key if stepped else None
+            engine.scheduler.costs.record(key, elapsed, len(plan.new), result.timings.get("encode"))
         result.timings["broadcast"] = broadcast
         events.extend(self._events_for(plan, result))
         if not quiet:

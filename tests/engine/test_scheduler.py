@@ -215,3 +215,47 @@ def test_fail_all_ends_everything():
     assert {r.request_id for r in victims} == {"a", "b"}
     assert all(r.status == RequestStatus.FINISHED_FAILED for r in victims)
     assert not sched.has_work()
+
+
+def test_arrivals_beside_running_requests_are_admitted_a_step_of_encoding_at_a_time():
+    """Issue 34, part 6: 7 arrive while one runs; a step is 100 ms and taking a request in 30 ms, so each step takes
+    in 3 (90 ms of encoding at most beside the running one), not all 7. An idle key takes in all it has room for;
+    unmeasured costs limit nothing. Broken on purpose (no limit in `_admit`): the first step took all 7, red."""
+    from diffusiond.engine.deadlines import AdmissionCosts
+
+    sched = Scheduler(max_batch=8)
+    sched.costs = AdmissionCosts()
+    sched.add(make("run", steps=10))
+    plan, _ = run_step(sched)
+    assert [n.request_id for n in plan.new] == ["run"]  # nothing measured yet
+    sched.costs.record("a", 0.130, 1, 0.030)  # that step: 100 ms of forward, 30 ms taking one request in
+    for i in range(7):
+        sched.add(make(f"n{i}", steps=10))
+    chunks = []
+    while sched.num_waiting:
+        plan, _ = run_step(sched)
+        chunks.append([n.request_id for n in plan.new])
+        assert "run" in plan.advance  # the running request advances every step
+    assert chunks == [["n0", "n1", "n2"], ["n3", "n4", "n5"], ["n6"]]
+    # Idle: a burst is taken in whole (nothing runs that its encoding would hold up).
+    idle = Scheduler(max_batch=8)
+    idle.costs = sched.costs
+    for i in range(8):
+        idle.add(make(f"i{i}", steps=2))
+    plan, _ = run_step(idle)
+    assert len(plan.new) == 8
+    # A step shorter than one request's encoding still takes one in.
+    slow = AdmissionCosts()
+    slow.record("a", 0.05, 1, 0.04)
+    assert slow.new_per_step("a") == 1 and slow.new_per_step("b") is None
+
+
+def test_admission_costs_count_new_requests_until_their_encoding_is_timed():
+    """On CUDA a step's stage times arrive steps later: the requests taken in meanwhile share the time reported."""
+    from diffusiond.engine.deadlines import AdmissionCosts
+
+    costs = AdmissionCosts()
+    costs.record("a", 0.2, 4, None)
+    costs.record("a", 0.1, 2, 0.06)
+    assert costs.encode_s == pytest.approx(0.01)
+    assert costs.steps.seconds["a"] == pytest.approx(0.2 * 0.8 + 0.04 * 0.2)  # a step's time without its encoding

@@ -134,6 +134,8 @@ async def _render(
         b64 = base64.b64encode(event.latent.tobytes()).decode()
         return "latent", {"step": event.step, "total": event.total, **latent, "b64": b64}, None
     by_url = body.response_format == "url"
+    # Served from the result cache (engine/result_cache.py): said in every form a result takes.
+    cached = {"cached": True} if isinstance(event, Completed) and event.cached else {}
     if isinstance(event, Completed) and video:
         fmt = body.video_format or "mp4"
         clip = await encode_off_loop(request, encode_video, event.image, handle.params.fps, fmt, None, event.audio)
@@ -141,14 +143,13 @@ async def _render(
         if by_url:
             del payload["b64"]
             payload["url"] = await store_result(request, clip.data, clip.format)
-        return "completed", {"seed": event.seed, "video": payload, **told}, None if by_url else clip.data
+        return "completed", {"seed": event.seed, "video": payload, **cached, **told}, None if by_url else clip.data
     if isinstance(event, Completed):
         data = await encode_off_loop(request, encode_image, event.image, body.output_format)
         if by_url:
             images = [{"format": body.output_format, "url": await store_result(request, data, body.output_format)}]
-            return "completed", {"seed": event.seed, "images": images, **told}, None
+            return "completed", {"seed": event.seed, "images": images, **cached, **told}, None
         images = [{"format": body.output_format, "b64": BLOB}]
-        cached = {"cached": True} if event.cached else {}
         return "completed", {"seed": event.seed, "images": images, **cached, **told}, data
     if isinstance(event, Cancelled):
         return "cancelled", {"reason": event.reason}, None

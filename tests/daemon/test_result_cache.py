@@ -67,3 +67,16 @@ def test_an_identical_request_is_answered_from_the_cache(cached):
     assert headers.get("X-Diffusiond-Cache") == "hit"
     decoded = [base64.b64decode(json.loads(r)["data"][0]["b64_json"]) for r in (one, two)]
     assert decoded[0] == decoded[1]
+
+
+def test_every_form_of_a_cached_result_says_so(cached, serve, tiny_wan):
+    """A cached answer by URL, and a cached clip of a video model, are marked as the base64 image is (before, a
+    video's completed event never said `cached`: bench.priorities on a tiny Wan caught it)."""
+    body = {**BODY, "prompt": "a green square", "response_format": "url"}
+    first, again = completed(cached.base_url, body), completed(cached.base_url, body)
+    assert again.get("cached") is True and "cached" not in first and set(again["images"][0]) == {"format", "url"}
+    video = serve(model=tiny_wan, max_pixels=64 * 64, result_cache_bytes=16 << 20)
+    clip = {"prompt": "a red circle", "width": 48, "height": 32, "num_frames": 5, "num_inference_steps": 2, "seed": 3}
+    first, again = completed(video.base_url, clip), completed(video.base_url, clip)
+    assert again.get("cached") is True and "cached" not in first
+    assert again["video"]["num_frames"] == first["video"]["num_frames"] == 5

@@ -153,7 +153,7 @@ class StepLoop:
         stepped = first is not None and result.batch_size and not quiet
         if stepped:
             engine.step_times.record(first.key, elapsed)
-        if not quiet:
+        if not quiet and engine.scheduler.costs is not None:  # None: admission in chunks turned off
             key = first.key if stepped else None
             engine.scheduler.costs.record(key, elapsed, len(plan.new), result.timings.get("encode"))
         result.timings["broadcast"] = broadcast

@@ -32,6 +32,10 @@ from diffusiond.models.setup import ModelSetup
 
 async def drive(rank, requests, out: Path) -> None:
     engine = Engine(rank.adapter, max_batch=8, comm=rank.comm)
+    # What these runs check is the split of each step, so its batches must not depend on this machine's timings: the
+    # engine admits new requests in chunks of a step's measured worth of encoding while others run (engine/deadlines.py,
+    # tested in tests/engine/test_scheduler.py), which would spread the joining requests over 1-7 steps by load.
+    engine.scheduler.costs = None
     await engine.start()
     try:
         # Staggered: the first request runs a step alone, then the others join its running batch (those that should

@@ -152,8 +152,11 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # Step caching with a decision per request (models/stepcache.py): "fbcache" reuses a request's remaining
     # blocks while its first block's residual changes by less than cache_threshold; "teacache" reuses all blocks
     # while the accumulated rescaled change of its first block's modulated input stays below it (requests may send
-    # their own; 0 is exact). Families that declare it; under several ranks the ranks agree on every decision.
-    cache: Literal["none", "fbcache", "teacache"] = "none"
+    # their own; 0 is exact); "dbcache" is fbcache with more blocks always computed first (fn) and last (bn) and a
+    # warm-up, set in cache_config (a JSON object, `cache_settings`). Families that declare it; under several ranks the
+    # ranks agree on every decision.
+    cache: Literal["none", "fbcache", "teacache", "dbcache"] = "none"
+    cache_config: str | None = None
     # Attention kernel (kernels/attention.py), through diffusers' attention dispatch: auto = flash-attn on a CUDA
     # device where it is installed, SDPA otherwise. One that cannot run here stops the start with a clear error.
     attention: AttentionChoice = "auto"
@@ -332,6 +335,26 @@ def _toml_value(value: Any) -> str:
     return json.dumps(str(value), ensure_ascii=False)
 
 
+def cache_settings(method: str, text: str | None) -> dict[str, Any]:
+    """`cache_config`'s JSON object for `--cache method` (empty when unset); ConfigError naming an unknown key or a
+    bad value (models/setup.check_cache_config); whether the transformer has blocks left to reuse is checked at load."""
+    from diffusiond.models.setup import check_cache_config
+
+    if not text:
+        return {}
+    try:
+        settings = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--cache-config: not JSON ({exc}): {text!r}") from None
+    if not isinstance(settings, dict):
+        raise ConfigError(f'--cache-config: give a JSON object such as \'{{"fn": 2, "bn": 1}}\', not {text!r}')
+    try:
+        check_cache_config(method, settings)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return settings
+
+
 def scheduler_changes(text: str | None) -> dict[str, Any]:
     """`scheduler_config`'s JSON object (empty when unset); ConfigError unless it is one. Whether the scheduler has
     those settings is checked when it loads (models/loader.change_scheduler)."""
@@ -383,6 +406,7 @@ def model_setup(config: ServeConfig) -> ModelSetup:
         scheduler_config=scheduler_changes(config.scheduler_config),
         cache=config.cache,
         cache_threshold=config.cache_threshold,
+        cache_config=cache_settings(config.cache, config.cache_config),
         layout=layout,
         lora=config.lora,
         lora_dir=config.lora_dir,

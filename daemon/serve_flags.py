@@ -197,9 +197,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument_group("acceleration").add_argument
     add(
         "--cache",
-        choices=["none", "fbcache", "teacache"],
+        choices=["none", "fbcache", "teacache", "dbcache"],
         help="step caching, decided per request: fbcache = first-block cache, teacache = TeaCache (its polynomial: "
-        f"`python -m diffusiond.tools.calibrate`, or the family's published one) (default: {d.cache})",
+        "`python -m diffusiond.tools.calibrate`, or the family's published one), dbcache = dual block cache "
+        f"(--cache-config) (default: {d.cache})",
+    )
+    add(
+        "--cache-config",
+        metavar="JSON",
+        help="the method's settings as a JSON object; dbcache: fn (blocks always computed first, default 1), bn "
+        "(always computed last, default 0), warmup (steps before any reuse, default 0), e.g. "
+        '\'{"fn": 2, "bn": 1, "warmup": 4}\'',
     )
     add(
         "--cache-threshold",

@@ -288,8 +288,9 @@ class ModelAdapter(abc.ABC):
         """Sequence-parallel attention over `group` (kernels/ulysses.UlyssesGroup)."""
         raise ValueError(f"the {self.family} family does not support Ulysses sequence parallelism")
 
-    def enable_step_cache(self, method: str, threshold: float) -> None:
-        """Step caching (models/stepcache.py) with `threshold` for requests that send none; "none": off."""
+    def enable_step_cache(self, method: str, threshold: float, config: dict[str, Any] | None = None) -> None:
+        """Step caching (models/stepcache.py) with `threshold` for requests that send none and `config` (the
+        method's settings, `--cache-config`); "none": off."""
         if method != "none":
             raise ValueError(f"--cache {method} is not implemented for the {self.family} family yet")
 

@@ -234,8 +234,9 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
         """The LoRA plan of a transformer call over rows with these selections (`RequestState.lora`)."""
         return self.lora_layers.rows(selections) if self.lora_layers is not None else nullcontext()
 
-    def enable_step_cache(self, method: str, threshold: float) -> None:
-        """Server-wide: the method, and the threshold of requests that send none. Families implement the forward."""
+    def enable_step_cache(self, method: str, threshold: float, config: dict[str, Any] | None = None) -> None:
+        """Server-wide: the method, the threshold of requests that send none and `--cache-config`'s settings
+        (stepcache.SETTINGS). Families implement the forward."""
         if method not in stepcache.METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose from {', '.join(stepcache.METHODS)}")
         if method != "none" and method not in self.cache_methods:
@@ -247,10 +248,13 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
                 "add --scheduler-config '{\"stochastic_sampling\": false}'",
                 method,
             )
+        t = self.transformer
+        blocks = len(getattr(t, "transformer_blocks", ())) + len(getattr(t, "single_transformer_blocks", ()))
+        coefficients = stepcache.load_coefficients(self.source) if os.path.isdir(self.source) else None
+        coefficients = coefficients or self.teacache_coefficients
+        self.cache_method = stepcache.method_of(method, config or {}, blocks, coefficients)
         self.step_cache = method
         self.default_cache_threshold = threshold if method != "none" else 0.0
-        coefficients = stepcache.load_coefficients(self.source) if os.path.isdir(self.source) else None
-        self.cache_method = stepcache.Method(method, coefficients or self.teacache_coefficients)
 
     attention_backend: str = "sdpa"
 

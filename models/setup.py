@@ -40,6 +40,28 @@ class SetupError(ValueError):
     names the flags."""
 
 
+# What `--cache-config` may set for each step cache method (models/stepcache.py), each setting's default and least
+# value.
+CACHE_SETTINGS: dict[str, dict[str, tuple[int, int]]] = {"dbcache": {"fn": (1, 1), "bn": (0, 0), "warmup": (0, 0)}}
+
+
+def check_cache_config(name: str, config: dict[str, Any]) -> dict[str, int]:
+    """`--cache-config`'s settings for `--cache NAME`, defaults filled in; ValueError naming an unknown key or a bad
+    value (what needs the model, the blocks left to reuse, is checked by models/stepcache.method_of)."""
+    allowed = CACHE_SETTINGS.get(name, {})
+    unknown = sorted(set(config) - set(allowed))
+    if unknown:
+        takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
+        raise ValueError(f"--cache-config: {', '.join(map(repr, unknown))} unknown to --cache {name} ({takes})")
+    out = {}
+    for key, (default, least) in allowed.items():
+        value = config.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"--cache-config: {key} must be an integer >= {least}, not {value!r}")
+        out[key] = value
+    return out
+
+
 class ModelSetup(msgspec.Struct, frozen=True, kw_only=True):
     # A local diffusers folder or a hub id.
     model: str
@@ -59,6 +81,8 @@ class ModelSetup(msgspec.Struct, frozen=True, kw_only=True):
     # Step cache method (models/stepcache.py METHODS) and the threshold of requests that send none.
     cache: str = "none"
     cache_threshold: float = 0.1
+    # The method's settings (`--cache-config`, models/stepcache.SETTINGS), e.g. DBCache's {"fn": 2, "bn": 1}.
+    cache_config: dict[str, Any] = {}
     layout: ParallelLayout = msgspec.field(default_factory=lambda: ParallelLayout(1))
     # LoRA adapters registered at start (NAME=PATH each, and every .safetensors file of lora_dir), the bytes resident
     # adapters may take, and the scale the one adapter is fused into the weights at (None: per request).
@@ -310,7 +334,7 @@ def build_adapter(setup: ModelSetup, rank: int = 0) -> ModelAdapter:
                 # CPU), whose pages then stayed in this rank's resident set beside the kept file's: 9.4 GB at
                 # SD3.5-medium size under --cfg-parallel 2, not 5.1.
                 drop_file_pages(str(Path(setup.model) / name))
-    adapter.enable_step_cache(setup.cache, setup.cache_threshold)  # before any request resolves
+    adapter.enable_step_cache(setup.cache, setup.cache_threshold, setup.cache_config)  # before any request resolves
     backend = adapter.set_attention(setup.attention)
     if backend != "sdpa":
         log.info("attention: %s", backend)

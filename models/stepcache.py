@@ -1,4 +1,4 @@
-"""Step caching with a decision per request, inside a batched forward: first-block cache and TeaCache.
+"""Step caching with a decision per request, inside a batched forward: first-block cache, DBCache and TeaCache.
 
 Cache methods elsewhere (diffusers' `first_block_cache` hook, Cache-DiT, TeaCache) decide once for the whole batch
 tensor: in a batch that mixes requests at different steps, with different thresholds or none, that decision is
@@ -8,6 +8,10 @@ previous step:
 - **fbcache** (first-block cache): the first transformer block runs for every row; the signal is the relative L1
   change `mean|r - r_prev| / mean|r_prev|` of the first block's residual (output - input) since the request's last
   fully computed step. Reusing skips the remaining blocks: the request adds the residual they added then.
+- **dbcache** (Cache-DiT's dual block cache; fbcache is its Fn=1, Bn=0): the first `fn` blocks run for every row and
+  their residual is the signal; the last `bn` blocks also run for every row, so a reusing request only skips the
+  middle ones (it adds their image and text residuals of its last computed step, then the last blocks refine that);
+  no request reuses before step `warmup`. Set per server with `--cache-config '{"fn": 2, "bn": 1, "warmup": 4}'`.
 - **teacache**: only the first block's timestep-modulated input (`norm1(h, temb)`) is computed for every row; the
   signal is its relative L1 change since the previous step, rescaled by the family's polynomial (`Method.rescale`:
   FLUX's published coefficients, or a fit beside the weights by `tools/calibrate.py`) and
@@ -35,8 +39,9 @@ import torch
 
 from diffusiond.kernels.host import to_device
 from diffusiond.kernels.lora_rows import LoraLayers
+from diffusiond.models.setup import check_cache_config
 
-METHODS = ("none", "fbcache", "teacache")
+METHODS = ("none", "fbcache", "teacache", "dbcache")
 # TeaCache's polynomial fitted for a checkpoint (tools/calibrate.py), beside its weights.
 CACHE_FILE = "diffusiond_cache.json"
 
@@ -67,12 +72,29 @@ class Method:
     name: str
     coefficients: tuple[float, ...] = IDENTITY
     record: list[tuple[float, float]] | None = field(default=None, repr=False)
+    # DBCache's blocks always computed first and last, and the steps before any reuse (fbcache: 1, 0, 0).
+    fn: int = 1
+    bn: int = 0
+    warmup: int = 0
 
     def rescale(self, x: float) -> float:
         value = 0.0
         for c in self.coefficients:  # Horner
             value = value * x + c
         return max(value, 0.0)  # a fitted polynomial may dip below 0 outside its data; a change cannot
+
+
+def method_of(name: str, config: dict[str, Any], blocks: int, coefficients: tuple[float, ...] = IDENTITY) -> Method:
+    """The server's method from `--cache NAME` and `--cache-config` (`config`, parsed JSON) for a transformer of
+    `blocks` blocks; ValueError naming what is wrong (an unknown key, a bad value, no block left to reuse)."""
+    settings = check_cache_config(name, config)
+    method = Method(name, coefficients, **settings)
+    if name == "dbcache" and method.fn + method.bn >= blocks:
+        raise ValueError(
+            f"--cache-config: fn + bn = {method.fn + method.bn} leaves none of the transformer's {blocks} blocks "
+            "to reuse"
+        )
+    return method
 
 
 @dataclass
@@ -83,6 +105,8 @@ class RequestCache:
 
     signal: torch.Tensor
     rest: torch.Tensor
+    # dbcache with blocks after the reused ones: the text tokens' residual of the reused blocks.
+    rest_text: torch.Tensor | None = None
     computed: int = 0
     reused: int = 0
     accumulated: float = 0.0
@@ -145,20 +169,30 @@ class Batch:
     block_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class Ran:
+    """What `_run_blocks` gives: the image tokens of every row after the blocks (rows that did not run: as they came,
+    in a new tensor), and the running rows' image and text tokens after them (in `computing` order; None when no row
+    ran). `text`: the text tokens of every row, when asked for (`text=True`)."""
+
+    h: torch.Tensor
+    hc: torch.Tensor | None
+    ec: torch.Tensor | None
+    text: torch.Tensor | None = None
+
+
 def _run_blocks(
-    blocks: Sequence[Any], h: torch.Tensor, enc: torch.Tensor, batch: Batch, computing: list[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`blocks` over `h` and `enc`'s rows of the `computing` requests (a sub-batch; all of `h` when every request
-    computes, exactly as the pipeline's forward): (`h` with those rows replaced by their tokens after the blocks, a
-    new tensor; their tokens after the blocks, in `computing` order). Without `computing`: (a copy of `h`, None)."""
+    blocks: Sequence[Any], h: torch.Tensor, enc: torch.Tensor, batch: Batch, computing: list[int], text: bool = False
+) -> Ran:
+    """`blocks` over `h` and `enc`'s rows of the `computing` requests (a sub-batch; all of them when every request
+    computes, exactly as the pipeline's forward)."""
     rows, temb, row_kwargs, lora = batch.rows, batch.temb, batch.row_kwargs, batch.lora
     n = h.shape[0] // rows
     if len(computing) == n:
         hc, ec, tc, index = h, enc, temb, None
     else:
-        out = h.clone()
         if not computing:
-            return out, None
+            return Ran(h.clone(), None, None, enc.clone() if text else None)
         picked = [i * rows + r for i in computing for r in range(rows)]
         index = to_device(picked, h.device)
         hc, ec, tc = h[index], enc[index], temb[index]
@@ -167,9 +201,14 @@ def _run_blocks(
         for block in blocks:
             ec, hc = block(hidden_states=hc, encoder_hidden_states=ec, temb=tc, **row_kwargs, **batch.block_kwargs)
     if index is None:
-        return hc, hc
+        return Ran(hc, hc, ec, ec if text else None)
+    out = h.clone()
     out[index] = hc
-    return out, hc
+    if not text:
+        return Ran(out, hc, ec)
+    out_text = enc.clone()
+    out_text[index] = ec
+    return Ran(out, hc, ec, out_text)
 
 
 def cached_blocks(method: Method, blocks: Sequence[Any], batch: Batch, modulated: Any = None) -> torch.Tensor:
@@ -179,7 +218,7 @@ def cached_blocks(method: Method, blocks: Sequence[Any], batch: Batch, modulated
     modulates its input, for TeaCache (default: its `norm1`)."""
     if method.name == "teacache":
         return _teacache(method, blocks, batch, modulated or _modulated_input)
-    return _fbcache(blocks, batch)
+    return _dbcache(method, blocks, batch)
 
 
 def _modulated_input(block: Any, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
@@ -188,26 +227,44 @@ def _modulated_input(block: Any, h: torch.Tensor, temb: torch.Tensor) -> torch.T
     return block.norm1(h, emb=temb)[0]
 
 
-def _fbcache(blocks: Sequence[Any], batch: Batch) -> torch.Tensor:
+def _dbcache(method: Method, blocks: Sequence[Any], batch: Batch) -> torch.Tensor:
+    """fbcache and DBCache: the first `fn` blocks over every row decide, the middle ones run for the requests that
+    compute, the last `bn` over every row again."""
     h, rows, states = batch.h, batch.rows, batch.states
-    enc1, h1 = blocks[0](
-        hidden_states=h, encoder_hidden_states=batch.enc, temb=batch.temb, **batch.row_kwargs, **batch.block_kwargs
-    )
-    first = h1 - h
-    computing: list[int] = []  # requests whose rows run the remaining blocks
+    middle_end = len(blocks) - method.bn
+    every = list(range(len(states)))
+    front = _run_blocks(blocks[: method.fn], h, batch.enc, batch, every)
+    hf, ef = front.hc, front.ec
+    assert hf is not None
+    first = hf - h
+    computing: list[int] = []  # requests whose rows run the middle blocks
     reusing: list[int] = []
     for i, (state, change) in enumerate(zip(states, changes(first, rows, _signals(states)), strict=True)):
-        (reusing if reuse(state, change) else computing).append(i)
+        warm = state.step_index < method.warmup
+        (reusing if not warm and reuse(state, change) else computing).append(i)
 
-    out, hc = _run_blocks(blocks[1:], h1, enc1, batch, computing)
+    back = method.bn > 0
+    mid = _run_blocks(blocks[method.fn : middle_end], hf, ef, batch, computing, text=back)
     for k, i in enumerate(computing):
-        mine = slice(i * rows, (i + 1) * rows)
-        _renew(states[i], first[mine], hc[k * rows : (k + 1) * rows] - h1[mine])
+        mine, theirs = slice(i * rows, (i + 1) * rows), slice(k * rows, (k + 1) * rows)
+        assert mid.hc is not None
+        _renew(states[i], first[mine], mid.hc[theirs] - hf[mine])
+        if back:  # (the text tokens after the last block: None in SD3, whose last block takes them only)
+            assert mid.ec is not None
+            states[i].cache.rest_text = (mid.ec[theirs] - ef[mine]).clone()
+    out, text = mid.h, mid.text
     for i in reusing:
         mine = slice(i * rows, (i + 1) * rows)
-        out[mine] = h1[mine] + states[i].cache.rest
-        states[i].cache.reused += 1
-    return out
+        cache = states[i].cache
+        out[mine] = hf[mine] + cache.rest
+        if back:
+            assert text is not None and cache.rest_text is not None
+            text[mine] = ef[mine] + cache.rest_text
+        cache.reused += 1
+    if not back:
+        return out
+    assert text is not None
+    return _run_blocks(blocks[middle_end:], out, text, batch, every).h
 
 
 def _teacache(method: Method, blocks: Sequence[Any], batch: Batch, modulate: Any) -> torch.Tensor:
@@ -222,9 +279,11 @@ def _teacache(method: Method, blocks: Sequence[Any], batch: Batch, modulate: Any
         estimates.append(estimate)
         (reusing if reuse(state, estimate) else computing).append(i)
 
-    out, hc = _run_blocks(blocks, h, batch.enc, batch, computing)
+    ran = _run_blocks(blocks, h, batch.enc, batch, computing)
+    out, hc = ran.h, ran.hc
     for k, i in enumerate(computing):
         mine = slice(i * rows, (i + 1) * rows)
+        assert hc is not None
         residual = hc[k * rows : (k + 1) * rows] - h[mine]
         state = states[i]
         if method.record is not None and state.cache is not None and raw[i] is not None:

@@ -264,7 +264,7 @@ def _t5(tok: Any, d_model: int) -> Any:
     return T5EncoderModel(config)
 
 
-def _build_sd3(**layout: Any) -> Any:
+def _build_sd3(num_layers: int = 2, **layout: Any) -> Any:
     """`layout`: the transformer arguments that set SD3.5 apart (RMS q/k norms, dual attention layers)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextModelWithProjection
@@ -274,7 +274,7 @@ def _build_sd3(**layout: Any) -> Any:
         patch_size=2,
         in_channels=16,
         out_channels=16,
-        num_layers=2,
+        num_layers=num_layers,
         attention_head_dim=8,
         num_attention_heads=4,
         joint_attention_dim=64,
@@ -304,7 +304,7 @@ def _build_sd3(**layout: Any) -> Any:
     )
 
 
-def _build_flux(pipeline: str = "FluxPipeline") -> Any:
+def _build_flux(pipeline: str = "FluxPipeline", num_layers: int = 1, num_single_layers: int = 1) -> Any:
     """`pipeline`: FluxPipeline, or FluxKontextPipeline (the same components)."""
     import diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
@@ -313,8 +313,8 @@ def _build_flux(pipeline: str = "FluxPipeline") -> Any:
     transformer = FluxTransformer2DModel(
         patch_size=1,
         in_channels=64,  # 16 latent channels packed 2x2
-        num_layers=1,
-        num_single_layers=1,
+        num_layers=num_layers,
+        num_single_layers=num_single_layers,
         attention_head_dim=16,
         num_attention_heads=2,
         joint_attention_dim=32,  # == T5 d_model

@@ -143,10 +143,10 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
         self._one_expert("--tp")
         super().enable_tp(mesh)
 
-    def enable_step_cache(self, method: str, threshold: float) -> None:
+    def enable_step_cache(self, method: str, threshold: float, config: dict[str, Any] | None = None) -> None:
         if method != "none":
             self._one_expert(f"--cache {method}")
-        super().enable_step_cache(method, threshold)
+        super().enable_step_cache(method, threshold, config)
 
     def enable_shard_weights(self, mesh: Any) -> None:
         """Sharded weights exist whole only inside their block's forward: the projections are made there again (no

@@ -63,6 +63,31 @@ def tiny_sd3(tmp_path_factory) -> str:
     return str(build_tiny("sd3", tmp_path_factory.mktemp("tiny") / "sd3"))
 
 
+def _deep(builder: Callable[[], Any], out: Any) -> str:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        builder().save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_deep(tmp_path_factory) -> str:
+    """Tiny SD3 with 5 blocks (DBCache's first, middle and last ones; the last takes the text tokens only)."""
+    from diffusiond.models import tiny
+
+    return _deep(lambda: tiny._build_sd3(num_layers=5), tmp_path_factory.mktemp("tiny") / "sd3-deep")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_deep(tmp_path_factory) -> str:
+    """Tiny FLUX.1 with 2 double-stream and 3 single-stream blocks (a DBCache span crosses from one to the other)."""
+    from diffusiond.models import tiny
+
+    return _deep(
+        lambda: tiny._build_flux(num_layers=2, num_single_layers=3), tmp_path_factory.mktemp("tiny") / "flux-deep"
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_sd3_stochastic(tiny_sd3, tmp_path_factory) -> str:
     """Tiny SD3 whose scheduler samples with fresh noise at every step (`stochastic_sampling`, as the bundled

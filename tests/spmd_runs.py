@@ -142,6 +142,12 @@ def launch(cmd: list[str], nproc: int, env: dict[str, str], out: Path, timeout: 
     assert codes == [0] * nproc, "\n".join(logs)
 
 
+def enable_cache(adapter, cache: str) -> None:
+    """`cache`: a method, or METHOD:JSON with its `--cache-config` (the worker reads it the same way)."""
+    name, _, config = cache.partition(":")
+    adapter.enable_step_cache(name, 0.0, json.loads(config) if config else None)
+
+
 def one_rank(model: str, requests, cache: str | None = None, loras=(), sounds: list | None = None) -> list[np.ndarray]:
     """The requests' images through one rank in this process; `sounds`, when given, gets each request's sound
     track (video with sound)."""
@@ -149,7 +155,7 @@ def one_rank(model: str, requests, cache: str | None = None, loras=(), sounds: l
     async def run():
         adapter = load_adapter(model)
         if cache:
-            adapter.enable_step_cache(cache, 0.0)
+            enable_cache(adapter, cache)
         if loras:
             registry = adapter.enable_lora(1 << 30)
             for name, path in loras:

@@ -3,14 +3,19 @@ checkpoint, prompts and seeds) through the engine, 8 at a time (continuous batch
 Reports the speed-up, the agreement with the exact images (PSNR, SSIM, and the judge's accuracy for the bundled
 model) and the share of request-steps that reused their cache.
 
-    python -m diffusiond.tools.cache [--model DIR] [--steps N] [--requests 32] [--methods fbcache,teacache]
-        [--thresholds 0.05,0.1,0.2] [--teacache-thresholds 0.1,0.2,0.4]
+    python -m diffusiond.tools.cache [--model DIR] [--steps N] [--requests 32] [--methods fbcache,dbcache,teacache]
+        [--thresholds 0.05,0.1,0.2] [--teacache-thresholds 0.1,0.2,0.4] [--cache-config JSON]
+        [--scheduler-config JSON]
+
+`--cache-config` is dbcache's (as `serve --cache-config`); `--scheduler-config` changes the checkpoint's scheduler at
+load (as `serve`'s: '{"stochastic_sampling": false}' samples the bundled model deterministically).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import time
 
 import numpy as np
@@ -77,9 +82,12 @@ async def main(args: argparse.Namespace) -> None:
 
     adapters = []
 
+    def settings(method: str) -> dict | None:
+        return json.loads(args.cache_config) if method == "dbcache" and args.cache_config else None
+
     def load():
-        adapter = load_adapter(model)
-        adapter.enable_step_cache(args.methods[0], 0.0)
+        adapter = load_adapter(model, scheduler_config=json.loads(args.scheduler_config or "{}"))
+        adapter.enable_step_cache(args.methods[0], 0.0, settings(args.methods[0]))
         adapters.append(adapter)
         return adapter
 
@@ -110,7 +118,7 @@ async def main(args: argparse.Namespace) -> None:
         runs += [(method, t) for t in thresholds]
     for method, threshold in runs:
         # Between runs, with no request in flight: Python attributes only, no torch work off the step thread.
-        adapters[0].enable_step_cache(method, 0.0)
+        adapters[0].enable_step_cache(method, 0.0, settings(method))
         times = []
         for _ in range(args.repeats):
             counts.update(reused=0, decided=0)
@@ -120,7 +128,7 @@ async def main(args: argparse.Namespace) -> None:
         if exact is None:
             exact, exact_time = images, seconds
         row = {
-            "method": method if threshold > 0 else "exact",
+            "method": (method + (f" {args.cache_config}" if settings(method) else "")) if threshold > 0 else "exact",
             "threshold": threshold,
             "seconds": round(seconds, 3),
             "speedup": round(exact_time / seconds, 3),
@@ -147,8 +155,10 @@ def cli() -> None:
     parser.add_argument("--threads", type=int, default=2)
     floats = lambda s: [float(v) for v in s.split(",")]  # noqa: E731
     parser.add_argument("--methods", type=lambda s: s.split(","), default=["fbcache", "teacache"])
-    parser.add_argument("--thresholds", type=floats, default=[0.05, 0.1, 0.2, 0.4], help="fbcache's")
+    parser.add_argument("--thresholds", type=floats, default=[0.05, 0.1, 0.2, 0.4], help="fbcache's and dbcache's")
     parser.add_argument("--teacache-thresholds", type=floats, default=[0.1, 0.2, 0.4, 0.8], help="teacache's")
+    parser.add_argument("--cache-config", metavar="JSON", help='dbcache\'s settings, e.g. \'{"fn": 1, "bn": 1}\'')
+    parser.add_argument("--scheduler-config", metavar="JSON", help="scheduler settings changed at load")
     asyncio.run(main(parser.parse_args()))
 
 

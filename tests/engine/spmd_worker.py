@@ -216,7 +216,8 @@ def main() -> None:
     if len(sys.argv) > 6:
         from diffusiond.models import stepcache
 
-        rank.adapter.enable_step_cache(sys.argv[6], 0.0)
+        name, _, config = sys.argv[6].partition(":")
+        rank.adapter.enable_step_cache(name, 0.0, json.loads(config) if config else None)
         original = stepcache.reuse
 
         def recording(state, change):

@@ -18,6 +18,8 @@ from diffusiond.models.loader import load_adapter
 from diffusiond.models.params import SamplingParams
 
 TOLERANCE = 1e-4
+# `--cache dbcache` with `--cache-config` (NAME:JSON, as one_rank and the worker take a cache).
+DBCACHE = 'dbcache:{"fn": 2, "bn": 1, "warmup": 1}'  # these requests run 2-4 steps
 # Guidance-distilled families: one row per request, never a CFG batch.
 DISTILLED = ("flux2",)
 
@@ -303,16 +305,17 @@ def test_sharded_weights_match_one_rank(family, strategy, request, tmp_path):
         assert diff <= TOLERANCE, f"{family}/shard {params.prompt!r}: max abs diff {diff}"
 
 
-@pytest.mark.parametrize("method", ["fbcache", "teacache"])
+@pytest.mark.parametrize("method", ["fbcache", "teacache", DBCACHE])
 @pytest.mark.parametrize("strategy", ["cfg", "ulysses"])
 @pytest.mark.parametrize("family", ["sd3", "flux"])
 def test_step_cache_decisions_agree_across_ranks(family, strategy, method, request, tmp_path):
     """Step caching on 2 ranks: a request split across ranks (a CFG row, or a token shard, each) decides once from
     sums all-reduced over the ranks. Every rank makes the same decisions, some requests do reuse, and the images are
-    the ones one rank gives with the same thresholds."""
+    the ones one rank gives with the same thresholds. DBCache on the deeper tiny checkpoints (its last blocks
+    refine what the reused span's residuals give; under Ulysses each rank holds its shard's)."""
     import msgspec.structs
 
-    model = request.getfixturevalue(f"tiny_{family}")
+    model = request.getfixturevalue(f"tiny_{family}" + ("_deep" if method == DBCACHE else ""))
     thresholds = [0.0, 10.0, 0.5, 10.0, 0.0, 10.0, 10.0]
     requests = [
         msgspec.structs.replace(p, cache_threshold=t) for p, t in zip(REQUESTS[family], thresholds, strict=False)

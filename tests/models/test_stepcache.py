@@ -14,16 +14,11 @@ import asyncio
 
 import numpy as np
 import pytest
+from caching import ATOL, params, run
 
-from diffusiond.engine.engine import Engine
-from diffusiond.engine.outputs import Completed
 from diffusiond.models import stepcache
 from diffusiond.models.loader import load_adapter
-from diffusiond.models.params import ParamError, SamplingParams
-
-# Batched rows may differ from a row computed alone in the last bits (matmul blocking); as tests/engine/test_batching.
-ATOL = 1e-5
-
+from diffusiond.models.params import ParamError
 
 FIXTURES = {"sd3": "tiny_sd3", "flux": "tiny_flux", "qwen-image": "tiny_qwenimage"}
 
@@ -48,34 +43,6 @@ def cached(family, method, request):
     adapter = load_adapter(request.getfixturevalue(FIXTURES[family]))
     adapter.enable_step_cache(method, 0.0)
     return adapter
-
-
-def params(seed: int, steps: int = 8, threshold: float | None = None) -> SamplingParams:
-    return SamplingParams(
-        # Prompts of two lengths: families with texts of their own length (Qwen-Image) batch them padded and masked.
-        prompt=f"a shape {seed}" + " on a blue background" * (seed % 2),
-        seed=seed,
-        width=64,
-        height=64,
-        num_inference_steps=steps,
-        # Each family's default guidance (SD3's CFG 7, FLUX's distilled 3.5; Qwen-Image's is true CFG, which takes a
-        # negative prompt, and refuses guidance_scale).
-        cache_threshold=threshold,
-    )
-
-
-async def run(adapter, requests: list[SamplingParams], together: bool) -> list[np.ndarray]:
-    engine = Engine(adapter, max_batch=8, batch_wait=0.5 if together else 0.0)
-    await engine.start()
-    try:
-        if together:
-            results = await asyncio.gather(*(engine.add_request(p).result() for p in requests))
-        else:
-            results = [await engine.add_request(p).result() for p in requests]
-    finally:
-        await engine.stop()
-    assert all(isinstance(r, Completed) for r in results), results
-    return [r.image for r in results]
 
 
 def test_threshold_zero_is_exact(plain, cached):
@@ -207,12 +174,15 @@ def test_calibration_fits_the_checkpoint(tmp_path, request):
 
 
 @pytest.mark.asyncio
-async def test_over_http_per_request_thresholds(serve):
+async def test_over_http_per_request_thresholds(serve, tiny_sd3_deep):
     import aiohttp
 
     from diffusiond.bench.serve import sse_events
 
     cached_servers = [serve(cache=method, cache_threshold=0.0) for method in ("fbcache", "teacache")]
+    # DBCache as docs/acceleration.md starts it, on a checkpoint with blocks left between the first and the last.
+    dbcache = '{"fn": 1, "bn": 1, "warmup": 2}'
+    cached_servers.append(serve(model=tiny_sd3_deep, cache="dbcache", cache_config=dbcache, cache_threshold=0.0))
     cached_server = cached_servers[0]
     plain_server = serve()
     body = {"prompt": "a red circle", "width": 64, "height": 64, "num_inference_steps": 6, "cache_threshold": 10.0}

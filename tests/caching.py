@@ -1,0 +1,43 @@
+"""Helpers of the step cache tests (tests/models/test_stepcache.py, test_dbcache.py): requests, and an engine that
+runs them together in one batch or one after another. On the test path (`pythonpath` in pyproject.toml)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from diffusiond.engine.engine import Engine
+from diffusiond.engine.outputs import Completed
+from diffusiond.models.params import SamplingParams
+
+# Batched rows may differ from a row computed alone in the last bits (matmul blocking); as tests/engine/test_batching.
+ATOL = 1e-5
+
+
+def params(seed: int, steps: int = 8, threshold: float | None = None) -> SamplingParams:
+    return SamplingParams(
+        # Prompts of two lengths: families with texts of their own length (Qwen-Image) batch them padded and masked.
+        prompt=f"a shape {seed}" + " on a blue background" * (seed % 2),
+        seed=seed,
+        width=64,
+        height=64,
+        num_inference_steps=steps,
+        # Each family's default guidance (SD3's CFG 7, FLUX's distilled 3.5; Qwen-Image's is true CFG, which takes a
+        # negative prompt, and refuses guidance_scale).
+        cache_threshold=threshold,
+    )
+
+
+async def run(adapter, requests: list[SamplingParams], together: bool) -> list[np.ndarray]:
+    engine = Engine(adapter, max_batch=8, batch_wait=0.5 if together else 0.0)
+    await engine.start()
+    try:
+        if together:
+            results = await asyncio.gather(*(engine.add_request(p).result() for p in requests))
+        else:
+            results = [await engine.add_request(p).result() for p in requests]
+    finally:
+        await engine.stop()
+    assert all(isinstance(r, Completed) for r in results), results
+    return [r.image for r in results]

@@ -155,7 +155,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # their own; 0 is exact); "dbcache" is fbcache with more blocks always computed first (fn) and last (bn) and a
     # warm-up, set in cache_config (a JSON object, `cache_settings`). Families that declare it; under several ranks the
     # ranks agree on every decision.
-    cache: Literal["none", "fbcache", "teacache", "dbcache"] = "none"
+    cache: Literal["none", "fbcache", "teacache", "dbcache", "x0cache"] = "none"
     cache_config: str | None = None
     # Attention kernel (kernels/attention.py), through diffusers' attention dispatch: auto = flash-attn on a CUDA
     # device where it is installed, SDPA otherwise. One that cannot run here stops the start with a clear error.

@@ -197,17 +197,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument_group("acceleration").add_argument
     add(
         "--cache",
-        choices=["none", "fbcache", "teacache", "dbcache"],
+        choices=["none", "fbcache", "teacache", "dbcache", "x0cache"],
         help="step caching, decided per request: fbcache = first-block cache, teacache = TeaCache (its polynomial: "
         "`python -m diffusiond.tools.calibrate`, or the family's published one), dbcache = dual block cache "
-        f"(--cache-config) (default: {d.cache})",
+        "(--cache-config), x0cache = holds a request's predicted clean image through a step (for samplers that add "
+        f"noise at every step, as the bundled model's) (default: {d.cache})",
     )
     add(
         "--cache-config",
         metavar="JSON",
         help="the method's settings as a JSON object; dbcache: fn (blocks always computed first, default 1), bn "
         "(always computed last, default 0), warmup (steps before any reuse, default 0), e.g. "
-        '\'{"fn": 2, "bn": 1, "warmup": 4}\'',
+        '\'{"fn": 2, "bn": 1, "warmup": 4}\'; x0cache: max_run (steps reused in a row at most, default 1)',
     )
     add(
         "--cache-threshold",

@@ -241,7 +241,8 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
             raise ValueError(f"unknown cache method {method!r}; choose from {', '.join(stepcache.METHODS)}")
         if method != "none" and method not in self.cache_methods:
             raise ValueError(f"--cache {method} is not implemented for the {self.family} family yet")
-        if method != "none" and self.pipe.scheduler.config.get("stochastic_sampling", False):
+        stochastic = self.pipe.scheduler.config.get("stochastic_sampling", False)
+        if method not in ("none", "x0cache") and stochastic:  # x0cache reads what stays smooth under the noise
             log.warning(
                 "--cache %s: the scheduler samples with fresh noise at every step (stochastic_sampling), so the "
                 "blocks' input changes too much between steps to reuse their residuals; to sample deterministically, "

@@ -42,7 +42,10 @@ class SetupError(ValueError):
 
 # What `--cache-config` may set for each step cache method (models/stepcache.py), each setting's default and least
 # value.
-CACHE_SETTINGS: dict[str, dict[str, tuple[int, int]]] = {"dbcache": {"fn": (1, 1), "bn": (0, 0), "warmup": (0, 0)}}
+CACHE_SETTINGS: dict[str, dict[str, tuple[int, int]]] = {
+    "dbcache": {"fn": (1, 1), "bn": (0, 0), "warmup": (0, 0)},
+    "x0cache": {"max_run": (1, 1)},
+}
 
 
 def check_cache_config(name: str, config: dict[str, Any]) -> dict[str, int]:

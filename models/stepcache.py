@@ -18,8 +18,16 @@ previous step:
   accumulated over the steps the request reused. Reusing skips every block: the request adds the residual all blocks
   added at its last computed step; computing resets the accumulator.
 
-In both, a request's change is measured over its rows (both CFG rows: one decision per request, residuals per row).
-Below the request's threshold it reuses; at or above it (and always at its first and last step, and with threshold
+- **x0cache**: decides before anything runs, from the request's own history: the relative change of its predicted
+  clean image (`x0 = x - sigma * v`, flow matching) between its last two computed steps, per step, times the steps
+  since the last computed one. Reusing skips every block, and the request's output is the one that predicts that
+  same clean image from this step's input (`v = (x - x0) / sigma`): the sampler holds its clean image for the step.
+  At most `max_run` steps in a row reuse (`--cache-config '{"max_run": 2}'`; default 1).
+  What it reads stays smooth under samplers that add fresh noise at every step (the bundled model's), where the
+  blocks' input and residuals do not.
+
+In all of them, a request's change is measured over its rows (both CFG rows: one decision per request, residuals per
+row). Below the request's threshold it reuses; at or above it (and always at its first and last step, and with threshold
 0) its rows go through the blocks in a sub-batch of the requests that compute, and its cache is renewed. State lives
 on the request's `RequestState.cache` and goes with it. Exactness: with threshold 0 every row computes, through the
 same blocks in the same order as the pipeline's forward (tests compare with diffusers).
@@ -41,7 +49,7 @@ from diffusiond.kernels.host import to_device
 from diffusiond.kernels.lora_rows import LoraLayers
 from diffusiond.models.setup import check_cache_config
 
-METHODS = ("none", "fbcache", "teacache", "dbcache")
+METHODS = ("none", "fbcache", "teacache", "dbcache", "x0cache")
 # TeaCache's polynomial fitted for a checkpoint (tools/calibrate.py), beside its weights.
 CACHE_FILE = "diffusiond_cache.json"
 
@@ -76,6 +84,8 @@ class Method:
     fn: int = 1
     bn: int = 0
     warmup: int = 0
+    # x0cache: the most steps a request reuses in a row.
+    max_run: int = 1
 
     def rescale(self, x: float) -> float:
         value = 0.0
@@ -107,6 +117,11 @@ class RequestCache:
     rest: torch.Tensor
     # dbcache with blocks after the reused ones: the text tokens' residual of the reused blocks.
     rest_text: torch.Tensor | None = None
+    # x0cache (`signal`: the predicted clean image of the last computed step; `rest` unused): its relative change per
+    # step between the last two computed steps, the steps since the last computed one, and whether this step reuses.
+    rate: float | None = None
+    since: int = 0
+    holding: bool = False
     computed: int = 0
     reused: int = 0
     accumulated: float = 0.0
@@ -218,7 +233,52 @@ def cached_blocks(method: Method, blocks: Sequence[Any], batch: Batch, modulated
     modulates its input, for TeaCache (default: its `norm1`)."""
     if method.name == "teacache":
         return _teacache(method, blocks, batch, modulated or _modulated_input)
+    if method.name == "x0cache":
+        return _x0cache(method, blocks, batch)
     return _dbcache(method, blocks, batch)
+
+
+def _x0cache(method: Method, blocks: Sequence[Any], batch: Batch) -> torch.Tensor:
+    """x0cache's decision and blocks: the reusing requests' rows run none (their output is replaced by `settle`)."""
+    computing: list[int] = []
+    for i, state in enumerate(batch.states):
+        cache = state.cache
+        estimate = None if cache is None or cache.rate is None else cache.rate * (cache.since + 1)
+        if cache is not None and cache.since >= method.max_run:
+            estimate = None  # computes: reused max_run steps in a row
+        if reuse(state, estimate):
+            cache.holding = True
+            cache.since += 1
+            cache.reused += 1
+        else:
+            computing.append(i)
+    return _run_blocks(blocks, batch.h, batch.enc, batch, computing).h
+
+
+def settle(method: Method, out: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, rows: int, states: Sequence[Any]):
+    """x0cache, after the forward: the model output `out` [B * rows, ...] for the input `x` at noise levels `sigma`
+    [B * rows]. A computing request's predicted clean image renews its cache (and its rate of change, measured over
+    all its rows on every rank: `changes`); a reusing request's rows become the output that predicts its cached one.
+    Other methods: `out` as it is."""
+    if method.name != "x0cache":
+        return out
+    sigma = sigma.to(out.dtype).view(-1, *([1] * (out.dim() - 1)))
+    x0 = x - sigma * out
+    previous = [None if s.cache is None or s.cache.holding else s.cache.signal for s in states]
+    for i, (state, change) in enumerate(zip(states, changes(x0, rows, previous), strict=True)):
+        mine = slice(i * rows, (i + 1) * rows)
+        cache = state.cache
+        if cache is not None and cache.holding:
+            out[mine] = (x[mine] - cache.signal) / sigma[mine]
+            cache.holding = False
+        elif cache is None:
+            state.cache = RequestCache(x0[mine].clone(), torch.empty(0), computed=1)
+        else:
+            assert change is not None
+            cache.rate = change / (cache.since + 1)
+            cache.signal, cache.since = x0[mine].clone(), 0
+            cache.computed += 1
+    return out
 
 
 def _modulated_input(block: Any, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
@@ -328,7 +388,8 @@ def sd3_forward(
     p = t.config.patch_size
     hidden = hidden.reshape(hidden.shape[0], height // p, width // p, p, p, t.out_channels)
     hidden = torch.einsum("nhwpqc->nchpwq", hidden)
-    return hidden.reshape(hidden.shape[0], t.out_channels, height, width)
+    hidden = hidden.reshape(hidden.shape[0], t.out_channels, height, width)
+    return settle(method, hidden, x, batched["timestep"] / 1000, rows, states)  # SD3's timestep: sigma x 1000
 
 
 @torch.inference_mode()
@@ -365,7 +426,10 @@ def flux_forward(
     out = cached_blocks(
         method, blocks, Batch(h, enc, temb, rows, states, lora=LoraLayers.of(t), block_kwargs=block_kwargs)
     )
-    return t.proj_out(t.norm_out(out, temb))
+    # (Under Ulysses the last block gathers the tokens: the output, as the input here, is every token.)
+    return settle(
+        method, t.proj_out(t.norm_out(out, temb)), batched["hidden_states"], batched["timestep"], rows, states
+    )
 
 
 def _qwen_modulated(block: Any, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
@@ -409,4 +473,6 @@ def qwen_forward(
         block_kwargs={"image_rotary_emb": rotary, "joint_attention_kwargs": None},
     )
     out = cached_blocks(method, t.transformer_blocks, batch, modulated=_qwen_modulated)
-    return t.proj_out(t.norm_out(out, temb))
+    return settle(
+        method, t.proj_out(t.norm_out(out, temb)), batched["hidden_states"], batched["timestep"], rows, states
+    )

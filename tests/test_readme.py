@@ -62,7 +62,7 @@ ELSEWHERE: list[tuple[str, str]] = [
     (r"diffusiond serve --port 800[12] --unready-delay 2", "tests/deploy/test_haproxy.py"),
     (r"haproxy -f deploy/haproxy/haproxy\.cfg", "tests/deploy/test_haproxy.py"),
     (r"diffusiond serve --cache teacache --scheduler-config", "tests/models/test_demo.py"),
-    (r"diffusiond serve --cache (fb|tea|db)cache", "tests/models/test_stepcache.py"),
+    (r"diffusiond serve --cache (fb|tea|db|x0)cache", "tests/models/test_stepcache.py"),
     (r"python -m diffusiond\.tools\.calibrate", "tests/models/test_stepcache.py"),
     (r"diffusiond serve --quantize", "tests/kernels/test_quantize.py"),
     (r"pip install -c constraints/cpu\.txt -e '\.\[quant\]'", "tests/service/test_packaging.py"),

@@ -16,7 +16,8 @@ their cache, and for the bundled model the judge's accuracy (all five attributes
 The bundled model samples with fresh noise at every step (`stochastic_sampling`), which leaves the step caches
 nothing to reuse: measure them on it with `--scheduler-config '{"stochastic_sampling": false}'`.
 
-A configuration is `+`-joined parts: `exact`, `fbcache:X`, `teacache:X`, `compile`, `int8`, `int8-dynamic`.
+A configuration is `+`-joined parts: `exact`, `fbcache:X`, `teacache:X`, `dbcache:X`, `x0cache:X` (their settings
+as `--cache-config` defaults them), `compile`, `int8`, `int8-dynamic`.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def parse(config: str) -> dict:
             out["compile"] = True
         elif name in ("int8", "int8-dynamic"):
             out["quantize"] = name
-        elif name in ("fbcache", "teacache"):
+        elif name in ("fbcache", "teacache", "dbcache", "x0cache"):
             out["cache"], out["threshold"] = name, float(value)
         else:
             raise SystemExit(f"unknown configuration part {part!r}")

@@ -3,12 +3,12 @@ checkpoint, prompts and seeds) through the engine, 8 at a time (continuous batch
 Reports the speed-up, the agreement with the exact images (PSNR, SSIM, and the judge's accuracy for the bundled
 model) and the share of request-steps that reused their cache.
 
-    python -m diffusiond.tools.cache [--model DIR] [--steps N] [--requests 32] [--methods fbcache,dbcache,teacache]
-        [--thresholds 0.05,0.1,0.2] [--teacache-thresholds 0.1,0.2,0.4] [--cache-config JSON]
-        [--scheduler-config JSON]
+    python -m diffusiond.tools.cache [--model DIR] [--steps N] [--requests 32]
+        [--methods fbcache,dbcache,teacache,x0cache] [--thresholds 0.05,0.1,0.2] [--teacache-thresholds 0.1,0.2,0.4]
+        [--cache-config JSON] [--scheduler-config JSON]
 
-`--cache-config` is dbcache's (as `serve --cache-config`); `--scheduler-config` changes the checkpoint's scheduler at
-load (as `serve`'s: '{"stochastic_sampling": false}' samples the bundled model deterministically).
+`--cache-config` is dbcache's or x0cache's (as `serve --cache-config`); `--scheduler-config` changes the checkpoint's
+scheduler at load (as `serve`'s: '{"stochastic_sampling": false}' samples the bundled model deterministically).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ async def main(args: argparse.Namespace) -> None:
     adapters = []
 
     def settings(method: str) -> dict | None:
-        return json.loads(args.cache_config) if method == "dbcache" and args.cache_config else None
+        return json.loads(args.cache_config) if method in ("dbcache", "x0cache") and args.cache_config else None
 
     def load():
         adapter = load_adapter(model, scheduler_config=json.loads(args.scheduler_config or "{}"))
@@ -157,7 +157,7 @@ def cli() -> None:
     parser.add_argument("--methods", type=lambda s: s.split(","), default=["fbcache", "teacache"])
     parser.add_argument("--thresholds", type=floats, default=[0.05, 0.1, 0.2, 0.4], help="fbcache's and dbcache's")
     parser.add_argument("--teacache-thresholds", type=floats, default=[0.1, 0.2, 0.4, 0.8], help="teacache's")
-    parser.add_argument("--cache-config", metavar="JSON", help='dbcache\'s settings, e.g. \'{"fn": 1, "bn": 1}\'')
+    parser.add_argument("--cache-config", metavar="JSON", help="dbcache's or x0cache's, e.g. '{\"fn\": 1, \"bn\": 1}'")
     parser.add_argument("--scheduler-config", metavar="JSON", help="scheduler settings changed at load")
     asyncio.run(main(parser.parse_args()))
 

@@ -134,6 +134,7 @@ def test_a_reused_span_adds_its_image_and_text_residuals():
     if both residuals of the span were added (the last block reads the text tokens the span made)."""
     shifts = [Shift(1.0), Shift(2.0), Shift(3.0), Shift(4.0)]
     method = stepcache.method_of("dbcache", {"fn": 1, "bn": 1}, len(shifts))
+    torch.manual_seed(0)
     h, enc, temb = torch.randn(2, 3, 4), torch.randn(2, 5, 4), torch.zeros(2, 4)
     state = SimpleNamespace(
         request_id="a", params=SimpleNamespace(cache_threshold=0.5), step_index=0, total_steps=5, cache=None
@@ -142,7 +143,7 @@ def test_a_reused_span_adds_its_image_and_text_residuals():
     state.step_index = 1
     reused = stepcache.cached_blocks(method, shifts, stepcache.Batch(h, enc, temb, 2, [state]))
     assert (state.cache.computed, state.cache.reused) == (1, 1)
-    torch.testing.assert_close(reused, computed, rtol=0, atol=1e-6)
+    torch.testing.assert_close(reused, computed, rtol=1e-6, atol=1e-5)  # (sums in another order: rounding)
 
 
 def test_settings_are_checked():

@@ -33,7 +33,7 @@ def plain(family, request):
     return load_adapter(request.getfixturevalue(FIXTURES[family]))
 
 
-@pytest.fixture(scope="module", params=["fbcache", "teacache"])
+@pytest.fixture(scope="module", params=["fbcache", "teacache", "x0cache"])
 def method(request):
     return request.param
 
@@ -179,7 +179,7 @@ async def test_over_http_per_request_thresholds(serve, tiny_sd3_deep):
 
     from diffusiond.bench.serve import sse_events
 
-    cached_servers = [serve(cache=method, cache_threshold=0.0) for method in ("fbcache", "teacache")]
+    cached_servers = [serve(cache=method, cache_threshold=0.0) for method in ("fbcache", "teacache", "x0cache")]
     # DBCache as docs/acceleration.md starts it, on a checkpoint with blocks left between the first and the last.
     dbcache = '{"fn": 1, "bn": 1, "warmup": 2}'
     cached_servers.append(serve(model=tiny_sd3_deep, cache="dbcache", cache_config=dbcache, cache_threshold=0.0))

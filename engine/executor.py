@@ -82,6 +82,13 @@ class ExecResult:
     # stage -> seconds: encode, denoise, sampler, preview, decode (on CUDA, of stages the GPU has finished by now).
     timings: dict[str, float] = field(default_factory=dict)
     batch_size: int = 0
+    # Requests of the forward that reused their step cache (models/stepcache.py `RequestCache.reused`).
+    reused: int = 0
+
+
+def _reused(states: Sequence[RequestState]) -> int:
+    """The step cache reuses so far of these requests (counted by models/stepcache.py)."""
+    return sum(s.cache.reused for s in states if s.cache is not None)
 
 
 def public_error(request_id: str, stage: str, rank: int | None = None) -> str:
@@ -130,9 +137,11 @@ class Executor:
         batch = self._batch(plan.advance, dropped)
         if not batch:
             return self._done(result)
+        running, reused = batch, _reused(batch)
         with stage("denoise"):
             batch, model_output = self._denoise(batch, result)
         result.batch_size = len(batch)
+        result.reused = _reused(running) - reused
         if not batch:
             return self._done(result)
 

@@ -7,9 +7,10 @@ from typing import Protocol
 
 
 class EngineObserver(Protocol):
-    def on_step(self, timings: dict[str, float], batch_size: int, advanced: int) -> None:
+    def on_step(self, timings: dict[str, float], batch_size: int, advanced: int, reused: int = 0) -> None:
         """One executed plan: seconds per stage (broadcast, encode, denoise, sampler, preview, decode) and the
-        number of requests that shared its forward (0: no forward ran), and how many of them advanced a step."""
+        number of requests that shared its forward (0: no forward ran), how many of them advanced a step, and how
+        many of those reused their step cache (models/stepcache.py: blocks skipped)."""
 
     def on_counts(self, waiting: int, running: int) -> None:
         """The scheduler's queue and running set changed size (after a step, an admission or a cancel)."""
@@ -33,7 +34,7 @@ class EngineObserver(Protocol):
 
 
 class NullObserver:
-    def on_step(self, timings: dict[str, float], batch_size: int, advanced: int) -> None:
+    def on_step(self, timings: dict[str, float], batch_size: int, advanced: int, reused: int = 0) -> None:
         pass
 
     def on_counts(self, waiting: int, running: int) -> None:

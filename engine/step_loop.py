@@ -159,7 +159,7 @@ class StepLoop:
         result.timings["broadcast"] = broadcast
         events.extend(self._events_for(plan, result))
         if not quiet:
-            engine.observer.on_step(result.timings, result.batch_size, len(result.advanced))
+            engine.observer.on_step(result.timings, result.batch_size, len(result.advanced), result.reused)
         self._report_counts()
         self.trimmer.stepped()
 

@@ -9,13 +9,14 @@ class PrometheusObserver:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
-    def on_step(self, timings: dict[str, float], batch_size: int, advanced: int) -> None:
+    def on_step(self, timings: dict[str, float], batch_size: int, advanced: int, reused: int = 0) -> None:
         m = self.metrics
         for stage, seconds in timings.items():
             m.stage_seconds.labels(stage).observe(seconds)
         if batch_size:
             m.batch_size.observe(batch_size)
         m.steps.inc(advanced)
+        m.cache_reused.inc(reused)
 
     def on_counts(self, waiting: int, running: int) -> None:
         self.metrics.waiting.set(waiting)

@@ -109,6 +109,11 @@ class Metrics:
             registry=r,
         )
         self.steps = Counter("diffusiond_steps", "Denoising steps advanced, summed over requests.", registry=r)
+        self.cache_reused = Counter(
+            "diffusiond_step_cache_reused",
+            "Denoising steps that reused their step cache (--cache: transformer blocks skipped), summed over requests.",
+            registry=r,
+        )
         # Per tenant (daemon/tenants.py): the labels are the tenant names of the operator's file, never a client's.
         self.tenant_requests = Counter(
             "diffusiond_tenant_requests",

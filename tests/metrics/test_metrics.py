@@ -69,6 +69,7 @@ def test_counts_agree_with_requests_and_steps(live):
         return after[key] - before.get(key, 0.0)
 
     assert delta("diffusiond_steps_total") == k * s
+    assert delta("diffusiond_step_cache_reused_total") == 0  # no --cache
     assert delta('diffusiond_requests_total{outcome="completed"}') == k
     assert delta('diffusiond_request_duration_seconds_count{outcome="completed"}') == k
     assert delta("diffusiond_queue_wait_seconds_count") == k
@@ -87,6 +88,23 @@ def test_counts_agree_with_requests_and_steps(live):
     assert delta('diffusiond_stage_seconds_sum{stage="denoise"}') > 0
     assert after["diffusiond_requests_running"] == 0 and after["diffusiond_requests_waiting"] == 0
     assert after["diffusiond_event_loop_lag_seconds_count"] > before.get("diffusiond_event_loop_lag_seconds_count", 0)
+
+
+def test_step_cache_reuses_are_counted(serve):
+    """`--cache x0cache` with requests that reuse whenever they may (threshold 10): of 8 steps, 2, 4 and 6 reuse
+    (tests/models/test_x0cache.py), so 3 of each request's 8 steps count as reused."""
+    cached = serve(cache="x0cache", cache_threshold=10.0)
+    cached.wait_idle()
+    before = samples(get(f"{cached.base_url}/metrics")[2])
+    for seed in range(2):
+        generate(cached, steps=8, seed=seed)
+    cached.wait_idle()
+    after = samples(get(f"{cached.base_url}/metrics")[2])
+    delta = {
+        key: after[key] - before.get(key, 0.0)
+        for key in ("diffusiond_steps_total", "diffusiond_step_cache_reused_total")
+    }
+    assert delta == {"diffusiond_steps_total": 16, "diffusiond_step_cache_reused_total": 6}, delta
 
 
 def test_real_prometheus_scrapes_stage_series(live, tmp_path):

@@ -250,12 +250,12 @@ class SocketLender:
                 end = head.find(b"\r\n\r\n")
                 if end >= 0:
                     del self._waiting[client]
+                    self.probes += 1  # before the answer: its client may look at the count once it has it
                     with client, contextlib.suppress(OSError):
                         client.recv(end + 4)  # the head only: a probe has no body
                         client.setblocking(True)
                         client.settimeout(1.0)
                         client.sendall(_probe_answer(PROBES[path], method == b"HEAD"))
-                    self.probes += 1
                     return
                 if not late:
                     return

@@ -11,6 +11,7 @@ from aiohttp import web
 from diffusiond.daemon.config import MAX_N
 from diffusiond.models.params import (
     MAX_IMAGE_BYTES,
+    CacheSteps,
     CacheThreshold,
     EditContext,
     Fps,
@@ -114,6 +115,8 @@ class ImageGenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only
     preview: PreviewMode = "fast"
     # Step caching threshold for this request (servers started with --cache); 0: exact.
     cache_threshold: CacheThreshold | None = None
+    # The steps that always compute (SCM): "fast", "medium", "slow", "off" or step indices.
+    cache_steps: CacheSteps | None = None
     # LoRA adapters for this request: [{"name": "style", "scale": 0.8}] (multipart edits: the same, as a JSON string).
     lora: Loras | None = None
     # Its class, 0-9, higher served first (engine/scheduler.py); default --default-priority.
@@ -164,6 +167,7 @@ class VideoCreateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     guidance_scale_2: Guidance | None = None
     true_cfg_scale: Guidance | None = None
     cache_threshold: CacheThreshold | None = None
+    cache_steps: CacheSteps | None = None
     # Audio-video guidance (LTX-2; models/params.py): the audio's CFG, STG and modality guidance, and rescales.
     audio_guidance_scale: Guidance | None = None
     stg_scale: Guidance | None = None

@@ -26,6 +26,7 @@ from diffusiond.models.setup import ModelSetup
 # The most images one OpenAI request may ask for (`n`): OpenAI's own limit.
 MAX_N = 10
 Positive = Annotated[int, msgspec.Meta(ge=1)]
+ShardMesh = Annotated[str, msgspec.Meta(pattern=r"^[1-9][0-9]{0,3}x[1-9][0-9]{0,3}$")]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
@@ -140,8 +141,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # Tensor parallelism (kernels/tensor_parallel.py): each rank holds 1/tp of the transformer's block linears.
     tp: Positive = 1
     # FSDP2 over every rank (kernels/tensor_parallel.py): each keeps 1/N of the transformer's weights and gathers a
-    # block's just before it runs. On top of a layout (CFG-parallel, Ulysses, ring), not a degree of its own.
-    shard_weights: bool = False
+    # block's just before it runs. On top of a layout (CFG-parallel, Ulysses, ring), not a degree of its own. "RxS":
+    # HSDP, R replicas of the weights, each sharded over S ranks (R x S = the ranks; "1xN" is true).
+    shard_weights: bool | ShardMesh = False
     # Patch-parallel decoding (kernels/patch_vae.py): an image that finishes with fewer others than there are ranks
     # is decoded in horizontal strips by ranks 0..V-1 (several finishing together are spread over the ranks anyway).
     vae_parallel: Positive = 1
@@ -153,9 +155,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # blocks while its first block's residual changes by less than cache_threshold; "teacache" reuses all blocks
     # while the accumulated rescaled change of its first block's modulated input stays below it (requests may send
     # their own; 0 is exact); "dbcache" is fbcache with more blocks always computed first (fn) and last (bn) and a
-    # warm-up, set in cache_config (a JSON object, `cache_settings`). Families that declare it; under several ranks the
-    # ranks agree on every decision.
-    cache: Literal["none", "fbcache", "teacache", "dbcache", "x0cache"] = "none"
+    # warm-up (and TaylorSeer), set in cache_config (a JSON object, `cache_settings`; every method: "scm", the requests'
+    # default step mask). Families that declare it; under several ranks the ranks agree on every decision.
+    cache: Literal["none", "fbcache", "teacache", "dbcache", "x0cache", "magcache"] = "none"
     cache_config: str | None = None
     # Attention kernel (kernels/attention.py), through diffusers' attention dispatch: auto = flash-attn on a CUDA
     # device where it is installed, SDPA otherwise. One that cannot run here stops the start with a clear error.
@@ -274,6 +276,9 @@ def _decode(layer: dict[str, Any], describe, *, strict: bool) -> dict[str, Any]:
     """Type-checks one layer alone (fields it lacks take defaults) and returns its typed values."""
     if isinstance(layer.get("log_level"), str):
         layer = {**layer, "log_level": layer["log_level"].upper()}
+    shard = layer.get("shard_weights")
+    if isinstance(shard, str) and shard.lower() in ("true", "false", "1", "0"):  # (an environment variable's)
+        layer = {**layer, "shard_weights": shard.lower() in ("true", "1")}
     try:
         config = msgspec.convert(layer, ServeConfig, strict=strict)
     except msgspec.ValidationError as exc:
@@ -335,6 +340,19 @@ def _toml_value(value: Any) -> str:
     return json.dumps(str(value), ensure_ascii=False)
 
 
+def shard_replicas(value: bool | str, world: int) -> int:
+    """The replicas of `--shard-weights RxS` (1 for plain FSDP); ConfigError unless R x S is the number of ranks."""
+    if not isinstance(value, str):
+        return 1
+    replicas, shards = (int(v) for v in value.split("x"))
+    if replicas * shards != world:
+        raise ConfigError(
+            f"--shard-weights {value}: {replicas} replicas x {shards} ranks each = {replicas * shards} must equal the "
+            f"number of ranks ({world}: --nproc x --nnodes)"
+        )
+    return replicas
+
+
 def cache_settings(method: str, text: str | None) -> dict[str, Any]:
     """`cache_config`'s JSON object for `--cache method` (empty when unset); ConfigError naming an unknown key or a
     bad value (models/setup.check_cache_config); whether the transformer has blocks left to reuse is checked at load."""
@@ -390,8 +408,9 @@ def model_setup(config: ServeConfig) -> ModelSetup:
         ulysses_degree=config.ulysses,
         ring_degree=config.ring,
         tp_degree=config.tp,
-        shard_weights=config.shard_weights,
+        shard_weights=bool(config.shard_weights),
         vae_degree=config.vae_parallel,
+        shard_replicas=shard_replicas(config.shard_weights, world),
     )
     return ModelSetup(
         model=config.model or default_model(),

@@ -197,18 +197,25 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument_group("acceleration").add_argument
     add(
         "--cache",
-        choices=["none", "fbcache", "teacache", "dbcache", "x0cache"],
+        choices=["none", "fbcache", "teacache", "dbcache", "x0cache", "magcache"],
         help="step caching, decided per request: fbcache = first-block cache, teacache = TeaCache (its polynomial: "
         "`python -m diffusiond.tools.calibrate`, or the family's published one), dbcache = dual block cache "
         "(--cache-config), x0cache = holds a request's predicted clean image through a step (for samplers that add "
-        f"noise at every step, as the bundled model's) (default: {d.cache})",
+        "noise at every step, as the bundled model's), magcache = MagCache (the checkpoint's magnitude ratios: "
+        "`python -m diffusiond.tools.calibrate --method magcache`, or the family's published ones) "
+        f"(default: {d.cache})",
     )
     add(
         "--cache-config",
         metavar="JSON",
         help="the method's settings as a JSON object; dbcache: fn (blocks always computed first, default 1), bn "
-        "(always computed last, default 0), warmup (steps before any reuse, default 0), e.g. "
-        '\'{"fn": 2, "bn": 1, "warmup": 4}\'; x0cache: max_run (steps reused in a row at most, default 1)',
+        "(always computed last, default 0), warmup (steps before any reuse, default 0), taylorseer (forecast the "
+        "reused blocks' residuals, default false) and taylorseer_order (1 or 2), e.g. "
+        '\'{"fn": 2, "bn": 1, "warmup": 4}\'; x0cache: max_run (steps reused in a row at most, default 1); magcache: '
+        "max_skip (steps reused in a row at most, default 3), retention (share of first steps always computed, "
+        "default 0.2), ratios (the magnitude ratio per step); every "
+        'method: scm (the steps that always compute for requests that send no cache_steps: "fast", "medium", '
+        '"slow" or step indices)',
     )
     add(
         "--cache-threshold",
@@ -323,8 +330,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--tp", type=int, help=f"tensor-parallel degree: each rank holds 1/tp of the block weights (default: {d.tp})")
     add(
         "--shard-weights",
-        action="store_true",
-        help="FSDP2: each rank keeps 1/N of the transformer's weights, gathered block by block as it runs",
+        nargs="?",
+        const=True,
+        metavar="RxS",
+        help="FSDP2: each rank keeps 1/N of the transformer's weights, gathered block by block as it runs; RxS: HSDP, "
+        "R replicas of the weights, each sharded over S ranks (R x S = the ranks; default 1xN)",
     )
     add("--vae-parallel", type=int, help="ranks that decode one image together, in strips (default: 1)")
     add(

@@ -14,10 +14,25 @@ class ParallelLayout:
     ulysses_degree: int = 1
     ring_degree: int = 1
     tp_degree: int = 1
-    # Not degrees of the grid: FSDP2 over every rank (each keeps 1/N of the transformer's weights), and the ranks
-    # 0..V-1 that decode one image in strips.
+    # Not degrees of the grid: FSDP2 over every rank (each keeps 1/N of the transformer's weights; with
+    # `shard_replicas` R > 1, HSDP: R copies, each sharded over N / R ranks), and the ranks 0..V-1 that decode one
+    # image in strips.
     shard_weights: bool = False
     vae_degree: int = 1
+    shard_replicas: int = 1
+
+    @property
+    def sharded(self) -> bool:
+        """Whether FSDP2 shards the weights: `shard_weights`, unless each replica is one rank (HSDP Rx1: R whole
+        copies)."""
+        return self.shard_weights and self.shard_mesh[-1] > 1
+
+    @property
+    def shard_mesh(self) -> tuple[int, ...]:
+        """The sharded weights' device mesh: (ranks) for FSDP, (replicas, ranks per replica) for HSDP."""
+        if self.shard_replicas == 1:
+            return (self.world_size,)
+        return (self.shard_replicas, self.world_size // self.shard_replicas)
 
     @property
     def sequence_degree(self) -> int:
@@ -43,6 +58,13 @@ class ParallelLayout:
                 f"--cfg-parallel ({self.cfg_degree}) x --ulysses ({self.ulysses_degree}) x --ring "
                 f"({self.ring_degree}) x --tp ({self.tp_degree}) = {product} must equal the number of ranks "
                 f"({self.world_size}: --nproc x --nnodes)"
+            )
+
+    def validate_shards(self) -> None:
+        if self.shard_replicas < 1 or self.world_size % self.shard_replicas:
+            raise ValueError(
+                f"--shard-weights {self.shard_replicas}xS: the replicas ({self.shard_replicas}) must divide the number "
+                f"of ranks ({self.world_size})"
             )
 
     def rank_of(self, cfg: int, ring: int, ulysses: int, tp: int) -> int:

@@ -54,7 +54,7 @@ SD3 = Family(
     "sd3:SD3Adapter",
     guidance_styles=("cfg", "skip-layer"),
     parallel=ALL_PARALLEL,
-    cache_methods=("fbcache", "dbcache", "teacache", "x0cache"),
+    cache_methods=("fbcache", "dbcache", "teacache", "x0cache", "magcache"),
     image_inputs=("img2img", "mask"),
     lora=True,
 )
@@ -73,7 +73,7 @@ FLUX = Family(
     "flux:FluxAdapter",
     guidance_styles=("distilled", "true-cfg"),
     parallel=ALL_PARALLEL,
-    cache_methods=("fbcache", "dbcache", "teacache", "x0cache"),
+    cache_methods=("fbcache", "dbcache", "teacache", "x0cache", "magcache"),
     image_inputs=("img2img", "mask"),
     lora=True,
 )
@@ -123,7 +123,7 @@ QWEN_IMAGE = Family(
     "qwenimage:QwenImageAdapter",
     guidance_styles=("true-cfg", "distilled"),
     parallel=("cfg-parallel", "ulysses", "tp", "shard-weights"),
-    cache_methods=("fbcache", "dbcache", "teacache", "x0cache"),
+    cache_methods=("fbcache", "dbcache", "teacache", "x0cache", "magcache"),
     # Its cached forward does not shard tokens yet: --cache with --ulysses is refused at start.
     cache_with_ulysses=False,
     image_inputs=("img2img", "mask"),

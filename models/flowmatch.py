@@ -208,9 +208,15 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
     step_cache: str = "none"
 
     default_cache_threshold: float = 0.0
+    # --cache-config's "scm": the steps that compute for requests that send no cache_steps (None: no mask).
+    default_cache_steps: Any = None
 
     # TeaCache's rescaling polynomial when the checkpoint has no calibration of its own (tools/calibrate.py).
     teacache_coefficients: ClassVar[tuple[float, ...]] = stepcache.IDENTITY
+
+    def magcache_ratios(self) -> tuple[float, ...] | None:
+        """MagCache's magnitude ratios when the checkpoint has no calibration of its own (None: none known)."""
+        return None
 
     def enable_lora(self, budget_bytes: int) -> LoraRegistry:
         """LoRA per request: adapters of the denoiser, registered by name (models/lora_registry.py)."""
@@ -251,11 +257,13 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
             )
         t = self.transformer
         blocks = len(getattr(t, "transformer_blocks", ())) + len(getattr(t, "single_transformer_blocks", ()))
-        coefficients = stepcache.load_coefficients(self.source) if os.path.isdir(self.source) else None
-        coefficients = coefficients or self.teacache_coefficients
-        self.cache_method = stepcache.method_of(method, config or {}, blocks, coefficients)
+        local = os.path.isdir(self.source)
+        coefficients = (stepcache.load_coefficients(self.source) if local else None) or self.teacache_coefficients
+        ratios = (stepcache.load_ratios(self.source) if local else None) or self.magcache_ratios()
+        self.cache_method = stepcache.method_of(method, config or {}, blocks, coefficients, ratios)
         self.step_cache = method
         self.default_cache_threshold = threshold if method != "none" else 0.0
+        self.default_cache_steps = (config or {}).get("scm")
 
     attention_backend: str = "sdpa"
 

@@ -11,7 +11,7 @@ from diffusers import FluxPipeline
 from diffusers.models.embeddings import apply_rotary_emb
 
 from diffusiond.kernels.ulysses import UlyssesGroup, gather_output, ulysses_sdpa
-from diffusiond.models import families, stepcache
+from diffusiond.models import cached_forward, families, stepcache
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.params import SamplingParams
@@ -22,6 +22,12 @@ class FluxAdapter(FlowMatchAdapter):
     default_guidance = 3.5
     max_sequence_length = 512
     teacache_coefficients = stepcache.FLUX_TEACACHE  # published for FLUX.1; a calibration beside the weights wins
+
+    def magcache_ratios(self) -> tuple[float, ...] | None:
+        """MagCache's published ratios for FLUX.1 [dev] (28 steps; diffusers ships them)."""
+        from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
+
+        return tuple(float(r) for r in FLUX_MAG_RATIOS)
 
     def _size_multiple(self) -> int:
         return self.vae_scale_factor * 2
@@ -123,7 +129,7 @@ class FluxAdapter(FlowMatchAdapter):
         return neg + scale.view(-1, 1, 1) * (pos - neg)
 
     def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
-        return stepcache.flux_forward(
+        return cached_forward.flux_forward(
             self.cache_method,
             self.transformer,
             batched,

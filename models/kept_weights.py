@@ -254,7 +254,7 @@ def keepers(setup: Any, rank: int) -> dict[str, KeptWeights] | None:
     folder = os.environ.get(FOLDER_ENV)
     if not folder or not Path(folder).is_dir() or not Path(setup.model).is_dir():
         return None
-    if setup.quantize != "none" or setup.offload != "none" or setup.layout.shard_weights or setup.lora_fuse is not None:
+    if setup.quantize != "none" or setup.offload != "none" or setup.layout.sharded or setup.lora_fuse is not None:
         return None
     index = read_model_index(setup.model)
     cls = adapter_for(index.get("_class_name", ""))

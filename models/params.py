@@ -47,6 +47,12 @@ PreviewMode = Literal["fast", "vae"]
 # area (fewer tokens below 1 Mpx: cheaper, and not the pipeline's image).
 EditContext = Literal["preferred", "output"]
 CacheThreshold = Annotated[float, msgspec.Meta(ge=0, le=10)]
+# SCM step masks (models/stepcache.py `scm_steps`): a preset, or the steps that always compute (0 is the first).
+ScmPreset = Literal["fast", "medium", "slow", "off"]
+CacheSteps = (
+    ScmPreset
+    | Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, lt=MAX_STEPS)], ...], msgspec.Meta(max_length=MAX_STEPS)]
+)
 
 # LoRA adapters a request applies (by the names the operator registered) and their scales.
 LORA_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -122,6 +128,10 @@ class RequestFields(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     # residual changes by less than this (relative L1). 0: every step computes (exact). Resolved from the server's
     # --cache-threshold when the client sends none.
     cache_threshold: CacheThreshold | None = None
+    # The steps that compute whatever the cache's signal (SCM): "fast", "medium", "slow" (Cache-DiT's masks, stretched
+    # to the request's steps), "off", or the step indices; the others reuse while the signal allows. Resolved to the
+    # indices, from the server's --cache-config "scm" when the client sends none.
+    cache_steps: CacheSteps | None = None
     # Skip-layer guidance (families that declare "skip-layer", SD3.5's recommendation: layers 7, 8, 9): with CFG,
     # for steps i with start * steps < i < stop * steps, the image is also pushed away from the prediction of the
     # transformer run with these blocks skipped, by `skip_layer_guidance_scale`. Unset: off.

@@ -18,7 +18,7 @@ from diffusers import QwenImagePipeline
 from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 
 from diffusiond.kernels.ulysses import UlyssesGroup, gather_output, ulysses_sdpa
-from diffusiond.models import families, stepcache
+from diffusiond.models import cached_forward, families
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.params import SamplingParams
@@ -154,7 +154,7 @@ class QwenImageAdapter(FlowMatchAdapter):
         return batched
 
     def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
-        return stepcache.qwen_forward(self.cache_method, self.transformer, batched, shared, rows, states)
+        return cached_forward.qwen_forward(self.cache_method, self.transformer, batched, shared, rows, states)
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:
         self.ulysses_group = group

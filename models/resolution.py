@@ -97,6 +97,7 @@ class RequestResolution:
             stream_latents=params.stream_latents,
             preview=params.preview,
             cache_threshold=self._cache_threshold(params),
+            cache_steps=self._cache_steps(params, steps),
             **self._skip_layer_guidance(params),
             **self._audio_video_guidance(params),
             image=params.image,
@@ -262,6 +263,22 @@ class RequestResolution:
         if params.cache_threshold > 0 and self.step_cache == "none":
             raise ParamError("cache_threshold", "this server runs without step caching (start it with --cache)")
         return params.cache_threshold
+
+    def _cache_steps(self, params: SamplingParams, steps: int) -> tuple[int, ...] | None:
+        """The steps that compute whatever the cache's signal, as indices (None: no mask)."""
+        from diffusiond.models.stepcache import scm_steps
+
+        if params.cache_steps is None:
+            if self.step_cache == "none" or self.default_cache_steps is None:
+                return None
+            return scm_steps(self.default_cache_steps, steps)  # a list for other step counts: its steps that exist
+        if self.step_cache == "none":
+            raise ParamError("cache_steps", "this server runs without step caching (start it with --cache)")
+        if not isinstance(params.cache_steps, str) and max(params.cache_steps, default=0) >= steps:
+            raise ParamError(
+                "cache_steps", f"step {max(params.cache_steps)} is past the request's {steps} steps (0 is the first)"
+            )
+        return scm_steps(params.cache_steps, steps)
 
     def batch_key(self, params: SamplingParams) -> Hashable:
         # An edit's image tokens are part of every forward's sequence: edits batch with edits of the same context.

@@ -11,7 +11,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from diffusiond.kernels.attention import DispatchJointAttnProcessor
 from diffusiond.kernels.host import to_device
 from diffusiond.kernels.ulysses import UlyssesGroup, gather_output, shard_output, ulysses_sdpa
-from diffusiond.models import families, stepcache
+from diffusiond.models import cached_forward, families
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.params import SamplingParams
@@ -30,7 +30,7 @@ class SD3Adapter(FlowMatchAdapter):
 
     def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
         # Ulysses shards tokens through hooks on pos_embed and proj_out, which this forward calls as well.
-        return stepcache.sd3_forward(self.cache_method, self.transformer, batched, rows, states)
+        return cached_forward.sd3_forward(self.cache_method, self.transformer, batched, rows, states)
 
     def _size_multiple(self) -> int:
         return self.vae_scale_factor * self.transformer.config.patch_size

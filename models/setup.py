@@ -40,29 +40,74 @@ class SetupError(ValueError):
     names the flags."""
 
 
-# What `--cache-config` may set for each step cache method (models/stepcache.py), each setting's default and least
-# value.
-CACHE_SETTINGS: dict[str, dict[str, tuple[int, int]]] = {
-    "dbcache": {"fn": (1, 1), "bn": (0, 0), "warmup": (0, 0)},
-    "x0cache": {"max_run": (1, 1)},
+# What `--cache-config` may set for each step cache method (models/stepcache.py): each setting's default, least and
+# greatest value (None: no bound); a setting whose default is a bool takes true or false.
+CACHE_SETTINGS: dict[str, dict[str, tuple[int | float, int, int | None]]] = {
+    "dbcache": {
+        "fn": (1, 1, None),
+        "bn": (0, 0, None),
+        "warmup": (0, 0, None),
+        "taylorseer": (False, 0, None),
+        "taylorseer_order": (1, 1, 2),
+    },
+    "x0cache": {"max_run": (1, 1, None)},
+    # MagCache: the most steps reused in a row (its K), the share of first steps that always compute; and "ratios",
+    # the checkpoint's magnitude ratios per step (below; else its calibration, tools/calibrate.py).
+    "magcache": {"max_skip": (3, 1, None), "retention": (0.2, 0, 1)},
 }
+# Every method also takes "scm": the steps that always compute for requests that send no cache_steps (a preset name
+# or step indices, as models/params.py CacheSteps).
+CACHE_METHODS = ("fbcache", "teacache", "dbcache", "x0cache", "magcache")
 
 
-def check_cache_config(name: str, config: dict[str, Any]) -> dict[str, int]:
+def check_cache_config(name: str, config: dict[str, Any]) -> dict[str, Any]:
     """`--cache-config`'s settings for `--cache NAME`, defaults filled in; ValueError naming an unknown key or a bad
     value (what needs the model, the blocks left to reuse, is checked by models/stepcache.method_of)."""
     allowed = CACHE_SETTINGS.get(name, {})
-    unknown = sorted(set(config) - set(allowed))
+    extra = {"scm", "ratios"} if name == "magcache" else {"scm"} if name in CACHE_METHODS else set()
+    unknown = sorted(set(config) - set(allowed) - extra)
     if unknown:
         takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
         raise ValueError(f"--cache-config: {', '.join(map(repr, unknown))} unknown to --cache {name} ({takes})")
-    out = {}
-    for key, (default, least) in allowed.items():
+    out: dict[str, Any] = {}
+    for key, (default, least, most) in allowed.items():
         value = config.get(key, default)
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ValueError(f"--cache-config: {key} must be an integer >= {least}, not {value!r}")
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ValueError(f"--cache-config: {key} must be true or false, not {value!r}")
+        elif isinstance(default, float):
+            if not isinstance(value, int | float) or isinstance(value, bool) or not least <= value <= (most or 0):
+                raise ValueError(f"--cache-config: {key} must be a number from {least} to {most}, not {value!r}")
+        elif not isinstance(value, int) or isinstance(value, bool) or value < least or (most and value > most):
+            within = f">= {least}" if most is None else f"from {least} to {most}"
+            raise ValueError(f"--cache-config: {key} must be an integer {within}, not {value!r}")
         out[key] = value
+    if "scm" in config:
+        out["scm"] = _scm(config["scm"])
+    if "ratios" in config:
+        ratios = config["ratios"]
+        if not isinstance(ratios, list) or not ratios or not all(_positive(r) for r in ratios):
+            raise ValueError(f"--cache-config: ratios must be a non-empty list of positive numbers, not {ratios!r}")
+        out["ratios"] = tuple(float(r) for r in ratios)
+    if "taylorseer_order" in config and not out.get("taylorseer"):
+        raise ValueError('--cache-config: taylorseer_order is set but TaylorSeer is off (add "taylorseer": true)')
     return out
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < float("inf")
+
+
+def _scm(value: Any) -> Any:
+    from diffusiond.models.params import CacheSteps
+
+    try:
+        return msgspec.convert(value, CacheSteps)
+    except msgspec.ValidationError:
+        raise ValueError(
+            '--cache-config: scm must be "fast", "medium", "slow", "off" or a list of step indices (0 is the first), '
+            f"not {value!r}"
+        ) from None
 
 
 class ModelSetup(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,7 +163,7 @@ def lora_refusal(setup: ModelSetup) -> str | None:
     layout = setup.layout
     for on, flag in (
         (layout.tp_degree > 1, "--tp"),
-        (layout.shard_weights, "--shard-weights"),
+        (layout.sharded, "--shard-weights"),
         (setup.offload != "none", "--offload"),
         (setup.compile, "--compile"),
     ):
@@ -179,6 +224,7 @@ def _check_combinations(setup: ModelSetup) -> None:
             f"{layout.vae_degree}"
         )
     if layout.shard_weights:
+        layout.validate_shards()
         if layout.world_size < 2:
             raise SetupError("--shard-weights splits the weights over the ranks: it needs --nproc 2 or more")
         if layout.tp_degree > 1 or not plain:
@@ -252,7 +298,7 @@ def _check_family(setup: ModelSetup, family: Family, heads: int | None) -> None:
             raise SetupError(
                 f"--shard-weights: the {family.family} family ({family.pipeline_class}) does not support it"
             )
-        if cache != "none":
+        if cache != "none" and layout.sharded:
             raise SetupError(f"--cache {cache} with --shard-weights: step caching does not run on sharded weights yet")
     if cache != "none" and ring > 1:
         raise SetupError(f"--cache {cache} with --ring {ring}: step caching does not run with ring attention yet")
@@ -298,7 +344,7 @@ def build_adapter(setup: ModelSetup, rank: int = 0) -> ModelAdapter:
     from diffusiond.models.lora_registry import same_on_every_rank, setup_loras
 
     layout = setup.layout
-    sharded = layout.world_size > 1 and (layout.tp_degree > 1 or layout.shard_weights)
+    sharded = layout.world_size > 1 and (layout.tp_degree > 1 or layout.sharded)
     # A group's later attempt (a heal) maps what the previous one kept in shared memory (models/kept_weights.py).
     kept = keepers(setup, rank) if layout.world_size > 1 else None
     restoring = kept is not None and all(k.ready() for k in kept.values())
@@ -363,10 +409,14 @@ def _wire_parallel(adapter: ModelAdapter, setup: ModelSetup, rank: int) -> None:
     groups = build_groups(layout, rank, device.type)
     if groups.tp is not None:
         adapter.enable_tp(groups.tp)
-    if layout.shard_weights:
+    # HSDP Rx1 is R whole copies: nothing to shard (and FSDP2 fails on a shard group of one rank under inference
+    # mode, torch 2.14: "Inference tensors do not track version counter").
+    if layout.sharded:
         from torch.distributed.device_mesh import init_device_mesh
 
-        adapter.enable_shard_weights(init_device_mesh(device.type, (layout.world_size,)))
+        # HSDP: a 2-D mesh, FSDP2's (replicate, shard) dimensions; the weights are gathered over a replica's ranks.
+        names = ("replicate", "shard") if layout.shard_replicas > 1 else ("shard",)
+        adapter.enable_shard_weights(init_device_mesh(device.type, layout.shard_mesh, mesh_dim_names=names))
     if groups.vae is not None:
         adapter.enable_vae_parallel(groups.vae)
     # Prompts: rank 0 encodes, the others receive the embeddings and free their text encoders.

@@ -12,6 +12,9 @@ previous step:
   their residual is the signal; the last `bn` blocks also run for every row, so a reusing request only skips the
   middle ones (it adds their image and text residuals of its last computed step, then the last blocks refine that);
   no request reuses before step `warmup`. Set per server with `--cache-config '{"fn": 2, "bn": 1, "warmup": 4}'`.
+  With `"taylorseer": true` a reusing request adds, instead of the span's last residuals, their Taylor forecast
+  (TaylorSeer) at this step from its own last computed steps: the residuals' finite differences per step, up to
+  `taylorseer_order` (1 or 2), kept on its cache.
 - **teacache**: only the first block's timestep-modulated input (`norm1(h, temb)`) is computed for every row; the
   signal is its relative L1 change since the previous step, rescaled by the family's polynomial (`Method.rescale`:
   FLUX's published coefficients, or a fit beside the weights by `tools/calibrate.py`) and
@@ -49,7 +52,7 @@ from diffusiond.kernels.host import to_device
 from diffusiond.kernels.lora_rows import LoraLayers
 from diffusiond.models.setup import check_cache_config
 
-METHODS = ("none", "fbcache", "teacache", "dbcache", "x0cache")
+METHODS = ("none", "fbcache", "teacache", "dbcache", "x0cache", "magcache")
 # TeaCache's polynomial fitted for a checkpoint (tools/calibrate.py), beside its weights.
 CACHE_FILE = "diffusiond_cache.json"
 
@@ -64,10 +67,28 @@ def load_coefficients(source: str) -> tuple[float, ...] | None:
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        coefficients = json.load(f)["teacache"]["coefficients"]
+        fitted = json.load(f).get("teacache")
+    if fitted is None:
+        return None
+    coefficients = fitted["coefficients"]
     if not coefficients or not all(isinstance(c, int | float) and math.isfinite(c) for c in coefficients):
         raise ValueError(f"{path}: teacache coefficients must be a non-empty list of finite numbers")
     return tuple(float(c) for c in coefficients)
+
+
+def load_ratios(source: str) -> tuple[float, ...] | None:
+    """MagCache's magnitude ratios per step measured for the checkpoint in `source`, or None without them."""
+    path = os.path.join(source, CACHE_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        fitted = json.load(f).get("magcache")
+    if fitted is None:
+        return None
+    ratios = fitted["ratios"]
+    if not ratios or not all(isinstance(r, int | float) and 0 < r < math.inf for r in ratios):
+        raise ValueError(f"{path}: magcache ratios must be a non-empty list of positive numbers")
+    return tuple(float(r) for r in ratios)
 
 
 @dataclass
@@ -84,8 +105,16 @@ class Method:
     fn: int = 1
     bn: int = 0
     warmup: int = 0
+    # DBCache: forecast the reused span's residuals by TaylorSeer (its order: the finite differences kept).
+    taylorseer: bool = False
+    taylorseer_order: int = 1
     # x0cache: the most steps a request reuses in a row.
     max_run: int = 1
+    # MagCache: the checkpoint's magnitude ratio per step (the norm of the blocks' residual over the previous
+    # step's, on a calibration's steps), the most steps reused in a row, the share of first steps always computed.
+    ratios: tuple[float, ...] = ()
+    max_skip: int = 3
+    retention: float = 0.2
 
     def rescale(self, x: float) -> float:
         value = 0.0
@@ -94,11 +123,22 @@ class Method:
         return max(value, 0.0)  # a fitted polynomial may dip below 0 outside its data; a change cannot
 
 
-def method_of(name: str, config: dict[str, Any], blocks: int, coefficients: tuple[float, ...] = IDENTITY) -> Method:
+def method_of(
+    name: str, config: dict[str, Any], blocks: int, coefficients: tuple[float, ...] = IDENTITY, ratios: Any = None
+) -> Method:
     """The server's method from `--cache NAME` and `--cache-config` (`config`, parsed JSON) for a transformer of
-    `blocks` blocks; ValueError naming what is wrong (an unknown key, a bad value, no block left to reuse)."""
+    `blocks` blocks; `ratios`: MagCache's measured for the checkpoint, when `config` gives none. ValueError naming
+    what is wrong (an unknown key, a bad value, no block left to reuse, MagCache without ratios)."""
     settings = check_cache_config(name, config)
+    settings.pop("scm", None)  # the requests' default mask: the adapter's (models/resolution.py)
+    settings.setdefault("ratios", tuple(ratios or ()))
     method = Method(name, coefficients, **settings)
+    if name == "magcache" and not method.ratios:
+        raise ValueError(
+            "--cache magcache needs the checkpoint's magnitude ratios: measure them with `python -m "
+            "diffusiond.tools.calibrate --method magcache --model MODEL` (or give them: --cache-config "
+            "'{\"ratios\": [...]}')"
+        )
     if name == "dbcache" and method.fn + method.bn >= blocks:
         raise ValueError(
             f"--cache-config: fn + bn = {method.fn + method.bn} leaves none of the transformer's {blocks} blocks "
@@ -117,6 +157,11 @@ class RequestCache:
     rest: torch.Tensor
     # dbcache with blocks after the reused ones: the text tokens' residual of the reused blocks.
     rest_text: torch.Tensor | None = None
+    # TaylorSeer: the step of the last computed residuals, and their finite differences per step (first order first)
+    # between the computed steps before, for `rest` and `rest_text`.
+    at: int = 0
+    rest_diffs: list[torch.Tensor] = field(default_factory=list)
+    text_diffs: list[torch.Tensor] = field(default_factory=list)
     # x0cache (`signal`: the predicted clean image of the last computed step; `rest` unused): its relative change per
     # step between the last two computed steps, the steps since the last computed one, and whether this step reuses.
     rate: float | None = None
@@ -125,17 +170,66 @@ class RequestCache:
     computed: int = 0
     reused: int = 0
     accumulated: float = 0.0
+    # MagCache, since the last computed step: the product of the steps' magnitude ratios and the steps counted.
+    magnitude: float = 1.0
+    counted: int = 0
 
 
 def reuse(state: Any, change: float | None) -> bool:
     """Whether this request may skip blocks at this step. `change`: its change signal since its last computed step
     (fbcache: relative L1 change of the first-block residual; teacache: the accumulated rescaled change), measured
-    over all its rows and tokens on every rank (None: no cache yet)."""
+    over all its rows and tokens on every rank (None: no cache yet). Steps its mask lists (`cache_steps`) compute."""
     threshold = state.params.cache_threshold or 0.0
     last = state.step_index + 1 >= state.total_steps
     if threshold <= 0 or change is None or state.step_index == 0 or last:
         return False
+    mask = state.params.cache_steps
+    if mask is not None and state.step_index in mask:
+        return False
     return change < threshold
+
+
+# SCM presets: Cache-DiT's step computation masks for 28 steps ("slow", "medium", "fast": 18, 15 and 11 of them
+# compute), as runs of computed and reused steps.
+SCM_RUNS = {
+    "slow": ((8, 3, 3, 2, 1, 1), (1, 2, 2, 2, 3)),
+    "medium": ((6, 2, 2, 2, 2, 1), (1, 3, 3, 3, 3)),
+    "fast": ((6, 1, 1, 1, 1, 1), (1, 3, 4, 5, 4)),
+}
+
+
+def _runs(pattern: list[bool]) -> list[tuple[int, int]]:
+    """The first and last index of each run of True in `pattern`."""
+    runs: list[tuple[int, int]] = []
+    for j, on in enumerate(pattern):
+        if on and (j == 0 or not pattern[j - 1]):
+            runs.append((j, j))
+        elif on:
+            runs[-1] = (runs[-1][0], j)
+    return runs
+
+
+def scm_steps(mask: str | Sequence[int], steps: int) -> tuple[int, ...] | None:
+    """The steps of a request of `steps` steps that compute whatever its cache's signal says: a preset's 28-step
+    mask stretched to `steps`, or the listed indices that exist; with the first and the last, which always compute
+    (`reuse`). "off": None, no mask."""
+    if mask == "off":
+        return None
+    if isinstance(mask, str):
+        computed, reused = SCM_RUNS[mask]
+        pattern: list[bool] = []
+        for c, r in zip(computed, (*reused, 0), strict=True):
+            pattern += [True] * c + [False] * r
+        n = len(pattern)
+        # Step i computes where the mask's step under its middle does; a run of the mask's computed steps that no
+        # middle falls in (fewer steps than the mask's) still gets the step it starts in.
+        middle = [(2 * i + 1) * n // (2 * steps) for i in range(steps)]
+        stretched = {i for i in range(steps) if pattern[middle[i]]}
+        for start, end in _runs(pattern):
+            if not any(start <= middle[i] <= end for i in stretched):
+                stretched.add(start * steps // n)
+        return tuple(sorted(stretched | {0, steps - 1}))
+    return tuple(sorted({i for i in mask if i < steps} | {0, steps - 1}))
 
 
 def changes(current: torch.Tensor, rows: int, previous: Sequence[torch.Tensor | None]) -> list[float | None]:
@@ -235,7 +329,56 @@ def cached_blocks(method: Method, blocks: Sequence[Any], batch: Batch, modulated
         return _teacache(method, blocks, batch, modulated or _modulated_input)
     if method.name == "x0cache":
         return _x0cache(method, blocks, batch)
+    if method.name == "magcache":
+        return _magcache(method, blocks, batch)
     return _dbcache(method, blocks, batch)
+
+
+def magnitude_ratio(method: Method, step: int, steps: int) -> float:
+    """The checkpoint's magnitude ratio at `step` of a request of `steps` steps: the calibration's step nearest in
+    the schedule (as diffusers' `nearest_interp`)."""
+    ratios = method.ratios
+    if steps <= 1:
+        return ratios[-1]
+    return ratios[round(step * (len(ratios) - 1) / (steps - 1))]
+
+
+def _magcache(method: Method, blocks: Sequence[Any], batch: Batch) -> torch.Tensor:
+    """MagCache (diffusers' `MagCacheConfig` rule, per request): after the first `retention` share of its steps, a
+    request multiplies the checkpoint's magnitude ratios of the steps since it last computed and adds |1 - product|
+    to its error; below its threshold, at most `max_skip` steps in a row, it runs no block and adds the residual
+    every block added at its last computed step. The decision reads no tensor: every rank makes it alike."""
+    h, rows, states = batch.h, batch.rows, batch.states
+    computing: list[int] = []
+    reusing: list[int] = []
+    for i, state in enumerate(states):
+        cache, error = state.cache, None
+        if cache is not None and state.step_index >= int(method.retention * state.total_steps + 0.5):
+            cache.magnitude *= magnitude_ratio(method, state.step_index, state.total_steps)
+            cache.counted += 1
+            cache.accumulated += abs(1.0 - cache.magnitude)
+            error = cache.accumulated if cache.counted <= method.max_skip else None
+        (reusing if reuse(state, error) else computing).append(i)
+
+    ran = _run_blocks(blocks, h, batch.enc, batch, computing)
+    out, hc = ran.h, ran.hc
+    for k, i in enumerate(computing):
+        mine = slice(i * rows, (i + 1) * rows)
+        assert hc is not None
+        residual = hc[k * rows : (k + 1) * rows] - h[mine]
+        state = states[i]
+        if method.record is not None and state.cache is not None:  # tools/calibrate.py: the ratio of norms
+            ratio = residual.float().norm(dim=-1) / (state.cache.rest.float().norm(dim=-1) + 1e-8)
+            method.record.append((float(state.step_index), float(ratio.mean())))
+        _renew(state, torch.empty(0), residual)
+        cache = state.cache
+        cache.magnitude, cache.counted, cache.accumulated = 1.0, 0, 0.0
+    for i in reusing:
+        mine = slice(i * rows, (i + 1) * rows)
+        cache = states[i].cache
+        out[mine] = h[mine] + cache.rest
+        cache.reused += 1
+    return out
 
 
 def _x0cache(method: Method, blocks: Sequence[Any], batch: Batch) -> torch.Tensor:
@@ -308,23 +451,65 @@ def _dbcache(method: Method, blocks: Sequence[Any], batch: Batch) -> torch.Tenso
     for k, i in enumerate(computing):
         mine, theirs = slice(i * rows, (i + 1) * rows), slice(k * rows, (k + 1) * rows)
         assert mid.hc is not None
-        _renew(states[i], first[mine], mid.hc[theirs] - hf[mine])
-        if back:  # (the text tokens after the last block: None in SD3, whose last block takes them only)
-            assert mid.ec is not None
-            states[i].cache.rest_text = (mid.ec[theirs] - ef[mine]).clone()
+        # (the text tokens after the last block: None in SD3, whose last block takes them only)
+        assert not back or mid.ec is not None
+        rest_text = mid.ec[theirs] - ef[mine] if back else None
+        _renew_span(method, states[i], first[mine], mid.hc[theirs] - hf[mine], rest_text)
     out, text = mid.h, mid.text
     for i in reusing:
         mine = slice(i * rows, (i + 1) * rows)
-        cache = states[i].cache
-        out[mine] = hf[mine] + cache.rest
+        state = states[i]
+        cache = state.cache
+        out[mine] = hf[mine] + _forecast(cache.rest, cache.rest_diffs, state.step_index - cache.at)
         if back:
             assert text is not None and cache.rest_text is not None
-            text[mine] = ef[mine] + cache.rest_text
+            text[mine] = ef[mine] + _forecast(cache.rest_text, cache.text_diffs, state.step_index - cache.at)
         cache.reused += 1
     if not back:
         return out
     assert text is not None
     return _run_blocks(blocks[middle_end:], out, text, batch, every).h
+
+
+def _renew_span(method: Method, state: Any, signal: torch.Tensor, rest: torch.Tensor, text: torch.Tensor | None):
+    """DBCache's computed step: the request's signal and the span's residuals (with TaylorSeer, their differences
+    against its last computed ones too)."""
+    cache = state.cache
+    if method.taylorseer and cache is not None:
+        gap = state.step_index - cache.at
+        cache.rest_diffs = _differences(rest, cache.rest, cache.rest_diffs, gap, method.taylorseer_order)
+        if text is not None and cache.rest_text is not None:
+            cache.text_diffs = _differences(text, cache.rest_text, cache.text_diffs, gap, method.taylorseer_order)
+    _renew(state, signal, rest)
+    state.cache.at = state.step_index
+    if text is not None:
+        state.cache.rest_text = text.clone()
+
+
+def _differences(
+    new: torch.Tensor, old: torch.Tensor, old_diffs: list[torch.Tensor], gap: int, order: int
+) -> list[torch.Tensor]:
+    """TaylorSeer's finite differences of a value computed now (`new`) and `gap` steps before (`old`, whose own
+    differences were `old_diffs`): the k-th is the change of the (k-1)-th per step, up to `order` (fewer while the
+    history is shorter)."""
+    diffs: list[torch.Tensor] = []
+    current, previous = new, old
+    for k in range(order):
+        diffs.append((current - previous) / gap)
+        if k >= len(old_diffs):
+            break
+        current, previous = diffs[-1], old_diffs[k]
+    return diffs
+
+
+def _forecast(value: torch.Tensor, diffs: list[torch.Tensor], gap: int) -> torch.Tensor:
+    """TaylorSeer's forecast `gap` steps after `value` was computed: value + sum_k diffs[k-1] * gap^k / k!
+    (plain reuse without differences)."""
+    out, factor = value, 1.0
+    for k, diff in enumerate(diffs, start=1):
+        factor *= gap / k
+        out = out + factor * diff
+    return out
 
 
 def _teacache(method: Method, blocks: Sequence[Any], batch: Batch, modulate: Any) -> torch.Tensor:
@@ -368,111 +553,3 @@ def _renew(state: Any, signal: torch.Tensor, rest: torch.Tensor) -> None:
     else:
         state.cache.signal, state.cache.rest = signal.clone(), rest.clone()
         state.cache.computed += 1
-
-
-@torch.inference_mode()
-def sd3_forward(
-    method: Method, transformer: Any, batched: dict[str, torch.Tensor], rows: int, states: Sequence[Any]
-) -> torch.Tensor:
-    """`SD3Transformer2DModel.forward` over B requests x `rows` rows, with a cache decision per request.
-    Returns the model output [B * rows, C, H, W]."""
-    t = transformer
-    x = batched["hidden_states"]
-    height, width = x.shape[-2:]
-    h = t.pos_embed(x).contiguous()
-    temb = t.time_text_embed(batched["timestep"], batched["pooled_projections"])
-    enc = t.context_embedder(batched["encoder_hidden_states"])
-    batch = Batch(h, enc, temb, rows, states, lora=LoraLayers.of(t), block_kwargs={"joint_attention_kwargs": None})
-    out = cached_blocks(method, t.transformer_blocks, batch)
-    hidden = t.proj_out(t.norm_out(out, temb))
-    p = t.config.patch_size
-    hidden = hidden.reshape(hidden.shape[0], height // p, width // p, p, p, t.out_channels)
-    hidden = torch.einsum("nhwpqc->nchpwq", hidden)
-    hidden = hidden.reshape(hidden.shape[0], t.out_channels, height, width)
-    return settle(method, hidden, x, batched["timestep"] / 1000, rows, states)  # SD3's timestep: sigma x 1000
-
-
-@torch.inference_mode()
-def flux_forward(
-    method: Method,
-    transformer: Any,
-    batched: dict[str, torch.Tensor],
-    shared: dict[str, torch.Tensor],
-    rows: int,
-    states: Sequence[Any],
-    ulysses: Any = None,
-) -> torch.Tensor:
-    """`FluxTransformer2DModel.forward` over B requests x `rows` rows (packed latents), with a cache decision per
-    request: the first double-stream block decides (fbcache: its residual; teacache: its modulated input); the
-    double- and single-stream blocks after it (teacache: all of them) are skipped together. Returns the model output
-    [B * rows, seq, C * 4]."""
-    t = transformer
-    hidden, img_ids = batched["hidden_states"], shared["img_ids"]
-    if ulysses is not None:  # as the Ulysses pre-hook on the transformer's forward, which this bypasses
-        start, stop = ulysses.split(hidden.shape[1])
-        ulysses.text_len = batched["encoder_hidden_states"].shape[1]
-        hidden, img_ids = hidden[:, start:stop], img_ids[start:stop]
-    h = t.x_embedder(hidden)
-    timestep = batched["timestep"].to(h.dtype) * 1000
-    guidance = batched.get("guidance")
-    if guidance is None:
-        temb = t.time_text_embed(timestep, batched["pooled_projections"])
-    else:
-        temb = t.time_text_embed(timestep, guidance.to(h.dtype) * 1000, batched["pooled_projections"])
-    enc = t.context_embedder(batched["encoder_hidden_states"])
-    rotary = t.pos_embed(torch.cat((shared["txt_ids"], img_ids), dim=0))
-    blocks = [*t.transformer_blocks, *t.single_transformer_blocks]
-    block_kwargs = {"image_rotary_emb": rotary, "joint_attention_kwargs": None}
-    out = cached_blocks(
-        method, blocks, Batch(h, enc, temb, rows, states, lora=LoraLayers.of(t), block_kwargs=block_kwargs)
-    )
-    # (Under Ulysses the last block gathers the tokens: the output, as the input here, is every token.)
-    return settle(
-        method, t.proj_out(t.norm_out(out, temb)), batched["hidden_states"], batched["timestep"], rows, states
-    )
-
-
-def _qwen_modulated(block: Any, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-    """A Qwen-Image block's modulated image input, as its forward computes it before attention."""
-    img_mod1 = block.img_mod(temb).chunk(2, dim=-1)[0]
-    return block._modulate(block.img_norm1(h), img_mod1)[0]
-
-
-@torch.inference_mode()
-def qwen_forward(
-    method: Method,
-    transformer: Any,
-    batched: dict[str, torch.Tensor],
-    shared: dict[str, Any],
-    rows: int,
-    states: Sequence[Any],
-) -> torch.Tensor:
-    """`QwenImageTransformer2DModel.forward` over B requests x `rows` rows (packed latents), with a cache decision
-    per request; a padded batch's text mask is sub-batched with the rows. Returns [B * rows, seq, C * 4]."""
-    from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
-
-    t = transformer
-    h = t.img_in(batched["hidden_states"])
-    timestep = batched["timestep"].to(h.dtype)
-    enc = t.txt_in(t.txt_norm(batched["encoder_hidden_states"]))
-    text_len, _, mask = compute_text_seq_len_from_mask(enc, batched.get("encoder_hidden_states_mask"))
-    guidance = batched.get("guidance")
-    if guidance is None:
-        temb = t.time_text_embed(timestep, h, None)
-    else:
-        temb = t.time_text_embed(timestep, guidance.to(h.dtype) * 1000, h, None)
-    rotary = t.pos_embed(shared["img_shapes"], max_txt_seq_len=text_len, device=h.device)
-    batch = Batch(
-        h,
-        enc,
-        temb,
-        rows,
-        states,
-        row_kwargs={"encoder_hidden_states_mask": mask},  # a padded batch's: a row per batch row
-        lora=LoraLayers.of(t),
-        block_kwargs={"image_rotary_emb": rotary, "joint_attention_kwargs": None},
-    )
-    out = cached_blocks(method, t.transformer_blocks, batch, modulated=_qwen_modulated)
-    return settle(
-        method, t.proj_out(t.norm_out(out, temb)), batched["hidden_states"], batched["timestep"], rows, states
-    )

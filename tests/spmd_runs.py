@@ -185,7 +185,7 @@ def two_ranks(
     compile: bool = False,
     ring: int = 1,
     tp: int = 1,
-    shard: bool = False,
+    shard: bool | str = False,
     vae: int = 1,
     loras=(),
     kept: Path | None = None,
@@ -203,8 +203,8 @@ def two_ranks(
         *([cache] if cache else []),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SPMD_RING": str(ring), "SPMD_TP": str(tp)}
-    if shard:
-        env["SPMD_SHARD"] = "1"
+    if shard:  # True: FSDP over every rank; "RxS": HSDP
+        env["SPMD_SHARD"] = shard if isinstance(shard, str) else "1"
     env["SPMD_VAE"] = str(vae)
     if loras:
         env["SPMD_LORA"] = json.dumps([list(pair) for pair in loras])

@@ -62,7 +62,8 @@ ELSEWHERE: list[tuple[str, str]] = [
     (r"diffusiond serve --port 800[12] --unready-delay 2", "tests/deploy/test_haproxy.py"),
     (r"haproxy -f deploy/haproxy/haproxy\.cfg", "tests/deploy/test_haproxy.py"),
     (r"diffusiond serve --cache teacache --scheduler-config", "tests/models/test_demo.py"),
-    (r"diffusiond serve --cache (fb|tea|db|x0)cache", "tests/models/test_stepcache.py"),
+    (r"diffusiond serve( --model \S+)? --cache (fb|tea|db|x0|mag)cache", "tests/models/test_stepcache.py"),
+    (r"python -m diffusiond\.tools\.calibrate --method magcache", "tests/models/test_magcache.py"),
     (r"python -m diffusiond\.tools\.calibrate", "tests/models/test_stepcache.py"),
     (r"diffusiond serve --quantize", "tests/kernels/test_quantize.py"),
     (r"pip install -c constraints/cpu\.txt -e '\.\[quant\]'", "tests/service/test_packaging.py"),
@@ -306,7 +307,7 @@ def test_bench_accel_example(tmp_path):
     """docs/acceleration.md's benchmark, at its smallest settings (the numbers are not checked): each configuration
     in a child process of its own, every row reported."""
     (command,) = doc_commands("python -m diffusiond.tools.accel --scheduler-config")
-    configs = "exact,teacache:0.4,int8"
+    configs = "exact,teacache:0.4,int8,dbcache:0.4+taylorseer+scm-fast,magcache:0.1"
     cmd = f"{sys.executable} -m diffusiond.tools.accel --requests 2 --repeats 1 --steps 8 --configs {configs}"
     cmd += " " + command.split("#")[0].split("tools.accel", 1)[1].strip()  # the page's --scheduler-config
     result = run(cmd, tmp_path, timeout=300)
@@ -324,11 +325,12 @@ def test_bench_cache_example(tmp_path):
     doc_commands("python -m diffusiond.tools.cache")
     cmd = (
         f"{sys.executable} -m diffusiond.tools.cache --requests 2 --repeats 1 --steps 4 --thresholds 0.4 "
-        "--teacache-thresholds 0.3"
+        "--teacache-thresholds 0.3 --methods fbcache,teacache,dbcache+taylorseer"
     )
     result = run(cmd, tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr.decode()[-2000:]
     assert b'"method":"fbcache","threshold":0.4' in result.stdout
+    assert b'"method":"dbcache {\\"taylorseer\\": true, \\"taylorseer_order\\": 1}","threshold":0.4' in result.stdout
     assert b'"method":"teacache","threshold":0.3' in result.stdout
 
 

@@ -12,12 +12,15 @@ their cache, and for the bundled model the judge's accuracy (all five attributes
 
     python -m diffusiond.tools.accel [--model DIR] [--size 256] [--steps 20] [--requests 16] [--repeats 2]
         [--configs exact,fbcache:0.2,teacache:0.4,compile,int8,compile+teacache:0.4,...] [--scheduler-config JSON]
+        [--cache-config JSON]
 
 The bundled model samples with fresh noise at every step (`stochastic_sampling`), which leaves the step caches
 nothing to reuse: measure them on it with `--scheduler-config '{"stochastic_sampling": false}'`.
 
-A configuration is `+`-joined parts: `exact`, `fbcache:X`, `teacache:X`, `dbcache:X`, `x0cache:X` (their settings
-as `--cache-config` defaults them), `compile`, `int8`, `int8-dynamic`.
+A configuration is `+`-joined parts: `exact`, `fbcache:X`, `teacache:X`, `dbcache:X`, `x0cache:X`, `magcache:X`
+(their settings as `--cache-config` gives them, or their defaults), `taylorseer` or `taylorseer2` (DBCache's
+forecast, of that order), `scm-fast`, `scm-medium`, `scm-slow` (the requests' step mask), `compile`, `int8`,
+`int8-dynamic`; e.g. `dbcache:0.4+taylorseer+scm-fast`.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ DEFAULT_CONFIGS = (
 
 def parse(config: str) -> dict:
     """`compile+int8+teacache:0.4` -> {"compile": True, "quantize": "int8", "cache": "teacache", "threshold": 0.4}."""
-    out = {"compile": False, "quantize": "none", "cache": "none", "threshold": 0.0}
+    out: dict = {"compile": False, "quantize": "none", "cache": "none", "threshold": 0.0, "cache_config": {}}
     for part in config.split("+"):
         name, _, value = part.partition(":")
         if name == "exact":
@@ -59,8 +62,12 @@ def parse(config: str) -> dict:
             out["compile"] = True
         elif name in ("int8", "int8-dynamic"):
             out["quantize"] = name
-        elif name in ("fbcache", "teacache", "dbcache", "x0cache"):
+        elif name in ("fbcache", "teacache", "dbcache", "x0cache", "magcache"):
             out["cache"], out["threshold"] = name, float(value)
+        elif name.startswith("taylorseer"):
+            out["cache_config"] |= {"taylorseer": True, "taylorseer_order": int(name.removeprefix("taylorseer") or 1)}
+        elif name in ("scm-fast", "scm-medium", "scm-slow"):
+            out["cache_config"]["scm"] = name.removeprefix("scm-")
         else:
             raise SystemExit(f"unknown configuration part {part!r}")
     return out
@@ -93,12 +100,14 @@ def worker(args: argparse.Namespace) -> None:
     model, prompts, extra = workload(args.model, args.requests, args.size)
     counts = count_reuse()
 
+    cache_config = json.loads(args.cache_config or "{}") | config["cache_config"] if config["cache"] != "none" else {}
     setup = ModelSetup(
         model=model,
         quantize=config["quantize"],
         scheduler_config=scheduler_changes(args.scheduler_config),
         cache=config["cache"],
         cache_threshold=config["threshold"],
+        cache_config=cache_config,
     )
 
     def load():  # on the engine's step thread, as the daemon loads
@@ -150,6 +159,8 @@ def run_config(config: str, args: argparse.Namespace, folder: str) -> tuple[dict
         cmd += ["--model", args.model]
     if args.scheduler_config:
         cmd += ["--scheduler-config", args.scheduler_config]
+    if args.cache_config:
+        cmd += ["--cache-config", args.cache_config]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -171,6 +182,11 @@ def main(argv: list[str] | None = None) -> None:
         metavar="JSON",
         help="change settings of the checkpoint's scheduler, as `serve --scheduler-config` does: for the bundled "
         "model's step caches, '{\"stochastic_sampling\": false}'",
+    )
+    parser.add_argument(
+        "--cache-config",
+        metavar="JSON",
+        help="the cache methods' settings, as `serve --cache-config` (the configurations' own parts added to it)",
     )
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)

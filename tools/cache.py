@@ -4,11 +4,14 @@ Reports the speed-up, the agreement with the exact images (PSNR, SSIM, and the j
 model) and the share of request-steps that reused their cache.
 
     python -m diffusiond.tools.cache [--model DIR] [--steps N] [--requests 32]
-        [--methods fbcache,dbcache,teacache,x0cache] [--thresholds 0.05,0.1,0.2] [--teacache-thresholds 0.1,0.2,0.4]
+        [--methods fbcache,dbcache,dbcache+taylorseer,teacache,x0cache] [--thresholds 0.05,0.1,0.2]
+        [--teacache-thresholds 0.1,0.2,0.4]
         [--cache-config JSON] [--scheduler-config JSON]
 
-`--cache-config` is dbcache's or x0cache's (as `serve --cache-config`); `--scheduler-config` changes the checkpoint's
-scheduler at load (as `serve`'s: '{"stochastic_sampling": false}' samples the bundled model deterministically).
+`--cache-config` is dbcache's or x0cache's (as `serve --cache-config`); a method `dbcache+taylorseer` (or
+`+taylorseer2`) is dbcache with `"taylorseer": true` (and that order) added to it, so that both run side by side.
+`--scheduler-config` changes the checkpoint's scheduler at load (as `serve`'s: '{"stochastic_sampling": false}'
+samples the bundled model deterministically).
 """
 
 from __future__ import annotations
@@ -83,11 +86,15 @@ async def main(args: argparse.Namespace) -> None:
     adapters = []
 
     def settings(method: str) -> dict | None:
-        return json.loads(args.cache_config) if method in ("dbcache", "x0cache") and args.cache_config else None
+        name, _, extra = method.partition("+")
+        config = json.loads(args.cache_config) if name in ("dbcache", "x0cache") and args.cache_config else {}
+        if extra:  # taylorseer or taylorseerN
+            config |= {"taylorseer": True, "taylorseer_order": int(extra.removeprefix("taylorseer") or 1)}
+        return config or None
 
     def load():
         adapter = load_adapter(model, scheduler_config=json.loads(args.scheduler_config or "{}"))
-        adapter.enable_step_cache(args.methods[0], 0.0, settings(args.methods[0]))
+        adapter.enable_step_cache(args.methods[0].partition("+")[0], 0.0, settings(args.methods[0]))
         adapters.append(adapter)
         return adapter
 
@@ -118,7 +125,7 @@ async def main(args: argparse.Namespace) -> None:
         runs += [(method, t) for t in thresholds]
     for method, threshold in runs:
         # Between runs, with no request in flight: Python attributes only, no torch work off the step thread.
-        adapters[0].enable_step_cache(method, 0.0, settings(method))
+        adapters[0].enable_step_cache(method.partition("+")[0], 0.0, settings(method))
         times = []
         for _ in range(args.repeats):
             counts.update(reused=0, decided=0)
@@ -128,7 +135,9 @@ async def main(args: argparse.Namespace) -> None:
         if exact is None:
             exact, exact_time = images, seconds
         row = {
-            "method": (method + (f" {args.cache_config}" if settings(method) else "")) if threshold > 0 else "exact",
+            "method": (method.partition("+")[0] + f" {json.dumps(settings(method))}" if settings(method) else method)
+            if threshold > 0
+            else "exact",
             "threshold": threshold,
             "seconds": round(seconds, 3),
             "speedup": round(exact_time / seconds, 3),

@@ -1,6 +1,8 @@
-"""TeaCache's rescaling polynomial fitted for one checkpoint, written beside its weights:
+"""TeaCache's rescaling polynomial fitted for one checkpoint (or MagCache's magnitude ratios measured), written
+beside its weights:
 
-    python -m diffusiond.tools.calibrate --model DIR [--prompts FILE] [--size WxH] [--steps N] [--degree 4] [--out DIR]
+    python -m diffusiond.tools.calibrate --model DIR [--method teacache|magcache] [--prompts FILE] [--size WxH]
+        [--steps N] [--degree 4] [--out DIR]
 
 
 TeaCache (models/stepcache.py) estimates how much the residual all transformer blocks add changes from one step to
@@ -11,6 +13,11 @@ for every request-step after its first the pair (relative L1 change of the modul
 the blocks' residual) is recorded; a least-squares polynomial through the pairs is written beside the weights as
 `diffusiond_cache.json` (models/stepcache.py `CACHE_FILE`), which the adapter reads when it starts with
 `--cache teacache`.
+
+`--method magcache`: the same runs record, for every request-step after its first, the mean over its rows and
+tokens of the norm of the blocks' residual over the norm of the previous step's (MagCache's magnitude ratio); their
+mean per step is written under "magcache" in the same file (the other method's entry is kept), which `--cache
+magcache` reads. Measure with the steps the server will mostly run: other step counts take the nearest step's ratio.
 """
 
 from __future__ import annotations
@@ -61,6 +68,17 @@ def fit(pairs: list[tuple[float, float]], degree: int) -> tuple[tuple[float, ...
     return tuple(float(c) for c in coefficients), r2
 
 
+def magnitude_ratios(records: list[tuple[float, float]]) -> list[float]:
+    """MagCache's ratio per step: the mean of the (step, ratio) records of each step; 1 at the first step."""
+    if not records:
+        raise ValueError("no ratios recorded: run requests of 2 steps or more")
+    steps = int(max(step for step, _ in records)) + 1
+    per_step: list[list[float]] = [[] for _ in range(steps)]
+    for step, ratio in records:
+        per_step[int(step)].append(ratio)
+    return [1.0] + [float(np.mean(r)) if r else 1.0 for r in per_step[1:]]
+
+
 def record_pairs(
     model: str,
     prompts: list[str],
@@ -68,17 +86,21 @@ def record_pairs(
     steps: int | None = None,
     size: tuple[int, int] | None = None,
     guidance: float | None = None,
+    method: str = "teacache",
     **setup: Any,
 ) -> list[tuple[float, float]]:
-    """(input change, output change) for every request-step after the first, every step computed, batched as served.
-    `setup`: fields of the model setup (device, dtype, quantize, offload, scheduler_config), as it will be served."""
+    """(input change, output change) for every request-step after the first, every step computed, batched as served
+    (magcache: (step, magnitude ratio)). `setup`: fields of the model setup (device, dtype, quantize, offload,
+    scheduler_config), as it will be served."""
     from diffusiond.engine.engine import Engine
     from diffusiond.engine.outputs import Completed
     from diffusiond.models.params import SamplingParams
     from diffusiond.models.setup import ModelSetup, build_adapter
 
     pairs: list[tuple[float, float]] = []
-    model_setup = ModelSetup(model=model, cache="teacache", cache_threshold=0.0, **setup)
+    # (MagCache starts with placeholder ratios: at threshold 0 every step computes whatever they are.)
+    placeholder = {"ratios": [1.0]} if method == "magcache" else {}
+    model_setup = ModelSetup(model=model, cache=method, cache_threshold=0.0, cache_config=placeholder, **setup)
 
     def load() -> Any:  # on the engine's step thread, which owns torch
         adapter = build_adapter(model_setup)
@@ -139,13 +161,24 @@ def calibrate(args: argparse.Namespace) -> int:
         steps=args.steps,
         size=args.size,
         guidance=args.guidance_scale,
+        method=args.method,
         attention=args.attention,
         scheduler_config=scheduler,
         **options,
     )
-    coefficients, r2 = fit(pairs, args.degree)
     out = Path(args.out or model) / CACHE_FILE
-    result = {
+    result = json.loads(out.read_text()) if out.is_file() else {}
+    if args.method == "magcache":
+        ratios = magnitude_ratios(pairs)
+        result["magcache"] = {"ratios": [round(r, 5) for r in ratios], "prompts": len(prompts), "steps": len(ratios)}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"{len(pairs)} ratios from {len(prompts)} prompts in {time.monotonic() - t0:.1f} s")
+        print(f"magnitude ratio per step: {', '.join(f'{r:.4f}' for r in ratios)}")
+        print(f"wrote {out}; serve it with --cache magcache")
+        return 0
+    coefficients, r2 = fit(pairs, args.degree)
+    result |= {
         "teacache": {
             "coefficients": list(coefficients),
             "degree": args.degree,
@@ -178,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=parse_size, help="WIDTHxHEIGHT (default: the model's)")
     parser.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
     parser.add_argument("--guidance-scale", type=float, help="classifier-free guidance (default: the model's)")
+    parser.add_argument(
+        "--method", choices=["teacache", "magcache"], default="teacache", help="what to measure (default: teacache)"
+    )
     parser.add_argument("--degree", type=int, default=4, help="polynomial degree (default: 4, as TeaCache's)")
     parser.add_argument("--out", metavar="DIR", help="folder to write diffusiond_cache.json into (default: --model)")
     args = parser.parse_args(argv)

@@ -59,7 +59,7 @@ async def test_models_lists_what_the_model_serves(demo):
     # What its family declares (models/base.py), narrowed to the checkpoint: 4 heads, so Ulysses over 2 or 4 ranks.
     assert caps["guidance_styles"] == ["cfg", "skip-layer"]
     assert caps["parallel"] == ["cfg-parallel", "ulysses", "ring", "tp", "shard-weights", "vae-parallel"]
-    assert caps["cache_methods"] == ["fbcache", "dbcache", "teacache", "x0cache"]
+    assert caps["cache_methods"] == ["fbcache", "dbcache", "teacache", "x0cache", "magcache"]
     assert caps["image_inputs"] == ["img2img", "mask"]
     assert caps["ulysses_degrees"] and all(d > 1 for d in caps["ulysses_degrees"])
 

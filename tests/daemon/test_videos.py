@@ -458,6 +458,7 @@ async def test_the_mp4_holds_the_frames_the_model_made(video_server):
         ({"input_reference": {"file_id": "file_1"}}, "input_reference"),
         ({"true_cfg_scale": 2.5}, "true_cfg_scale"),  # Wan guides by guidance_scale: a knob it would ignore
         ({"cache_threshold": 0.2}, "cache_threshold"),  # served without --cache
+        ({"cache_steps": "fast"}, "cache_steps"),
         ({"guidance_scale_2": 3.0}, "guidance_scale_2"),  # one denoiser: no low-noise expert to guide
     ],
 )

@@ -177,8 +177,10 @@ def main() -> None:
         ulysses_degree=int(ulysses),
         ring_degree=int(os.environ.get("SPMD_RING", "1")),
         tp_degree=int(os.environ.get("SPMD_TP", "1")),
-        shard_weights=os.environ.get("SPMD_SHARD") == "1",
+        shard_weights=bool(os.environ.get("SPMD_SHARD")),
         vae_degree=int(os.environ.get("SPMD_VAE", "1")),
+        # "RxS": HSDP's replicas ("1": FSDP over every rank)
+        shard_replicas=int(os.environ.get("SPMD_SHARD", "1").split("x")[0]),
     )
     # "{rank}" in a path: each rank reads its own file (a test of ranks that read different bytes).
     loras = tuple(

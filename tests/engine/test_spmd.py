@@ -19,7 +19,11 @@ from diffusiond.models.params import SamplingParams
 
 TOLERANCE = 1e-4
 # `--cache dbcache` with `--cache-config` (NAME:JSON, as one_rank and the worker take a cache).
-DBCACHE = 'dbcache:{"fn": 2, "bn": 1, "warmup": 1}'  # these requests run 2-4 steps
+# With TaylorSeer: after a warm-up of 2 computed steps, reused steps add a forecast from each request's own history.
+DBCACHE = 'dbcache:{"fn": 2, "bn": 1, "warmup": 2, "taylorseer": true}'
+# MagCache with ratios given (the tiny checkpoints have no calibration): it decides from them alone, alike on every
+# rank, from its second step (the first round(0.2 x steps) = 1 computes).
+MAGCACHE = 'magcache:{"ratios": [1.0, 1.01]}'
 # Guidance-distilled families: one row per request, never a CFG batch.
 DISTILLED = ("flux2",)
 
@@ -305,7 +309,26 @@ def test_sharded_weights_match_one_rank(family, strategy, request, tmp_path):
         assert diff <= TOLERANCE, f"{family}/shard {params.prompt!r}: max abs diff {diff}"
 
 
-@pytest.mark.parametrize("method", ["fbcache", "teacache", DBCACHE, "x0cache"])
+@pytest.mark.parametrize("mesh", ["2x1", "1x2"])
+def test_hsdp_meshes_match_one_rank(mesh, tiny_sd3, tmp_path):
+    """--shard-weights RxS (HSDP: a 2-D mesh, R replicas each sharded over S ranks) on CFG-parallel: one rank's
+    images; "1x2" keeps half the weights on each rank (one copy over both), "2x1" shards nothing (two whole
+    copies: no rank reports sharded bytes)."""
+    requests = REQUESTS["sd3"][:4]
+    expected = one_rank(tiny_sd3, requests)
+    got, _ = two_ranks(tiny_sd3, tmp_path, 2, 1, requests, shard=mesh)
+    for r in range(2):
+        if mesh == "2x1":
+            assert not (tmp_path / f"weights{r}.json").exists(), r
+        else:
+            local, whole = json.loads((tmp_path / f"weights{r}.json").read_text())
+            assert local <= 0.51 * whole, (r, local, whole)
+    for params, a, b in zip(requests, expected, got, strict=True):
+        diff = float(np.abs(a - b).max())
+        assert diff <= TOLERANCE, f"sd3/hsdp {mesh} {params.prompt!r}: max abs diff {diff}"
+
+
+@pytest.mark.parametrize("method", ["fbcache", "teacache", DBCACHE, "x0cache", MAGCACHE])
 @pytest.mark.parametrize("strategy", ["cfg", "ulysses"])
 @pytest.mark.parametrize("family", ["sd3", "flux"])
 def test_step_cache_decisions_agree_across_ranks(family, strategy, method, request, tmp_path):
@@ -317,8 +340,9 @@ def test_step_cache_decisions_agree_across_ranks(family, strategy, method, reque
 
     model = request.getfixturevalue(f"tiny_{family}" + ("_deep" if method == DBCACHE else ""))
     thresholds = [0.0, 10.0, 0.5, 10.0, 0.0, 10.0, 10.0]
-    # x0cache reuses once two steps have computed (its rate of change), never at the last: 2 more steps each.
-    more = 2 if method == "x0cache" else 0
+    # x0cache reuses once two steps have computed (its rate of change), DBCache here after its warm-up of 2, never at
+    # the last: 2 more steps each.
+    more = 2 if method in ("x0cache", DBCACHE) else 0
     requests = [
         msgspec.structs.replace(p, cache_threshold=t, num_inference_steps=p.num_inference_steps + more)
         for p, t in zip(REQUESTS[family], thresholds, strict=False)

@@ -137,7 +137,11 @@ def test_a_reused_span_adds_its_image_and_text_residuals():
     torch.manual_seed(0)
     h, enc, temb = torch.randn(2, 3, 4), torch.randn(2, 5, 4), torch.zeros(2, 4)
     state = SimpleNamespace(
-        request_id="a", params=SimpleNamespace(cache_threshold=0.5), step_index=0, total_steps=5, cache=None
+        request_id="a",
+        params=SimpleNamespace(cache_threshold=0.5, cache_steps=None),
+        step_index=0,
+        total_steps=5,
+        cache=None,
     )
     computed = stepcache.cached_blocks(method, shifts, stepcache.Batch(h, enc, temb, 2, [state]))
     state.step_index = 1

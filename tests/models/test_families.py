@@ -21,14 +21,14 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(
     ("fixture", "guidance", "ulysses", "cache"),
     [
-        ("tiny_sd3", ("cfg", "skip-layer"), (2, 4), ("fbcache", "dbcache", "teacache", "x0cache")),
-        ("tiny_flux", ("distilled", "true-cfg"), (2,), ("fbcache", "dbcache", "teacache", "x0cache")),
-        ("tiny_kontext", ("distilled", "true-cfg"), (2,), ("fbcache", "dbcache", "teacache", "x0cache")),
+        ("tiny_sd3", ("cfg", "skip-layer"), (2, 4), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
+        ("tiny_flux", ("distilled", "true-cfg"), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
+        ("tiny_kontext", ("distilled", "true-cfg"), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
         ("tiny_sdxl", ("cfg",), (), ()),
         ("tiny_flux2klein", ("cfg",), (2,), ()),
         ("tiny_zimage", ("cfg",), (2,), ()),
         # The tiny Qwen-Image has no guidance embedding, so it drops "distilled" from its family's styles.
-        ("tiny_qwenimage", ("true-cfg",), (2,), ("fbcache", "dbcache", "teacache", "x0cache")),
+        ("tiny_qwenimage", ("true-cfg",), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
         ("tiny_wan", ("cfg",), (2,), ()),
         ("tiny_wan_i2v", ("cfg",), (2,), ()),
     ],

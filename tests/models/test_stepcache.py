@@ -33,15 +33,19 @@ def plain(family, request):
     return load_adapter(request.getfixturevalue(FIXTURES[family]))
 
 
-@pytest.fixture(scope="module", params=["fbcache", "teacache", "x0cache"])
+@pytest.fixture(scope="module", params=["fbcache", "teacache", "x0cache", "magcache"])
 def method(request):
     return request.param
+
+
+# MagCache's ratios (the tiny checkpoints have no calibration; tests/models/test_magcache.py measures one).
+CONFIGS = {"magcache": {"ratios": [1.0, 1.02, 0.98, 1.0]}}
 
 
 @pytest.fixture(scope="module")
 def cached(family, method, request):
     adapter = load_adapter(request.getfixturevalue(FIXTURES[family]))
-    adapter.enable_step_cache(method, 0.0)
+    adapter.enable_step_cache(method, 0.0, CONFIGS.get(method))
     return adapter
 
 
@@ -100,7 +104,7 @@ def test_refusals(plain):
         plain.resolve(params(1, threshold=0.2))
     assert plain.resolve(params(1, threshold=0.0)).cache_threshold == 0.0
     with pytest.raises(ValueError, match="unknown cache method"):
-        plain.enable_step_cache("magcache", 0.1)
+        plain.enable_step_cache("seacache", 0.1)
 
 
 def test_teacache_skips_every_block_and_accumulates(family, request, monkeypatch):
@@ -183,6 +187,8 @@ async def test_over_http_per_request_thresholds(serve, tiny_sd3_deep):
     # DBCache as docs/acceleration.md starts it, on a checkpoint with blocks left between the first and the last.
     dbcache = '{"fn": 1, "bn": 1, "warmup": 2}'
     cached_servers.append(serve(model=tiny_sd3_deep, cache="dbcache", cache_config=dbcache, cache_threshold=0.0))
+    # MagCache with its ratios given (docs' command reads them from a calibration, tests/models/test_magcache.py).
+    cached_servers.append(serve(cache="magcache", cache_config='{"ratios": [1.0, 1.01]}', cache_threshold=0.0))
     cached_server = cached_servers[0]
     plain_server = serve()
     body = {"prompt": "a red circle", "width": 64, "height": 64, "num_inference_steps": 6, "cache_threshold": 10.0}
@@ -197,3 +203,20 @@ async def test_over_http_per_request_thresholds(serve, tiny_sd3_deep):
         body["cache_threshold"] = -1
         async with session.post(f"{cached_server.base_url}/v1/generations", json=body) as resp:
             assert resp.status == 400 and (await resp.json())["error"]["param"] == "cache_threshold"
+        # SCM step masks per request (tests/models/test_scm.py): a preset or step indices; refused where they cannot be.
+        del body["cache_threshold"]  # (the server's: a mask alone is refused by a server without a cache)
+        for steps in ("fast", [0, 2, 4]):
+            async with session.post(
+                f"{cached_server.base_url}/v1/generations", json=body | {"cache_steps": steps}
+            ) as resp:
+                names = [name async for name, _ in sse_events(resp)]
+            assert names[-1] == "completed", (steps, names)
+        for server, steps in [
+            (cached_server, [0, 6]),
+            (cached_server, "quick"),
+            (cached_server, [-1]),
+            (plain_server, "fast"),
+        ]:
+            async with session.post(f"{server.base_url}/v1/generations", json=body | {"cache_steps": steps}) as resp:
+                assert resp.status == 400, steps
+                assert (await resp.json())["error"]["param"] == "cache_steps", steps

@@ -20,7 +20,11 @@ from diffusiond.models.loader import load_adapter
 
 def state(request_id: str, cache=None, step: int = 3) -> SimpleNamespace:
     return SimpleNamespace(
-        request_id=request_id, params=SimpleNamespace(cache_threshold=0.5), step_index=step, total_steps=8, cache=cache
+        request_id=request_id,
+        params=SimpleNamespace(cache_threshold=0.5, cache_steps=None),
+        step_index=step,
+        total_steps=8,
+        cache=cache,
     )
 
 

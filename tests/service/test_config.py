@@ -141,6 +141,10 @@ def test_environment_values_are_converted():
     assert (config.max_batch, config.drain_timeout, config.threads) == (4, 2.5, 3)
     assert config.lora == ("style=/a.safetensors", "ink=b.safetensors")
     assert (config.api_key, config.log_level, config.model) == ("secret", "DEBUG", None)
+    # --shard-weights: true (FSDP over every rank) or RxS (HSDP).
+    for value, expected in [("true", True), ("2x1", "2x1"), ("false", False)]:
+        config, _ = load_config({}, {"DIFFUSIOND_SHARD_WEIGHTS": value})
+        assert config.shard_weights == expected, value
 
 
 def test_config_file_from_the_environment_and_the_flag(tmp_path):
@@ -319,6 +323,11 @@ def test_scheduler_config_must_be_a_json_object(args, message):
             "x --tp (2) = 4 must equal the number of ranks",
         ),
         (["serve", "--class-deadline", "12=500"], "--class-deadline '12=500': expected P=MS"),
+        (
+            ["serve", "--nproc", "2", "--cfg-parallel", "2", "--shard-weights", "2x2"],
+            "--shard-weights 2x2: 2 replicas x 2 ranks each = 4 must equal the number of ranks (2",
+        ),
+        (["serve", "--shard-weights", "2"], "shard_weights"),
     ],
 )
 def test_what_needs_no_torch_is_refused_before_torch_is_imported(argv, message, tiny_sd3):

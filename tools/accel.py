@@ -75,13 +75,13 @@ def parse(config: str) -> dict:
 
 def workload(model: str | None, n: int, size: int) -> tuple[str, list[str], dict]:
     """(checkpoint, prompts, extra request fields): the bundled model's held-out captions at its defaults, or
-    "a photo number i" at size x size, guidance 4.5, for another checkpoint."""
+    "a photo number i" at size x size, the family's default guidance, for another checkpoint."""
     if model is None:
         from diffusiond.models.default import default_model
         from diffusiond.tools.demo.evaluate import eval_scenes
 
         return default_model(), [s.caption for s in eval_scenes(n)], {}
-    return model, [f"a photo number {i}" for i in range(n)], {"width": size, "height": size, "guidance_scale": 4.5}
+    return model, [f"a photo number {i}" for i in range(n)], {"width": size, "height": size}
 
 
 def worker(args: argparse.Namespace) -> None:

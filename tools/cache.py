@@ -108,7 +108,7 @@ async def main(args: argparse.Namespace) -> None:
         prompts = [s.caption for s in scenes]
     else:
         prompts = [f"a photo number {i}" for i in range(args.requests)]
-    base = {} if bundled else {"width": args.size, "height": args.size, "guidance_scale": 4.5}
+    base = {} if bundled else {"width": args.size, "height": args.size}  # the family's default guidance
 
     def requests(threshold: float) -> list:
         return [

@@ -44,6 +44,18 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         ],
     ),
     (
+        "Step cache",
+        "Share of request-steps that reused their step cache (--cache: transformer blocks skipped); 0 without one.",
+        "percentunit",
+        [
+            (
+                f"sum(rate(diffusiond_step_cache_reused_total{{{JOB}}}{RATE})) / "
+                f"sum(rate(diffusiond_steps_total{{{JOB}}}{RATE}))",
+                "reused",
+            ),
+        ],
+    ),
+    (
         "Request latency",
         "Submission to final image, completed requests.",
         "s",

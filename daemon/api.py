@@ -249,6 +249,14 @@ def json_fields(fields: dict[str, str], types: dict[str, Any]) -> dict[str, Any]
             raise ApiError(400, f"invalid request: {exc} (in {name})", param=name, code="invalid_value") from None
         except msgspec.DecodeError:
             raise ApiError(400, f"{name} in a form is JSON text, such as {example}", param=name) from None
+    # A preset's name, or JSON text of a list: cache_steps "fast" or "[0, 3, 9]".
+    steps = out.get("cache_steps")
+    if isinstance(steps, str) and steps.lstrip().startswith("["):
+        try:
+            out["cache_steps"] = msgspec.to_builtins(msgspec.json.decode(steps, type=CacheSteps))
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            message = f"cache_steps in a form is a preset or JSON text of step indices, such as [0, 3, 9] ({exc})"
+            raise ApiError(400, message, param="cache_steps", code="invalid_value") from None
     return out
 
 

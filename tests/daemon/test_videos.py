@@ -483,6 +483,22 @@ async def test_a_url_encoded_form_is_refused(video_server):
 
 
 @pytest.mark.asyncio
+async def test_a_form_takes_cache_steps_as_a_preset_or_a_json_list(video_server):
+    """Multipart bodies carry every field as text: cache_steps is a preset's name or JSON text of a list. This server
+    runs without --cache, so a mask that parsed is refused for that (naming the field), one that did not for its
+    form."""
+    async with aiohttp.ClientSession(timeout=TIMEOUT, headers=AUTH) as session:
+        for value, says in [("fast", "without step caching"), ("[0, 3]", "without step caching"), ("[0,", "JSON")]:
+            form = aiohttp.FormData(default_to_multipart=True)  # (as OpenAI's clients send it)
+            form.add_field("prompt", PROMPT)
+            form.add_field("size", SIZE)
+            form.add_field("cache_steps", value)
+            async with session.post(f"{video_server.base_url}/v1/videos", data=form) as resp:
+                error = (await resp.json())["error"]
+            assert resp.status == 400 and error["param"] == "cache_steps" and says in error["message"], (value, error)
+
+
+@pytest.mark.asyncio
 async def test_a_video_model_refuses_the_images_api(video_server):
     async with aiohttp.ClientSession(timeout=TIMEOUT, headers=AUTH) as session:
         async with session.post(f"{video_server.base_url}/v1/images/generations", json={"prompt": PROMPT}) as resp:

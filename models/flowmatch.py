@@ -257,10 +257,11 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
             )
         t = self.transformer
         blocks = len(getattr(t, "transformer_blocks", ())) + len(getattr(t, "single_transformer_blocks", ()))
-        local = os.path.isdir(self.source)
-        coefficients = (stepcache.load_coefficients(self.source) if local else None) or self.teacache_coefficients
-        ratios = (stepcache.load_ratios(self.source) if local else None) or self.magcache_ratios()
-        self.cache_method = stepcache.method_of(method, config or {}, blocks, coefficients, ratios)
+        coefficients, ratios = stepcache.load_calibration(self.source) if os.path.isdir(self.source) else (None, None)
+        coefficients = coefficients or self.teacache_coefficients
+        self.cache_method = stepcache.method_of(
+            method, config or {}, blocks, coefficients, ratios or self.magcache_ratios()
+        )
         self.step_cache = method
         self.default_cache_threshold = threshold if method != "none" else 0.0
         self.default_cache_steps = (config or {}).get("scm")

@@ -61,34 +61,26 @@ FLUX_TEACACHE = (498.651651, -283.781631, 55.8554382, -3.82021401, 0.264230861)
 IDENTITY = (1.0, 0.0)
 
 
-def load_coefficients(source: str) -> tuple[float, ...] | None:
-    """The polynomial fitted for the checkpoint in `source` (highest degree first), or None without a calibration."""
+def load_calibration(source: str) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
+    """What tools/calibrate.py measured for the checkpoint in `source`: TeaCache's polynomial (highest degree first)
+    and MagCache's magnitude ratios per step, each None where it measured none."""
     path = os.path.join(source, CACHE_FILE)
     if not os.path.isfile(path):
-        return None
+        return None, None
     with open(path) as f:
-        fitted = json.load(f).get("teacache")
-    if fitted is None:
-        return None
-    coefficients = fitted["coefficients"]
-    if not coefficients or not all(isinstance(c, int | float) and math.isfinite(c) for c in coefficients):
-        raise ValueError(f"{path}: teacache coefficients must be a non-empty list of finite numbers")
-    return tuple(float(c) for c in coefficients)
+        fitted = json.load(f)
+    coefficients = _numbers(path, fitted, "teacache", "coefficients", "finite", math.isfinite)
+    ratios = _numbers(path, fitted, "magcache", "ratios", "positive", lambda r: 0 < r < math.inf)
+    return coefficients, ratios
 
 
-def load_ratios(source: str) -> tuple[float, ...] | None:
-    """MagCache's magnitude ratios per step measured for the checkpoint in `source`, or None without them."""
-    path = os.path.join(source, CACHE_FILE)
-    if not os.path.isfile(path):
+def _numbers(path: str, fitted: dict, method: str, key: str, kind: str, ok: Any) -> tuple[float, ...] | None:
+    if method not in fitted:
         return None
-    with open(path) as f:
-        fitted = json.load(f).get("magcache")
-    if fitted is None:
-        return None
-    ratios = fitted["ratios"]
-    if not ratios or not all(isinstance(r, int | float) and 0 < r < math.inf for r in ratios):
-        raise ValueError(f"{path}: magcache ratios must be a non-empty list of positive numbers")
-    return tuple(float(r) for r in ratios)
+    values = fitted[method][key]
+    if not values or not all(isinstance(v, int | float) and ok(v) for v in values):
+        raise ValueError(f"{path}: {method} {key} must be a non-empty list of {kind} numbers")
+    return tuple(float(v) for v in values)
 
 
 @dataclass
@@ -348,7 +340,7 @@ def _magcache(method: Method, blocks: Sequence[Any], batch: Batch) -> torch.Tens
     request multiplies the checkpoint's magnitude ratios of the steps since it last computed and adds |1 - product|
     to its error; below its threshold, at most `max_skip` steps in a row, it runs no block and adds the residual
     every block added at its last computed step. The decision reads no tensor: every rank makes it alike."""
-    h, rows, states = batch.h, batch.rows, batch.states
+    states = batch.states
     computing: list[int] = []
     reusing: list[int] = []
     for i, state in enumerate(states):
@@ -360,12 +352,8 @@ def _magcache(method: Method, blocks: Sequence[Any], batch: Batch) -> torch.Tens
             error = cache.accumulated if cache.counted <= method.max_skip else None
         (reusing if reuse(state, error) else computing).append(i)
 
-    ran = _run_blocks(blocks, h, batch.enc, batch, computing)
-    out, hc = ran.h, ran.hc
-    for k, i in enumerate(computing):
-        mine = slice(i * rows, (i + 1) * rows)
-        assert hc is not None
-        residual = hc[k * rows : (k + 1) * rows] - h[mine]
+    out, residuals = _every_block(blocks, batch, computing, reusing)
+    for i, residual in zip(computing, residuals, strict=True):
         state = states[i]
         if method.record is not None and state.cache is not None:  # tools/calibrate.py: the ratio of norms
             ratio = residual.float().norm(dim=-1) / (state.cache.rest.float().norm(dim=-1) + 1e-8)
@@ -373,12 +361,27 @@ def _magcache(method: Method, blocks: Sequence[Any], batch: Batch) -> torch.Tens
         _renew(state, torch.empty(0), residual)
         cache = state.cache
         cache.magnitude, cache.counted, cache.accumulated = 1.0, 0, 0.0
+    return out
+
+
+def _every_block(
+    blocks: Sequence[Any], batch: Batch, computing: list[int], reusing: list[int]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """TeaCache's and MagCache's forward: every block over the computing requests' rows (a sub-batch); a reusing
+    request adds the residual all blocks added at its last computed step (counted as reused). Returns the image
+    tokens of every row and the computing requests' new residuals, in `computing` order."""
+    h, rows, states = batch.h, batch.rows, batch.states
+    ran = _run_blocks(blocks, h, batch.enc, batch, computing)
+    residuals = []
+    for k, i in enumerate(computing):
+        assert ran.hc is not None
+        residuals.append(ran.hc[k * rows : (k + 1) * rows] - h[i * rows : (i + 1) * rows])
     for i in reusing:
         mine = slice(i * rows, (i + 1) * rows)
         cache = states[i].cache
-        out[mine] = h[mine] + cache.rest
+        ran.h[mine] = h[mine] + cache.rest
         cache.reused += 1
-    return out
+    return ran.h, residuals
 
 
 def _x0cache(method: Method, blocks: Sequence[Any], batch: Batch) -> torch.Tensor:
@@ -524,24 +527,17 @@ def _teacache(method: Method, blocks: Sequence[Any], batch: Batch, modulate: Any
         estimates.append(estimate)
         (reusing if reuse(state, estimate) else computing).append(i)
 
-    ran = _run_blocks(blocks, h, batch.enc, batch, computing)
-    out, hc = ran.h, ran.hc
-    for k, i in enumerate(computing):
-        mine = slice(i * rows, (i + 1) * rows)
-        assert hc is not None
-        residual = hc[k * rows : (k + 1) * rows] - h[mine]
+    out, residuals = _every_block(blocks, batch, computing, reusing)
+    for i, residual in zip(computing, residuals, strict=True):
         state = states[i]
         if method.record is not None and state.cache is not None and raw[i] is not None:
             method.record.append((raw[i], relative_l1(residual, state.cache.rest)))
-        _renew(state, modulated[mine], residual)
+        _renew(state, modulated[i * rows : (i + 1) * rows], residual)
         state.cache.accumulated = 0.0
-    for i in reusing:
-        mine = slice(i * rows, (i + 1) * rows)
+    for i in reusing:  # TeaCache compares consecutive steps, computed or not
         cache = states[i].cache
-        out[mine] = h[mine] + cache.rest
-        cache.signal = modulated[mine].clone()  # TeaCache compares consecutive steps, computed or not
+        cache.signal = modulated[i * rows : (i + 1) * rows].clone()
         cache.accumulated = estimates[i]
-        cache.reused += 1
     return out
 
 

@@ -168,18 +168,17 @@ def calibrate(args: argparse.Namespace) -> int:
     )
     out = Path(args.out or model) / CACHE_FILE
     result = json.loads(out.read_text()) if out.is_file() else {}
+    seconds = time.monotonic() - t0
     if args.method == "magcache":
         ratios = magnitude_ratios(pairs)
         result["magcache"] = {"ratios": [round(r, 5) for r in ratios], "prompts": len(prompts), "steps": len(ratios)}
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"{len(pairs)} ratios from {len(prompts)} prompts in {time.monotonic() - t0:.1f} s")
-        print(f"magnitude ratio per step: {', '.join(f'{r:.4f}' for r in ratios)}")
-        print(f"wrote {out}; serve it with --cache magcache")
-        return 0
-    coefficients, r2 = fit(pairs, args.degree)
-    result |= {
-        "teacache": {
+        report = [
+            f"{len(pairs)} ratios from {len(prompts)} prompts in {seconds:.1f} s",
+            f"magnitude ratio per step: {', '.join(f'{r:.4f}' for r in ratios)}",
+        ]
+    else:
+        coefficients, r2 = fit(pairs, args.degree)
+        result["teacache"] = {
             "coefficients": list(coefficients),
             "degree": args.degree,
             "r2": round(r2, 4),
@@ -188,12 +187,14 @@ def calibrate(args: argparse.Namespace) -> int:
             "steps": args.steps,
             "input_change_range": [round(min(p[0] for p in pairs), 6), round(max(p[0] for p in pairs), 6)],
         }
-    }
+        report = [
+            f"{len(pairs)} pairs from {len(prompts)} prompts in {seconds:.1f} s; R^2 {r2:.3f}",
+            f"coefficients (highest degree first): {', '.join(f'{c:.6g}' for c in coefficients)}",
+        ]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{len(pairs)} pairs from {len(prompts)} prompts in {time.monotonic() - t0:.1f} s; R^2 {r2:.3f}")
-    print(f"coefficients (highest degree first): {', '.join(f'{c:.6g}' for c in coefficients)}")
-    print(f"wrote {out}; serve it with --cache teacache")
+    print("\n".join(report))
+    print(f"wrote {out}; serve it with --cache {args.method}")
     return 0
 
 

@@ -29,6 +29,21 @@ def params(seed: int, steps: int = 8, threshold: float | None = None) -> Samplin
     )
 
 
+def count_reuse(monkeypatch) -> list[int]:
+    """Every step cache decision from now on, 1 where a request reused (`stepcache.reuse` wrapped for the test)."""
+    from diffusiond.models import stepcache
+
+    decisions: list[int] = []
+    original = stepcache.reuse
+
+    def counting(state, change):
+        decisions.append(int(original(state, change)))
+        return bool(decisions[-1])
+
+    monkeypatch.setattr(stepcache, "reuse", counting)
+    return decisions
+
+
 async def run(adapter, requests: list[SamplingParams], together: bool) -> list[np.ndarray]:
     engine = Engine(adapter, max_batch=8, batch_wait=0.5 if together else 0.0)
     await engine.start()

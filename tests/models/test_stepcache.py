@@ -14,7 +14,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from caching import ATOL, params, run
+from caching import ATOL, count_reuse, params, run
 
 from diffusiond.models import stepcache
 from diffusiond.models.loader import load_adapter
@@ -58,15 +58,7 @@ def test_threshold_zero_is_exact(plain, cached):
 
 
 def test_each_request_decides_alone(cached, plain, monkeypatch):
-    reused: list[int] = []
-    original = stepcache.reuse
-
-    def counting(state, change):
-        decision = original(state, change)
-        reused.append(int(decision))
-        return decision
-
-    monkeypatch.setattr(stepcache, "reuse", counting)
+    reused = count_reuse(monkeypatch)
     # An exact request, two cached at different thresholds, one with fewer steps.
     mix = [params(1, threshold=0.0), params(2, threshold=10.0), params(3, threshold=0.5), params(4, steps=5)]
     together = asyncio.run(run(cached, mix, together=True))

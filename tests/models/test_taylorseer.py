@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from caching import ATOL, params, run
+from caching import ATOL, count_reuse, params, run
 
 from diffusiond.daemon.config import ConfigError, cache_settings
 from diffusiond.models import stepcache
@@ -103,14 +103,7 @@ def test_threshold_zero_is_exact(deep, seer):
 
 
 def test_each_request_forecasts_from_its_own_steps(deep, seer, monkeypatch):
-    reused: list[int] = []
-    original = stepcache.reuse
-
-    def counting(state, change):
-        reused.append(int(original(state, change)))
-        return bool(reused[-1])
-
-    monkeypatch.setattr(stepcache, "reuse", counting)
+    reused = count_reuse(monkeypatch)
     mix = [params(1, threshold=0.0), params(2, threshold=10.0), params(3, threshold=0.5), params(4, steps=5)]
     together = asyncio.run(run(seer, mix, together=True))
     assert sum(reused) > 0, "nothing was reused: the test would not show anything"

@@ -88,7 +88,7 @@ class ExecResult:
 
 def _reused(states: Sequence[RequestState]) -> int:
     """The step cache reuses so far of these requests (counted by models/stepcache.py)."""
-    return sum(s.cache.reused for s in states if s.cache is not None)
+    return sum(s.cache_reuses for s in states)
 
 
 def public_error(request_id: str, stage: str, rank: int | None = None) -> str:

@@ -119,6 +119,13 @@ class RequestState:
     inpaint: Any = None
     # Its LoRA adapters and scales, resident while it lives (kernels/lora_rows.Selection; () for none).
     lora: tuple = ()
+    # Step cache reuses of histories it left (`stepcache.restart`: a two-expert checkpoint's switch).
+    reused_before: int = 0
+
+    @property
+    def cache_reuses(self) -> int:
+        """Steps whose blocks it skipped so far (counted by models/stepcache.py)."""
+        return self.reused_before + (self.cache.reused if self.cache is not None else 0)
 
     @property
     def total_steps(self) -> int:

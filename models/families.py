@@ -175,6 +175,7 @@ WAN = Family(
     "wan:WanAdapter",
     guidance_styles=("cfg",),
     parallel=("cfg-parallel", "ulysses", "ring", "shard-weights"),
+    cache_methods=("fbcache", "dbcache", "teacache", "x0cache", "magcache"),
     modality="video",
     lora=True,
 )
@@ -184,6 +185,7 @@ WAN_I2V = Family(
     "wan:WanI2VAdapter",
     guidance_styles=WAN.guidance_styles,
     parallel=WAN.parallel,
+    cache_methods=WAN.cache_methods,
     modality="video",
     image_inputs=("first-frame",),
     lora=True,

@@ -257,6 +257,7 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
             )
         t = self.transformer
         blocks = len(getattr(t, "transformer_blocks", ())) + len(getattr(t, "single_transformer_blocks", ()))
+        blocks = blocks or len(getattr(t, "blocks", ()))  # Wan's
         coefficients, ratios = stepcache.load_calibration(self.source) if os.path.isdir(self.source) else (None, None)
         coefficients = coefficients or self.teacache_coefficients
         self.cache_method = stepcache.method_of(

@@ -134,6 +134,12 @@ class SchedulerSampler:
     def init_noise_sigma(self) -> Any:
         return self.scheduler.init_noise_sigma
 
+    @property
+    def sigma(self) -> torch.Tensor:
+        """The noise level of the step now (flow prediction: the `sigma` of `x - sigma * v`; the timestep is its
+        multiple, rounded)."""
+        return self.scheduler.sigmas[self.index]
+
     def noise_image(self, image_latents: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """Img2img's first latents: the image's latents noised to the starting step (the scheduler's own
         `add_noise`, which reads the begin index as the Img2Img pipelines set it)."""

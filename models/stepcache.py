@@ -42,14 +42,13 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from diffusiond.kernels.host import to_device
-from diffusiond.kernels.lora_rows import LoraLayers
 from diffusiond.models.setup import check_cache_config
 
 METHODS = ("none", "fbcache", "teacache", "dbcache", "x0cache", "magcache")
@@ -165,6 +164,17 @@ class RequestCache:
     # MagCache, since the last computed step: the product of the steps' magnitude ratios and the steps counted.
     magnitude: float = 1.0
     counted: int = 0
+    # The denoiser that computed its history (Wan 2.2 A14B's experts: `restart` at the switch).
+    denoiser: int = 0
+
+
+def restart(state: Any) -> None:
+    """The request moves to another denoiser (Wan 2.2 A14B's low-noise expert): no residual, signal or forecast
+    of the other one's applies, so its next step computes and starts a new history. Its reuses so far stay counted
+    (`RequestState.reused_before`)."""
+    if state.cache is not None:
+        state.reused_before += state.cache.reused
+        state.cache = None
 
 
 def reuse(state: Any, change: float | None) -> bool:
@@ -256,9 +266,11 @@ def _signals(states: Sequence[Any]) -> list[torch.Tensor | None]:
 @dataclass
 class Batch:
     """One cached forward's inputs: B requests x `rows` rows of image tokens `h` [B * rows, S, D], text tokens
-    `enc` [B * rows, L, D] and `temb` [B * rows, D]. `row_kwargs`: block arguments with a row per batch row (a text
-    mask, or None), sub-batched with the rows; `lora`: the transformer's LoRA layers, whose row plan narrows to a
-    sub-batch; `block_kwargs`: the other block arguments."""
+    `enc` [B * rows, L, D] and `temb` [B * rows, ...]. `row_kwargs`: block arguments with a row per batch row (a
+    text mask, or None), sub-batched with the rows; `narrows`: what holds a plan per row and narrows it to a
+    sub-batch (`narrow(rows or None)`, a context: the transformer's LoRA layers, Wan's projection plan);
+    `block_kwargs`: the other block arguments. `context`: `enc` is a context the blocks read and return unchanged
+    (Wan's text), so no residual of it is kept."""
 
     h: torch.Tensor
     enc: torch.Tensor
@@ -266,8 +278,9 @@ class Batch:
     rows: int
     states: Sequence[Any]
     row_kwargs: dict[str, torch.Tensor | None] = field(default_factory=dict)
-    lora: LoraLayers | None = None
+    narrows: Sequence[Any] = ()
     block_kwargs: dict[str, Any] = field(default_factory=dict)
+    context: bool = False
 
 
 @dataclass
@@ -287,7 +300,7 @@ def _run_blocks(
 ) -> Ran:
     """`blocks` over `h` and `enc`'s rows of the `computing` requests (a sub-batch; all of them when every request
     computes, exactly as the pipeline's forward)."""
-    rows, temb, row_kwargs, lora = batch.rows, batch.temb, batch.row_kwargs, batch.lora
+    rows, temb, row_kwargs = batch.rows, batch.temb, batch.row_kwargs
     n = h.shape[0] // rows
     if len(computing) == n:
         hc, ec, tc, index = h, enc, temb, None
@@ -298,7 +311,9 @@ def _run_blocks(
         index = to_device(picked, h.device)
         hc, ec, tc = h[index], enc[index], temb[index]
         row_kwargs = {name: None if t is None else t[index] for name, t in row_kwargs.items()}
-    with lora.narrow(picked if index is not None else None) if lora is not None else nullcontext():
+    with ExitStack() as narrowed:
+        for plan in batch.narrows:
+            narrowed.enter_context(plan.narrow(picked if index is not None else None))
         for block in blocks:
             ec, hc = block(hidden_states=hc, encoder_hidden_states=ec, temb=tc, **row_kwargs, **batch.block_kwargs)
     if index is None:
@@ -450,13 +465,14 @@ def _dbcache(method: Method, blocks: Sequence[Any], batch: Batch) -> torch.Tenso
         (reusing if not warm and reuse(state, change) else computing).append(i)
 
     back = method.bn > 0
-    mid = _run_blocks(blocks[method.fn : middle_end], hf, ef, batch, computing, text=back)
+    text_rest = back and not batch.context  # the text tokens' residual, kept where the blocks change them
+    mid = _run_blocks(blocks[method.fn : middle_end], hf, ef, batch, computing, text=text_rest)
     for k, i in enumerate(computing):
         mine, theirs = slice(i * rows, (i + 1) * rows), slice(k * rows, (k + 1) * rows)
         assert mid.hc is not None
         # (the text tokens after the last block: None in SD3, whose last block takes them only)
-        assert not back or mid.ec is not None
-        rest_text = mid.ec[theirs] - ef[mine] if back else None
+        assert not text_rest or mid.ec is not None
+        rest_text = mid.ec[theirs] - ef[mine] if text_rest else None
         _renew_span(method, states[i], first[mine], mid.hc[theirs] - hf[mine], rest_text)
     out, text = mid.h, mid.text
     for i in reusing:
@@ -464,12 +480,14 @@ def _dbcache(method: Method, blocks: Sequence[Any], batch: Batch) -> torch.Tenso
         state = states[i]
         cache = state.cache
         out[mine] = hf[mine] + _forecast(cache.rest, cache.rest_diffs, state.step_index - cache.at)
-        if back:
+        if text_rest:
             assert text is not None and cache.rest_text is not None
             text[mine] = ef[mine] + _forecast(cache.rest_text, cache.text_diffs, state.step_index - cache.at)
         cache.reused += 1
     if not back:
         return out
+    if not text_rest:
+        text = ef
     assert text is not None
     return _run_blocks(blocks[middle_end:], out, text, batch, every).h
 

@@ -90,7 +90,7 @@ def _transformer(**extra: Any) -> Any:
         text_dim=TEXT_DIM,
         freq_dim=256,
         ffn_dim=32,
-        num_layers=2,
+        num_layers=extra.pop("num_layers", 2),
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
@@ -111,18 +111,19 @@ def _transformer(**extra: Any) -> Any:
 BOUNDARY_T2V, BOUNDARY_I2V = 0.875, 0.9
 
 
-def build_wan(two_experts: bool = False) -> Any:
-    """Wan 2.1 T2V; `two_experts`: Wan 2.2 A14B's layout (`transformer_2` and `boundary_ratio`)."""
+def build_wan(two_experts: bool = False, layers: int = 2) -> Any:
+    """Wan 2.1 T2V; `two_experts`: Wan 2.2 A14B's layout (`transformer_2` and `boundary_ratio`); `layers`: blocks
+    per transformer."""
     from diffusers import WanPipeline
 
     tok = make_t5_tokenizer()
-    experts = {"transformer_2": _transformer(), "boundary_ratio": BOUNDARY_T2V} if two_experts else {}
+    experts = {"transformer_2": _transformer(num_layers=layers), "boundary_ratio": BOUNDARY_T2V} if two_experts else {}
     return WanPipeline(
         tokenizer=tok,
         text_encoder=_umt5(tok),
         vae=_vae(),
         scheduler=_scheduler(),
-        transformer=_transformer(),
+        transformer=_transformer(num_layers=layers),
         **experts,
     )
 

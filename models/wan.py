@@ -11,15 +11,16 @@ reads them. Wan 2.2 A14B's two experts and TI2V-5B's per-token timesteps: see `W
 from __future__ import annotations
 
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from diffusiond.kernels.lora_rows import LoraLayers, LoraLayerSet
-from diffusiond.kernels.ulysses import UlyssesGroup, gather_output
-from diffusiond.models import families
+from diffusiond.kernels.ulysses import UlyssesGroup
+from diffusiond.models import cached_forward, families, stepcache
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.inputs import open_rgb
@@ -65,8 +66,8 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
             self.boundary = ratio * pipe.scheduler.config.num_train_timesteps
         self.experts = (self.transformer,) if self.boundary is None else (self.transformer, self.transformer_2)
         self.expert = 0  # the expert `_call` runs now
-        if len(self.experts) > 1:  # what is not made per expert yet, so that /v1/models says so
-            self.cache_methods = ()
+        # Under Ulysses with step caching, the cached forward shards the tokens itself: the blocks' hooks stand aside.
+        self._presharded = False
         # Wan 2.2 TI2V-5B (`expand_timesteps`): a timestep per latent token. Text to video, and, from the same
         # checkpoint, image to video: the first latent frame is the image's, pinned (timestep 0) at every step.
         self.expand_timesteps = bool(pipe.config.get("expand_timesteps", False))
@@ -125,6 +126,8 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
             span: dict[str, int] = {}
 
             def shard(module, args, blocks=blocks, span=span):
+                if self._presharded:
+                    return None
                 x, context, timestep_proj, (cos, sin) = args  # the blocks are called positionally
                 if module is blocks[0]:
                     span["start"], span["stop"] = group.split(x.shape[1])
@@ -137,16 +140,13 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
             for block in blocks:
                 block.attn1.set_processor(UlyssesWanSelfAttnProcessor(group))
                 block.register_forward_pre_hook(shard)
-            gather_output(blocks[-1], group)
+            blocks[-1].register_forward_hook(
+                lambda module, args, output: output if self._presharded else group.gather_seq(output, dim=1)
+            )
 
     def enable_tp(self, mesh: Any) -> None:
         self._one_expert("--tp")
         super().enable_tp(mesh)
-
-    def enable_step_cache(self, method: str, threshold: float, config: dict[str, Any] | None = None) -> None:
-        if method != "none":
-            self._one_expert(f"--cache {method}")
-        super().enable_step_cache(method, threshold, config)
 
     def enable_shard_weights(self, mesh: Any) -> None:
         """Sharded weights exist whole only inside their block's forward: the projections are made there again (no
@@ -326,6 +326,9 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
     def _denoise_with(self, expert: int, states: Sequence[RequestState]) -> torch.Tensor:
         self._stage(self.denoiser if expert == 0 else "transformer_2")
         self.expert = expert
+        for state in states:  # a request's first step on the low-noise expert: the high-noise one's history is void
+            if state.cache is not None and state.cache.denoiser != expert:
+                stepcache.restart(state)
         cond = self._batched_cond(states)
         rows = cond["embeds"].shape[0] // len(states)  # 2 with CFG: (negative, positive) per request
         latents = torch.cat([s.latents for s in states])  # [B, C, T, h, w]
@@ -345,6 +348,9 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
             **self._image_inputs(cond, rows),
         }
         out = self._transformer_rows(rows, batched, {}, states).float()  # [B, rows, C, T, h, w]
+        for state in states:
+            if state.cache is not None:
+                state.cache.denoiser = expert
         if rows == 1:
             return out[:, 0]
         uncond, text = out[:, 0], out[:, 1]
@@ -355,12 +361,32 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
         return {}
 
     def _call(self, batched: dict[str, Any], shared: dict[str, torch.Tensor]) -> torch.Tensor:
+        with self._planned(batched) as inputs:
+            return self.experts[self.expert](**inputs, return_dict=False)[0]
+
+    def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
+        transformer, group = self.experts[self.expert], getattr(self, "ulysses_group", None)
+        layers = LoraLayers.of(transformer)
+        narrows = (*(() if layers is None else (layers,)), self.plans[self.expert])
+        sigma = torch.stack([s.sampler.sigma for s in states]).to(self.device).repeat_interleave(rows)
+        with self._planned(batched) as inputs:
+            self._presharded = group is not None
+            try:
+                return cached_forward.wan_forward(
+                    self.cache_method, transformer, inputs, sigma, rows, states, narrows, ulysses=group
+                )
+            finally:
+                self._presharded = False
+
+    @contextmanager
+    def _planned(self, batched: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The transformer's inputs, with the rows' reused projections handed to the expert's plan meanwhile."""
         batched = dict(batched)
         plan = self.plans[self.expert]
         plan.text = batched.pop("text_entries")
         plan.image = batched.pop("image_entries", [])
         try:
-            return self.experts[self.expert](**batched, return_dict=False)[0]
+            yield batched
         finally:
             plan.text, plan.image = [], []
 

@@ -4,7 +4,8 @@ self-attention processor of Ulysses."""
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -111,6 +112,18 @@ class ProjectionPlan:
         # The transformer's LoRA layers (LoRA requests project their rows in the forward): a projection of some
         # rows narrows their row plan.
         self.lora: LoraLayers | None = None
+
+    @contextmanager
+    def narrow(self, index: Sequence[int] | None) -> Iterator[None]:
+        """Calls inside run over rows `index` of the forward's (None: all of them): a step cache's sub-batch."""
+        previous = self.text, self.image
+        if index is not None:
+            self.text = [self.text[i] for i in index] if self.text else []
+            self.image = [self.image[i] for i in index] if self.image else []
+        try:
+            yield
+        finally:
+            self.text, self.image = previous
 
     def text_kv(self, block: int, attn, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._rows(self.text, block, ctx, lambda c: project_text(attn, c))

@@ -164,6 +164,14 @@ def tiny_wan22(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_wan22_deep(tmp_path_factory) -> str:
+    """Tiny Wan 2.2 A14B with 4 blocks per expert (DBCache's first, middle and last ones)."""
+    from diffusiond.models.tiny_video import build_wan
+
+    return _deep(lambda: build_wan(two_experts=True, layers=4), tmp_path_factory.mktemp("tiny") / "wan22-deep")
+
+
+@pytest.fixture(scope="session")
 def tiny_wan22_i2v(tmp_path_factory) -> str:
     return str(build_tiny("wan22-i2v", tmp_path_factory.mktemp("tiny") / "wan22-i2v"))
 

@@ -30,7 +30,10 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def ssim(a: np.ndarray, b: np.ndarray, window: int = 7) -> float:
-    """Mean SSIM of two float images in [0, 1] ([H, W, C]), uniform 7x7 windows, channels averaged."""
+    """Mean SSIM of two float images in [0, 1] ([H, W, C]), uniform 7x7 windows, channels averaged; clips
+    ([F, H, W, C]): the mean over their frames."""
+    if a.ndim == 4:
+        return float(np.mean([ssim(fa, fb, window) for fa, fb in zip(a, b, strict=True)]))
     c1, c2 = 0.01**2, 0.03**2
 
     def local_mean(x: np.ndarray) -> np.ndarray:
@@ -109,6 +112,8 @@ async def main(args: argparse.Namespace) -> None:
     else:
         prompts = [f"a photo number {i}" for i in range(args.requests)]
     base = {} if bundled else {"width": args.size, "height": args.size}  # the family's default guidance
+    if args.frames:
+        base["num_frames"] = args.frames
 
     def requests(threshold: float) -> list:
         return [
@@ -159,6 +164,7 @@ def cli() -> None:
     parser.add_argument("--model", help="checkpoint (default: the bundled model)")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--size", type=int, default=256, help="side, for checkpoints other than the bundled one")
+    parser.add_argument("--frames", type=int, help="video checkpoints: frames per clip (default: the model's)")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)

@@ -2,7 +2,7 @@
 beside its weights:
 
     python -m diffusiond.tools.calibrate --model DIR [--method teacache|magcache] [--prompts FILE] [--size WxH]
-        [--steps N] [--degree 4] [--out DIR]
+        [--steps N] [--frames N] [--degree 4] [--out DIR]
 
 
 TeaCache (models/stepcache.py) estimates how much the residual all transformer blocks add changes from one step to
@@ -87,6 +87,7 @@ def record_pairs(
     size: tuple[int, int] | None = None,
     guidance: float | None = None,
     method: str = "teacache",
+    frames: int | None = None,
     **setup: Any,
 ) -> list[tuple[float, float]]:
     """(input change, output change) for every request-step after the first, every step computed, batched as served
@@ -114,6 +115,7 @@ def record_pairs(
             seed=1000 + i,
             width=width,
             height=height,
+            num_frames=frames,
             num_inference_steps=steps,
             guidance_scale=guidance,
             cache_threshold=0.0,
@@ -160,6 +162,7 @@ def calibrate(args: argparse.Namespace) -> int:
         prompts,
         steps=args.steps,
         size=args.size,
+        frames=args.frames,
         guidance=args.guidance_scale,
         method=args.method,
         attention=args.attention,
@@ -211,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: 16 built-in prompts)")
     parser.add_argument("--size", type=parse_size, help="WIDTHxHEIGHT (default: the model's)")
     parser.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
+    parser.add_argument("--frames", type=int, help="video checkpoints: frames per clip (default: the model's)")
     parser.add_argument("--guidance-scale", type=float, help="classifier-free guidance (default: the model's)")
     parser.add_argument(
         "--method", choices=["teacache", "magcache"], default="teacache", help="what to measure (default: teacache)"

@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
         ("tiny_zimage", ("cfg",), (2,), ()),
         # The tiny Qwen-Image has no guidance embedding, so it drops "distilled" from its family's styles.
         ("tiny_qwenimage", ("true-cfg",), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
-        ("tiny_wan", ("cfg",), (2,), ()),
-        ("tiny_wan_i2v", ("cfg",), (2,), ()),
+        ("tiny_wan", ("cfg",), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
+        ("tiny_wan_i2v", ("cfg",), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
     ],
 )
 def test_loaded_checkpoints_declare_what_they_support(fixture, guidance, ulysses, cache, request):

@@ -266,7 +266,8 @@ def test_two_experts_image_to_video_match_the_pipeline(tiny_wan22_i2v):
 
 def test_what_two_experts_refuse(tiny_wan, tiny_wan22):
     """guidance_scale_2 on a one-denoiser checkpoint is a knob it would ignore; settings not made per expert yet
-    refuse a two-expert checkpoint at start-up, naming the flag (`--tp`, `--cache`: Wan has no step cache)."""
+    refuse a two-expert checkpoint at start-up, naming the flag (`--tp`); step caching is per expert
+    (tests/models/test_wan_cache.py)."""
     from diffusiond.models.setup import SetupError
 
     with pytest.raises(ParamError) as info:
@@ -274,9 +275,10 @@ def test_what_two_experts_refuse(tiny_wan, tiny_wan22):
     assert info.value.param == "guidance_scale_2"
     adapter = load_adapter(tiny_wan22)
     assert adapter.resolve(clip("a cat", 1, guidance=4.0)).guidance_scale_2 == 4.0  # the pipeline's default
-    with pytest.raises(SetupError, match="--cache"):
-        adapter.enable_step_cache("fbcache", 0.1)
-    assert adapter.capabilities.lora and adapter.capabilities.cache_methods == ()  # LoRA per expert: test_wan22_lora
+    with pytest.raises(SetupError, match="--tp"):
+        adapter.enable_tp(None)
+    assert adapter.capabilities.lora  # LoRA per expert: test_wan22_lora
+    assert adapter.capabilities.cache_methods == ("fbcache", "dbcache", "teacache", "x0cache", "magcache")
 
 
 @pytest.mark.parametrize("setting", ["offload", "compile"])

@@ -51,8 +51,10 @@ class ParallelWiring:
         block as each runs (kernels/tensor_parallel.py): for a model that does not fit one device, at the cost of an
         all-gather of every block's weights per forward. Text encoders and the VAE stay whole. Every rank runs the
         experts its step needs in the same order, as FSDP requires."""
+        from diffusiond.kernels.host import map_large_allocations
         from diffusiond.kernels.tensor_parallel import fully_shard_blocks
 
+        map_large_allocations()  # the weights gathered per block, freed to the system after it (kernels/host.py)
         # Every expert (Wan 2.2 A14B: `transformer_2` as well), each read a block at a time when built empty.
         names = (None, *self.extra_denoisers)
         sharded = [fully_shard_blocks(e, mesh, self._materialize(n)) for e, n in zip(self.experts, names, strict=False)]

@@ -321,13 +321,24 @@ class Engine:
 
     def emit(self, events: list[Event]) -> None:
         """Step thread: hand a step's events to the event loop."""
-        if events and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._deliver, events)
+        if events:
+            self._to_loop(self._deliver, events)
 
     def settle(self, future: asyncio.Future, error: BaseException | None, value: object = None) -> None:
         """Step thread: answer an awaiting caller on the event loop."""
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(_settle, future, error, value)
+        self._to_loop(_settle, future, error, value)
+
+    def _to_loop(self, callback: Callable[..., object], *args: object) -> bool:
+        """Another thread: `callback(*args)` on the event loop; False when there is no loop to run it, or it closed
+        (its owner stopped the engine and left; it may close between any check and the call)."""
+        loop = self._loop
+        if loop is None:
+            return False
+        try:
+            loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # "Event loop is closed"
+            return False
+        return True
 
     def _deliver(self, events: list[Event]) -> None:
         """Each event to its mailbox. An observer that raises costs its own record of that event, never another
@@ -356,9 +367,8 @@ class Engine:
     def step_loop_failed(self, reason: str) -> None:
         """Step thread: the loop died; requests whose add command never reached the scheduler end too, and the
         process should exit (`fatal`)."""
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._fail_orphans, reason)
-            self._loop.call_soon_threadsafe(self.fatal.set)
+        if self._to_loop(self._fail_orphans, reason):
+            self._to_loop(self.fatal.set)
 
     def _watch_faults(self) -> None:
         """Rank 0 of a group: a fault another rank reports ends every request now, even while the step thread is
@@ -370,8 +380,7 @@ class Engine:
             reason = self.comm.fault()
             if reason is not None:
                 log.error("fault reported by another rank: %s; failing every request", reason)
-                if self._loop is not None and not self._loop.is_closed():
-                    self._loop.call_soon_threadsafe(self._group_failed, reason)
+                self._to_loop(self._group_failed, reason)
                 return
 
     def _group_failed(self, reason: str) -> None:

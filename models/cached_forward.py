@@ -13,7 +13,7 @@ from diffusiond.kernels.lora_rows import LoraLayers
 from diffusiond.models.stepcache import Batch, Method, cached_blocks, settle
 
 
-def _lora(transformer: Any) -> tuple[LoraLayers, ...]:
+def lora_narrows(transformer: Any) -> tuple[LoraLayers, ...]:
     """The transformer's LoRA layers, whose row plan a sub-batch narrows (none without LoRA)."""
     layers = LoraLayers.of(transformer)
     return () if layers is None else (layers,)
@@ -31,7 +31,7 @@ def sd3_forward(
     h = t.pos_embed(x).contiguous()
     temb = t.time_text_embed(batched["timestep"], batched["pooled_projections"])
     enc = t.context_embedder(batched["encoder_hidden_states"])
-    batch = Batch(h, enc, temb, rows, states, narrows=_lora(t), block_kwargs={"joint_attention_kwargs": None})
+    batch = Batch(h, enc, temb, rows, states, narrows=lora_narrows(t), block_kwargs={"joint_attention_kwargs": None})
     out = cached_blocks(method, t.transformer_blocks, batch)
     hidden = t.proj_out(t.norm_out(out, temb))
     p = t.config.patch_size
@@ -72,7 +72,9 @@ def flux_forward(
     rotary = t.pos_embed(torch.cat((shared["txt_ids"], img_ids), dim=0))
     blocks = [*t.transformer_blocks, *t.single_transformer_blocks]
     block_kwargs = {"image_rotary_emb": rotary, "joint_attention_kwargs": None}
-    out = cached_blocks(method, blocks, Batch(h, enc, temb, rows, states, narrows=_lora(t), block_kwargs=block_kwargs))
+    out = cached_blocks(
+        method, blocks, Batch(h, enc, temb, rows, states, narrows=lora_narrows(t), block_kwargs=block_kwargs)
+    )
     # (Under Ulysses the last block gathers the tokens: the output, as the input here, is every token.)
     return settle(
         method, t.proj_out(t.norm_out(out, temb)), batched["hidden_states"], batched["timestep"], rows, states
@@ -116,7 +118,7 @@ def qwen_forward(
         rows,
         states,
         row_kwargs={"encoder_hidden_states_mask": mask},  # a padded batch's: a row per batch row
-        narrows=_lora(t),
+        narrows=lora_narrows(t),
         block_kwargs={"image_rotary_emb": rotary, "joint_attention_kwargs": None},
     )
     out = cached_blocks(method, t.transformer_blocks, batch, modulated=_qwen_modulated)

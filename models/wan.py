@@ -366,8 +366,7 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
 
     def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
         transformer, group = self.experts[self.expert], getattr(self, "ulysses_group", None)
-        layers = LoraLayers.of(transformer)
-        narrows = (*(() if layers is None else (layers,)), self.plans[self.expert])
+        narrows = (*cached_forward.lora_narrows(transformer), self.plans[self.expert])
         sigma = torch.stack([s.sampler.sigma for s in states]).to(self.device).repeat_interleave(rows)
         with self._planned(batched) as inputs:
             self._presharded = group is not None

@@ -11,6 +11,7 @@ import torch
 
 from diffusiond.kernels.lora_rows import LoraLayers
 from diffusiond.models.stepcache import Batch, Method, cached_blocks, settle
+from diffusiond.models.wan_attention import local_tokens
 
 
 def lora_narrows(transformer: Any) -> tuple[LoraLayers, ...]:
@@ -180,10 +181,9 @@ def wan_forward(
     if enc_image is not None:
         enc = torch.concat([enc_image, enc], dim=1)
     if ulysses is not None:  # as the Ulysses pre-hook on the first block, which stands aside
-        start, stop = ulysses.split(h.shape[1])
-        h, rotary = h[:, start:stop], tuple(r[:, start:stop] for r in rotary)
-        if proj.dim() == 4:
-            proj = proj[:, start:stop]
+        local = slice(*ulysses.split(h.shape[1]))
+        h = h[:, local]
+        rotary, proj = local_tokens(local, rotary, proj)
     batch = Batch(h, enc, proj, rows, states, narrows=narrows, block_kwargs={"rotary_emb": rotary}, context=True)
     out = cached_blocks(method, [_WanBlock(b) for b in t.blocks], batch, modulated=_wan_modulated)
     if ulysses is not None:

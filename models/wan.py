@@ -33,6 +33,7 @@ from diffusiond.models.wan_attention import (
     ProjectionPlan,
     UlyssesWanSelfAttnProcessor,
     WanCrossAttnProcessor,
+    local_tokens,
     project_image,
     project_text,
 )
@@ -128,14 +129,12 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
             def shard(module, args, blocks=blocks, span=span):
                 if self._presharded:
                     return None
-                x, context, timestep_proj, (cos, sin) = args  # the blocks are called positionally
+                x, context, timestep_proj, rotary = args  # the blocks are called positionally
                 if module is blocks[0]:
                     span["start"], span["stop"] = group.split(x.shape[1])
                     x = x[:, span["start"] : span["stop"]]
-                local = slice(span["start"], span["stop"])
-                if timestep_proj.dim() == 4:  # TI2V: a modulation per token [B, S, 6, D], sharded with them
-                    timestep_proj = timestep_proj[:, local]
-                return (x, context, timestep_proj, (cos[:, local], sin[:, local]))
+                rotary, timestep_proj = local_tokens(slice(span["start"], span["stop"]), rotary, timestep_proj)
+                return (x, context, timestep_proj, rotary)
 
             for block in blocks:
                 block.attn1.set_processor(UlyssesWanSelfAttnProcessor(group))

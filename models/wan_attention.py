@@ -91,6 +91,15 @@ class UlyssesWanSelfAttnProcessor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
+def local_tokens(local: slice, rotary: tuple[torch.Tensor, torch.Tensor], proj: torch.Tensor) -> tuple[Any, Any]:
+    """Under Ulysses, this rank's share (`local`, of the token axis) of what goes with the tokens: the rotary angles
+    (cos, sin), and TI2V's modulation per token [B, S, 6, D] (a per-request one [B, 6, D] stays whole)."""
+    cos, sin = rotary
+    if proj.dim() == 4:
+        proj = proj[:, local]
+    return (cos[:, local], sin[:, local]), proj
+
+
 def project_text(attn, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A cross-attention's key and value of text context rows [B, L, D] -> [B, L, H, Dh] each."""
     key = attn.norm_k(attn.to_k(ctx)).unflatten(2, (attn.heads, -1))

@@ -15,6 +15,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,11 +36,27 @@ def start(model: str, state: str, port: int, log) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
+def recorded(db: Path, request_id: str, timeout: float = 10.0) -> None:
+    """Returns once the daemon's database holds the request's record (read beside the daemon, as sqlite allows)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+        try:
+            if conn.execute("SELECT 1 FROM requests WHERE id = ?", (request_id,)).fetchone():
+                return
+        finally:
+            conn.close()
+        assert time.monotonic() < deadline, f"request {request_id} never reached {db}"
+        time.sleep(0.01)
+
+
 def test_jobs_survive_a_kill(tiny_wan, tmp_path):
     state = str(tmp_path / "state")
     clip = {"prompt": "a clip", "size": "64x64", "num_frames": 5}
     short = [{**clip, "num_inference_steps": 2, "seed": s} for s in (1, 2)]
-    long = [{**clip, "num_inference_steps": 150, "seed": s} for s in (10, 11, 12, 13, 14)]
+    # Long enough that the two running jobs are still running when the daemon is killed: a step of this clip took
+    # 2.7 ms at batch 2 here (150 steps finished before the kill once, and the test was wrong, not the daemon).
+    long = [{**clip, "num_inference_steps": 400, "seed": s} for s in (10, 11, 12, 13, 14)]
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "daemon.log", "w")  # noqa: SIM115 - closed below
@@ -62,10 +79,10 @@ def test_jobs_survive_a_kill(tiny_wan, tmp_path):
         assert statuses.count("in_progress") == 2 and statuses.count("queued") == 3, statuses
         # A native stream waiting behind them when the daemon dies: its connection goes with it.
         stream = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        native = {"prompt": "a stream", "width": 64, "height": 64, "num_frames": 5, "num_inference_steps": 150}
+        native = {"prompt": "a stream", "width": 64, "height": 64, "num_frames": 5, "num_inference_steps": 400}
         stream.request("POST", "/v1/generations", json.dumps(native).encode(), {"Content-Type": "application/json"})
         cut = stream.getresponse().headers["X-Request-Id"]
-        time.sleep(0.5)  # its record reaches the database (written off the event loop, not waited for)
+        recorded(Path(state) / "diffusiond.db", cut)  # written off the event loop, not waited for
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         stream.close()

@@ -12,7 +12,9 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from exposition import prometheus_scraping
 
@@ -38,23 +40,40 @@ def test_the_shipped_dashboard_is_the_sdk_build():
         assert topic in titles, topic
 
 
-def post(base: str, route: str, body: dict) -> bytes:
+def post(base: str, route: str, body: dict, lines: bool = False) -> Any:
+    """The answer's body; `lines`: its lines as they arrive."""
     req = urllib.request.Request(
         base + route, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
     )
+    if lines:
+        return streamed(req)
     with urllib.request.urlopen(req, timeout=120) as resp:
         assert resp.status == 200
         return resp.read()
 
 
+def streamed(req: urllib.request.Request) -> Iterator[bytes]:
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.status == 200
+        yield from resp
+
+
 def load(base: str) -> None:
     """One slot: a long class-0 stream, then a class-9 request pauses it; a seeded request twice; the OpenAI route."""
-    low = {"prompt": "a red circle", "width": 64, "height": 64, "num_inference_steps": 120, "seed": 1}
-    background = threading.Thread(target=post, args=(base, "/v1/generations", {**low, "preview_every": 10}))
-    background.start()
-    time.sleep(1.0)
+    low = {"prompt": "a red circle", "width": 64, "height": 64, "num_inference_steps": 200, "seed": 1}
+    stepping = threading.Event()
+
+    def background() -> None:
+        for line in post(base, "/v1/generations", {**low, "preview_every": 10}, lines=True):
+            if line.startswith(b"event: progress"):
+                stepping.set()
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    # The class-9 request goes once the class-0 one steps (a second's sleep was once longer than its 120 steps).
+    assert stepping.wait(60), "the class-0 stream never made progress"
     post(base, "/v1/generations", {**low, "num_inference_steps": 2, "priority": 9, "seed": 2})
-    background.join()
+    thread.join()
     seeded = {"prompt": "a blue square", "width": 64, "height": 64, "num_inference_steps": 2, "seed": 3}
     post(base, "/v1/generations", seeded)
     assert b'"cached":true' in post(base, "/v1/generations", seeded).replace(b" ", b"")

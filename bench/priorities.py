@@ -5,8 +5,9 @@ checkpoint (issue 34), with daemons it starts itself:
     python -m diffusiond.bench.priorities --model DIR --flood 8  # DIR: a video model (a flood of /v1/videos jobs)
 
 1. Interactive latency: class-9 requests (small, few steps) one after another, on an idle daemon, then under a flood
-   of class-0 work that fills every running slot (long images on the native route; on a video model, `/v1/videos`
-   jobs), with preemption and then with `--no-preemption`: p50/p99 and the ratio to idle.
+   of class-0 work that fills every running slot until the last of them (`--flood` long images on the native route;
+   on a video model, `--flood` `/v1/videos` jobs, one more sent as each completes), with preemption and then with
+   `--no-preemption`: p50/p99 and the ratio to idle.
 2. Deadlines: a burst of requests whose clients wait `--patience` seconds each, sent with `deadline_ms` (refused at
    once when they cannot make it) and without (their clients leave; the work done for them is wasted): how many
    finished in time, how many were refused, and the denoising steps spent on requests nobody received.
@@ -132,10 +133,22 @@ async def _under_flood(session, base: str, work: Workload, n: int) -> Latencies:
                 raise RuntimeError(f"a flood request ended {name}: {data}")
 
     async def videos() -> None:
-        for _ in range(work.args.flood):
-            async with session.post(f"{base}/v1/videos", json=work.flood()) as resp:
-                assert resp.status == 200, await resp.text()
-                jobs.append((await resp.json())["id"])
+        """`--flood` jobs in flight until the end: one more for each that completes."""
+        pending: list[str] = []
+        while not stop.is_set():
+            while len(pending) < work.args.flood:
+                async with session.post(f"{base}/v1/videos", json=work.flood()) as resp:
+                    assert resp.status == 200, await resp.text()
+                    pending.append((await resp.json())["id"])
+                    jobs.append(pending[-1])
+            await asyncio.sleep(0.05)
+            for job in list(pending):
+                async with session.get(f"{base}/v1/videos/{job}") as resp:
+                    status = (await resp.json())["status"]
+                if status == "failed":
+                    raise RuntimeError(f"a flood job failed: {job}")
+                if status == "completed":
+                    pending.remove(job)
 
     flooders = [asyncio.create_task(videos())] if work.video else [asyncio.create_task(images())]
     flooders += [] if work.video else [asyncio.create_task(images()) for _ in range(work.args.flood - 1)]
@@ -218,6 +231,7 @@ def measure(args: argparse.Namespace, log_dir: Path) -> PriorityReport:
     model = args.model
     video = family_of(json.loads((Path(model) / "model_index.json").read_text())["_class_name"]).modality == "video"
     common = ["--max-batch", str(args.max_batch), "--result-cache-bytes", str(64 << 20), "--batch-wait-ms", "0"]
+    common += ["--priority-aging-steps", str(args.aging_steps)] if args.aging_steps else []
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     found: dict[str, object] = {}
     for preemption in (True, False):
@@ -303,6 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interactive", type=int, default=20, help="interactive requests per phase (default: 20)")
     parser.add_argument("--burst", type=int, default=12, help="requests in the deadline burst (default: 12)")
     parser.add_argument("--patience", type=float, default=2.0, help="seconds each burst client waits (default: 2)")
+    parser.add_argument(
+        "--aging-steps",
+        type=int,
+        help="the daemons' --priority-aging-steps (default: theirs): a flood request that waits this many steps "
+        "per class rises into the interactive class and competes with it",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--json", metavar="OUT", help="write the report as JSON")

@@ -21,3 +21,15 @@ def test_the_priority_benchmark_reports_each_measure(tmp_path, capsys):
     assert told["sent"] == untold["sent"] == 3 and told["refused"] >= 1 and untold["refused"] == 0
     assert r["cache_hit_s"] < r["cache_miss_s"]
     assert "flood, no preemption" in capsys.readouterr().out
+
+
+def test_the_video_flood_keeps_its_jobs_in_flight(tiny_wan, tmp_path):
+    """On a video model the flood is `/v1/videos` jobs, `--flood` of them in flight to the end (one more sent as each
+    completes): the interactive requests under it pause running clips."""
+    out = tmp_path / "report.json"
+    argv = ["--model", tiny_wan, "--interactive", "2", "--flood", "3", "--max-batch", "2", "--size", "32"]
+    argv += ["--steps", "2", "--flood-steps", "200", "--flood-frames", "5", "--burst", "2", "--patience", "0.02"]
+    assert main([*argv, "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["video"] and r["flood_preemption"]["n"] == r["flood_no_preemption"]["n"] == 2
+    assert r["preemptions"] >= 2

@@ -51,8 +51,8 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     allow_unauthenticated: bool = False
     max_batch: Positive = 8
     # Priority classes (engine/scheduler.py): the class of a request that names none (within its tenant's range),
-    # and the steps a waiting request takes to rise one class (aging: a class p waits at most (t - p) * this many
-    # steps before it competes with the top class t).
+    # and the steps served to higher classes that a waiting request sits out to rise one class (aging: a class p
+    # waits at most (t - p) * this many steps of higher classes before it competes with the top class t).
     default_priority: Annotated[int, msgspec.Meta(ge=0, le=9)] = 0
     priority_aging_steps: Positive = 20
     # Preemption (engine/scheduler.py): a running request of a lower class is paused at a step boundary for one of a

@@ -137,7 +137,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--priority-aging-steps",
         type=int,
         metavar="N",
-        help=f"steps a waiting request takes to rise one class (default: {d.priority_aging_steps})",
+        help=f"higher-class steps a waiting request sits out to rise one class (default: {d.priority_aging_steps})",
     )
     add(
         "--class-deadline",

@@ -27,7 +27,8 @@ Clients see a message with their request id; the exception and its traceback go 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -84,6 +85,8 @@ class ExecResult:
     batch_size: int = 0
     # Requests of the forward that reused their step cache (models/stepcache.py `RequestCache.reused`).
     reused: int = 0
+    # Requests that finished their steps with this plan and still have pieces of their decode to run.
+    decoding: list[str] = field(default_factory=list)
 
 
 def _reused(states: Sequence[RequestState]) -> int:
@@ -108,15 +111,27 @@ class Executor:
         self.timer = stage_timer(adapter.capabilities.device)
         # Paused requests' states (a GPU's in host memory while they wait).
         self.parking = Parking(adapter.capabilities.device)
+        # Finished requests whose decode goes on in pieces, when a plan names them (the driver's); how long the
+        # last forward took (with previews and the sampler): how long a step's pieces may take.
+        self.decoding: dict[str, tuple[RequestState, Generator[None, None, list[Any]]]] = {}
+        self._forward_s = 0.0
 
     def execute(self, plan: StepPlan) -> ExecResult:
         result = ExecResult()
+        self._execute(plan, result)
+        if plan.decode:
+            self._decode_pieces(plan.decode, result)
+        result.decoding = [i for i in result.advanced if i in self.decoding]
+        return self._done(result)
+
+    def _execute(self, plan: StepPlan, result: ExecResult) -> None:
         stage = self.timer.stage
         if plan.loras:
             self._apply_loras(plan.loras)
         if plan.drop:
             for request_id in plan.drop:
                 self.states.pop(request_id, None)
+                self.decoding.pop(request_id, None)
             self._forget(plan.drop)
         if plan.pause or plan.resume:
             self._park(plan, result)
@@ -136,14 +151,15 @@ class Executor:
         dropped = self._agree([n.request_id for n in plan.new], result) if self.group and plan.new else set()
         batch = self._batch(plan.advance, dropped)
         if not batch:
-            return self._done(result)
+            return
         running, reused = batch, _reused(batch)
+        t0 = time.perf_counter()
         with stage("denoise"):
             batch, model_output = self._denoise(batch, result)
         result.batch_size = len(batch)
         result.reused = _reused(running) - reused
         if not batch:
-            return self._done(result)
+            return
 
         if self.driver:
             due = [(i, s) for i, s in enumerate(batch) if _preview_due(s)]
@@ -167,6 +183,7 @@ class Executor:
 
         with stage("sampler"):
             self._isolated(lambda part: self._step(part, batch, model_output), batch, _state_id, "sampling", result)
+        self._forward_s = time.perf_counter() - t0
         batch = [s for s in batch if s.request_id in self.states]
         result.advanced = [s.request_id for s in batch]
         for state in batch:
@@ -178,6 +195,14 @@ class Executor:
             shared = self.group and len(finished) >= self.comm.world_size
             # Fewer than the ranks: with patch-parallel decoding the strip group decodes each image together.
             strips = self.adapter.vae_strips if self.group and not shared else None
+            if plan.decode is not None and self.adapter.decodes_in_pieces and not shared and strips is None:
+                # The driver decodes alone: in pieces, as the plans say (`_decode_pieces`), from this step on.
+                for state in finished:
+                    self.states.pop(state.request_id, None)
+                    if self.driver:
+                        self.decoding[state.request_id] = (state, self.adapter.decode_in_pieces([state]))
+                self._forget([s.request_id for s in finished if s.request_id not in self.decoding])
+                return
             if shared or self.driver or (strips is not None and self.rank < strips.size):
                 with stage("decode"):
                     if shared:
@@ -188,16 +213,10 @@ class Executor:
                         images = self._isolated(self._decode, finished, _state_id, "decoding", result)
                 for state, image in images:
                     result.images[state.request_id] = image
-                if self.driver and images and self.adapter.capabilities.audio_sample_rate:
-                    with stage("decode"):
-                        for state, sound in self._isolated(
-                            self._decode_audio, [s for s, _ in images], _state_id, "decoding", result
-                        ):
-                            result.sounds[state.request_id] = sound
+                self._sounds([s for s, _ in images], result)
             for state in finished:
                 self.states.pop(state.request_id, None)
             self._forget([s.request_id for s in finished])
-        return self._done(result)
 
     # ---- stages ----
 
@@ -272,6 +291,41 @@ class Executor:
 
     def _decode(self, states: list[RequestState]) -> list[tuple[RequestState, np.ndarray]]:
         return list(zip(states, self.adapter.decode(states), strict=True))
+
+    def _decode_pieces(self, request_ids: Sequence[str], result: ExecResult) -> None:
+        """Pieces of the named finished requests' decodes (`ModelAdapter.decode_in_pieces`), in their order, for
+        about as long as this step's forward took (the last one's when none ran), at least one; the images of
+        those whose last piece ran."""
+        deadline = time.perf_counter() + self._forward_s
+        for request_id in request_ids:
+            if (entry := self.decoding.get(request_id)) is None:
+                continue  # a follower's (only the driver decodes), or dropped
+            state, pieces = entry
+            with self.timer.stage("decode"):
+                try:
+                    while True:
+                        next(pieces)
+                        if time.perf_counter() >= deadline:
+                            return
+                except StopIteration as done:
+                    result.images[request_id] = done.value[0]
+                except FATAL:
+                    raise
+                except Exception as exc:
+                    self._fail(request_id, "decoding", exc, result)
+            del self.decoding[request_id]
+            if request_id in result.images:  # a failed one is forgotten with the others (`_done`)
+                self._forget([request_id])
+                self._sounds([state], result)
+            if time.perf_counter() >= deadline:
+                return
+
+    def _sounds(self, states: list[RequestState], result: ExecResult) -> None:
+        """The sound tracks of finished clips (families with audio), on the driver."""
+        if self.driver and states and self.adapter.capabilities.audio_sample_rate:
+            with self.timer.stage("decode"):
+                for state, sound in self._isolated(self._decode_audio, states, _state_id, "decoding", result):
+                    result.sounds[state.request_id] = sound
 
     def _decode_audio(self, states: list[RequestState]) -> list[tuple[RequestState, Sound]]:
         rate = self.adapter.capabilities.audio_sample_rate

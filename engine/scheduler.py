@@ -14,10 +14,13 @@ waits, admissions of the running key leave one slot free for it.
 Priority classes (issue 34): each request has a class, 0 to MAX_PRIORITY, higher served first. A key's class is the
 highest effective class of its requests, and only keys of the highest class take turns (the round robin above runs
 among them); waiting requests are admitted highest class first. Aging bounds the wait of a low class: a request's
-effective class rises by one for every `aging_steps` steps it waited (to be admitted, or, running, to be advanced),
-up to the highest class in flight (it catches up, never overtakes), so a request of class p competes in the top class
-t after at most (t - p) * aging_steps steps of others' work, and is served from there (admitted by fair share, then
-age; advanced by the round robin).
+effective class rises by one for every `aging_steps` steps served to a higher class (as asked) while it waited (to
+be admitted, or, running, to be advanced), up to the highest class in flight (it catches up, never overtakes), so a
+request of class p competes in the top class t after at most (t - p) * aging_steps steps of higher classes' work,
+and is served from there (admitted by fair share, then age; advanced by the round robin). A wait behind its own
+class (a queue of long clips) is no starvation and ages no one: otherwise a flood's own queue lifts it into the
+interactive class (measured: a tiny Wan flood waiting a second behind itself competed with class 9 at 3.4x its
+idle p99). Only keys of the top class earn round-robin credit.
 
 A forward carries only its key's top class: lower ones (running, or waiting for a free slot) sit out the step, and
 join once aged into it; a request keeps the class it was admitted or advanced at (`floor`).
@@ -42,6 +45,15 @@ Admission in chunks: a step that advances running requests takes in only as many
 encoding their prompts allows (`costs`, measured by the engine; at least one), so a burst of arrivals never holds
 the running requests for more than a step's worth of encoding; the rest join over the next steps. An idle key takes
 in as many as it has room for (nothing waits on their encoding but themselves).
+
+Decoding in pieces: a family whose decode comes in pieces (a Wan clip: a latent frame each) decodes a finished
+request between steps. Its last step runs its first piece; it then leaves its running slot for `decoding` and ends
+(completed) when the executor reports its last piece. Each plan's `decode` names whose pieces may run, in order:
+the decoding requests of the step's class or above, highest class and oldest first; the executor runs pieces for
+about as long as the step's forward took, so that an arriving request waits for about a step's worth of decoding,
+and a higher class for none of a lower class's (aging lifts a decode's class as it lifts a step's). While it
+decodes, a request holds its running slot against its own class and below (as if it had decoded in its last
+step), not against a higher class.
 """
 
 from __future__ import annotations
@@ -83,8 +95,9 @@ class SchedRequest:
     priority: int = 0
     tenant: str = ""
     weight: float = 1.0
-    # The step it was added at (its wait, for aging).
-    enqueued: int = 0
+    # Where the scheduler's count of steps served above its class stood when its wait began (added, paused, last
+    # advanced; decoding: last able to run): for aging.
+    held_since: int = 0
     # When its client stops waiting (perf_counter seconds; None: no deadline): earlier first within a class.
     deadline: float | None = None
     # The effective class it was admitted at: it keeps it while it runs (and when paused and admitted again).
@@ -106,6 +119,9 @@ class StepResult:
 
     advanced: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
+    # Finished their steps with this plan, their decode not (pieces left); and decoding ones whose decode ended.
+    decoding: list[str] = field(default_factory=list)
+    decoded: list[str] = field(default_factory=list)
 
 
 class Scheduler:
@@ -129,9 +145,14 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.waiting: deque[SchedRequest] = deque()
         self.running: dict[str, SchedRequest] = {}
+        # Done with their steps, their decode going on in pieces (`_decode_pieces`): out of the running slots.
+        self.decoding: dict[str, SchedRequest] = {}
         self._requests: dict[str, SchedRequest] = {}
         self._arrivals = itertools.count()
         self._step = 0
+        # Aging's clock, per class: the steps whose forward served a higher class (as asked). A wait behind one's
+        # own class (a queue of long clips) or behind decoding is no starvation, and ages no one.
+        self._above = [0] * (MAX_PRIORITY + 1)
         # Smooth weighted round robin: each step every candidate key earns its weight, the served key pays the total.
         self._credit: dict[Hashable, int] = {}
         self._pending_drop: list[str] = []
@@ -160,9 +181,9 @@ class Scheduler:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         # Bound everything in flight, not just the queue: requests that arrive together are all waiting until the
         # next schedule() moves some of them into free running slots.
-        if len(self.waiting) + len(self.running) >= self.max_waiting + self.max_running:
+        if len(self.waiting) + len(self.running) + len(self.decoding) >= self.max_waiting + self.max_running:
             raise QueueFullError(
-                f"{len(self.waiting)} waiting and {len(self.running)} running "
+                f"{len(self.waiting)} waiting and {len(self.running) + len(self.decoding)} running "
                 f"(max_waiting={self.max_waiting}, max_running={self.max_running})"
             )
         if not 0 <= req.priority <= MAX_PRIORITY:
@@ -175,18 +196,19 @@ class Scheduler:
             self.served[req.tenant] = max(self.served.get(req.tenant, 0.0), min(active, default=0.0))
         req.status = RequestStatus.WAITING
         req.arrival = next(self._arrivals)
-        req.enqueued = self._step
+        req.held_since = self._above[req.priority]
         self.waiting.append(req)
         self._requests[req.request_id] = req
 
     def effective_priority(self, req: SchedRequest) -> int:
-        """Its class, raised by one for every `aging_steps` steps it has waited (to be admitted, or to advance), up
-        to the highest class asked for now: aging lets a low class catch up, never overtake, so that within a
-        class, fair share (not age) orders admissions."""
-        since = req.last_advanced if req.status == RequestStatus.RUNNING and req.last_advanced >= 0 else req.enqueued
-        ceiling = max(req.priority, self._ceiling)
-        aged = min(ceiling, req.priority + max(0, self._step - since) // self.aging_steps)
-        return max(aged, req.floor)
+        """Its class, raised by one for every `aging_steps` steps served to a higher class while it waited (to be
+        admitted, or to advance), up to the highest class asked for now: aging lets a low class catch up, never
+        overtake, so that within a class, fair share (not age) orders admissions. At least the class it ran at."""
+        return max(self._aged(req), req.floor)
+
+    def _aged(self, req: SchedRequest) -> int:
+        held = max(0, self._above[req.priority] - req.held_since)
+        return min(max(req.priority, self._ceiling), req.priority + held // self.aging_steps)
 
     def _admission_order(self) -> list[SchedRequest]:
         """Waiting requests, the next to admit first: highest effective class, then earliest deadline (none: last),
@@ -229,7 +251,7 @@ class Scheduler:
         return len(self.running)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._pending_drop)
+        return bool(self.waiting or self.running or self._pending_drop or self.decoding)
 
     # ---- one step ----
 
@@ -239,10 +261,11 @@ class Scheduler:
         self._step += 1
         drop = self._pending_drop
         self._pending_drop = []
-        for req in list(self.running.values()):
-            if req.cancel_requested:
-                drop.append(req.request_id)
-                del self.running[req.request_id]
+        for slots in (self.running, self.decoding):
+            for req in list(slots.values()):
+                if req.cancel_requested:
+                    drop.append(req.request_id)
+                    del slots[req.request_id]
 
         paused = self._preempt() if self.preemption else []
         advance: list[SchedRequest] = []
@@ -280,13 +303,40 @@ class Scheduler:
         for req in advance:  # the class it ran at stays its own (aging's included)
             req.floor = max(req.floor, self.effective_priority(req))
             req.last_advanced = step
+            req.held_since = self._above[req.priority]
+        decode = self._decode_pieces(advance)
+        served = max((r.priority for r in advance), default=0)
+        for rank in range(served):  # every lower class waited this step out
+            self._above[rank] += 1
         return StepPlan(
-            step=step, new=new, advance=[r.request_id for r in advance], drop=drop, pause=paused, resume=resume
+            step=step,
+            new=new,
+            advance=[r.request_id for r in advance],
+            drop=drop,
+            pause=paused,
+            resume=resume,
+            decode=decode,
         )
+
+    def _decode_pieces(self, advance: list[SchedRequest]) -> list[str]:
+        """Whose decode may run pieces this step, in the order they run (the executor runs pieces for about as
+        long as the step's forward took, at least one): the requests finishing with it, and the decoding ones of
+        the step's class or above (as asked), highest class first, oldest first within one. So a request arriving
+        waits for about a step's worth of decoding, and a higher class's steps for none of a lower class's decode,
+        which goes on when they are done or when aging lifts it (its class as asked: a decode is no step)."""
+        floor = min((r.priority for r in advance), default=0)
+        eligible = [r for r in self.decoding.values() if self._aged(r) >= floor]
+        for req in eligible:
+            req.held_since = self._above[req.priority]
+        eligible += [r for r in advance if r.steps_done + 1 >= r.total_steps]
+        return [r.request_id for r in sorted(eligible, key=lambda r: (-r.priority, r.arrival))]
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[SchedRequest]:
         """Record an executed plan; returns the requests that reached a terminal status with it."""
         finished: list[SchedRequest] = []
+        for request_id in result.decoded:
+            if (req := self.decoding.pop(request_id, None)) is not None and request_id not in result.failed:
+                finished.append(self._finish(req, RequestStatus.FINISHED_COMPLETED))
         for request_id in plan.drop:
             req = self._requests.get(request_id)
             if req is not None and req.cancel_requested and not req.status.is_finished:
@@ -297,6 +347,7 @@ class Scheduler:
                 continue
             req.error = error
             self.running.pop(request_id, None)
+            self.decoding.pop(request_id, None)
             # Other ranks may still hold its state: the next plan frees it everywhere.
             self._pending_drop.append(request_id)
             finished.append(self._finish(req, RequestStatus.FINISHED_FAILED))
@@ -308,14 +359,18 @@ class Scheduler:
             self.served[req.tenant] = self.served.get(req.tenant, 0.0) + req.work
             if req.steps_done >= req.total_steps:
                 self.running.pop(request_id, None)
-                finished.append(self._finish(req, RequestStatus.FINISHED_COMPLETED))
+                if request_id in result.decoding:
+                    self.decoding[request_id] = req
+                else:
+                    finished.append(self._finish(req, RequestStatus.FINISHED_COMPLETED))
         return finished
 
     def fail_all(self, error: str) -> list[SchedRequest]:
         """Engine-level failure: every admitted request ends FINISHED_FAILED."""
-        victims = [*self.waiting, *self.running.values()]
+        victims = [*self.waiting, *self.running.values(), *self.decoding.values()]
         self.waiting.clear()
         self.running.clear()
+        self.decoding.clear()
         self.num_paused = 0
         for req in victims:
             req.error = error
@@ -341,23 +396,42 @@ class Scheduler:
             oldest[req.key] = min(oldest.get(req.key, req.arrival), req.arrival)
             top[req.key] = max(top.get(req.key, 0), self.effective_priority(req))
         waiting: dict[Hashable, int] = {}
-        free = self.max_running - len(self.running)
-        if free > 0:
-            for req in self.waiting:
+        free: dict[Hashable, int] = {}
+        for req in self.waiting:
+            rank = self.effective_priority(req)
+            if (room := self._free(req)) > 0:
                 waiting[req.key] = waiting.get(req.key, 0) + 1
+                free[req.key] = max(free.get(req.key, 0), room)
                 oldest.setdefault(req.key, req.arrival)
-                top[req.key] = max(top.get(req.key, 0), self.effective_priority(req))
+                top[req.key] = max(top.get(req.key, 0), rank)
         return {
-            key: (min(self.max_batch, running.get(key, 0) + min(waiting.get(key, 0), free)), first, top[key])
+            key: (
+                min(self.max_batch, running.get(key, 0) + min(waiting.get(key, 0), free.get(key, 0))),
+                first,
+                top[key],
+            )
             for key, first in oldest.items()
         }
+
+    def _free(self, req: SchedRequest) -> int:
+        """Running slots `req` may take: the free ones, less those that decoding requests of its class or above
+        (as asked) still hold. A finished request holds its slot until its decode ends, as if it decoded in its
+        last step, so that decodes do not pile up behind new admissions; a higher class takes the slot over."""
+        held = sum(1 for r in self.decoding.values() if r.priority >= req.priority)
+        return self.max_running - len(self.running) - held
 
     def _keys_in_turn(self) -> tuple[list[Hashable], int]:
         """Keys that could run now: the highest class first, within it the one with the most credit first (ties:
         the oldest request first); and the total weight that the served key pays back."""
         candidates = self._candidates()
-        self._credit = {key: self._credit.get(key, 0) + weight for key, (weight, _, _) in candidates.items()}
-        total = sum(weight for weight, _, _ in candidates.values())
+        # Only the top class's keys take turns, so only they earn credit: a key that waited below (a flood while
+        # an interactive class ran) would come up with turns saved for every step it could not run.
+        top = max((rank for _, _, rank in candidates.values()), default=0)
+        self._credit = {
+            key: self._credit.get(key, 0) + (weight if rank == top else 0)
+            for key, (weight, _, rank) in candidates.items()
+        }
+        total = sum(weight for weight, _, rank in candidates.values() if rank == top)
         ranked = sorted(candidates, key=lambda key: (-candidates[key][2], -self._credit[key], candidates[key][1]))
         return ranked, total
 
@@ -366,15 +440,15 @@ class Scheduler:
         admit (the highest-ranked waiting key's, at most max_batch of them) and find no free running slot; returns
         the ids paused (now PREEMPTED, back in the queue)."""
         order = self._admission_order()
-        if not order or len(self.running) < self.max_running:
+        if not order or self._free(order[0]) > 0:
             return []
         key = order[0].key
         heads = [r for r in order if r.key == key][: self.max_batch]
         paused: list[str] = []
         for head in heads:
-            if len(self.running) < self.max_running or self.num_paused >= self.max_paused:
-                break
             rank = self.effective_priority(head)
+            if self._free(head) > 0 or self.num_paused >= self.max_paused:
+                break
             victims = [r for r in self.running.values() if not r.cancel_requested and self.effective_priority(r) < rank]
             if not victims:
                 break
@@ -383,7 +457,7 @@ class Scheduler:
             victim.status = RequestStatus.PREEMPTED
             victim.pauses += 1
             victim.parked = True
-            victim.enqueued = self._step  # its wait, for aging, starts now
+            victim.held_since = self._above[victim.priority]  # its wait, for aging, starts now
             self.num_paused += 1
             self.waiting.append(victim)
             paused.append(victim.request_id)
@@ -392,8 +466,7 @@ class Scheduler:
     def _top_class(self, key: Hashable, group: list[SchedRequest]) -> int:
         """The highest effective class of a key's running requests, and of its waiting ones while a slot is free."""
         running = (self.effective_priority(r) for r in group)
-        free = len(self.running) < self.max_running
-        waiting = (self.effective_priority(r) for r in self.waiting if r.key == key) if free else ()
+        waiting = (self.effective_priority(r) for r in self.waiting if r.key == key and self._free(r) > 0)
         return max(*running, *waiting, 0)
 
     def _admit(self, key: Hashable, room: int, floor: int = 0, encodes: int | None = None) -> list[SchedRequest]:
@@ -406,9 +479,9 @@ class Scheduler:
         # starve it.
         reserve = 1 if head is not None and head.key != key else 0
         for req in order:
-            if len(admitted) >= room or len(self.running) + reserve >= self.max_running:
+            if len(admitted) >= room:
                 break
-            if req.key != key or self.effective_priority(req) < floor:
+            if req.key != key or self.effective_priority(req) < floor or self._free(req) <= reserve:
                 continue
             if encodes is not None and not req.parked and new >= encodes:
                 continue

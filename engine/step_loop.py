@@ -104,7 +104,7 @@ class StepLoop:
                     self._step(events)
                 if not running:
                     # Stopped with requests in flight: each still gets its one terminal event.
-                    leftovers = [*scheduler.waiting, *scheduler.running.values()]
+                    leftovers = [*scheduler.waiting, *scheduler.running.values(), *scheduler.decoding.values()]
                     scheduler.fail_all("engine stopped")
                     for request in leftovers:
                         events.append(Cancelled(request.request_id, "engine stopped"))
@@ -243,7 +243,10 @@ class StepLoop:
     def _events_for(self, plan: StepPlan, result: ExecResult) -> list[Event]:
         engine = self.engine
         scheduler, clocks = engine.scheduler, engine.clocks
-        finished = scheduler.update_from_output(plan, StepResult(result.advanced, result.failed))
+        outcome = StepResult(
+            result.advanced, result.failed, result.decoding, [i for i in result.images if i in scheduler.decoding]
+        )
+        finished = scheduler.update_from_output(plan, outcome)
         done = [r for r in finished if r.status == RequestStatus.FINISHED_COMPLETED]
         step_s = engine.step_times.seconds.get(done[0].key) if done else None
         engine.window.finished_together(len(done), time.perf_counter(), step_s)

@@ -59,10 +59,13 @@ class StepPlan(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     pause: list[str] = []
     # Paused ones admitted again: their states go on from where they stopped (they are in `advance` too).
     resume: list[str] = []
+    # Finished requests (or finishing with this step) that run a piece of their decode, the driver's alone
+    # (`ModelAdapter.decode_in_pieces`). None: every request finishing with this step decodes whole, now.
+    decode: list[str] | None = None
 
     @property
     def is_empty(self) -> bool:
-        return not (self.new or self.advance or self.drop or self.pause or self.resume)
+        return not (self.new or self.advance or self.drop or self.pause or self.resume or self.decode)
 
 
 _encoder = msgspec.msgpack.Encoder()

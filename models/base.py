@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Generator, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -166,6 +166,9 @@ class ModelAdapter(abc.ABC):
     weight_bytes: tuple[int, int] | None = None
     # Denoiser tensors mapped from what the group's previous attempt kept (models/kept_weights.py), not read.
     kept_restored: int = 0
+    # Whether `decode_in_pieces` yields between pieces (a clip's latent frames): the executor then decodes each
+    # finished request in pieces between steps; else finished requests decode together, whole, when they finish.
+    decodes_in_pieces: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -232,6 +235,13 @@ class ModelAdapter(abc.ABC):
     def decode(self, states: Sequence[RequestState]) -> list[np.ndarray]:
         """Final images of `states` (one batch key)."""
         return self.postprocess(self.decode_latents(states))
+
+    def decode_in_pieces(self, states: Sequence[RequestState]) -> Generator[None, None, list[np.ndarray]]:
+        """`decode` as a generator that yields between pieces of its work, so that the step loop can run a piece
+        per step and a long clip's decode does not hold up a step of a higher class (engine/executor.py). Default:
+        one piece."""
+        yield from ()
+        return self.decode(states)
 
     def decode_audio(self, states: Sequence[RequestState]) -> list[np.ndarray]:
         """Video with sound (`capabilities.audio_sample_rate`): the waveform of each finished state, float32

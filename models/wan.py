@@ -11,10 +11,11 @@ reads them. Wan 2.2 A14B's two experts and TI2V-5B's per-token timesteps: see `W
 from __future__ import annotations
 
 import weakref
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Generator, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
@@ -404,8 +405,27 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
         self._stage("vae")
         p = states[0].params
         assert p.num_frames is not None and p.width is not None and p.height is not None
-        latents = torch.cat([self._pinned(s.latents, s.cond) for s in states])  # as the pipelines end
-        return self._decode_within(latents, p.width * p.height * p.num_frames)
+        return self._decode_within(self._final_latents(states), p.width * p.height * p.num_frames)
+
+    def _final_latents(self, states: Sequence[RequestState]) -> torch.Tensor:
+        """What the VAE decodes, in model space [B, C, T, h, w]: TI2V's given first frame pinned, as the pipelines
+        end."""
+        if self.expand_timesteps:
+            return torch.cat([self._pinned(s.latents, s.cond) for s in states])
+        return self._unpack(torch.cat([s.latents for s in states]), states[0].params)
+
+    decodes_in_pieces = True
+
+    def decode_in_pieces(self, states: Sequence[RequestState]) -> Generator[None, None, list[np.ndarray]]:
+        """A clip decodes one latent frame per piece (`wan_pieces`: `decode`'s frames exactly). Under offloading
+        (the VAE is moved by hooks around a whole call) it decodes in one piece."""
+        if self._stages is not None or getattr(self.vae, "_hf_hook", None) is not None or self.vae.use_tiling:
+            return (yield from super().decode_in_pieces(states))
+        with torch.inference_mode():
+            latents = self._vae_space(self._final_latents(states))
+        video = yield from wan_pieces(self.vae, latents)
+        with torch.inference_mode():
+            return self.postprocess(video)
 
     # ---- decode and previews ----
 
@@ -414,13 +434,16 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
         [B, C, h, w] (preview map fitting) decode as one-frame clips, to [B, 3, H, W]."""
         if latents.dim() == 4:
             return self._decode(latents[:, :, None])[:, :, 0]
+        return self.vae.decode(self._vae_space(latents), return_dict=False)[0]
+
+    def _vae_space(self, latents: torch.Tensor) -> torch.Tensor:
+        """Model-space latents [B, C, T, h, w] -> what the VAE decodes (its dtype, mean and std undone)."""
         config = self.vae.config
         latents = latents.to(self.vae.dtype)
         shape = (1, config.z_dim, 1, 1, 1)
         mean = torch.tensor(config.latents_mean).view(shape).to(latents.device, latents.dtype)
         inverse_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(latents.device, latents.dtype)
-        latents = latents / inverse_std + mean  # the pipeline's arithmetic, rounding included
-        return self.vae.decode(latents, return_dict=False)[0]
+        return latents / inverse_std + mean  # the pipeline's arithmetic, rounding included
 
 
 class WanI2VAdapter(WanAdapter):
@@ -491,3 +514,52 @@ class WanI2VAdapter(WanAdapter):
 def _release(cache: ProjectionCache, entries: list[Any]) -> None:
     for entry in entries:
         cache.release(entry)
+
+
+def wan_pieces(vae: Any, latents: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+    """`AutoencoderKLWan` decoding [B, C, T, h, w] (the VAE's space) in pieces, yielding between them; returns the
+    video [B, 3, F, H, W] in [-1, 1], equal to `vae.decode`'s: the same calls in the same order (its `_decode`, a
+    latent frame at a time, the decoder's causal convolutions carrying the frames before in a cache, here this
+    decode's own so that decodes may interleave; `WanDecoder3d.forward`, in stages: input convolution and middle,
+    each up block, the head). A piece is a stage of a latent frame: the longest, the last up block at full size."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
+
+    decoder = vae.decoder
+    cache: list[Any] = [None] * sum(isinstance(m, WanCausalConv3d) for m in decoder.modules())
+    with torch.inference_mode():
+        x = vae.post_quant_conv(latents)
+    frames = []
+    for i in range(x.shape[2]):
+        index, first = [0], i == 0
+        with torch.inference_mode():
+            h = _cached_conv(decoder.conv_in, x[:, :, i : i + 1], cache, index)
+            h = decoder.mid_block(h, feat_cache=cache, feat_idx=index)
+        for up_block in decoder.up_blocks:
+            yield
+            with torch.inference_mode():
+                h = up_block(h, feat_cache=cache, feat_idx=index, first_chunk=first)
+        yield
+        with torch.inference_mode():
+            frames.append(_cached_conv(decoder.conv_out, decoder.nonlinearity(decoder.norm_out(h)), cache, index))
+        if i + 1 < x.shape[2]:
+            yield
+    with torch.inference_mode():
+        out = torch.cat(frames, 2)
+        if vae.config.patch_size is not None:
+            out = unpatchify(out, patch_size=vae.config.patch_size)
+        return torch.clamp(out, min=-1.0, max=1.0)
+
+
+def _cached_conv(conv: Any, x: torch.Tensor, cache: list[Any], index: list[int]) -> torch.Tensor:
+    """A causal convolution of the decoder's input or head over a latent frame, with the frames before from the
+    cache (`WanDecoder3d.forward`'s arithmetic: the last two frames kept, one from the chunk before if need be)."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import CACHE_T
+
+    idx = index[0]
+    keep = x[:, :, -CACHE_T:, :, :].clone()
+    if keep.shape[2] < 2 and cache[idx] is not None:
+        keep = torch.cat([cache[idx][:, :, -1, :, :].unsqueeze(2).to(keep.device), keep], dim=2)
+    out = conv(x, cache[idx])
+    cache[idx] = keep
+    index[0] += 1
+    return out

@@ -97,11 +97,15 @@ def record_forwards(adapter) -> list[dict]:
             # What every rank holds whole beside its shard in the blocks' sequence (Qwen-Image 2.1's prefix).
             forwards[-1]["calls"][-1].setdefault("block_replicated", group.text_len)
 
-    real_decode, real_strips = adapter.decode_latents, adapter.decode_strips
+    real_decode, real_strips, real_pieces = adapter.decode_latents, adapter.decode_strips, adapter.decode_in_pieces
 
     def decode_latents(states):
         forwards[-1].setdefault("decoded", []).append(len(states))
         return real_decode(states)
+
+    def decode_in_pieces(states):  # a clip decoded in pieces over the next steps: counted as it starts
+        forwards[-1].setdefault("decoded", []).append(len(states))
+        return real_pieces(states)
 
     def decode_strips(states):  # the rows x columns of the strip this rank decoded
         images = real_strips(states)
@@ -110,6 +114,7 @@ def record_forwards(adapter) -> list[dict]:
 
     adapter.denoise = denoise
     adapter.decode_latents = decode_latents
+    adapter.decode_in_pieces = decode_in_pieces
     adapter.decode_strips = decode_strips
     for transformer in getattr(adapter, "experts", (adapter.transformer,)):
         # prepend: before the Ulysses hook that shards FLUX inputs, so that "tokens" counts the whole image.

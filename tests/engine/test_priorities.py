@@ -4,6 +4,8 @@ red (the class-0 request was never admitted while class 5 kept arriving)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from diffusiond.engine.scheduler import MAX_PRIORITY, SchedRequest, Scheduler, StepResult
@@ -235,3 +237,130 @@ def test_a_forward_carries_only_its_key_s_top_class_until_aging_lifts_the_others
     joined = [sorted(a) == ["high", "low"] for a in advanced]
     assert advanced[0] == ["high"] and joined.index(True) in range(13, 17), advanced
     assert all(joined[joined.index(True) :]), advanced
+
+
+def decoding_step(sched: Scheduler, pieces_left: dict[str, int]):
+    """A step whose executor decodes in pieces, with a budget of one piece: the first request its plan names that
+    has pieces left runs one. A request finishing its steps has `pieces_left[id]` pieces. Returns the plan and the
+    requests that ended."""
+    plan = decode_plan(encode_plan(sched.schedule()))
+    decoded = []
+    for rid in plan.decode or []:
+        if pieces_left[rid] > 0:
+            pieces_left[rid] -= 1
+            if pieces_left[rid] == 0 and rid in sched.decoding:
+                decoded.append(rid)
+            break
+    ending = [rid for rid in plan.advance if (r := sched.get(rid)) and r.steps_done + 1 >= r.total_steps]
+    result = StepResult(
+        advanced=list(plan.advance), decoding=[rid for rid in ending if pieces_left[rid] > 0], decoded=decoded
+    )
+    return plan, sched.update_from_output(plan, result)
+
+
+def ended_ids(ended) -> list[str]:
+    return [r.request_id for r in ended]
+
+
+def test_a_lower_class_decode_waits_for_a_higher_class_steps():
+    """A class-0 clip finishes its steps with two pieces of decode left: it leaves its running slot (the class-9
+    request waiting behind it is admitted at once), its pieces wait while class 9 steps, and run when nothing
+    steps; it ends (completed) after its last piece, never before."""
+    sched = Scheduler(max_batch=1, max_running=1, preemption=False)
+    sched.add(make("clip", 0, steps=2))
+    left = {"clip": 3, "urgent": 1}
+    decoding_step(sched, left)
+    sched.add(make("urgent", 9, steps=2))
+    plan, ended = decoding_step(sched, left)  # the clip's last step and first piece: out of the slot, not done
+    assert plan.advance == ["clip"] and plan.decode == ["clip"] and not ended
+    assert "clip" in sched.decoding and sched.num_running == 0 and sched.has_work()
+    plan, ended = decoding_step(sched, left)
+    assert plan.advance == ["urgent"] and plan.decode == [] and not ended
+    plan, ended = decoding_step(sched, left)
+    assert plan.decode == ["urgent"] and ended_ids(ended) == ["urgent"]
+    plan, ended = decoding_step(sched, left)
+    assert plan.advance == [] and plan.decode == ["clip"] and not ended
+    plan, ended = decoding_step(sched, left)
+    assert plan.decode == ["clip"] and [(r.request_id, r.status.name) for r in ended] == [
+        ("clip", "FINISHED_COMPLETED")
+    ]
+    assert not sched.has_work()
+
+
+def test_aging_bounds_the_wait_of_a_lower_class_decode():
+    """Class 5 keeps stepping: a class-0 decode still goes on, each time aging has lifted it to class 5 (within
+    5 * aging_steps steps of the last time it could run)."""
+    aging = 4
+    sched = Scheduler(max_batch=1, max_running=1, aging_steps=aging, preemption=False)
+    sched.add(make("clip", 0, steps=1))
+    left = {"clip": 3, "busy": 1}
+    decoding_step(sched, left)
+    sched.add(make("busy", 5, steps=1000))
+    pieces_at = [step for step in range(1, 20 * aging) if "clip" in (decoding_step(sched, left)[0].decode or [])]
+    assert len(pieces_at) >= 2 and pieces_at[0] <= 6 * aging, pieces_at
+    assert all(b - a <= 5 * aging + 1 for a, b in itertools.pairwise(pieces_at)), pieces_at
+    assert "clip" not in sched.decoding  # its last piece ran: completed
+
+
+def test_a_decoding_request_is_cancelled_or_failed_once():
+    sched = Scheduler(max_batch=2)
+    for rid in ("a", "b"):
+        sched.add(make(rid, steps=1))
+    left = {"a": 5, "b": 5}
+    decoding_step(sched, left)
+    assert set(sched.decoding) == {"a", "b"}
+    sched.cancel("a")
+    plan, ended = decoding_step(sched, left)
+    assert plan.drop == ["a"] and [(r.request_id, r.status.name) for r in ended] == [("a", "FINISHED_CANCELLED")]
+    assert ended_ids(sched.fail_all("engine stopped")) == ["b"] and not sched.has_work()
+
+
+def test_decodes_run_highest_class_then_oldest_first():
+    sched = Scheduler(max_batch=2, max_running=3)
+    for rid in ("a", "b"):
+        sched.add(make(rid, steps=1))
+    left = {"a": 2, "b": 2, "c": 1}
+    plan, _ = decoding_step(sched, left)
+    assert plan.decode == ["a", "b"]  # their last step: the executor starts with the oldest
+    sched.add(make("c", 5, steps=1))
+    plan, ended = decoding_step(sched, left)
+    assert plan.advance == ["c"] and plan.decode == ["c"] and ended_ids(ended) == ["c"]  # class 0 waits
+    plan, ended = decoding_step(sched, left)
+    assert plan.advance == [] and plan.decode == ["a", "b"] and ended_ids(ended) == ["a"]
+    plan, ended = decoding_step(sched, left)
+    assert plan.decode == ["b"] and not ended
+    plan, ended = decoding_step(sched, left)
+    assert ended_ids(ended) == ["b"] and not sched.has_work()
+
+
+def test_a_decoding_request_holds_its_slot_against_its_class_not_a_higher_one():
+    """As if it decoded in its last step: a class-0 request waits for the slot of a decoding class-0 one (no
+    unbounded pile of decodes behind new admissions); a class-9 one takes it at once."""
+    sched = Scheduler(max_batch=1, max_running=1, preemption=False)
+    sched.add(make("clip", 0, steps=1))
+    left = {"clip": 3, "next": 1, "urgent": 1}
+    decoding_step(sched, left)
+    sched.add(make("next", 0, steps=1))
+    plan, _ = decoding_step(sched, left)
+    assert plan.new == [] and plan.decode == ["clip"]
+    sched.add(make("urgent", 9, steps=1))
+    plan, ended = decoding_step(sched, left)
+    assert [n.request_id for n in plan.new] == ["urgent"] and ended_ids(ended) == ["urgent"]
+    plan, ended = decoding_step(sched, left)
+    assert plan.new == [] and ended_ids(ended) == ["clip"]
+    plan, _ = decoding_step(sched, left)
+    assert [n.request_id for n in plan.new] == ["next"]
+
+
+def test_a_key_that_waited_below_the_top_class_saved_no_turns():
+    """A class-0 key sits out 50 steps of a class-5 key; when a class-5 request joins it, the two keys take turns.
+    Broken on purpose once: with every candidate key earning credit, the waiting key came up with 50 steps of turns
+    saved and took all 8 (an aged flood of clips held a class-9 request for 40 steps that way)."""
+    sched = Scheduler(max_batch=1, max_running=4, aging_steps=10_000)
+    sched.add(make("low", 0, key="small", steps=500))
+    run_step(sched)
+    sched.add(make("high", 5, key="big", steps=500))
+    assert all(run_step(sched)[0].advance == ["high"] for _ in range(50))
+    sched.add(make("peer", 5, key="small", steps=500))
+    turns = [run_step(sched)[0].advance for _ in range(8)]
+    assert 3 <= sum(a == ["high"] for a in turns) <= 5, turns

@@ -364,3 +364,20 @@ def test_a_key_that_waited_below_the_top_class_saved_no_turns():
     sched.add(make("peer", 5, key="small", steps=500))
     turns = [run_step(sched)[0].advance for _ in range(8)]
     assert 3 <= sum(a == ["high"] for a in turns) <= 5, turns
+
+
+def test_a_wait_behind_its_own_class_ages_no_one():
+    """Only steps served to a higher class age a waiting request: a class-0 request that waited 40 steps behind
+    another class-0 one is still class 0, so the class-5 request waiting beside it goes first. Broken on purpose
+    once: with every step counted, it had risen to class 5 and, older, went first (a flood's queue lifted it into
+    the interactive class)."""
+    sched = Scheduler(max_batch=1, max_running=1, aging_steps=5, preemption=False)
+    sched.add(make("first", 0, steps=40))
+    run_step(sched)
+    sched.add(make("second", 0, steps=1))
+    sched.add(make("vip", 5, key="b", steps=1))
+    admitted = []
+    while sched.has_work():
+        plan, _ = run_step(sched)
+        admitted += [n.request_id for n in plan.new]
+    assert admitted == ["vip", "second"], admitted

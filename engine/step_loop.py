@@ -186,7 +186,8 @@ class StepLoop:
     def _gather(self, events: list[Event]) -> bool:
         """The admission window (engine/admission.py): nothing runs and requests are arriving."""
         scheduler, window = self.engine.scheduler, self.engine.window
-        if not window.opens(scheduler.num_waiting, scheduler.num_running):
+        # Clips decoding in pieces are work in flight too: a window would hold their pieces up.
+        if not window.opens(scheduler.num_waiting, scheduler.num_running + len(scheduler.decoding)):
             return True
         window.start(time.perf_counter())
         while (timeout := window.next_wait(scheduler.num_waiting, time.perf_counter())) is not None:

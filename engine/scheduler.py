@@ -46,14 +46,14 @@ encoding their prompts allows (`costs`, measured by the engine; at least one), s
 the running requests for more than a step's worth of encoding; the rest join over the next steps. An idle key takes
 in as many as it has room for (nothing waits on their encoding but themselves).
 
-Decoding in pieces: a family whose decode comes in pieces (a Wan clip: a latent frame each) decodes a finished
-request between steps. Its last step runs its first piece; it then leaves its running slot for `decoding` and ends
-(completed) when the executor reports its last piece. Each plan's `decode` names whose pieces may run, in order:
-the decoding requests of the step's class or above, highest class and oldest first; the executor runs pieces for
-about as long as the step's forward took, so that an arriving request waits for about a step's worth of decoding,
-and a higher class for none of a lower class's (aging lifts a decode's class as it lifts a step's). While it
-decodes, a request holds its running slot against its own class and below (as if it had decoded in its last
-step), not against a higher class.
+Decoding in pieces: a family whose decode comes in pieces (a Wan clip: a stage of a latent frame each) decodes a
+finished request between steps. After its last step it leaves its running slot for `decoding` (unless that step's
+pieces finished its decode) and ends (completed) when the executor reports its image. Each plan's `decode` names
+whose pieces may run, in order: the requests finishing with the step and the decoding ones of the step's class or
+above (as asked), highest class and oldest first; the executor runs pieces for about as long as the step's forward
+took, so that an arriving request waits for about a step's worth of decoding, and a higher class for none of a
+lower class's (aging lifts a decode's class as it lifts a step's). While it decodes, a request holds its running
+slot against its own class and below (as if it had decoded in its last step), not against a higher class.
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ class StepResult:
 
     advanced: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
-    # Finished their steps with this plan, their decode not (pieces left); and decoding ones whose decode ended.
+    # Finished their steps with this plan, their decode not (pieces left); and the requests whose image this plan
+    # made (those decoding end with it).
     decoding: list[str] = field(default_factory=list)
     decoded: list[str] = field(default_factory=list)
 
@@ -398,12 +399,11 @@ class Scheduler:
         waiting: dict[Hashable, int] = {}
         free: dict[Hashable, int] = {}
         for req in self.waiting:
-            rank = self.effective_priority(req)
             if (room := self._free(req)) > 0:
                 waiting[req.key] = waiting.get(req.key, 0) + 1
                 free[req.key] = max(free.get(req.key, 0), room)
                 oldest.setdefault(req.key, req.arrival)
-                top[req.key] = max(top.get(req.key, 0), rank)
+                top[req.key] = max(top.get(req.key, 0), self.effective_priority(req))
         return {
             key: (
                 min(self.max_batch, running.get(key, 0) + min(waiting.get(key, 0), free.get(key, 0))),

@@ -59,8 +59,8 @@ class StepPlan(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     pause: list[str] = []
     # Paused ones admitted again: their states go on from where they stopped (they are in `advance` too).
     resume: list[str] = []
-    # Finished requests (or finishing with this step) that run a piece of their decode, the driver's alone
-    # (`ModelAdapter.decode_in_pieces`). None: every request finishing with this step decodes whole, now.
+    # Finished requests (or finishing with this step) whose decode may run pieces, in this order, the driver's
+    # alone (`ModelAdapter.decode_in_pieces`). None: every request finishing with this step decodes whole, now.
     decode: list[str] | None = None
 
     @property

@@ -166,7 +166,7 @@ class ModelAdapter(abc.ABC):
     weight_bytes: tuple[int, int] | None = None
     # Denoiser tensors mapped from what the group's previous attempt kept (models/kept_weights.py), not read.
     kept_restored: int = 0
-    # Whether `decode_in_pieces` yields between pieces (a clip's latent frames): the executor then decodes each
+    # Whether `decode_in_pieces` yields between pieces (stages of a clip's frames): the executor then decodes each
     # finished request in pieces between steps; else finished requests decode together, whole, when they finish.
     decodes_in_pieces: ClassVar[bool] = False
 
@@ -237,9 +237,9 @@ class ModelAdapter(abc.ABC):
         return self.postprocess(self.decode_latents(states))
 
     def decode_in_pieces(self, states: Sequence[RequestState]) -> Generator[None, None, list[np.ndarray]]:
-        """`decode` as a generator that yields between pieces of its work, so that the step loop can run a piece
-        per step and a long clip's decode does not hold up a step of a higher class (engine/executor.py). Default:
-        one piece."""
+        """`decode` as a generator that yields between pieces of its work, so that the executor can run a few
+        pieces a step and a long clip's decode does not hold up a step of a higher class (engine/executor.py).
+        Default: one piece."""
         yield from ()
         return self.decode(states)
 

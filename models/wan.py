@@ -51,6 +51,7 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
     default_num_frames: ClassVar[int] = 81
     default_fps: ClassVar[int] = 16
     TEXT_ENCODERS = ("text_encoder",)
+    decodes_in_pieces = True  # a stage of a latent frame at a time (`wan_pieces`)
 
     def __init__(self, pipe: Any, *, source: str, lazy: Any = None) -> None:
         self.frame_step = pipe.vae_scale_factor_temporal
@@ -400,8 +401,6 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
 
     @torch.inference_mode()
     def decode_latents(self, states: Sequence[RequestState]) -> torch.Tensor:
-        if not self.expand_timesteps:
-            return super().decode_latents(states)
         self._stage("vae")
         p = states[0].params
         assert p.num_frames is not None and p.width is not None and p.height is not None
@@ -414,11 +413,9 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
             return torch.cat([self._pinned(s.latents, s.cond) for s in states])
         return self._unpack(torch.cat([s.latents for s in states]), states[0].params)
 
-    decodes_in_pieces = True
-
     def decode_in_pieces(self, states: Sequence[RequestState]) -> Generator[None, None, list[np.ndarray]]:
-        """A clip decodes one latent frame per piece (`wan_pieces`: `decode`'s frames exactly). Under offloading
-        (the VAE is moved by hooks around a whole call) it decodes in one piece."""
+        """A clip decodes in pieces, a stage of a latent frame each (`wan_pieces`: `decode`'s frames exactly). Under
+        offloading or tiling (the VAE moved by hooks around a whole call, or decoding tiles) it decodes in one."""
         if self._stages is not None or getattr(self.vae, "_hf_hook", None) is not None or self.vae.use_tiling:
             return (yield from super().decode_in_pieces(states))
         with torch.inference_mode():

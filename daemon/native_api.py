@@ -24,6 +24,7 @@ from diffusiond.daemon.streaming import (
     UNKNOWN_WORDS_HEADER,
     check_images,
     encode_off_loop,
+    encode_small,
     finish,
     queue_requests,
     send,
@@ -125,7 +126,7 @@ async def _render(
     if isinstance(event, Paused | Resumed):  # preempted by a higher class, and back (engine/scheduler.py)
         return type(event).__name__.lower(), {"step": event.step, "total": event.total}, None
     if isinstance(event, Preview):
-        data = await encode_off_loop(request, encode_image, event.image, body.output_format)
+        data = await encode_small(request, event.image, body.output_format)
         preview = {"step": event.step, "total": event.total, "format": body.output_format}
         size = {"width": event.image.shape[1], "height": event.image.shape[0]}
         return "preview", {**preview, **size, "b64": base64.b64encode(data).decode()}, None

@@ -13,10 +13,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
 import msgspec
+import numpy as np
 from aiohttp import web
 
 from diffusiond.daemon.api import ApiError, NotStarted, retry_later
 from diffusiond.daemon.config import class_deadlines
+from diffusiond.daemon.image_encoding import INLINE_PIXELS, encode_image
 from diffusiond.daemon.state import ENCODERS, METRICS, STATE, ServerState
 from diffusiond.daemon.tenants import Tenant
 from diffusiond.engine.engine import Engine, QueueFullError, RequestHandle
@@ -124,6 +126,20 @@ async def with_keepalive(events: AsyncIterator[T], every: float) -> AsyncIterato
 async def encode_off_loop(request: web.Request, fn: Callable[..., T], *args) -> T:
     """Image encoding in the encoder pool (`image_encoding.encoder_pool`), timed as the encode_response stage."""
     return await run_encoder(request.app, fn, *args)
+
+
+async def encode_small(request: web.Request, image: np.ndarray, fmt: str) -> bytes:
+    """A native preview (latent resolution): encoded in place on the event loop when it is small enough that the hop
+    to the encoder pool and back costs more than the work; larger ones go to the pool (`encode_off_loop`). Measured
+    on 2 cores, tiny SD3 at 256x256 (its previews 32x32, 0.05 ms each to encode): the 8 previews of a step reached
+    their clients 4-13 ms after the step through the pool, its threads waiting on the GIL that the step thread and
+    the loop pass between them."""
+    if image.shape[0] * image.shape[1] > INLINE_PIXELS:
+        return await encode_off_loop(request, encode_image, image, fmt)
+    t0 = time.perf_counter()
+    data = encode_image(image, fmt)
+    request.app[METRICS].stage_seconds.labels("encode_response").observe(time.perf_counter() - t0)
+    return data
 
 
 async def run_encoder(app: web.Application, fn: Callable[..., T], *args) -> T:

@@ -24,6 +24,10 @@ def clip(prompt: str, frames: int = 9, steps: int = 2, **more) -> SamplingParams
     )
 
 
+def _upsampler(block):
+    return block.upsampler if hasattr(block, "upsampler") else (block.upsamplers or [None])[0]
+
+
 def in_pieces(adapter, state) -> tuple[list[np.ndarray], int]:
     pieces = adapter.decode_in_pieces([state])
     count = 0
@@ -41,8 +45,9 @@ def test_pieces_equal_the_whole_decode(checkpoint, request):
     [state] = adapter.prepare([("a", adapter.resolve(clip("a red cat")))])
     whole = adapter.decode([state])
     pieces, count = in_pieces(adapter, state)
-    # 9 frames: 3 latent frames, each in 6 pieces (input and middle, 4 up blocks, the head)
-    assert state.latents.shape[2] == 3 and count == 3 * (2 + len(adapter.vae.decoder.up_blocks))
+    # 9 frames: 3 latent frames, each in pieces: input and middle, each resnet and upsampler of the up blocks, the head
+    layers = sum(len(b.resnets) + (_upsampler(b) is not None) for b in adapter.vae.decoder.up_blocks)
+    assert state.latents.shape[2] == 3 and layers > len(adapter.vae.decoder.up_blocks) and count == 3 * (2 + layers)
     assert pieces[0].shape == whole[0].shape == (9, 32, 64, 3)
     assert np.array_equal(pieces[0], whole[0])
 

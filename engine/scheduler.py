@@ -52,8 +52,12 @@ pieces finished its decode) and ends (completed) when the executor reports its i
 whose pieces may run, in order: the requests finishing with the step and the decoding ones of the step's class or
 above (as asked), highest class and oldest first; the executor runs pieces for about as long as the step's forward
 took, so that an arriving request waits for about a step's worth of decoding, and a higher class for none of a
-lower class's (aging lifts a decode's class as it lifts a step's). While it decodes, a request holds its running
-slot against its own class and below (as if it had decoded in its last step), not against a higher class.
+lower class's (aging lifts a decode's class as it lifts a step's). A decode of a class above all running and
+waiting work runs in steps of its own, nothing else advancing or admitted, as its request's steps did (a step of
+the class below would hold it up: measured on the tiny Wan, a class-9 frame's 8 ms decode spread over three flood
+steps, one of them admitting two clips, 30-40 ms); the pieces of a lower class wait for the next step. While it
+decodes, a request holds its running slot against its own class and below (as if it had decoded in its last
+step), not against a higher class.
 """
 
 from __future__ import annotations
@@ -268,11 +272,16 @@ class Scheduler:
                     drop.append(req.request_id)
                     del slots[req.request_id]
 
-        paused = self._preempt() if self.preemption else []
+        # A decode of a class above all other work runs alone, as that request's steps did: nothing else steps.
+        top_decode = max((self._aged(r) for r in self.decoding.values()), default=-1)
+        alone = top_decode > max(
+            (self.effective_priority(r) for r in (*self.running.values(), *self.waiting)), default=-1
+        )
+        paused = self._preempt() if self.preemption and not alone else []
         advance: list[SchedRequest] = []
         new: list[NewRequest] = []
         resume: list[str] = []
-        keys, total = self._keys_in_turn()
+        keys, total = ([], 0) if alone else self._keys_in_turn()
         for key in keys:
             group = sorted(
                 (r for r in self.running.values() if r.key == key),
@@ -305,8 +314,10 @@ class Scheduler:
             req.floor = max(req.floor, self.effective_priority(req))
             req.last_advanced = step
             req.held_since = self._above[req.priority]
-        decode = self._decode_pieces(advance)
-        served = max((r.priority for r in advance), default=0)
+        decode = self._decode_pieces(advance, top_decode if alone else None)
+        served = (
+            max(r.priority for r in self.decoding.values()) if alone else max((r.priority for r in advance), default=0)
+        )
         for rank in range(served):  # every lower class waited this step out
             self._above[rank] += 1
         return StepPlan(
@@ -319,13 +330,15 @@ class Scheduler:
             decode=decode,
         )
 
-    def _decode_pieces(self, advance: list[SchedRequest]) -> list[str]:
+    def _decode_pieces(self, advance: list[SchedRequest], alone: int | None = None) -> list[str]:
         """Whose decode may run pieces this step, in the order they run (the executor runs pieces for about as
         long as the step's forward took, at least one): the requests finishing with it, and the decoding ones of
         the step's class or above (as asked), highest class first, oldest first within one. So a request arriving
         waits for about a step's worth of decoding, and a higher class's steps for none of a lower class's decode,
-        which goes on when they are done or when aging lifts it (its class as asked: a decode is no step)."""
-        floor = min((r.priority for r in advance), default=0)
+        which goes on when they are done or when aging lifts it (its class as asked: a decode is no step). In a
+        step of decodes alone (`alone`: their class), only those of that class: a lower one's pieces after them
+        would hold up their completion."""
+        floor = min((r.priority for r in advance), default=0) if alone is None else alone
         eligible = [r for r in self.decoding.values() if self._aged(r) >= floor]
         for req in eligible:
             req.held_since = self._above[req.priority]

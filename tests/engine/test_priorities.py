@@ -333,6 +333,38 @@ def test_decodes_run_highest_class_then_oldest_first():
     assert ended_ids(ended) == ["b"] and not sched.has_work()
 
 
+def test_a_higher_class_decode_runs_alone():
+    """A class-9 frame finishes its steps with three pieces of decode left while class-0 clips run and wait: its
+    pieces run in steps of their own, nothing advanced or admitted, until it ends; then class 0 goes on. Broken on
+    purpose once (never alone): its pieces ran after class-0 forwards, one of them admitting the waiting clip.
+    A decode of the same class as running work runs beside it (the flood's own decodes interleave with its steps)."""
+    sched = Scheduler(max_batch=2, max_running=2, preemption=False, aging_steps=10_000)
+    sched.add(make("clip", 0, steps=50))
+    sched.add(make("short", 0, steps=1))
+    left = {"clip": 1, "short": 10, "frame": 3, "queued": 1}
+    decoding_step(sched, left)
+    assert "short" in sched.decoding  # a class-0 decode with pieces left, beside the class-0 clip
+    sched.add(make("frame", 9, steps=2))
+    plan, _ = decoding_step(sched, left)
+    assert plan.advance == ["frame"]  # a forward carries only its key's top class: the clip sits out
+    sched.add(make("queued", 0, steps=50))
+    plan, ended = decoding_step(sched, left)  # the frame's last step and first piece
+    assert plan.advance == ["frame"] and plan.decode == ["frame"] and not ended
+    plans = [decoding_step(sched, left) for _ in range(2)]
+    # Alone: nothing advanced or admitted, and no piece of the class-0 decode after the frame's.
+    assert [(p.advance, p.new, p.decode) for p, _ in plans] == [([], [], ["frame"])] * 2
+    assert ended_ids(plans[-1][1]) == ["frame"]
+    plan, _ = decoding_step(sched, left)
+    assert plan.advance == ["clip"] and plan.decode == ["short"]  # "queued" waits for the slot "short" holds
+    # A decode beside work of its own class: interleaved with its steps.
+    sched = Scheduler(max_batch=2, max_running=2)
+    sched.add(make("short", 0, steps=1))
+    sched.add(make("long", 0, steps=50))
+    left = {"short": 3, "long": 1}
+    plans = [decoding_step(sched, left)[0] for _ in range(3)]
+    assert [(p.advance, p.decode) for p in plans] == [(["short", "long"], ["short"])] + [(["long"], ["short"])] * 2
+
+
 def test_a_decoding_request_holds_its_slot_against_its_class_not_a_higher_one():
     """As if it decoded in its last step: a class-0 request waits for the slot of a decoding class-0 one (no
     unbounded pile of decodes behind new admissions); a class-9 one takes it at once."""

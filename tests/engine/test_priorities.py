@@ -189,6 +189,23 @@ def test_only_as_many_are_paused_as_this_step_admits():
     assert plan.pause == ["low0"] and [n.request_id for n in plan.new] == ["h1"]  # max_paused=1: one pause
 
 
+def test_no_pause_for_a_request_that_a_higher_class_keeps_from_this_step():
+    """Every slot taken by class 0; class 9 and class 3 arrive: one class-0 request is paused for class 9, none for
+    class 3 while class 9 takes the steps (class 3 would not run yet: pausing for it would move a request's state
+    for nothing); class 3 takes class 9's slot when it is done. Broken on purpose once (the check removed): the
+    other class-0 request was paused too, in class 9's second step."""
+    sched = Scheduler(max_batch=2, max_running=2, aging_steps=10_000)
+    sched.add(make("low0", 0, steps=50))
+    sched.add(make("low1", 0, steps=50))
+    run_step(sched)
+    sched.add(make("urgent", 9, steps=3))
+    sched.add(make("mid", 3, steps=5))
+    plans = [run_step(sched)[0] for _ in range(3)]
+    assert [(p.advance, p.pause) for p in plans] == [(["urgent"], ["low1"])] + [(["urgent"], [])] * 2
+    plan, _ = run_step(sched)
+    assert [n.request_id for n in plan.new] == ["mid"] and not plan.pause and sched.num_paused == 1
+
+
 def test_a_paused_request_cancelled_ends_now_and_every_rank_frees_its_state():
     sched = full_of_low()
     sched.add(make("high", 5, steps=3))

@@ -21,7 +21,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from diffusiond.kernels.lora_rows import LoraLayers, LoraLayerSet
 from diffusiond.kernels.ulysses import UlyssesGroup
-from diffusiond.models import cached_forward, families, stepcache
+from diffusiond.models import cached_forward, families, stepcache, wan_prompts
 from diffusiond.models.base import RequestState
 from diffusiond.models.flowmatch import FlowMatchAdapter
 from diffusiond.models.inputs import open_rgb
@@ -269,11 +269,9 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
         return (1 - mask) * cond["first_frame"] + mask * latents
 
     def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor]]:
+        """The pipeline's `encode_prompt` rows, each prompt run through UMT5 without 512 tokens of padding."""
         self._stage(*self.TEXT_ENCODERS)
-        embeds, _ = self.pipe.encode_prompt(
-            prompt=texts, do_classifier_free_guidance=False, max_sequence_length=TEXT_TOKENS, device=self.device
-        )
-        return [(embeds[i : i + 1].clone(),) for i in range(len(texts))]
+        return [(row,) for row in wan_prompts.encode_prompts(self.pipe, texts, TEXT_TOKENS, self.device)]
 
     # ---- projection reuse ----
 

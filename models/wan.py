@@ -548,8 +548,7 @@ def wan_pieces(vae: Any, latents: torch.Tensor) -> Generator[None, None, torch.T
 def _up_block_pieces(block: Any, h: torch.Tensor, cache: list[Any], index: list[int], first: bool):
     """A decoder up block a resnet at a time, yielding between them: the calls of `WanUpBlock.forward` (Wan 2.1) or
     `WanResidualUpBlock.forward` (Wan 2.2 TI2V's, with its shortcut), in order. A block of another kind runs whole.
-    Measured on the tiny Wan (96x96): the last up block at full size was the longest piece (16 ms), a resnet a third
-    of it."""
+    Measured on the tiny Wan (96x96): the last up block at full size took 26-29 ms as one piece; a resnet at most 10."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanResidualUpBlock, WanUpBlock
 
     if type(block) not in (WanUpBlock, WanResidualUpBlock):

@@ -132,10 +132,12 @@ def test_clients_that_never_read_a_video_are_cut_and_hold_only_its_file(serve, t
     what the kernel takes for the connection (--send-buffer-bytes 16 KiB, as an operator bounds what such a client
     pins in kernel memory): each is cut once its writes have waited write_timeout, and while it waits its handler
     holds the clip's file and one base64 piece, not the float32 clip (3.3 MB each): no clip the engine finished is
-    alive while 5 or more streams wait (one would do to show a waiting stream holds no clip; at most 7 at once were
-    seen after the other connection tests here, 10 or more alone). The weak references prove that; the RSS bound
-    only catches a blow-up (5 batches of 10 clips decoded and encoded at once, each encoder thread in its own malloc
-    arena: +257-319 MiB in clean runs here, +402 MiB once in CI)."""
+    alive while 3 or more streams wait (one would do to show a waiting stream holds no clip). How many wait at once
+    depends on how close together the clips finish: 7 at most after the other connection tests here and 10 or more
+    alone while a batch's clips decoded together; since Wan clips decode one at a time in pieces between steps,
+    4 and 5 after the other tests (CI, and here). The weak references prove that; the RSS bound only catches a
+    blow-up (5 batches of 10 clips encoded at once, each encoder thread in its own malloc arena: +257-319 MiB in
+    clean runs here, +402 MiB once in CI; +107-148 here and +532 in CI since the decode in pieces)."""
     server = serve(model=tiny_wan, write_timeout=1.0, send_buffer_bytes=16 << 10, max_pixels=128 * 128, max_batch=10)
     body = {"prompt": "a red cat", "width": 128, "height": 128, "num_frames": 17, "num_inference_steps": 2}
     after = {"prompt": "a cat", "width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 2}
@@ -162,7 +164,7 @@ def test_clients_that_never_read_a_video_are_cut_and_hold_only_its_file(serve, t
     finally:
         server.call(lambda: setattr(engine, "on_event", observe))
     assert len(clips) >= STREAMS
-    assert max((waiting for waiting, alive in seen if alive == 0), default=0) >= 5, seen
+    assert max((waiting for waiting, alive in seen if alive == 0), default=0) >= 3, seen
 
 
 def never_read(

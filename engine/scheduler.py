@@ -314,7 +314,7 @@ class Scheduler:
             req.floor = max(req.floor, self.effective_priority(req))
             req.last_advanced = step
             req.held_since = self._above[req.priority]
-        decode = self._decode_pieces(advance, top_decode if alone else None)
+        decode = self._decode_pieces(advance, floor=top_decode if alone else None)
         served = (
             max(r.priority for r in self.decoding.values()) if alone else max((r.priority for r in advance), default=0)
         )
@@ -330,15 +330,16 @@ class Scheduler:
             decode=decode,
         )
 
-    def _decode_pieces(self, advance: list[SchedRequest], alone: int | None = None) -> list[str]:
+    def _decode_pieces(self, advance: list[SchedRequest], floor: int | None = None) -> list[str]:
         """Whose decode may run pieces this step, in the order they run (the executor runs pieces for about as
         long as the step's forward took, at least one): the requests finishing with it, and the decoding ones of
         the step's class or above (as asked), highest class first, oldest first within one. So a request arriving
         waits for about a step's worth of decoding, and a higher class's steps for none of a lower class's decode,
         which goes on when they are done or when aging lifts it (its class as asked: a decode is no step). In a
-        step of decodes alone (`alone`: their class), only those of that class: a lower one's pieces after them
+        step of decodes alone (`floor`: their class), only those of that class: a lower one's pieces after them
         would hold up their completion."""
-        floor = min((r.priority for r in advance), default=0) if alone is None else alone
+        if floor is None:
+            floor = min((r.priority for r in advance), default=0)
         eligible = [r for r in self.decoding.values() if self._aged(r) >= floor]
         for req in eligible:
             req.held_since = self._above[req.priority]

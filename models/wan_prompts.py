@@ -29,19 +29,19 @@ def encode_prompts(pipe: Any, texts: list[str], max_tokens: int, device: torch.d
 
     prompts = [prompt_clean(t) for t in texts]
     tokenizer, encoder = pipe.tokenizer, pipe.text_encoder
-    lengths = [len(ids) for ids in tokenizer(prompts, max_length=max_tokens, truncation=True).input_ids]
+    # Tokenized once, unpadded (special tokens included, truncated at max_tokens); each group padded by the
+    # tokenizer itself to its width.
+    ids = tokenizer(prompts, max_length=max_tokens, truncation=True, add_special_tokens=True).input_ids
     groups: dict[int, list[int]] = {}
-    for i, n in enumerate(lengths):
-        groups.setdefault(_bucket(n, max_tokens), []).append(i)
+    for i, row in enumerate(ids):
+        groups.setdefault(_bucket(len(row), max_tokens), []).append(i)
     rows: list[torch.Tensor | None] = [None] * len(texts)
     model_device = get_module_execution_device(encoder)
     for width, members in groups.items():
-        inputs = tokenizer(
-            [prompts[i] for i in members],
+        inputs = tokenizer.pad(
+            {"input_ids": [ids[i] for i in members]},
             padding="max_length",
             max_length=width,
-            truncation=True,
-            add_special_tokens=True,
             return_attention_mask=True,
             return_tensors="pt",
         )

@@ -6,8 +6,9 @@ checkpoint (issue 34), with daemons it starts itself:
 
 1. Interactive latency: class-9 requests (small, few steps) one after another, on an idle daemon, then under a flood
    of class-0 work that fills every running slot until the last of them (`--flood` long images on the native route;
-   on a video model, `--flood` `/v1/videos` jobs, one more sent as each completes), with preemption and then with
-   `--no-preemption`: p50/p99 and the ratio to idle.
+   on a video model, `--flood` `/v1/videos` jobs, one more sent as each completes), with preemption (and short steps
+   beside a higher class: `--class-window-ms`) and then with neither: p50/p99, the ratio to idle, and the flood's
+   steps per second meanwhile.
 2. Deadlines: a burst of requests whose clients wait `--patience` seconds each, sent with `deadline_ms` (refused at
    once when they cannot make it) and without (their clients leave; the work done for them is wasted): how many
    finished in time, how many were refused, and the denoising steps spent on requests nobody received.
@@ -40,6 +41,8 @@ class Latencies(msgspec.Struct):
     p50_s: float
     p99_s: float
     n: int
+    # Under a flood: the flood's denoising steps per second meanwhile (summed over its requests).
+    flood_steps_per_s: float | None = None
 
 
 class DeadlineRun(msgspec.Struct):
@@ -154,7 +157,13 @@ async def _under_flood(session, base: str, work: Workload, n: int) -> Latencies:
     flooders += [] if work.video else [asyncio.create_task(images()) for _ in range(work.args.flood - 1)]
     try:
         await _until_full(session, base, work.args.max_batch, flooders)
-        return await _interactive(session, base, work, n)
+        before = _counter(await (await session.get(f"{base}/metrics")).text(), "diffusiond_steps_total")
+        t0 = time.perf_counter()
+        found = await _interactive(session, base, work, n)
+        seconds = time.perf_counter() - t0
+        after = _counter(await (await session.get(f"{base}/metrics")).text(), "diffusiond_steps_total")
+        found.flood_steps_per_s = (after - before - n * work.args.steps) / seconds
+        return found
     finally:
         stop.set()
         for task in flooders:  # a flood request's connection closes: the daemon cancels it at the next step
@@ -234,8 +243,9 @@ def measure(args: argparse.Namespace, log_dir: Path) -> PriorityReport:
     common += ["--priority-aging-steps", str(args.aging_steps)] if args.aging_steps else []
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     found: dict[str, object] = {}
+    window = [] if args.class_window_ms is None else ["--class-window-ms", str(args.class_window_ms)]
     for preemption in (True, False):
-        extra = common if preemption else [*common, "--no-preemption"]
+        extra = [*common, *window] if preemption else [*common, "--no-preemption", "--class-window-ms", "0"]
         daemon = Daemon(model, args.threads, log_dir / f"daemon-{preemption}.log", extra)
         try:
             daemon.wait_ready()
@@ -284,8 +294,9 @@ def print_report(r: PriorityReport, out=None) -> None:
         ("flood, no preemption", r.flood_no_preemption),
     ):
         ratio = lat.p99_s / r.idle.p99_s
+        flood = "" if lat.flood_steps_per_s is None else f"  (flood: {lat.flood_steps_per_s:.1f} steps/s)"
         print(
-            f"  {name:<22} p50 {lat.p50_s * 1e3:8.1f} ms  p99 {lat.p99_s * 1e3:8.1f} ms  {ratio:5.2f}x idle p99",
+            f"  {name:<22} p50 {lat.p50_s * 1e3:8.1f} ms  p99 {lat.p99_s * 1e3:8.1f} ms  {ratio:5.2f}x idle p99{flood}",
             file=out,
         )
     print(f"  pauses under the flood: {r.preemptions}", file=out)
@@ -322,6 +333,11 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="the daemons' --priority-aging-steps (default: theirs): a flood request that waits this many steps "
         "per class rises into the interactive class and competes with it",
+    )
+    parser.add_argument(
+        "--class-window-ms",
+        type=int,
+        help="the preempting daemon's --class-window-ms (default: theirs); the one without preemption runs with 0",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900.0)

@@ -145,6 +145,7 @@ async def _load(app: web.Application) -> None:
     # Before it starts: the scheduler's own settings, and the paused states' budget (engine/parking.py).
     engine.scheduler.aging_steps = config.priority_aging_steps
     engine.scheduler.preemption = config.preemption
+    engine.scheduler.class_window_s = config.class_window_ms / 1000
     engine.paused_bytes = config.paused_bytes
     # Set before it loads, so that cleanup stops it whatever happens; routes wait for `ready`.
     state.engine = engine

@@ -61,6 +61,10 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # wait MS milliseconds (refused at once when the estimate is later; earliest deadline first within a class).
     class_deadlines: tuple[str, ...] = ()
     preemption: bool = True
+    # For this long after a request of a higher class was in flight, a lower class's steps carry only the rows that
+    # fit in about one of its lone steps (measured), so that its next request waits about that long for a step in
+    # progress (engine/scheduler.py `_rows`); 0: off.
+    class_window_ms: Annotated[int, msgspec.Meta(ge=0)] = 2000
     paused_bytes: Annotated[int, msgspec.Meta(ge=0)] = 8 << 30  # engine/parking.py's PAUSED_BYTES
     # Finished results answered again to identical requests whose client chose the seed (engine/result_cache.py),
     # at most this many bytes of them; 0: off.

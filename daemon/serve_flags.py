@@ -154,6 +154,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="never pause a running request for a higher class (default: the lowest class running is paused)",
     )
     add(
+        "--class-window-ms",
+        type=int,
+        metavar="MS",
+        help="for MS after a higher class was in flight, lower classes' steps carry only the rows that fit in about "
+        f"one of its lone steps, so that its next request waits that long at most for one (default: {d.class_window_ms}"
+        "; 0: off)",
+    )
+    add(
         "--paused-bytes",
         type=int,
         metavar="N",

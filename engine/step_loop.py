@@ -155,7 +155,8 @@ class StepLoop:
             engine.step_times.record(first.key, elapsed)
         if not quiet and engine.scheduler.costs is not None:  # None: admission in chunks turned off
             key = first.key if stepped else None
-            engine.scheduler.costs.record(key, elapsed, len(plan.new), result.timings.get("encode"))
+            costs = engine.scheduler.costs
+            costs.record(key, elapsed, len(plan.new), result.timings.get("encode"), len(plan.advance))
         result.timings["broadcast"] = broadcast
         events.extend(self._events_for(plan, result))
         if not quiet:

@@ -92,7 +92,8 @@ def test_every_serve_flag_maps_to_its_field():
         "--scheduler-config", '{"shift": 3.0}', "--keepalive-timeout", "5", "--max-connections", "100",
         "--max-reading-bytes", "4096", "--write-timeout", "7", "--allowed-hosts", "a.example", "--allowed-hosts",
         ".b.example", "--cors-origins", "https://ui.example", "--send-buffer-bytes", "65536", "--no-preemption",
-        "--paused-bytes", "4096", "--class-deadline", "9=5000", "--class-deadline", "5=60000",
+        "--class-window-ms", "500", "--paused-bytes", "4096", "--class-deadline", "9=5000",
+        "--class-deadline", "5=60000",
     ]  # fmt: skip
     config, sources = load_config(cli(*argv), {})
     assert config == ServeConfig(
@@ -100,7 +101,7 @@ def test_every_serve_flag_maps_to_its_field():
         state_dir="/var/lib/d", url_secret="s", public_base_url="https://d.example",
         state_url="postgresql://db/d", replica_id="r1", job_lease=9.0, max_batch=2, max_queue=3, device="cuda:1",
         default_priority=4, priority_aging_steps=7, result_cache_bytes=1024, preemption=False, paused_bytes=4096,
-        class_deadlines=("9=5000", "5=60000"),
+        class_window_ms=500, class_deadlines=("9=5000", "5=60000"),
         dtype="bfloat16",
         threads=2, drain_timeout=1.5, nproc=4, cfg_parallel=2, ulysses=2, ring=2, tp=2, shard_weights=True,
         vae_parallel=2, max_restarts=0, keep_weights="none", max_body_bytes=100, max_frames=33,

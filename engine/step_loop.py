@@ -113,8 +113,6 @@ class StepLoop:
                 engine.emit(events)
                 if not running:
                     return
-                if not scheduler.has_work():
-                    self.trimmer.idle()
         except BaseException as exc:
             reason = self._reason(exc)
             log.exception("engine step loop failed (%s); failing every request", reason)
@@ -168,17 +166,23 @@ class StepLoop:
 
     def _drain(self, events: list[Event], *, block: bool) -> bool:
         """Apply queued commands; False once asked to stop. While idle in a group, heartbeat plans keep followers
-        out of collective timeouts and reveal a dead rank within a heartbeat."""
+        out of collective timeouts and reveal a dead rank within a heartbeat; idle, freed memory goes back to the
+        system once the trimmer says so (engine/memory.py)."""
         engine = self.engine
         group = engine.comm.world_size > 1
         while True:
+            timeout = engine.heartbeat if group else None
+            if block and (trim := self.trimmer.idle_wait()) is not None:
+                timeout = trim if timeout is None else min(timeout, trim)
             try:
-                command = self.commands.get(block=block, timeout=engine.heartbeat if block and group else None)
+                command = self.commands.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
-                if block and group:
+                if not block:
+                    break
+                self.trimmer.idle()
+                if group:  # (early, when the trim was due first: one more heartbeat costs nothing)
                     engine.comm.broadcast(encode_plan(StepPlan(step=-1, kind=PlanKind.HEARTBEAT)))
-                    continue
-                break
+                continue
             block = False
             if not self._apply(command, events):
                 return False

@@ -1,8 +1,9 @@
-"""Freed memory goes back to the system (engine/memory.py): when the step thread runs out of work, and every so often
-while it does not.
+"""Freed memory goes back to the system (engine/memory.py): once the step thread has had no work for a while (not at
+once: the last answer is being encoded then), and every so often while it has.
 
 Broken on purpose once each: without the step loop's call when it runs out of work, the engine test saw no trim;
-with the Trimmer's call to malloc_trim removed, the schedule test saw none."""
+with the Trimmer's call to malloc_trim removed, the schedule test saw none; trimming as soon as work ran out (the
+idle delay ignored): both red."""
 
 from __future__ import annotations
 
@@ -29,20 +30,28 @@ class Clock:
 
 def test_trims_when_idle_after_work_and_every_so_often_while_busy():
     calls, clock = [], Clock()
-    trimmer = Trimmer(every_s=30, trim=lambda: calls.append(clock.now), clock=clock)
+    trimmer = Trimmer(every_s=30, trim=lambda: calls.append(clock.now), clock=clock, idle_s=1.0)
     trimmer.idle()
-    assert calls == []  # nothing ran since the start
+    assert calls == [] and trimmer.idle_wait() is None  # nothing ran since the start
     for t in (1, 2, 3):
         clock.now = t
         trimmer.stepped()
     assert calls == []  # busy, and 30 s have not passed
+    assert trimmer.idle_wait() == 1.0
+    trimmer.idle()
+    assert calls == []  # the work just ran out: not yet
+    clock.now = 3.6
+    assert trimmer.idle_wait() == pytest.approx(0.4)
+    trimmer.idle()
+    assert calls == []
+    clock.now = 4.0
     trimmer.idle()
     trimmer.idle()
-    assert calls == [3]  # once, when it ran out of work
-    for t in range(4, 70):
+    assert calls == [4.0] and trimmer.idle_wait() is None  # once, a second after the work ran out
+    for t in range(5, 70):
         clock.now = t
         trimmer.stepped()
-    assert calls == [3, 33, 63]
+    assert calls == [4.0, 34, 64]
     assert trimmer.trims == 3
 
 
@@ -65,10 +74,13 @@ async def test_the_step_thread_trims_when_its_work_is_done(tiny_sd3):
     try:
         trimmer, calls = engine.step_loop.trimmer, []
         trimmer._trim = lambda: calls.append(malloc_trim()())
+        trimmer.idle_s = 0.5
         handles = [engine.add_request(SamplingParams(prompt="a circle", seed=s, width=64, height=64)) for s in (1, 2)]
         for handle in handles:
             assert isinstance(await handle.result(), Completed)
-        for _ in range(100):  # the step thread trims after it has handed the events over
+        await asyncio.sleep(0.25)
+        assert not calls, "a trim as soon as the work was done, beside the answers' encoding"
+        for _ in range(300):  # the step thread, waiting for work, trims half a second after its last step
             if calls:
                 break
             await asyncio.sleep(0.01)

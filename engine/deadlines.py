@@ -47,8 +47,8 @@ class AdmissionCosts:
 
     def __init__(self) -> None:
         self.steps = StepTimes()
-        # The same, per (key, rows advanced): what a step of fewer rows would take (`rows_within`).
-        self.by_rows = StepTimes()
+        # The same per key and rows advanced (key -> rows -> seconds): what a step of fewer rows would take.
+        self.by_rows: dict[Hashable, StepTimes] = {}
         self.encode_s: float | None = None
         self._uncounted = 0
 
@@ -56,9 +56,10 @@ class AdmissionCosts:
         """A step of `key` (None: it advanced nothing) took `seconds` in all, advanced `rows` requests and took `new`
         of them in; `encode_s`: the encode time its timings report (None: none yet)."""
         if key is not None:
-            self.steps.record(key, max(0.0, seconds - (encode_s or 0.0)))
+            step = max(0.0, seconds - (encode_s or 0.0))
+            self.steps.record(key, step)
             if rows > 0:
-                self.by_rows.record((key, rows), max(0.0, seconds - (encode_s or 0.0)))
+                self.by_rows.setdefault(key, StepTimes()).record(rows, step)
         self._uncounted += new
         if encode_s is None or self._uncounted == 0:
             return
@@ -75,24 +76,28 @@ class AdmissionCosts:
         return max(1, int(step / self.encode_s))
 
     def seconds(self, key: Hashable, rows: int) -> float | None:
-        """A step of `rows` requests of `key`: as measured, else scaled in proportion from the nearest count
-        measured (from below when one is: more rows never take less than that; from above, the per-row share of a
-        larger step: what batching saves is not counted). None: `key` never ran."""
-        measured = {n: t for (k, n), t in list(self.by_rows.seconds.items()) if k == key}
-        if not measured:
-            return None
-        if rows in measured:
-            return measured[rows]
-        below = [n for n in measured if n < rows]
-        nearest = max(below) if below else min(measured)
-        return measured[nearest] * rows / nearest
+        """A step of `rows` requests of `key` (`_scaled`); None: `key` never ran."""
+        times = self.by_rows.get(key)
+        return None if times is None else _scaled(times.seconds, rows)
 
     def rows_within(self, key: Hashable, budget: float, most: int) -> int:
         """The most rows of `key` (up to `most`, at least 1) whose step is estimated to take `budget` seconds or
         less; `most` before `key` ran."""
-        if self.seconds(key, 1) is None:
+        times = self.by_rows.get(key)
+        if times is None:
             return most
-        return max([1, *(n for n in range(1, most + 1) if self.seconds(key, n) <= budget)])
+        return max([1, *(n for n in range(1, most + 1) if _scaled(times.seconds, n) <= budget)])
+
+
+def _scaled(measured: dict[Hashable, float], rows: int) -> float:
+    """A step of `rows` rows from the seconds measured per row count (not empty): as measured, else scaled in
+    proportion from the nearest count measured (from below when one is: more rows never take less than that; from
+    above, the per-row share of a larger step: what batching saves is not counted)."""
+    if rows in measured:
+        return measured[rows]
+    below = [n for n in measured if n < rows]
+    nearest = max(below) if below else min(measured)
+    return measured[nearest] * rows / nearest
 
 
 def estimate_seconds(times: StepTimes, key: Hashable, steps: int, ahead: Sequence[int], max_batch: int) -> float | None:

@@ -151,9 +151,8 @@ class StepLoop:
         stepped = first is not None and result.batch_size and not quiet
         if stepped:
             engine.step_times.record(first.key, elapsed)
-        if not quiet and engine.scheduler.costs is not None:  # None: admission in chunks turned off
+        if not quiet and (costs := engine.scheduler.costs) is not None:  # None: admission in chunks turned off
             key = first.key if stepped else None
-            costs = engine.scheduler.costs
             costs.record(key, elapsed, len(plan.new), result.timings.get("encode"), len(plan.advance))
         result.timings["broadcast"] = broadcast
         events.extend(self._events_for(plan, result))

@@ -3,7 +3,8 @@ steps carry only the rows estimated to take about one lone step of that class, s
 that long for a step in progress. The scheduler alone, with a hand-driven clock and hand-recorded step times (no
 torch). Broken on purpose once each: `_rows` returning `max_batch` always: the CPU-like tests went red (4 rows a
 step after the class-9 request, not 1); short steps that admit no one beside a running request: red (the flood
-request paused for the class-9 one never came back while the window was open)."""
+request paused for the class-9 one never came back while the window was open); the budget without the lower class's
+own lone step: red (one row a step where four cost little more than one)."""
 
 from __future__ import annotations
 
@@ -83,9 +84,9 @@ def test_no_row_is_held_back_where_rows_cost_little_beside_a_longer_lone_step():
     """The lower class's lone step (30 ms) is longer than the class-9 one (12 ms), and 4 of its rows take 33 ms:
     fewer rows would wait nearly as long and serve fewer, so steps stay full; at 4x its lone step, a row at a time."""
     sched, clock = flooded(lone=0.030, full=0.033, interactive_key="b")
-    sched.costs.by_rows.seconds[("b", 1)] = 0.012
+    sched.costs.by_rows["b"].seconds[1] = 0.012
     assert [len(run_step(sched, clock)) for _ in range(3)] == [4, 4, 4]
-    sched.costs.by_rows.seconds[("a", 4)] = 0.120
+    sched.costs.by_rows["a"].seconds[4] = 0.120
     assert [len(run_step(sched, clock)) for _ in range(3)] == [1, 1, 1]
 
 

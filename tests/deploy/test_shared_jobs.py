@@ -51,8 +51,10 @@ def test_replicas_share_jobs_and_rerun_a_dead_ones(shared):
     listed = json.loads(call("GET", f"{two}/v1/videos")[1])["data"]
     assert [j["id"] for j in listed] == [short]
 
-    # A long one on replica 1: replica 2 reports its progress (replica 1 writes it with each lease renewal).
-    long = {**clip, "num_inference_steps": 400, "seed": 7}
+    # A long one on replica 1: replica 2 reports its progress (replica 1 writes it with each lease renewal, every
+    # second). Long enough to outlast the first renewal that shows its progress with room: once Wan's prompts got
+    # cheap, 400 steps of 5 frames took under a second here and a CI run saw the job completed by then.
+    long = {**clip, "num_frames": 9, "num_inference_steps": 1000, "seed": 7}
     status, body = call("POST", f"{one}/v1/videos", long, {"Idempotency-Key": "the-long-one"})
     assert status == 200, body
     running = json.loads(body)["id"]

@@ -15,8 +15,13 @@ EXIT_USAGE = 2
 
 def configure_threads(threads: int | None) -> None:
     """Set torch's thread count on purpose: more threads than free cores slows torch down by 10x or more.
-    Under torchrun, OMP_NUM_THREADS (1 per rank) wins unless --threads is given."""
+    Under torchrun, OMP_NUM_THREADS (1 per rank) wins unless --threads is given. And the memory a step frees is kept
+    for the next one, not faulted in again each step (kernels/host.py `keep_freed_memory`)."""
     import torch
+
+    from diffusiond.kernels.host import keep_freed_memory
+
+    keep_freed_memory()
 
     if threads is None and os.environ.get("OMP_NUM_THREADS"):
         threads = int(os.environ["OMP_NUM_THREADS"])

@@ -73,6 +73,35 @@ def test_finished_requests_decode_in_calls_of_bounded_size(tiny_sd3, monkeypatch
         assert abs(a - b).max() <= 1e-5
 
 
+def test_on_the_cpu_a_decode_call_stays_under_the_arena_bound(tiny_sd3, monkeypatch):
+    """On the CPU a VAE call also decodes at most CPU_DECODE_BYTES of its widest full-size activation (images x
+    pixels x the decoder's widest channels x 4 bytes), so that its buffers come from the arenas that keep freed
+    memory instead of mappings faulted in at each call; the images are those of one call. Broken on purpose (the
+    bound ignored): one call of 5, red."""
+    from engines import generate
+
+    from diffusiond.models import flowmatch
+
+    adapter = load_adapter(tiny_sd3)
+    expected = generate(adapter, seeds=(1, 2, 3, 4, 5))
+    config = adapter.vae.config
+    each = 64 * 64 * max(config.block_out_channels[:2]) * 4  # the fixture's 64 x 64 images, float32
+    assert adapter._cpu_decode_calls(64 * 64) == flowmatch.CPU_DECODE_BYTES // each
+    calls = []
+    decode = adapter.vae.decode
+
+    def counted(latents, *args, **kwargs):
+        calls.append(latents.shape[0])
+        return decode(latents, *args, **kwargs)
+
+    monkeypatch.setattr(adapter.vae, "decode", counted)
+    monkeypatch.setattr(flowmatch, "CPU_DECODE_BYTES", 2 * each + 1)
+    got = generate(adapter, seeds=(1, 2, 3, 4, 5))
+    assert calls == [2, 2, 1], calls
+    for a, b in zip(expected, got, strict=True):
+        assert abs(a - b).max() <= 1e-5
+
+
 def test_defaults_on_a_gpu_are_what_runs_there(tmp_path):
     """`--dtype auto` (the default): bfloat16 on CUDA, float32 on the CPU (before: float32 everywhere, so flash-attn
     failed the warm-up and fp8 tripped torchao's assertion); combinations that cannot run are refused at start,

@@ -223,6 +223,7 @@ class StepLoop:
                 events.append(Failed(request.request_id, f"queue full: {exc}"))
                 engine.clocks.finished(request, RequestStatus.FINISHED_FAILED)
                 return True
+            engine.window.arrived(command.submitted)
             events.append(Queued(request.request_id, engine.scheduler.num_waiting - 1))
         elif isinstance(command, lora_commands.LoraCommand):
             lora_commands.run(command, engine.adapter, engine.comm, engine.settle)
@@ -252,7 +253,7 @@ class StepLoop:
         finished = scheduler.update_from_output(plan, outcome)
         done = [r for r in finished if r.status == RequestStatus.FINISHED_COMPLETED]
         step_s = engine.step_times.seconds.get(done[0].key) if done else None
-        engine.window.finished_together(len(done), time.perf_counter(), step_s)
+        engine.window.finished_together(len(done), time.perf_counter(), step_s, scheduler.num_waiting)
         finished_by_id = {r.request_id: r for r in finished}
         now = time.perf_counter()
         events: list[Event] = self._pauses(plan)

@@ -62,3 +62,23 @@ def test_clients_coming_back_are_waited_for_up_to_a_step_of_their_round():
     window.start(now=6.0)
     assert window.next_wait(waiting=1, now=6.0) == 0.02 / 4
     assert window.next_wait(waiting=1, now=6.0201) is None
+
+
+def test_a_split_round_joins_again():
+    """A round that split finishes in two halves a step apart; the first half's clients come back during the second
+    half's last step (submitted before it finished, taken in after). They wait for the second half's clients on top:
+    counted among them, the window closed at once and the round stayed split for good (broken on purpose: red)."""
+    window = AdmissionWindow(0.02, max_batch=8)
+    window.finished_together(4, now=5.0, step_s=0.08, waiting=1)  # one of the first half already in the queue
+    for submitted in (4.95, 4.97, 4.99):  # the rest of the first half, in the queue after the step
+        window.arrived(submitted)
+    window.start(now=5.01)
+    assert window.next_wait(waiting=4, now=5.01) == 0.08 / 4  # the second half is expected on top
+    assert window.next_wait(waiting=7, now=5.05) > 0
+    assert window.next_wait(waiting=8, now=5.05) is None  # one round again
+    window.close()
+    window.finished_together(8, now=6.0, step_s=0.08)
+    window.arrived(6.01)  # a returning client: not early
+    window.start(now=6.01)
+    assert window.next_wait(waiting=1, now=6.01) == 0.08 / 4
+    assert window.next_wait(waiting=8, now=6.02) is None

@@ -4,15 +4,19 @@ the same checkpoint, prompts and seeds, against the exact images.
 Each configuration runs in a clean child process of its own (the same thread count; the model loads on the
 engine's step thread, as the daemon does; the daemon's warm-up first), so that no configuration inherits another's
 compiled code, quantized weights or thread state. The exact configuration runs first and last: the speed-up of each
-is against the mean of those two, and their ratio shows the drift of the run. Requests go through the engine 8 at a
-time (continuous batching); each configuration reports the best of --repeats rounds.
+is against the mean of those two, and their ratio shows the drift of the run. With `--alternations N` the whole
+sequence runs N times, the exact configuration between each two (exact, the others, exact, the others, ..., exact):
+each configuration's speed-up is the median over its runs of the exact runs just before and after it against it,
+so that a machine that drifts over minutes (here: 0.85-1.15 between the first and last exact run) moves a pair, not
+the result. Requests go through the engine 8 at a time (continuous batching); each configuration reports the best
+of --repeats rounds.
 
 Columns: time per round, speed-up, PSNR and SSIM against the exact images, the share of request-steps that reused
 their cache, and for the bundled model the judge's accuracy (all five attributes right; held-out captions).
 
     python -m diffusiond.tools.accel [--model DIR] [--size 256] [--steps 20] [--requests 16] [--repeats 2]
         [--configs exact,fbcache:0.2,teacache:0.4,compile,int8,compile+teacache:0.4,...] [--scheduler-config JSON]
-        [--cache-config JSON]
+        [--cache-config JSON] [--alternations 1]
 
 The bundled model samples with fresh noise at every step (`stochastic_sampling`), which leaves the step caches
 nothing to reuse: measure them on it with `--scheduler-config '{"stochastic_sampling": false}'`.
@@ -176,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--alternations", type=int, default=1, help="runs of the whole sequence (default: 1)")
     parser.add_argument("--configs", type=lambda s: s.split(","), default=list(DEFAULT_CONFIGS))
     parser.add_argument(
         "--scheduler-config",
@@ -208,18 +213,31 @@ def main(argv: list[str] | None = None) -> None:
     configs = [c for c in args.configs if c != "exact"]
     with tempfile.TemporaryDirectory() as folder:
         first, exact = run_config("exact", args, folder)
-        results = {c: run_config(c, args, folder) for c in configs}
-        last, _ = run_config("exact", args, folder)
-    base = (first["seconds"] + last["seconds"]) / 2
+        exacts, runs = [first], {c: [] for c in configs}
+        for _ in range(max(1, args.alternations)):
+            for c in configs:
+                runs[c].append(run_config(c, args, folder))
+            exacts.append(run_config("exact", args, folder)[0])
+    last = exacts[-1]
     drift = last["seconds"] / first["seconds"]
     print(f"exact: {first['seconds']:.2f} s first, {last['seconds']:.2f} s last (drift {drift:.3f})")
+    if len(exacts) > 2:
+        print("exact runs: " + ", ".join(f"{e['seconds']:.2f} s" for e in exacts))
+    # Each run against the exact runs on either side of it.
+    speedups = {
+        c: [(exacts[i]["seconds"] + exacts[i + 1]["seconds"]) / 2 / r["seconds"] for i, (r, _) in enumerate(rs)]
+        for c, rs in runs.items()
+    }
+    speedups["exact"] = [(first["seconds"] + last["seconds"]) / 2 / first["seconds"]]
+    results = {c: rs[0] for c, rs in runs.items()}
     rows = []
     for config, (result, images) in [("exact", (first, exact)), *results.items()]:
         row = {
             "config": config,
             "warm_up_s": round(result["warm_s"], 1),
             "seconds": round(result["seconds"], 3),
-            "speedup": round(base / result["seconds"], 3),
+            "speedup": round(float(np.median(speedups[config])), 3),
+            "speedups": [round(x, 3) for x in speedups[config]],
             "psnr_db": round(float(np.mean([min(psnr(a, b), 99.0) for a, b in zip(images, exact, strict=True)])), 2),
             "ssim": round(float(np.mean([ssim(a, b) for a, b in zip(images, exact, strict=True)])), 4),
             "reused": round(result["reused"], 3),

@@ -19,7 +19,7 @@ The returning clients are expected on top of the requests that arrived before th
 anyway (a return later than the gap) finishes in two halves a step apart: the first half's clients come back while
 the second half runs its last step, and wait. Counted among the expected, they closed the window at once, without
 the second half's clients, and the round stayed split for good: measured on tiny SD3 after a split, every round
-took two admissions, the late half waited 42-55 ms in the queue, and time to first preview was 2.28-2.37 step
+took two admissions, queue waits were 42-55 ms on average, and time to first preview was 2.28-2.37 step
 times. Counted on top, the halves join again at the next window.
 """
 
@@ -40,7 +40,7 @@ class AdmissionWindow:
         # Requests that arrived before they finished (waiting then, or on their way in): not among the expected.
         self._early = 0
         self._expected = 0
-        self._target = 0  # requests the window waits for: those waiting when it opened and the expected ones
+        self._target = 0  # requests the window waits for: the early ones and the expected ones
         self._deadline = 0.0
         self._span = wait_s
         self._round_step_s = 0.0

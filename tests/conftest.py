@@ -46,6 +46,26 @@ def _restore_logging():
     root.setLevel(level)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_listener_folders_left():
+    """A launcher killed with SIGKILL (tests of healing, of replicas dying, teardowns of process trees) cannot remove
+    the folder of its listening socket (daemon/listener.py): those this session made and nobody listens on go at its
+    end (a CI run left ten in /tmp before)."""
+    import socket
+    import tempfile
+    from pathlib import Path
+
+    pattern = "diffusiond-listener-*"
+    before = set(Path(tempfile.gettempdir()).glob(pattern))
+    yield
+    for folder in set(Path(tempfile.gettempdir()).glob(pattern)) - before:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(folder / "socket"))
+            except OSError:  # refused or gone: its launcher is dead
+                shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def postgres():
     """A PostgreSQL server of the session's own (tests/pg.py); `postgres.database()` makes a database per test."""

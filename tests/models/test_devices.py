@@ -49,14 +49,13 @@ def test_sdxl_in_float16_decodes_in_float32_as_its_vae_asks(tiny_sdxl, tmp_path)
     assert image.dtype == torch.float32 and bool(torch.isfinite(image).all())
 
 
-def test_finished_requests_decode_in_calls_of_bounded_size(tiny_sd3, monkeypatch):
-    """Requests that finish together are decoded in VAE calls of at most DECODE_PIXELS output pixels each (before:
-    all of them in one call, 8 images of 2048 x 2048 at once), and the images are those of one call."""
+def decode_calls(adapter, monkeypatch, setting: str, value: int) -> list[int]:
+    """The images per VAE call of 5 requests (4 batched, then 1) with models/flowmatch.py's `setting` at `value`;
+    the images equal those decoded with the defaults."""
     from engines import generate
 
     from diffusiond.models import flowmatch
 
-    adapter = load_adapter(tiny_sd3)
     expected = generate(adapter, seeds=(1, 2, 3, 4, 5))
     calls = []
     decode = adapter.vae.decode
@@ -66,40 +65,30 @@ def test_finished_requests_decode_in_calls_of_bounded_size(tiny_sd3, monkeypatch
         return decode(latents, *args, **kwargs)
 
     monkeypatch.setattr(adapter.vae, "decode", counted)
-    monkeypatch.setattr(flowmatch, "DECODE_PIXELS", 2 * 64 * 64)
+    monkeypatch.setattr(flowmatch, setting, value)
     got = generate(adapter, seeds=(1, 2, 3, 4, 5))
-    assert calls == [2, 2, 1], calls
     for a, b in zip(expected, got, strict=True):
         assert abs(a - b).max() <= 1e-5
+    return calls
+
+
+def test_finished_requests_decode_in_calls_of_bounded_size(tiny_sd3, monkeypatch):
+    """Requests that finish together are decoded in VAE calls of at most DECODE_PIXELS output pixels each (before:
+    all of them in one call, 8 images of 2048 x 2048 at once), and the images are those of one call."""
+    assert decode_calls(load_adapter(tiny_sd3), monkeypatch, "DECODE_PIXELS", 2 * 64 * 64) == [2, 2, 1]
 
 
 def test_on_the_cpu_a_decode_call_stays_under_the_arena_bound(tiny_sd3, monkeypatch):
     """On the CPU a VAE call also decodes at most CPU_DECODE_BYTES of its widest full-size activation (images x
     pixels x the decoder's widest channels x 4 bytes), so that its buffers come from the arenas that keep freed
     memory instead of mappings faulted in at each call; the images are those of one call. Broken on purpose (the
-    bound ignored): one call of 5, red."""
-    from engines import generate
-
+    bound ignored): calls of 4 and 1, red."""
     from diffusiond.models import flowmatch
 
     adapter = load_adapter(tiny_sd3)
-    expected = generate(adapter, seeds=(1, 2, 3, 4, 5))
-    config = adapter.vae.config
-    each = 64 * 64 * max(config.block_out_channels[:2]) * 4  # the fixture's 64 x 64 images, float32
+    each = 64 * 64 * max(adapter.vae.config.block_out_channels[:2]) * 4  # the fixture's 64 x 64 images, float32
     assert adapter._cpu_decode_calls(64 * 64) == flowmatch.CPU_DECODE_BYTES // each
-    calls = []
-    decode = adapter.vae.decode
-
-    def counted(latents, *args, **kwargs):
-        calls.append(latents.shape[0])
-        return decode(latents, *args, **kwargs)
-
-    monkeypatch.setattr(adapter.vae, "decode", counted)
-    monkeypatch.setattr(flowmatch, "CPU_DECODE_BYTES", 2 * each + 1)
-    got = generate(adapter, seeds=(1, 2, 3, 4, 5))
-    assert calls == [2, 2, 1], calls
-    for a, b in zip(expected, got, strict=True):
-        assert abs(a - b).max() <= 1e-5
+    assert decode_calls(adapter, monkeypatch, "CPU_DECODE_BYTES", 2 * each + 1) == [2, 2, 1]
 
 
 def test_defaults_on_a_gpu_are_what_runs_there(tmp_path):

@@ -39,7 +39,6 @@ class AdmissionWindow:
         self._returned_at = 0.0
         # Requests that arrived before they finished (waiting then, or on their way in): not among the expected.
         self._early = 0
-        self._expected = 0
         self._target = 0  # requests the window waits for: the early ones and the expected ones
         self._deadline = 0.0
         self._span = wait_s
@@ -50,9 +49,9 @@ class AdmissionWindow:
         return self.wait_s > 0 and waiting > 0 and running == 0
 
     def start(self, now: float) -> None:
-        self._expected = self._returning if now - self._returned_at < RETURN_WITHIN_S else 0
-        self._target = min(self.max_batch, self._early + self._expected) if self._expected else 0
-        self._span = max(self.wait_s, self._round_step_s) if self._expected else self.wait_s
+        expected = self._returning if now - self._returned_at < RETURN_WITHIN_S else 0
+        self._target = min(self.max_batch, self._early + expected) if expected else 0
+        self._span = max(self.wait_s, self._round_step_s) if expected else self.wait_s
         self._deadline = now + self._span
 
     def next_wait(self, waiting: int, now: float) -> float | None:

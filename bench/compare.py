@@ -7,6 +7,10 @@ daemon with `bench serve` workloads, and prints the ratios:
 - 8 concurrent requests: images/s vs 8 sequential calls and vs one batched call of 8;
 - saturated throughput vs the bare batched transformer forward (the bound);
 - time to first preview with 8 in flight, in step times; event-loop lag p99 and broadcast per step (from /metrics).
+`--against DIR` (another checkout of diffusiond, e.g. `git worktree add /tmp/before REV`) serves the same model from
+that tree too, in the same blocks and rounds (the two daemons take turns going first): its ratios to diffusers
+beside this tree's, and this tree's to it. So "no worse than before" is measured side by side, not against a
+number measured another day on a machine that drifts.
 `--plot OUT.png` draws latency and images/s against concurrency (needs matplotlib: the `plot` extra).
 """
 
@@ -62,13 +66,19 @@ def _quantile(before, after, q: float) -> float:
 
 
 class Daemon:
-    def __init__(self, model: str, threads: int, log: Path, extra: list[str]) -> None:
+    def __init__(self, model: str, threads: int, log: Path, extra: list[str], source: Path | None = None) -> None:
+        """`source`: another checkout of diffusiond to serve from (imported before the installed one)."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "diffusiond", "serve", "--model", model, "--port", str(self.port)]
         cmd += ["--threads", str(threads), "--max-queue", "256", *extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith("DIFFUSIOND_")}
         env["OMP_NUM_THREADS"] = str(threads)
+        if source is not None:
+            shim = log.parent / f"{log.stem}-path"
+            shim.mkdir()
+            (shim / "diffusiond").symlink_to(source.resolve(), target_is_directory=True)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), env.get("PYTHONPATH")]))
         self._log = open(log, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
@@ -85,6 +95,11 @@ class Daemon:
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"the daemon was not ready within {within:g} s")
+
+    def version(self) -> str:
+        """The version the daemon reports (its `diffusiond_model` info metric)."""
+        match = re.search(r'^diffusiond_model_info\{.*version="([^"]*)"', _metrics(self.base_url), re.M)
+        return match.group(1) if match else "unknown"
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -139,6 +154,11 @@ class Report(msgspec.Struct):
     step_s: float
     loop_lag_p99_s: float
     broadcast_mean_s: float
+    # `--against DIR`: that tree's daemon in the same blocks and rounds (one-request medians; images/s at 8).
+    against: str | None = None
+    against_version: str | None = None
+    against_single_s: list[float] = []
+    against_throughput: list[float] = []
 
 
 def _stage_mean(before: str, after: str, *stages: str) -> float:
@@ -151,11 +171,30 @@ def _stage_mean(before: str, after: str, *stages: str) -> float:
     return total / max(1.0, a[1] - b[1])
 
 
+def _single_block(url: str, args: argparse.Namespace) -> float:
+    """Median latency of `args.block` requests one at a time, after one unmeasured (a daemon that sat idle is
+    cold)."""
+    _serve(url, args, num_requests=1)
+    return statistics.median(_serve(url, args, num_requests=1).latency_s["p50"] for _ in range(args.block))
+
+
+def _eight_round(url: str, args: argparse.Namespace, images: int) -> float:
+    """Images/s of `images` requests 8 at a time, after an unmeasured 8."""
+    _serve(url, args, num_requests=8, concurrency=8)
+    return _serve(url, args, num_requests=images, concurrency=8).images_per_s
+
+
 def measure(args: argparse.Namespace, log_dir: Path) -> Report:
     images = max(8, args.images - args.images % 8)  # whole batches of 8 on the diffusers side
-    daemon = Daemon(args.model, args.threads, log_dir / "daemon.log", args.serve_arg or [])
+    extra = args.serve_arg or []
+    daemon = Daemon(args.model, args.threads, log_dir / "daemon.log", extra)
+    against = (
+        None if args.against is None else Daemon(args.model, args.threads, log_dir / "against.log", extra, args.against)
+    )
+    daemons = [d for d in (daemon, against) if d is not None]
     try:
-        daemon.wait_ready()
+        for d in daemons:
+            d.wait_ready()
         # What is not given comes from the model's own defaults, as the daemon serves them.
         with urllib.request.urlopen(daemon.base_url + "/v1/models", timeout=10) as resp:
             defaults = msgspec.json.decode(resp.read())["data"][0]["diffusiond"]
@@ -165,30 +204,32 @@ def measure(args: argparse.Namespace, log_dir: Path) -> Report:
             args.guidance_scale = defaults["default_guidance"]
         (width, height), guidance = args.size, args.guidance_scale
         url = daemon.base_url
-        _serve(url, args, num_requests=3)  # warm-up: allocator, kernels at batch 1
-        _serve(url, args, num_requests=16, concurrency=8)  # ... and at batch 8
+        for d in daemons:
+            _serve(d.base_url, args, num_requests=3)  # warm-up: allocator, kernels at batch 1
+            _serve(d.base_url, args, num_requests=16, concurrency=8)  # ... and at batch 8
         with Baseline(Job(args.model, width, height, args.steps, guidance, args.threads)) as baseline:
             # Blocks, alternating sides; each block starts with one unmeasured request, because a process that sat
             # idle while the other side ran is cold (measured here: a diffusers call takes 274 ms right after 0.5 s
-            # idle and 231 ms back to back, and the daemon behaves alike). A plain diffusers loop is warm.
-            single = []
-            for _ in range(args.repeats):
+            # idle and 231 ms back to back, and the daemon behaves alike). A plain diffusers loop is warm. Two
+            # daemons take turns going first.
+            single, against_single = [], []
+            for i in range(args.repeats):
                 baseline.run("single")
                 png = [baseline.run("single") for _ in range(args.block)]
                 baseline.run("single_np")
                 alone = [baseline.run("single_np") for _ in range(args.block)]
-                _serve(url, args, num_requests=1)
-                http = [_serve(url, args, num_requests=1).latency_s["p50"] for _ in range(args.block)]
-                single.append((statistics.median(png), statistics.median(alone), statistics.median(http)))
-            throughput = []
-            for _ in range(args.rounds):
+                took = {d: _single_block(d.base_url, args) for d in (daemons if i % 2 == 0 else daemons[::-1])}
+                single.append((statistics.median(png), statistics.median(alone), took[daemon]))
+                against_single += [took[against]] if against else []
+            throughput, against_throughput = [], []
+            for i in range(args.rounds):
                 baseline.run("sequential 1")
                 sequential = 8 / baseline.run("sequential 8")
                 baseline.run("batched 8")
                 batched = images / baseline.run(f"batched {images}")
-                _serve(url, args, num_requests=8, concurrency=8)
-                eight = _serve(url, args, num_requests=images, concurrency=8).images_per_s
-                throughput.append((sequential, batched, eight))
+                rate = {d: _eight_round(d.base_url, args, images) for d in (daemons if i % 2 == 0 else daemons[::-1])}
+                throughput.append((sequential, batched, rate[daemon]))
+                against_throughput += [rate[against]] if against else []
             bound = 8 / (median_forward(baseline) * args.steps)
         before = _metrics(url)
         sweep = {c: _serve(url, args, num_requests=max(16, 2 * c), concurrency=c) for c in SWEEP}
@@ -212,9 +253,14 @@ def measure(args: argparse.Namespace, log_dir: Path) -> Report:
             step_s=_stage_mean(after, last, "denoise", "sampler"),
             loop_lag_p99_s=_quantile(lag[0], lag[1], 0.99),
             broadcast_mean_s=(bcast[1][0] - bcast[0][0]) / max(1, bcast[1][1] - bcast[0][1]),
+            against=str(args.against) if against else None,
+            against_version=against.version() if against else None,
+            against_single_s=against_single,
+            against_throughput=against_throughput,
         )
     finally:
-        daemon.stop()
+        for d in daemons:
+            d.stop()
 
 
 def ratios(r: Report) -> dict[str, float]:
@@ -227,6 +273,21 @@ def ratios(r: Report) -> dict[str, float]:
         "eight_vs_batched": med(e / b for _, b, e in r.throughput),
         "best_vs_bound": max([s.images_per_s for s in r.sweep.values()] + [e for *_, e in r.throughput])
         / r.forward_bound_images_per_s,
+    } | _against_ratios(r)
+
+
+def _against_ratios(r: Report) -> dict[str, float]:
+    """`--against`'s daemon to diffusers, and this tree's to it, paired as measured."""
+    if r.against is None:
+        return {}
+    med = statistics.median
+    singles = list(zip(r.single_s, r.against_single_s, strict=True))
+    rounds = list(zip(r.throughput, r.against_throughput, strict=True))
+    return {
+        "against_single_vs_png": med(a / p for (p, _, _), a in singles),
+        "single_vs_against": med(h / a for (_, _, h), a in singles),
+        "against_eight_vs_batched": med(a / b for (_, b, _), a in rounds),
+        "eight_vs_against": med(e / a for (_, _, e), a in rounds),
     }
 
 
@@ -257,6 +318,16 @@ def print_report(r: Report) -> None:
         ("event-loop lag p99 (histogram bucket)", f"<= {r.loop_lag_p99_s * 1e3:.1f} ms", ""),
         ("plan encode + broadcast + decode per step", f"{r.broadcast_mean_s * 1e6:.0f} us", ""),
     ]
+    if r.against is not None:
+        print(f"--against: {r.against} (diffusiond {r.against_version})")
+        rows += [
+            ("--against, one request over HTTP (PNG)", f"{med(r.against_single_s) * 1e3:.1f} ms", ""),
+            ("  ... vs diffusers, one call + PNG", "", f"{q['against_single_vs_png']:.3f}x"),
+            ("  this tree's one request vs --against's", "", f"{q['single_vs_against']:.3f}x"),
+            ("--against, 8 concurrent over HTTP", f"{med(r.against_throughput):.2f} img/s", ""),
+            ("  ... vs diffusers, batched calls of 8", "", f"{q['against_eight_vs_batched']:.3f}x"),
+            ("  this tree's 8 concurrent vs --against's", "", f"{q['eight_vs_against']:.3f}x"),
+        ]
     for name, value, ratio in rows:
         print(f"{name:44s} {value:>14s} {ratio:>8s}")
     print(f"\n{'concurrency':>11s} {'img/s':>8s} {'p50 ms':>8s} {'p99 ms':>8s}")
@@ -304,8 +375,21 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=6, help="single-request blocks per side (default: 6)")
     parser.add_argument("--block", type=int, default=4, help="measured requests per block (default: 4)")
     parser.add_argument("--serve-arg", action="append", metavar="ARG", help="extra flag for `diffusiond serve`")
+    parser.add_argument(
+        "--against",
+        type=_source_tree,
+        metavar="DIR",
+        help="another checkout of diffusiond (git worktree add DIR REV): its daemon measured in the same blocks",
+    )
     parser.add_argument("--plot", metavar="OUT.png")
     parser.add_argument("--json", metavar="OUT")
+
+
+def _source_tree(text: str) -> Path:
+    tree = Path(text)
+    if not (tree / "daemon" / "cli.py").is_file() or not (tree / "__init__.py").is_file():
+        raise argparse.ArgumentTypeError(f"{text} is not a diffusiond source tree (no daemon/cli.py)")
+    return tree
 
 
 def bench_compare(args: argparse.Namespace) -> int:

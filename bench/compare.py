@@ -301,6 +301,8 @@ def print_report(r: Report) -> None:
         f"diffusers in a clean child process, alternated with the daemon: {len(r.single_s)} blocks of single "
         f"requests, {len(r.throughput)} throughput rounds, each after a warm-up; ratios are medians over pairs\n"
     )
+    if r.against is not None:
+        print(f"--against: {r.against} (diffusiond {r.against_version}), in the same blocks and rounds\n")
     print(f"{'':44s} {'measured':>14s} {'ratio':>8s}")
     rows = [
         ("diffusers, one call + PNG", f"{png * 1e3:.1f} ms", ""),
@@ -319,7 +321,6 @@ def print_report(r: Report) -> None:
         ("plan encode + broadcast + decode per step", f"{r.broadcast_mean_s * 1e6:.0f} us", ""),
     ]
     if r.against is not None:
-        print(f"--against: {r.against} (diffusiond {r.against_version})")
         rows += [
             ("--against, one request over HTTP (PNG)", f"{med(r.against_single_s) * 1e3:.1f} ms", ""),
             ("  ... vs diffusers, one call + PNG", "", f"{q['against_single_vs_png']:.3f}x"),

@@ -54,6 +54,8 @@ from diffusiond.daemon.video_store import (
     VideoStore,
     VideoTooLarge,
     free_bytes,
+    remove_dead_folders,
+    temporary_folder,
     write_video,
 )
 from diffusiond.engine.engine import RequestHandle
@@ -204,7 +206,13 @@ async def videos_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[STATE].config
     folder = config.video_dir or (str(Path(config.state_dir) / "videos") if config.state_dir else None)
     owned = folder is None
-    directory = Path(tempfile.mkdtemp(prefix="diffusiond-videos-") if owned else folder)
+    if owned:
+        tmp = Path(tempfile.gettempdir())
+        if removed := await asyncio.to_thread(remove_dead_folders, tmp):
+            log.info("video store: removed %d temporary folders of daemons that were killed", removed)
+        directory = await asyncio.to_thread(temporary_folder, tmp)
+    else:
+        directory = Path(folder)
     store = VideoStore(
         directory, max_bytes=config.video_store_bytes, ttl=config.video_ttl, max_jobs=config.video_max_jobs
     )

@@ -66,6 +66,19 @@ def _no_listener_folders_left():
                 shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_video_folders_left():
+    """Daemons killed with SIGKILL leave their temporary video folders; a next start removes them
+    (daemon/video_store.py `remove_dead_folders`), and so does the end of the session."""
+    import tempfile
+    from pathlib import Path
+
+    from diffusiond.daemon.video_store import remove_dead_folders
+
+    yield
+    remove_dead_folders(Path(tempfile.gettempdir()))
+
+
 @pytest.fixture(scope="session")
 def postgres():
     """A PostgreSQL server of the session's own (tests/pg.py); `postgres.database()` makes a database per test."""

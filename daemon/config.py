@@ -181,7 +181,8 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # Settings of the checkpoint's scheduler changed at load, as a JSON object (`scheduler_changes`), e.g.
     # '{"shift": 3.0}' or, for the bundled model's step cache, '{"stochastic_sampling": false}'.
     scheduler_config: str | None = None
-    cache_threshold: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.1
+    # None: the method's own (models/setup.py `default_cache_threshold`).
+    cache_threshold: Annotated[float, msgspec.Meta(ge=0, le=10)] | None = None
     # LoRA per request (models/lora_registry.py, families that declare it): adapters registered at start, NAME=PATH
     # each (a .safetensors file), plus every *.safetensors file of lora_dir by its name without the suffix; lora_dir
     # is also the only folder `POST /v1/loras` loads from (without it, adapters cannot be added at run time). Resident

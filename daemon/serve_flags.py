@@ -12,6 +12,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     Every flag is also a config file key and a DIFFUSIOND_* variable (`--max-batch`: max_batch,
     DIFFUSIOND_MAX_BATCH)."""
     from diffusiond.daemon.config import ATTENTION_CHOICES, QUANTIZE_CHOICES, ServeConfig
+    from diffusiond.models.setup import CACHE_THRESHOLDS, DEFAULT_CACHE_THRESHOLD
 
     d = ServeConfig()
     parser.add_argument("--config", metavar="FILE", help="TOML file of the settings below (or set DIFFUSIOND_CONFIG)")
@@ -231,7 +232,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         metavar="X",
         help="change below which a request reuses its cached blocks (fbcache: relative change of its first-block "
         "residual; teacache: accumulated rescaled change of its modulated input); requests may send cache_threshold "
-        f"(default: {d.cache_threshold:g}; 0: exact)",
+        f"(default: {DEFAULT_CACHE_THRESHOLD:g}, x0cache {CACHE_THRESHOLDS['x0cache']:g}; 0: exact)",
     )
 
     add(

@@ -77,3 +77,16 @@ def test_it_reuses_under_a_stochastic_sampler(tiny_sd3_stochastic, monkeypatch, 
     assert sorted(step for prompt, step, d in decisions if d and prompt == params(1).prompt) == reused, decisions
     assert rows_through == [2 if step in reused else 4 for step in range(8)]  # 2 CFG rows a request
     assert np.isfinite(images[0]).all()
+
+
+@pytest.mark.parametrize(
+    ("method", "given", "expected"), [("x0cache", None, 0.2), ("x0cache", 0.05, 0.05), ("fbcache", None, 0.1)]
+)
+def test_a_server_that_sets_no_threshold_gets_its_methods(tiny_sd3, method, given, expected):
+    """x0cache thresholds the change of a request's predicted clean image per step, not a residual's: the bundled
+    model as shipped gained 1.23x at 0.1 and 1.54-1.79x at 0.2 (40.3 dB, the judge up), so 0.2 is its default where
+    the server sets none; the others keep 0.1. Broken on purpose (one default for all): red."""
+    from diffusiond.models.setup import ModelSetup, build_adapter
+
+    adapter = build_adapter(ModelSetup(model=tiny_sd3, cache=method, cache_threshold=given))
+    assert adapter.default_cache_threshold == expected

@@ -12,7 +12,8 @@ with prompts of different lengths and a negative prompt under each attention ker
 host syncs per step (`torch.cuda.set_sync_debug_mode`); a served run of 8 concurrent streams with previews; one
 request over HTTP against a clean diffusers process; `--compile` warm-up and recompiles across batch sizes;
 `--quantize` int8 and fp8 in bf16; `--offload`; peak decode memory for 8 images of 1024 x 1024 and one Wan clip of
-81 x 480 x 832; the plan broadcast and fault board of a world of one (NCCL on a GPU).
+81 x 480 x 832; one 1024 x 1024 decode with the VAE's weights as loaded and channels-last (the CPU's layout); the plan
+broadcast and fault board of a world of one (NCCL on a GPU).
 """
 
 from __future__ import annotations
@@ -300,6 +301,34 @@ class GpuCheck:
         peak = (torch.cuda.max_memory_allocated(self.device) - base) / 2**30
         return f"{latents.shape[0]} in calls of {per_call}: peak {peak:.2f} GiB above the weights"
 
+    def decode_layout(self) -> str:
+        """One 1024 x 1024 image through a VAE of SD3's configuration (random weights), its weights as loaded and then
+        channels-last: the CPU converts 2-D VAEs (models/flowmatch.py `channels_last_vae`, measured 0.7-0.8x there),
+        GPUs do not until this row says whether it pays there."""
+        from diffusers import AutoencoderKL
+
+        from diffusiond.models.tiny_real import SD3_VAE
+
+        torch = self.torch
+        dtype = getattr(torch, self.dtype)
+        vae = AutoencoderKL(**SD3_VAE).to(self.device, dtype)
+        latents = torch.randn(1, 16, 128, 128, device=self.device, dtype=dtype)
+        took, images = {}, {}
+        with torch.inference_mode():
+            for layout in (torch.contiguous_format, torch.channels_last, torch.contiguous_format, torch.channels_last):
+                vae.to(memory_format=layout)
+                vae.decode(latents, return_dict=False)
+                self.sync()
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    images[layout] = vae.decode(latents, return_dict=False)[0]
+                self.sync()
+                took.setdefault(layout, []).append((time.perf_counter() - t0) / 3)
+        plain, last = (min(took[layout]) for layout in (torch.contiguous_format, torch.channels_last))
+        diff = float((images[torch.contiguous_format] - images[torch.channels_last]).abs().max())
+        ratio = f"({last / plain:.2f}x); max diff {diff:.1e}"
+        return f"as loaded {plain * 1e3:.1f} ms, channels-last {last * 1e3:.1f} ms {ratio}"
+
     def plan_broadcast(self) -> str:
         """A world of one on this device's backend: a typical plan's broadcast, and the fault board's round trip."""
         import datetime
@@ -351,6 +380,7 @@ class GpuCheck:
         self.row("--offload group", lambda: self.offloaded("group"), cuda=True)
         self.row("decode 8 x 1024x1024 (SD3 VAE)", lambda: self.decode_peak("image"), cuda=True)
         self.row("decode a Wan clip 81x480x832", lambda: self.decode_peak("video"), cuda=True)
+        self.row("decode 1024x1024, channels-last vs as loaded", self.decode_layout, cuda=True)
         self.row("plan broadcast, fault board", self.plan_broadcast)
         return 1 if any(row.status == "FAILED" for row in self.rows) else 0
 

@@ -79,6 +79,9 @@ class Daemon:
             shim.mkdir()
             (shim / "diffusiond").symlink_to(source.resolve(), target_is_directory=True)
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), env.get("PYTHONPATH")]))
+            # Not the working folder on sys.path (-P): run from this checkout's root, its kernels/ would shadow
+            # the PyPI `kernels` that transformers imports, and only this checkout's diffusiond takes it off.
+            cmd.insert(1, "-P")
         self._log = open(log, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 

@@ -30,6 +30,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from diffusiond.kernels.process_folders import new_folder, remove_dead
+
 log = logging.getLogger(__name__)
 
 FINISHED = ("completed", "failed", "cancelled")
@@ -38,47 +40,27 @@ _OURS = re.compile(r"video_[0-9a-f]{32}\.(mp4|webp|json|tmp)|diffusiond-\w+\.mp4
 JobId = Annotated[str, msgspec.Meta(pattern=r"^video_[0-9a-f]{32}$")]
 # What a video's JSON file takes on disk, counted in the budget beside the video.
 SIDECAR_BYTES = 4096
-# The temporary folder of a daemon given no folder: its host and process id, then mkdtemp's suffix.
-TEMPORARY_PREFIX = "diffusiond-videos-"
 
 
 def temporary_folder(parent: Path) -> Path:
     """A new folder under `parent` for a daemon given none, removed at its exit; named after this host and process,
     so that the folders of daemons killed on this host (SIGKILL, the OOM killer: no exit to remove them) go at the
     next start (`remove_dead_folders`). A test session once left 247 of them in /tmp."""
-    import tempfile
-
-    return Path(tempfile.mkdtemp(prefix=f"{TEMPORARY_PREFIX}{_host()}-{os.getpid()}-", dir=parent))
+    return new_folder(parent, _prefix())
 
 
 def remove_dead_folders(parent: Path) -> int:
     """Remove the temporary folders under `parent` of this host's daemons that are no longer running; how many.
     Another host's (a shared /tmp) or a live process's are left, and so is what cannot be removed (another user's)."""
-    removed = 0
-    host = _host()
-    for folder in parent.glob(f"{TEMPORARY_PREFIX}*"):
-        name, pid, _ = folder.name.rsplit("-", 2) if folder.name.count("-") >= 4 else ("", "", "")
-        if name != f"{TEMPORARY_PREFIX}{host}" or not pid.isdigit() or _running(int(pid)):
-            continue
-        shutil.rmtree(folder, ignore_errors=True)
-        removed += not folder.exists()
-    return removed
+    return remove_dead(parent, _prefix())
 
 
-def _host() -> str:
+def _prefix() -> str:
+    """`diffusiond-videos-<host>-`: the host's name without dashes, so that it cannot run into the process id."""
     import socket
 
-    return re.sub(r"[^\w.]", "_", socket.gethostname())
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
+    host = re.sub(r"[^\w.]", "_", socket.gethostname())
+    return f"diffusiond-videos-{host}-"
 
 
 # Free space a write leaves on the store's disk, and that a new job needs to be taken.

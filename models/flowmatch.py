@@ -158,7 +158,7 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
                 if name not in lazies:
                     module.to(device)
                 module.eval().requires_grad_(False)
-        if torch.device(device).type == "cpu" and isinstance(getattr(pipe, "vae", None), torch.nn.Module):
+        if torch.device(device).type == "cpu":
             channels_last_vae(pipe.vae)
         pipe.set_progress_bar_config(disable=True)
         adapter = cls(pipe, source=path, lazy=lazies.pop(cls.denoiser, None))

@@ -22,7 +22,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 
 from diffusiond import __version__
 from diffusiond.kernels.host import give_back
+from diffusiond.kernels.process_folders import alive, new_folder, remove_dead
 
 log = logging.getLogger(__name__)
 
@@ -56,23 +56,8 @@ def make_folder(root: str) -> Path | None:
     if not base.is_dir() or not os.access(base, os.W_OK):
         log.warning("--keep-weights %s: not a writable folder; a heal reloads every weight", root)
         return None
-    for stale in base.glob(f"{PREFIX}*"):
-        pid = stale.name[len(PREFIX) :].split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-    folder = base / f"{PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
-    folder.mkdir(mode=0o700)
-    return folder
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    remove_dead(base, PREFIX)
+    return new_folder(base, PREFIX)
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -169,7 +154,7 @@ class KeptWeights:
         deadline = time.monotonic() + WAIT_S
         while not self.ready():
             try:
-                if not _alive(int(claim.read_text() or "0")):
+                if not alive(int(claim.read_text() or "0")):
                     return False
             except FileNotFoundError:  # its writer gave up
                 return self.ready()

@@ -93,8 +93,8 @@ def _child(job: Job) -> None:
     import torch
 
     torch.set_num_threads(job.threads)
-    from diffusiond.models.flowmatch import null_components
-    from diffusiond.models.registry import read_model_index
+    from diffusiond.models.flowmatch.adapter import null_components
+    from diffusiond.models.loading.registry import read_model_index
 
     index = read_model_index(job.model)
     # Components saved as None (SD3 without T5) are passed as None, as a user of such a checkpoint must.

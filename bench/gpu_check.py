@@ -4,9 +4,9 @@
     python -m diffusiond.bench.gpu_check --device cpu     # its structure, as CI runs it (CUDA rows say "needs CUDA")
     python -m diffusiond.bench.gpu_check --json out.json  # the rows as JSON too
 
-Offline: it builds the tiny checkpoints it needs (models/tiny.py) in a temporary folder, and the VAEs of the decode
-rows from their real configurations with random weights. It prints one table, a row per check (what, ok / FAILED /
-skipped, seconds, what it found); a row that fails prints its error and the others still run; the exit code is 1 when
+Offline: it builds the tiny checkpoints it needs (models/tiny/__init__.py) in a temporary folder, and the VAEs of the
+decode rows from their real configurations with random weights. It prints one table, a row per check (what, ok / FAILED
+/ skipped, seconds, what it found); a row that fails prints its error and the others still run; the exit code is 1 when
 any row failed. The rows: the environment; every family loaded in the GPU's dtype (bf16); two steps of every family
 with prompts of different lengths and a negative prompt under each attention kernel that can run here, against SDPA;
 host syncs per step (`torch.cuda.set_sync_debug_mode`); a served run of 8 concurrent streams with previews; one
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-# Families whose tiny checkpoints every per-family row runs on (models/tiny.py FAMILIES).
+# Families whose tiny checkpoints every per-family row runs on (models/tiny/__init__.py FAMILIES).
 FAMILIES = ("sd3", "sd35", "sdxl", "flux", "flux-kontext", "flux2-klein", "z-image", "qwen-image", "wan", "wan-i2v")
 # Kernels the two-step rows try besides SDPA, where they can run (kernels/attention.py resolve).
 KERNELS = ("flash", "flash3", "sage", "xformers", "efficient", "cudnn", "math")
@@ -110,7 +110,7 @@ class GpuCheck:
         return ", ".join(parts)
 
     def load(self, family: str) -> str:
-        from diffusiond.models.loader import load_adapter
+        from diffusiond.models.loading.loader import load_adapter
 
         adapter = load_adapter(self.model(family), device=self.device, dtype=self.dtype)
         return f"{type(adapter).__name__} in {adapter.dtype}, attention {adapter.set_attention('auto')}"
@@ -121,7 +121,7 @@ class GpuCheck:
         import numpy as np
 
         from diffusiond.kernels import attention
-        from diffusiond.models.loader import load_adapter
+        from diffusiond.models.loading.loader import load_adapter
 
         images, found = {}, []
         for kernel in ("sdpa", *KERNELS):
@@ -185,7 +185,7 @@ class GpuCheck:
         return asyncio.run(run())
 
     def host_syncs(self) -> str:
-        from diffusiond.models.loader import load_adapter
+        from diffusiond.models.loading.loader import load_adapter
 
         adapter = load_adapter(self.model("sd3"), device=self.device, dtype=self.dtype)
         self._generate(adapter, steps=2)  # warm
@@ -243,7 +243,7 @@ class GpuCheck:
     def compiled(self) -> str:
         from torch._dynamo.utils import counters
 
-        from diffusiond.models.loader import load_adapter
+        from diffusiond.models.loading.loader import load_adapter
 
         adapter = load_adapter(self.model("flux"), device=self.device, dtype=self.dtype)
         blocks = adapter.enable_compile()
@@ -258,7 +258,7 @@ class GpuCheck:
 
     def quantized(self, choice: str) -> str:
         from diffusiond.kernels.quantize import check
-        from diffusiond.models.loader import load_adapter
+        from diffusiond.models.loading.loader import load_adapter
 
         check(choice, self.device)
         adapter = load_adapter(self.model("flux"), device=self.device, dtype=self.dtype, quantize=choice)
@@ -266,7 +266,7 @@ class GpuCheck:
         return f"{adapter.quantized[1]} linears in {choice}, two steps ran"
 
     def offloaded(self, mode: str) -> str:
-        from diffusiond.models.loader import load_adapter
+        from diffusiond.models.loading.loader import load_adapter
 
         torch = self.torch
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -279,8 +279,8 @@ class GpuCheck:
         call decode, and the whole job (8 images of 1024 x 1024, or one Wan clip of 81 x 480 x 832)."""
         from diffusers import AutoencoderKL, AutoencoderKLWan
 
-        from diffusiond.models.flowmatch import DECODE_PIXELS
-        from diffusiond.models.tiny_real import SD3_VAE
+        from diffusiond.models.flowmatch.adapter import DECODE_PIXELS
+        from diffusiond.models.tiny.real import SD3_VAE
 
         torch = self.torch
         dtype = getattr(torch, self.dtype)
@@ -303,11 +303,11 @@ class GpuCheck:
 
     def decode_layout(self) -> str:
         """One 1024 x 1024 image through a VAE of SD3's configuration (random weights), its weights as loaded and then
-        channels-last: the CPU converts 2-D VAEs (models/flowmatch.py `channels_last_vae`, measured 0.7-0.8x there),
-        GPUs do not until this row says whether it pays there."""
+        channels-last: the CPU converts 2-D VAEs (models/flowmatch/adapter.py `channels_last_vae`, measured 0.7-0.8x
+        there), GPUs do not until this row says whether it pays there."""
         from diffusers import AutoencoderKL
 
-        from diffusiond.models.tiny_real import SD3_VAE
+        from diffusiond.models.tiny.real import SD3_VAE
 
         torch = self.torch
         dtype = getattr(torch, self.dtype)

@@ -3,7 +3,7 @@ requests with 0, 1, 4 and B distinct adapters, against the same batch without Lo
 configurations (none, 1, 4, B, none, ...) so that machine noise hits all alike; medians are printed with their ratio
 to the batch without LoRA.
 
-The adapters are random, in diffusers' format (models/tiny_lora.py: every attention projection), for the bundled
+The adapters are random, in diffusers' format (models/tiny/lora.py: every attention projection), for the bundled
 default model unless --model names another checkpoint.
 
     python -m diffusiond.bench.lora_batches [--model DIR] [--batch 8] [--rank 16] [--rounds 15] [--size 64x64]
@@ -31,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from diffusiond.models.default import default_model
-    from diffusiond.models.loader import load_adapter
+    from diffusiond.models.loading.loader import load_adapter
     from diffusiond.models.params import LoraChoice, SamplingParams
-    from diffusiond.models.tiny_lora import build_tiny_lora
+    from diffusiond.models.tiny.lora import build_tiny_lora
 
     torch.set_num_threads(args.threads)
     model = args.model or default_model()

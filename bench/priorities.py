@@ -34,7 +34,7 @@ import numpy as np
 
 from diffusiond.bench.compare import Daemon
 from diffusiond.bench.serve import sse_events
-from diffusiond.models.families import family_of
+from diffusiond.models.families.specs import family_of
 
 
 class Latencies(msgspec.Struct):

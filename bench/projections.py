@@ -22,8 +22,8 @@ def build(out: str, layers: int, dim: int, heads: int, ffn: int, text_dim: int) 
     from diffusers import WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from diffusiond.models.tiny import make_t5_tokenizer
-    from diffusiond.models.tiny_video import _scheduler, _vae
+    from diffusiond.models.tiny.text import make_t5_tokenizer
+    from diffusiond.models.tiny.wan import wan_scheduler, wan_vae
 
     tok = make_t5_tokenizer()
     encoder = UMT5EncoderModel(
@@ -39,7 +39,9 @@ def build(out: str, layers: int, dim: int, heads: int, ffn: int, text_dim: int) 
             patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=dim // heads, in_channels=16,
             out_channels=16, text_dim=text_dim, freq_dim=256, ffn_dim=ffn, num_layers=layers,
         )  # fmt: skip
-    pipe = WanPipeline(tokenizer=tok, text_encoder=encoder, vae=_vae(), scheduler=_scheduler(), transformer=transformer)
+    pipe = WanPipeline(
+        tokenizer=tok, text_encoder=encoder, vae=wan_vae(), scheduler=wan_scheduler(), transformer=transformer
+    )
     pipe.save_pretrained(out)
 
 
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from diffusiond.models.loader import load_adapter
+    from diffusiond.models.loading.loader import load_adapter
     from diffusiond.models.params import SamplingParams
 
     width, height = (int(x) for x in args.size.split("x"))

@@ -104,7 +104,7 @@ def worker(args: Args) -> None:
     from diffusiond.engine.follower import run_follower
     from diffusiond.engine.wire import decode_plan, encode_plan
     from diffusiond.kernels.layout import ParallelLayout
-    from diffusiond.models.setup import ModelSetup
+    from diffusiond.models.loading.setup import ModelSetup
 
     torch.set_num_threads(1)
     rank = join_group(ModelSetup(model=args.model, layout=ParallelLayout(2, cfg_degree=2)))
@@ -139,7 +139,7 @@ def _single(args: Args, threads: int) -> float:
     code = (
         "import sys, msgspec, torch; from diffusiond.bench import spmd as b;"
         f"torch.set_num_threads({threads}); a = msgspec.json.decode(sys.argv[1], type=b.Args);"
-        "from diffusiond.engine.engine import Engine; from diffusiond.models.loader import load_adapter;"
+        "from diffusiond.engine.engine import Engine; from diffusiond.models.loading.loader import load_adapter;"
         "import asyncio; engine = Engine(lambda: load_adapter(a.model), max_batch=8);"
         "print(asyncio.run(b._throughput(engine, b._requests(a))))"
     )

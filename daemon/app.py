@@ -124,7 +124,7 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def _default_loader(config: ServeConfig) -> Loader:
     def load() -> ModelAdapter:
-        from diffusiond.models.setup import build_adapter
+        from diffusiond.models.loading.setup import build_adapter
 
         return build_adapter(model_setup(config))
 

@@ -98,7 +98,7 @@ def resolve_model(model: str | None) -> str:
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from diffusiond.models.preview import write_preview_factors
     from diffusiond.models.tiny import build_tiny
-    from diffusiond.models.tiny_real import REAL_SIZE_FAMILIES, build_real_size
+    from diffusiond.models.tiny.real import REAL_SIZE_FAMILIES, build_real_size
 
     if args.real_size:
         if args.family not in REAL_SIZE_FAMILIES:
@@ -119,8 +119,8 @@ def generate_setup(args: argparse.Namespace):
     from diffusiond.daemon.config import ConfigError, scheduler_changes
     from diffusiond.models.declared import check_declared, read_declared
     from diffusiond.models.inputs import admit_image
+    from diffusiond.models.loading.setup import ModelSetup, SetupError, check_setup
     from diffusiond.models.params import ParamError, params_from
-    from diffusiond.models.setup import ModelSetup, SetupError, check_setup
 
     model = resolve_model(args.model)
     width, height = args.size or (None, None)
@@ -173,8 +173,8 @@ async def _generate(args: argparse.Namespace, setup, params) -> int:
     from diffusiond.engine.engine import Engine
     from diffusiond.engine.outputs import Cancelled, Completed, Failed, Preview, Progress
     from diffusiond.models.declared import unknown_words
+    from diffusiond.models.loading.setup import build_adapter
     from diffusiond.models.params import ParamError
-    from diffusiond.models.setup import build_adapter
 
     fmt = {".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}.get(Path(args.out).suffix.lower(), "png")
     engine = Engine(lambda: build_adapter(setup), max_batch=1)  # loaded on the engine's step thread
@@ -237,7 +237,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     checked = generate_setup(args)  # everything that needs no torch, first
     if isinstance(checked, int):
         return checked
-    from diffusiond.models.setup import SetupError, check_kernels
+    from diffusiond.models.loading.setup import SetupError, check_kernels
 
     try:
         check_kernels(checked[0])
@@ -275,7 +275,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from diffusiond.daemon.auth import exposure_warning
     from diffusiond.daemon.config import ConfigError, check_serving
     from diffusiond.daemon.launch import worker_config
-    from diffusiond.models.setup import SetupError, check_kernels
+    from diffusiond.models.loading.setup import SetupError, check_kernels
 
     config = worker_config(loaded[0])  # a worker of our launch runs the launcher's configuration
 
@@ -399,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--real-size",
         action="store_true",
         help="the family's real transformer and VAE (random weights, bf16, gigabytes), tiny text encoders: for "
-        "measuring loading, memory and heals at real size (models/tiny_real.py lists the families)",
+        "measuring loading, memory and heals at real size (models/tiny/real.py lists the families)",
     )
     tiny.set_defaults(func=cmd_make_tiny)
 

@@ -20,8 +20,8 @@ from typing import Annotated, Any, Literal, get_args
 import msgspec
 
 from diffusiond.kernels.layout import ParallelLayout
+from diffusiond.models.loading.setup import ModelSetup
 from diffusiond.models.params import MAX_IMAGE_BYTES, MAX_STEPS
-from diffusiond.models.setup import ModelSetup
 
 # The most images one OpenAI request may ask for (`n`): OpenAI's own limit.
 MAX_N = 10
@@ -84,7 +84,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # Seconds without an event after which an SSE stream gets a comment line, so proxies keep it open.
     sse_keepalive: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     device: str = "cpu"
-    # auto: bfloat16 on a CUDA device, float32 elsewhere (models/setup.py resolve_dtype).
+    # auto: bfloat16 on a CUDA device, float32 elsewhere (models/loading/setup.py resolve_dtype).
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     threads: Positive | None = None
     max_body_bytes: Positive = 1 << 20
@@ -152,10 +152,10 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # is decoded in horizontal strips by ranks 0..V-1 (several finishing together are spread over the ranks anyway).
     vae_parallel: Positive = 1
     max_restarts: NonNegative = 3
-    # Where each rank's share of the denoiser is kept for the group's next attempt (models/kept_weights.py): a
+    # Where each rank's share of the denoiser is kept for the group's next attempt (models/loading/kept_weights.py): a
     # folder in shared memory; a heal then maps it instead of reading the checkpoint. "none": a heal reloads.
     keep_weights: str = "/dev/shm"
-    # Step caching with a decision per request (models/stepcache.py): "fbcache" reuses a request's remaining
+    # Step caching with a decision per request (models/stepcache/methods.py): "fbcache" reuses a request's remaining
     # blocks while its first block's residual changes by less than cache_threshold; "teacache" reuses all blocks
     # while the accumulated rescaled change of its first block's modulated input stays below it (requests may send
     # their own; 0 is exact); "dbcache" is fbcache with more blocks always computed first (fn) and last (bn) and a
@@ -181,9 +181,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # Settings of the checkpoint's scheduler changed at load, as a JSON object (`scheduler_changes`), e.g.
     # '{"shift": 3.0}' or, for the bundled model's step cache, '{"stochastic_sampling": false}'.
     scheduler_config: str | None = None
-    # None: the method's own (models/setup.py `default_cache_threshold`).
+    # None: the method's own (models/loading/setup.py `default_cache_threshold`).
     cache_threshold: Annotated[float, msgspec.Meta(ge=0, le=10)] | None = None
-    # LoRA per request (models/lora_registry.py, families that declare it): adapters registered at start, NAME=PATH
+    # LoRA per request (models/lora/registry.py, families that declare it): adapters registered at start, NAME=PATH
     # each (a .safetensors file), plus every *.safetensors file of lora_dir by its name without the suffix; lora_dir
     # is also the only folder `POST /v1/loras` loads from (without it, adapters cannot be added at run time). Resident
     # adapters share lora_cache_bytes (least recently used ones that no request holds are evicted, reloaded on use).
@@ -360,8 +360,9 @@ def shard_replicas(value: bool | str, world: int) -> int:
 
 def cache_settings(method: str, text: str | None) -> dict[str, Any]:
     """`cache_config`'s JSON object for `--cache method` (empty when unset); ConfigError naming an unknown key or a
-    bad value (models/setup.check_cache_config); whether the transformer has blocks left to reuse is checked at load."""
-    from diffusiond.models.setup import check_cache_config
+    bad value (models/loading/setup.check_cache_config); whether the transformer has blocks left to reuse is checked at
+    load."""
+    from diffusiond.models.loading.setup import check_cache_config
 
     if not text:
         return {}
@@ -380,7 +381,7 @@ def cache_settings(method: str, text: str | None) -> dict[str, Any]:
 
 def scheduler_changes(text: str | None) -> dict[str, Any]:
     """`scheduler_config`'s JSON object (empty when unset); ConfigError unless it is one. Whether the scheduler has
-    those settings is checked when it loads (models/loader.change_scheduler)."""
+    those settings is checked when it loads (models/loading/loader.change_scheduler)."""
     if not text:
         return {}
     try:
@@ -392,7 +393,7 @@ def scheduler_changes(text: str | None) -> dict[str, Any]:
     return changes
 
 
-# ---- the model setup (models/setup.py) ----
+# ---- the model setup (models/loading/setup.py) ----
 
 
 def in_launched_group() -> bool:
@@ -458,10 +459,10 @@ def class_deadlines(config: ServeConfig) -> dict[int, int]:
 
 def check_serving(config: ServeConfig) -> ModelSetup:
     """Every start-up rule, before any rank starts or torch is imported: the daemon's own (exposure, several nodes,
-    the video folder) and the model setup's (models/setup.py `check_setup`). ConfigError or SetupError, saying
+    the video folder) and the model setup's (models/loading/setup.py `check_setup`). ConfigError or SetupError, saying
     why; the checked setup."""
     from diffusiond.daemon.auth import check_exposure
-    from diffusiond.models.setup import check_setup
+    from diffusiond.models.loading.setup import check_setup
 
     check_exposure(config)
     class_deadlines(config)

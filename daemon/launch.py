@@ -107,8 +107,8 @@ def launch(config: ServeConfig) -> int:
             log.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
             return 1
     os.environ[LISTENER_ENV] = lender.path
-    from diffusiond.models.kept_weights import FOLDER_ENV as KEPT_ENV
-    from diffusiond.models.kept_weights import make_folder
+    from diffusiond.models.loading.kept_weights import FOLDER_ENV as KEPT_ENV
+    from diffusiond.models.loading.kept_weights import make_folder
 
     kept = make_folder(config.keep_weights) if config.keep_weights != "none" else None
     if kept is not None:

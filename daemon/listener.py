@@ -108,7 +108,7 @@ class Lent:
 
 def served_marker() -> Path | None:
     """A file in the launcher's folder that rank 0 creates once its group is ready (warmed up): a restart of the
-    group then knows that this model, layout and node served before (models/setup.py's checks and the warm-up
+    group then knows that this model, layout and node served before (models/loading/setup.py's checks and the warm-up
     passed). None outside our launcher (plain torchrun)."""
     path = os.environ.get(LISTENER_ENV)
     return Path(path).with_name("served") if path else None

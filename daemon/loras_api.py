@@ -16,9 +16,9 @@ from diffusiond.daemon.config import ServeConfig, model_setup
 from diffusiond.daemon.edge import read_body
 from diffusiond.daemon.state import STATE
 from diffusiond.engine.engine import Engine, EngineDeadError
-from diffusiond.models.lora_files import LoraError, check_name, in_directory
-from diffusiond.models.lora_registry import LoraRegistry
-from diffusiond.models.setup import lora_refusal
+from diffusiond.models.loading.setup import lora_refusal
+from diffusiond.models.lora.files import LoraError, check_name, in_directory
+from diffusiond.models.lora.registry import LoraRegistry
 
 FilePath = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from diffusiond.engine.comm import TorchComm
 from diffusiond.engine.fault_board import FaultBoard
 from diffusiond.models.base import ModelAdapter
-from diffusiond.models.setup import ModelSetup, build_adapter, check_setup
+from diffusiond.models.loading.setup import ModelSetup, build_adapter, check_setup
 
 # Long enough for rank 0 to load and warm up while followers wait in their first broadcast; heartbeats keep idle
 # groups well inside it.
@@ -39,7 +39,7 @@ class Rank:
 
 def join_group(setup: ModelSetup) -> Rank:
     """This process's rank (RANK, WORLD_SIZE and MASTER_* from torchrun or our launch): the group joined, its model
-    built (models/setup.py `build_adapter`: its share of the layout), its communicator."""
+    built (models/loading/setup.py `build_adapter`: its share of the layout), its communicator."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     setup = msgspec.structs.replace(setup, layout=replace(setup.layout, world_size=world_size))
     check_setup(setup)  # before the group forms: a layout that cannot run fails here, on every rank alike

@@ -53,7 +53,7 @@ def serve(config: ServeConfig, **app_options: Any) -> int:
     of an SPMD group joins its group there)."""
     # Import the model code now: its first import (seconds: diffusers, transformers) would otherwise happen inside
     # the app's loader task and stall the event loop, and with it /health and the watchdog.
-    import diffusiond.models.loader  # noqa: F401
+    import diffusiond.models.loading.loader  # noqa: F401
 
     try:
         import uvloop

@@ -83,14 +83,14 @@ class ExecResult:
     # stage -> seconds: encode, denoise, sampler, preview, decode (on CUDA, of stages the GPU has finished by now).
     timings: dict[str, float] = field(default_factory=dict)
     batch_size: int = 0
-    # Requests of the forward that reused their step cache (models/stepcache.py `RequestCache.reused`).
+    # Requests of the forward that reused their step cache (models/stepcache/methods.py `RequestCache.reused`).
     reused: int = 0
     # Requests that finished their steps with this plan and still have pieces of their decode to run.
     decoding: list[str] = field(default_factory=list)
 
 
 def _reused(states: Sequence[RequestState]) -> int:
-    """The step cache reuses so far of these requests (counted by models/stepcache.py)."""
+    """The step cache reuses so far of these requests (counted by models/stepcache/methods.py)."""
     return sum(s.cache_reuses for s in states)
 
 

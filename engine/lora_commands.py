@@ -16,7 +16,7 @@ from diffusiond.engine.comm import Communicator
 from diffusiond.engine.scheduler import SchedRequest
 from diffusiond.engine.wire import LoraOp, LoraOpKind, PlanKind, StepPlan, encode_plan
 from diffusiond.models.base import ModelAdapter
-from diffusiond.models.lora_files import LoraError
+from diffusiond.models.lora.files import LoraError
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ class EngineObserver(Protocol):
     def on_step(self, timings: dict[str, float], batch_size: int, advanced: int, reused: int = 0) -> None:
         """One executed plan: seconds per stage (broadcast, encode, denoise, sampler, preview, decode) and the
         number of requests that shared its forward (0: no forward ran), how many of them advanced a step, and how
-        many of those reused their step cache (models/stepcache.py: blocks skipped)."""
+        many of those reused their step cache (models/stepcache/methods.py: blocks skipped)."""
 
     def on_counts(self, waiting: int, running: int) -> None:
         """The scheduler's queue and running set changed size (after a step, an admission or a cancel)."""

@@ -30,8 +30,8 @@ from diffusiond.engine.outputs import (
 from diffusiond.engine.request import RequestStatus
 from diffusiond.engine.scheduler import QueueFullError, SchedRequest, StepResult
 from diffusiond.engine.wire import PlanKind, StepPlan, decode_plan, encode_plan
-from diffusiond.models.lora_files import LoraError
-from diffusiond.models.setup import SetupError
+from diffusiond.models.loading.setup import SetupError
+from diffusiond.models.lora.files import LoraError
 
 if TYPE_CHECKING:
     from diffusiond.engine.engine import Engine

@@ -30,7 +30,7 @@ class LoraOpKind(enum.IntEnum):
 
 
 class LoraOp(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A change of the registered LoRA adapters (models/lora_registry.py); every rank reads the file itself, and
+    """A change of the registered LoRA adapters (models/lora/registry.py); every rank reads the file itself, and
     checks it read the bytes rank 0 read (`sha256`)."""
 
     kind: LoraOpKind

@@ -46,7 +46,7 @@ _PACKAGES: dict[str, tuple[str, str]] = {
     "xformers": ("xformers", "xformers"),
 }
 _CUDA_ONLY = {"efficient", "cudnn", "flash", "flash3", "sage", "xformers"}
-# Kernels for fp16 and bf16 tensors only (models/setup.py HALF_ONLY_ATTENTION says the same without torch).
+# Kernels for fp16 and bf16 tensors only (models/loading/setup.py HALF_ONLY_ATTENTION says the same without torch).
 HALF_ONLY = ("flash", "flash3", "sage")
 # For transformers whose attention takes masks: the kernel (diffusers' name) that does what each of ours does and
 # takes a key-padding mask.
@@ -119,7 +119,7 @@ def attention(
 
 class DispatchJointAttnProcessor:
     """diffusers' `JointAttnProcessor2_0` (SD3's joint attention; its blocks pass [B, S, D] only) with its attention
-    call dispatched to `_attention_backend`. Subclasses replace `_attend` (models/sd3.py shards it)."""
+    call dispatched to `_attention_backend`. Subclasses replace `_attend` (models/families/sd3.py shards it)."""
 
     _attention_backend = None
     _parallel_config = None

@@ -6,9 +6,9 @@ the Ulysses hooks stay eager. `dynamic=True` makes batch rows and token counts s
 size seen for the first time does not recompile in the middle of a request. torch still specialises a dimension
 of size 1, so the warm-up (daemon/app.py `warm_up_requests`) runs one row and several rows.
 
-Inductor's caches live in `TORCHINDUCTOR_CACHE_DIR`; diffusiond points it at `<cache dir>/inductor` (models/setup.py,
-from models/default.py `cache_dir`) unless it is set, so a restart reuses compiled kernels instead of recompiling
-(the default, under /tmp, does not survive a reboot or a service's private /tmp).
+Inductor's caches live in `TORCHINDUCTOR_CACHE_DIR`; diffusiond points it at `<cache dir>/inductor`
+(models/loading/setup.py, from models/default.py `cache_dir`) unless it is set, so a restart reuses compiled kernels
+instead of recompiling (the default, under /tmp, does not survive a reboot or a service's private /tmp).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ class Groups:
 
 
 def build_groups(layout: ParallelLayout, rank: int, device_type: str = "cpu") -> Groups:
-    """This rank's groups of a validated layout (models/setup.py `check_setup`)."""
+    """This rank's groups of a validated layout (models/loading/setup.py `check_setup`)."""
     c, r, u, t = layout.shape
     cfg = sequence = tp = None
     if c > 1:

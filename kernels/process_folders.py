@@ -1,6 +1,7 @@
 """Folders that belong to a process: named `<prefix><pid>-<random>`, so that when the process dies without removing
 its folder (SIGKILL, the OOM killer) the next process of the same kind removes it. Used for the launcher's kept
-weights in shared memory (models/kept_weights.py) and a daemon's temporary video folder (daemon/video_store.py)."""
+weights in shared memory (models/loading/kept_weights.py) and a daemon's temporary video folder
+(daemon/video_store.py)."""
 
 from __future__ import annotations
 

@@ -29,8 +29,8 @@ def param_bytes(module: torch.nn.Module) -> int:
     return total
 
 
-# `materialize(part)`: reads the weights of a part of a module built empty (models/lazy_weights.py) just before the
-# part is sharded, so that no rank ever holds the whole module; None when the module was loaded whole.
+# `materialize(part)`: reads the weights of a part of a module built empty (models/loading/lazy_weights.py) just before
+# the part is sharded, so that no rank ever holds the whole module; None when the module was loaded whole.
 Materialize = Callable[[torch.nn.Module], object] | None
 
 

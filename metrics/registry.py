@@ -175,7 +175,7 @@ class Metrics:
 
 
 class LoraCollector:
-    """The LoRA registry's numbers (models/lora_registry.LoraRegistry), read when scraped. The step thread changes the
+    """The LoRA registry's numbers (models/lora/registry.LoraRegistry), read when scraped. The step thread changes the
     registry: this reads whole values only (counters, one copy of its entries, `resident_bytes` over a copy)."""
 
     def __init__(self) -> None:

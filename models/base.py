@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from diffusiond.models.families import Family
+from diffusiond.models.families.specs import Family
 from diffusiond.models.params import SamplingParams
 
 
@@ -113,9 +113,9 @@ class RequestState:
     rows: list[torch.Tensor] = field(default_factory=list)
     # Conditioning that is identical across a batch (same batch key) and passed once, not concatenated.
     shared: dict[str, Any] = field(default_factory=dict)
-    # Step cache state of this request (models/stepcache.py), freed with it.
+    # Step cache state of this request (models/stepcache/methods.py), freed with it.
     cache: Any = None
-    # Inpainting: what pins the region outside the mask after each step (models/flowmatch.Inpaint).
+    # Inpainting: what pins the region outside the mask after each step (models/flowmatch/adapter.Inpaint).
     inpaint: Any = None
     # Its LoRA adapters and scales, resident while it lives (kernels/lora_rows.Selection; () for none).
     lora: tuple = ()
@@ -124,7 +124,7 @@ class RequestState:
 
     @property
     def cache_reuses(self) -> int:
-        """Steps whose blocks it skipped so far (counted by models/stepcache.py)."""
+        """Steps whose blocks it skipped so far (counted by models/stepcache/methods.py)."""
         return self.reused_before + (self.cache.reused if self.cache is not None else 0)
 
     @property
@@ -137,7 +137,7 @@ class RequestState:
 
 
 class ModelAdapter(abc.ABC):
-    """A family's adapter. What it supports is its `spec` (models/families.py, readable without torch: start-up
+    """A family's adapter. What it supports is its `spec` (models/families/specs.py, readable without torch: start-up
     validation, README's table), copied onto the class as attributes (`parallel`, `lora`, ...); `capabilities`
     narrows them to the loaded checkpoint."""
 
@@ -155,16 +155,16 @@ class ModelAdapter(abc.ABC):
     capabilities: Capabilities
     # The folder or hub id it was loaded from.
     source: str
-    # Registered LoRA adapters (models/lora_registry.LoraRegistry), once enabled.
+    # Registered LoRA adapters (models/lora/registry.LoraRegistry), once enabled.
     lora_registry: Any = None
-    # (choice, layers converted) when models/loader.py quantized the transformer (kernels/quantize.py).
+    # (choice, layers converted) when models/loading/loader.py quantized the transformer (kernels/quantize.py).
     quantized: tuple[str, int] | None = None
     # The strip group (kernels/patch_vae.StripGroup) once patch-parallel decoding is enabled: the executor then has
     # images that finish with fewer others than there are ranks decoded by `decode_strips`.
     vae_strips: Any = None
     # (bytes of the denoiser's parameters on this rank, before) once tensor parallel or sharded.
     weight_bytes: tuple[int, int] | None = None
-    # Denoiser tensors mapped from what the group's previous attempt kept (models/kept_weights.py), not read.
+    # Denoiser tensors mapped from what the group's previous attempt kept (models/loading/kept_weights.py), not read.
     kept_restored: int = 0
     # Whether `decode_in_pieces` yields between pieces (stages of a clip's frames): the executor then decodes each
     # finished request in pieces between steps; else finished requests decode together, whole, when they finish.
@@ -266,11 +266,11 @@ class ModelAdapter(abc.ABC):
         no such count."""
         return None
 
-    # ---- how the model runs: models/setup.py `build_adapter` calls these, after loading and in this order ----
+    # ---- how the model runs: models/loading/setup.py `build_adapter` calls these, after loading and in this order ----
     # Each default refuses: the family does not have it (start-up validation refused the setting before).
 
     def enable_lora(self, budget_bytes: int) -> Any:
-        """LoRA per request: a registry of adapters of the denoiser (models/lora_registry.LoraRegistry)."""
+        """LoRA per request: a registry of adapters of the denoiser (models/lora/registry.LoraRegistry)."""
         raise ValueError(f"the {self.family} family does not serve LoRA adapters")
 
     def denoisers(self) -> dict[str, Any]:
@@ -278,7 +278,8 @@ class ModelAdapter(abc.ABC):
         raise NotImplementedError
 
     def use_kept(self, kept: dict[str, Any], now: bool) -> int:
-        """A heal: the denoisers' parameters from what the group's previous attempt kept (models/kept_weights.py)."""
+        """A heal: the denoisers' parameters from what the group's previous attempt kept
+        (models/loading/kept_weights.py)."""
         raise NotImplementedError
 
     def enable_tp(self, mesh: Any) -> None:
@@ -306,7 +307,7 @@ class ModelAdapter(abc.ABC):
         raise ValueError(f"the {self.family} family does not support Ulysses sequence parallelism")
 
     def enable_step_cache(self, method: str, threshold: float, config: dict[str, Any] | None = None) -> None:
-        """Step caching (models/stepcache.py) with `threshold` for requests that send none and `config` (the
+        """Step caching (models/stepcache/methods.py) with `threshold` for requests that send none and `config` (the
         method's settings, `--cache-config`); "none": off."""
         if method != "none":
             raise ValueError(f"--cache {method} is not implemented for the {self.family} family yet")

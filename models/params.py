@@ -47,7 +47,7 @@ PreviewMode = Literal["fast", "vae"]
 # area (fewer tokens below 1 Mpx: cheaper, and not the pipeline's image).
 EditContext = Literal["preferred", "output"]
 CacheThreshold = Annotated[float, msgspec.Meta(ge=0, le=10)]
-# SCM step masks (models/stepcache.py `scm_steps`): a preset, or the steps that always compute (0 is the first).
+# SCM step masks (models/stepcache/methods.py `scm_steps`): a preset, or the steps that always compute (0 is the first).
 ScmPreset = Literal["fast", "medium", "slow", "off"]
 CacheSteps = (
     ScmPreset
@@ -124,9 +124,9 @@ class RequestFields(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     # How previews are made: "fast", the latent -> RGB map (latent resolution, about free); "vae", the predicted
     # clean latent decoded by the model's VAE (exact colours, full resolution, one VAE decode per preview).
     preview: PreviewMode = "fast"
-    # Step caching (models/stepcache.py): this request reuses its remaining blocks' residual while its first block's
-    # residual changes by less than this (relative L1). 0: every step computes (exact). Resolved from the server's
-    # --cache-threshold when the client sends none.
+    # Step caching (models/stepcache/methods.py): this request reuses its remaining blocks' residual while its first
+    # block's residual changes by less than this (relative L1). 0: every step computes (exact). Resolved from the
+    # server's --cache-threshold when the client sends none.
     cache_threshold: CacheThreshold | None = None
     # The steps that compute whatever the cache's signal (SCM): "fast", "medium", "slow" (Cache-DiT's masks, stretched
     # to the request's steps), "off", or the step indices; the others reuse while the signal allows. Resolved to the

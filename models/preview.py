@@ -209,9 +209,9 @@ def fit_pairs(z: torch.Tensor, rgb: torch.Tensor) -> LatentRGB:
 
 
 def write_preview_factors(checkpoint_dir: str | Path, **fit_kwargs: Any) -> LatentRGB:
-    """Fit a preview map against the checkpoint's VAE, through its family's own decode (models/flowmatch.py), and
-    store it as `<dir>/diffusiond_preview.json`."""
-    from diffusiond.models.loader import load_adapter
+    """Fit a preview map against the checkpoint's VAE, through its family's own decode (models/flowmatch/adapter.py),
+    and store it as `<dir>/diffusiond_preview.json`."""
+    from diffusiond.models.loading.loader import load_adapter
 
     checkpoint_dir = Path(checkpoint_dir)
     adapter = load_adapter(str(checkpoint_dir))

@@ -31,7 +31,7 @@ def params(seed: int, steps: int = 8, threshold: float | None = None) -> Samplin
 
 def count_reuse(monkeypatch) -> list[int]:
     """Every step cache decision from now on, 1 where a request reused (`stepcache.reuse` wrapped for the test)."""
-    from diffusiond.models import stepcache
+    from diffusiond.models.stepcache import methods as stepcache
 
     decisions: list[int] = []
     original = stepcache.reuse

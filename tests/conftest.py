@@ -106,18 +106,18 @@ def _deep(builder: Callable[[], Any], out: Any) -> str:
 @pytest.fixture(scope="session")
 def tiny_sd3_deep(tmp_path_factory) -> str:
     """Tiny SD3 with 5 blocks (DBCache's first, middle and last ones; the last takes the text tokens only)."""
-    from diffusiond.models import tiny
+    from diffusiond.models.tiny import images as tiny_images
 
-    return _deep(lambda: tiny._build_sd3(num_layers=5), tmp_path_factory.mktemp("tiny") / "sd3-deep")
+    return _deep(lambda: tiny_images.build_sd3(num_layers=5), tmp_path_factory.mktemp("tiny") / "sd3-deep")
 
 
 @pytest.fixture(scope="session")
 def tiny_flux_deep(tmp_path_factory) -> str:
     """Tiny FLUX.1 with 2 double-stream and 3 single-stream blocks (a DBCache span crosses from one to the other)."""
-    from diffusiond.models import tiny
+    from diffusiond.models.tiny import images as tiny_images
 
     return _deep(
-        lambda: tiny._build_flux(num_layers=2, num_single_layers=3), tmp_path_factory.mktemp("tiny") / "flux-deep"
+        lambda: tiny_images.build_flux(num_layers=2, num_single_layers=3), tmp_path_factory.mktemp("tiny") / "flux-deep"
     )
 
 
@@ -182,7 +182,7 @@ def tiny_qwenimage_edit_2511(tmp_path_factory) -> str:
     """Qwen-Image-Edit-2511's layout: the image tokens modulated at timestep 0 (`zero_cond_t`)."""
     import torch
 
-    from diffusiond.models.tiny_qwen import build_qwenimage_edit_plus
+    from diffusiond.models.tiny.qwen import build_qwenimage_edit_plus
 
     out = tmp_path_factory.mktemp("tiny") / "qwen-image-edit-2511"
     with torch.random.fork_rng(devices=[]):
@@ -199,7 +199,7 @@ def tiny_wan22(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_wan22_deep(tmp_path_factory) -> str:
     """Tiny Wan 2.2 A14B with 4 blocks per expert (DBCache's first, middle and last ones)."""
-    from diffusiond.models.tiny_video import build_wan
+    from diffusiond.models.tiny.wan import build_wan
 
     return _deep(lambda: build_wan(two_experts=True, layers=4), tmp_path_factory.mktemp("tiny") / "wan22-deep")
 
@@ -239,7 +239,7 @@ def tiny_wan_i2v_no_image_attention(tmp_path_factory) -> str:
     """Wan 2.2 I2V's layout (one expert here): no image cross-attention, no image encoder."""
     import torch
 
-    from diffusiond.models.tiny_video import build_wan_i2v
+    from diffusiond.models.tiny.wan import build_wan_i2v
 
     out = tmp_path_factory.mktemp("tiny") / "wan-i2v-latents-only"
     with torch.random.fork_rng(devices=[]):

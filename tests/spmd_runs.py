@@ -22,7 +22,7 @@ import numpy as np
 
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Completed
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 
 WORKER = Path(__file__).parent / "engine" / "spmd_worker.py"
 
@@ -47,8 +47,8 @@ PRELOAD = [
     "diffusiond.engine.engine",
     "diffusiond.engine.follower",
     "diffusiond.kernels.layout",
-    "diffusiond.models.loader",
-    "diffusiond.models.setup",
+    "diffusiond.models.loading.loader",
+    "diffusiond.models.loading.setup",
 ]
 _forks: multiprocessing.context.ForkServerContext | None = None
 
@@ -212,7 +212,7 @@ def two_ranks(
         env["SPMD_ATTENTION"] = attention
     if compile:
         env["SPMD_COMPILE"] = "1"
-    if kept is not None:  # the launcher's shared-memory folder (models/kept_weights.py)
+    if kept is not None:  # the launcher's shared-memory folder (models/loading/kept_weights.py)
         env["_DIFFUSIOND_KEPT_WEIGHTS"] = str(kept)
     launch(cmd, nproc, env, out, timeout=240 * (nproc // 2))
     images = [np.load(out / f"{i}.npy") for i in range(len(requests))]

@@ -29,7 +29,8 @@ MAX_PARAMETERS = 10
 
 
 def package_of(module: str) -> str | None:
-    """`diffusiond.models.sd3` -> `models`; the root's own modules -> `diffusiond` / `__main__`; not ours -> None."""
+    """`diffusiond.models.families.sd3` -> `models`; the root's own modules -> `diffusiond` / `__main__`; not ours ->
+    None."""
     parts = module.split(".")
     if parts[0] != "diffusiond":
         return None

@@ -95,8 +95,8 @@ def worker(args: argparse.Namespace) -> None:
     from diffusiond.daemon.app import warm_up_requests
     from diffusiond.daemon.config import scheduler_changes
     from diffusiond.engine.engine import Engine
+    from diffusiond.models.loading.setup import ModelSetup, build_adapter
     from diffusiond.models.params import SamplingParams
-    from diffusiond.models.setup import ModelSetup, build_adapter
     from diffusiond.tools.cache import count_reuse
 
     torch.set_num_threads(args.threads)

@@ -51,7 +51,7 @@ def ssim(a: np.ndarray, b: np.ndarray, window: int = 7) -> float:
 
 def count_reuse() -> dict[str, int]:
     """Wrap `stepcache.reuse` (in this process) to count decisions; the returned counts move as requests run."""
-    from diffusiond.models import stepcache
+    from diffusiond.models.stepcache import methods as stepcache
 
     counts = {"reused": 0, "decided": 0}
     original = stepcache.reuse
@@ -78,7 +78,7 @@ async def main(args: argparse.Namespace) -> None:
 
     from diffusiond.engine.engine import Engine
     from diffusiond.models.default import default_model
-    from diffusiond.models.loader import load_adapter
+    from diffusiond.models.loading.loader import load_adapter
     from diffusiond.models.params import SamplingParams
 
     torch.set_num_threads(args.threads)

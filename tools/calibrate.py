@@ -5,13 +5,13 @@ beside its weights:
         [--steps N] [--frames N] [--degree 4] [--out DIR]
 
 
-TeaCache (models/stepcache.py) estimates how much the residual all transformer blocks add changes from one step to
-the next from how much the first block's timestep-modulated input changes, which costs one norm instead of every
+TeaCache (models/stepcache/methods.py) estimates how much the residual all transformer blocks add changes from one step
+to the next from how much the first block's timestep-modulated input changes, which costs one norm instead of every
 block. The two are related by a polynomial that depends on the weights (TeaCache publishes FLUX.1's). Here the
 checkpoint's own relation is measured: prompts run through the engine with every step computed (threshold 0), and
 for every request-step after its first the pair (relative L1 change of the modulated input, relative L1 change of
 the blocks' residual) is recorded; a least-squares polynomial through the pairs is written beside the weights as
-`diffusiond_cache.json` (models/stepcache.py `CACHE_FILE`), which the adapter reads when it starts with
+`diffusiond_cache.json` (models/stepcache/methods.py `CACHE_FILE`), which the adapter reads when it starts with
 `--cache teacache`.
 
 `--method magcache`: the same runs record, for every request-step after its first, the mean over its rows and
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from diffusiond.models.stepcache import CACHE_FILE
+from diffusiond.models.stepcache.methods import CACHE_FILE
 
 # Prompts any text-to-image model draws, the bundled one included (its words).
 PROMPTS = (
@@ -95,8 +95,8 @@ def record_pairs(
     scheduler_config), as it will be served."""
     from diffusiond.engine.engine import Engine
     from diffusiond.engine.outputs import Completed
+    from diffusiond.models.loading.setup import ModelSetup, build_adapter
     from diffusiond.models.params import SamplingParams
-    from diffusiond.models.setup import ModelSetup, build_adapter
 
     pairs: list[tuple[float, float]] = []
     # (MagCache starts with placeholder ratios: at threshold 0 every step computes whatever they are.)
@@ -141,7 +141,7 @@ def record_pairs(
 def calibrate(args: argparse.Namespace) -> int:
     from diffusiond.daemon.cli import resolve_model
     from diffusiond.daemon.config import scheduler_changes
-    from diffusiond.models.setup import ModelSetup, check_kernels, check_setup
+    from diffusiond.models.loading.setup import ModelSetup, check_kernels, check_setup
 
     model = resolve_model(args.model)
     try:

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import torch
 
-    from diffusiond.models.loader import load_adapter
+    from diffusiond.models.loading.loader import load_adapter
 
     torch.set_num_threads(args.threads)
     if args.model is None:

@@ -129,7 +129,7 @@ def test_generate_refuses_before_loading(monkeypatch, capsys, tmp_path):
     def no_load(*args, **kwargs):
         raise AssertionError("the model must not load for a request it does not serve")
 
-    monkeypatch.setattr("diffusiond.models.loader.load_adapter", no_load)
+    monkeypatch.setattr("diffusiond.models.loading.loader.load_adapter", no_load)
     t0 = time.monotonic()
     code = cli.main(["generate", "a red circle", "--size", "256x256", "--out", str(tmp_path / "x.png")])
     err = capsys.readouterr().err

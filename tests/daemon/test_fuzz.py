@@ -32,9 +32,9 @@ from diffusiond.daemon.openai_api import expand, parse_image_generation
 from diffusiond.daemon.video_requests import parse_video_create, resolve_video
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.wire import NewRequest, StepPlan, decode_plan, encode_plan
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import ParamError
-from diffusiond.models.tiny_lora import build_tiny_lora
+from diffusiond.models.tiny.lora import build_tiny_lora
 
 EXAMPLES = 1500
 HTTP_INPUTS = 1000

@@ -29,8 +29,8 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from diffusiond.models.lora_files import LoraError, startup_specs
-from diffusiond.models.tiny_lora import build_tiny_lora
+from diffusiond.models.lora.files import LoraError, startup_specs
+from diffusiond.models.tiny.lora import build_tiny_lora
 
 TIMEOUT = aiohttp.ClientTimeout(total=120)
 PROMPT = "a red circle on a white background"
@@ -475,7 +475,7 @@ async def test_registrations_are_bounded_before_any_file_is_read(lora_server, fi
         ):
             status, body = await post_lora(session, lora_server, "new", path)
             assert status == 400 and words in assert_error(body, "path")["message"], (path, body)
-        monkeypatch.setattr("diffusiond.models.lora_registry.MAX_ADAPTERS", len(before) + 1)
+        monkeypatch.setattr("diffusiond.models.lora.registry.MAX_ADAPTERS", len(before) + 1)
         status, body = await post_lora(session, lora_server, "one", "more/b.safetensors")
         assert status == 201, body
         status, body = await post_lora(session, lora_server, "two", "more/c.safetensors")

@@ -12,7 +12,7 @@ import json
 import threading
 import urllib.request
 
-from diffusiond.models.sd3 import SD3Adapter
+from diffusiond.models.families.sd3 import SD3Adapter
 
 # The adapter verbs that run torch. `resolve` and `batch_key` run on the event loop and must stay pure Python.
 TORCH_METHODS = ("prepare", "denoise", "step", "predicted_x0", "decode", "preview")

@@ -603,7 +603,7 @@ def test_warm_up_and_limits_of_a_video_model(tiny_wan):
     """The warm-up runs the default size in the shortest clip past one frame (not the default 81 frames), and
     `--max-frames` (default: the most the model makes) refuses longer clips naming num_frames."""
     from diffusiond.daemon.app import request_limits, warm_up_params
-    from diffusiond.models.loader import load_adapter
+    from diffusiond.models.loading.loader import load_adapter
     from diffusiond.models.params import SamplingParams
 
     caps = load_adapter(tiny_wan).capabilities

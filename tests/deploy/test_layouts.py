@@ -17,7 +17,7 @@ from deploy.test_kubernetes import pod_templates
 
 from diffusiond.daemon.cli import build_parser
 from diffusiond.daemon.config import check_serving, load_config
-from diffusiond.models.families import KNOWN_CHECKPOINTS
+from diffusiond.models.families.specs import KNOWN_CHECKPOINTS
 
 ROOT = Path(__file__).parents[2]
 LAYOUT_FLAGS = ("--nproc", "--nnodes", "--cfg-parallel", "--ulysses", "--ring", "--tp", "--shard-weights")
@@ -102,7 +102,7 @@ def test_shipped_manifests_start(where, args, env):
 
 
 def test_a_hub_model_is_checked_before_any_download():
-    from diffusiond.models.setup import SetupError
+    from diffusiond.models.loading.setup import SetupError
 
     with pytest.raises(SetupError, match=r"--ulysses 16 must divide the number of attention heads \(24\)"):
         check(["--model", "stabilityai/stable-diffusion-3.5-medium", "--nproc", "16", "--ulysses", "16"], {})

@@ -26,8 +26,8 @@ from diffusiond.engine.engine import Engine
 from diffusiond.engine.follower import run_follower
 from diffusiond.engine.outputs import Completed, Progress
 from diffusiond.kernels.layout import ParallelLayout
+from diffusiond.models.loading.setup import ModelSetup
 from diffusiond.models.params import SamplingParams
-from diffusiond.models.setup import ModelSetup
 
 
 async def drive(rank, requests, out: Path) -> None:
@@ -158,7 +158,7 @@ def record_ring_keys() -> list[list[int]]:
 def kept_mappings(adapter, folder: str) -> dict:
     """How many of the denoisers' parameters were mapped from the kept folder, and how many lie in a mapping of a
     file there now (/proc/self/maps)."""
-    from diffusiond.models.kept_weights import local_of
+    from diffusiond.models.loading.kept_weights import local_of
 
     spans = []
     for line in Path("/proc/self/maps").read_text().splitlines():
@@ -221,7 +221,7 @@ def main() -> None:
 
         _AttentionBackendRegistry._backends[name] = counted
     if len(sys.argv) > 6:
-        from diffusiond.models import stepcache
+        from diffusiond.models.stepcache import methods as stepcache
 
         name, _, config = sys.argv[6].partition(":")
         rank.adapter.enable_step_cache(name, 0.0, json.loads(config) if config else None)

@@ -13,7 +13,7 @@ from pictures import picture
 
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Completed
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import SamplingParams
 
 STEPS = 3

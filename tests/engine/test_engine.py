@@ -10,7 +10,7 @@ import torch
 
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Cancelled, Completed, Failed, Preview, Progress, Queued
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import SamplingParams
 
 

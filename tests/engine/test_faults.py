@@ -11,7 +11,7 @@ import pytest
 from diffusiond.engine.comm import LocalComm
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Failed
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import SamplingParams
 
 

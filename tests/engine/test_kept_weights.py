@@ -1,10 +1,10 @@
-"""Weights kept in shared memory for a group's next attempt (models/kept_weights.py): a heal maps each rank's share
-of the denoiser from the file the previous attempt wrote, instead of reading the checkpoint and sharding it again.
+"""Weights kept in shared memory for a group's next attempt (models/loading/kept_weights.py): a heal maps each rank's
+share of the denoiser from the file the previous attempt wrote, instead of reading the checkpoint and sharding it again.
 
 Both attempts give one rank's images (tolerance as tests/engine/test_spmd.py). The second attempt's parameters are
 checked to be mappings of the kept files (/proc/self/maps), every one of them, and counted as restored: a keeper that
 silently read the checkpoint again would leave them private (broken on purpose: `restoring = False` in
-models/setup.py, and the second attempt's `restored` was 0: red)."""
+models/loading/setup.py, and the second attempt's `restored` was 0: red)."""
 
 import json
 import os
@@ -16,8 +16,8 @@ import torch
 from spmd_requests import FIXTURES, REQUESTS
 from spmd_runs import one_rank, two_ranks
 
-from diffusiond.models import kept_weights
-from diffusiond.models.kept_weights import KeptWeights, KeptWeightsError
+from diffusiond.models.loading import kept_weights
+from diffusiond.models.loading.kept_weights import KeptWeights, KeptWeightsError
 
 TOLERANCE = 1e-4
 

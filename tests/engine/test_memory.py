@@ -16,7 +16,7 @@ from diffusiond.engine.engine import Engine
 from diffusiond.engine.memory import Trimmer
 from diffusiond.engine.outputs import Completed
 from diffusiond.kernels.host import malloc_trim
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import SamplingParams
 
 

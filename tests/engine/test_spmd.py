@@ -14,7 +14,7 @@ from pictures import picture
 from spmd_requests import FIXTURES, REQUESTS
 from spmd_runs import one_rank, two_ranks
 
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import SamplingParams
 
 TOLERANCE = 1e-4

@@ -10,7 +10,7 @@ import pytest
 from spmd_runs import one_rank, two_ranks
 
 from diffusiond.models.params import LoraChoice, SamplingParams
-from diffusiond.models.tiny_lora import build_tiny_lora
+from diffusiond.models.tiny.lora import build_tiny_lora
 
 
 def requests(guidance: float) -> list[SamplingParams]:

@@ -17,7 +17,7 @@ from procs import refused
 
 from diffusiond.daemon.config import AttentionChoice
 from diffusiond.kernels import attention
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 
 # Kernels differ in summation order only.
 ATOL = 1e-5
@@ -198,7 +198,7 @@ def test_a_masked_call_never_reaches_a_kernel_that_refuses_masks(tiny_qwenimage,
 def test_a_unet_that_calls_sdpa_itself_says_so(tiny_sdxl) -> None:
     """SDXL's UNet calls SDPA itself: `auto` reports sdpa (before: "attention: flash" was logged while SDPA ran),
     and a backend chosen by name is refused at start."""
-    from diffusiond.models.setup import SetupError
+    from diffusiond.models.loading.setup import SetupError
 
     adapter = load_adapter(tiny_sdxl)
     assert adapter.set_attention("auto") == "sdpa"

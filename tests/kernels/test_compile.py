@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 from diffusiond.daemon.app import warm_up_requests
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Completed
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import SamplingParams
 
 # Inductor's fused kernels sum in another order than eager.

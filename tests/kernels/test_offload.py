@@ -11,7 +11,7 @@ from engines import generate
 from procs import refused
 
 from diffusiond.kernels import offload
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 
 TEXT = {"text_encoder", "text_encoder_2", "text_encoder_3"}
 

@@ -17,7 +17,7 @@ from procs import refused
 
 from diffusiond.daemon.config import QuantizeChoice
 from diffusiond.kernels import quantize
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 
 # Mean absolute difference from the unquantized image, in [0, 1] pixel units, of the tiny random checkpoints at 3
 # steps. Measured: see the test's print; random weights are far more sensitive to rounding than trained ones

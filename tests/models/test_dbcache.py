@@ -1,5 +1,5 @@
-"""DBCache, decided per request inside a batch (models/stepcache.py `_dbcache`, issue 35): the first `fn` blocks run
-for every row and their residual decides, the middle blocks run only for the requests that compute, the last `bn`
+"""DBCache, decided per request inside a batch (models/stepcache/methods.py `_dbcache`, issue 35): the first `fn` blocks
+run for every row and their residual decides, the middle blocks run only for the requests that compute, the last `bn`
 blocks run for every row again; no request reuses before step `warmup`. On deeper tiny SD3 (5 blocks, the last of
 which takes the text tokens only) and FLUX.1 (2 double-stream and 3 single-stream blocks: the reused span crosses from
 one kind to the other) checkpoints, saved and loaded through `from_pretrained`, with fn=2, bn=1, warmup=2.
@@ -22,8 +22,8 @@ import torch
 from caching import ATOL, count_reuse, params, run
 
 from diffusiond.daemon.config import ConfigError, cache_settings
-from diffusiond.models import stepcache
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
+from diffusiond.models.stepcache import methods as stepcache
 
 CONFIG = {"fn": 2, "bn": 1, "warmup": 2}
 

@@ -16,7 +16,7 @@ from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Completed
 from diffusiond.models.declared import DEFAULTS_FILE
 from diffusiond.models.default import SHIPPED, default_model
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import SamplingParams
 from diffusiond.models.preview import decode_pooled, load_preview_factors
 from diffusiond.tools.demo import scenes as sc

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import torch
 
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 
 # Families with no published preview map: they fit one against their VAE when they load.
 FITTING = ["tiny_kontext", "tiny_flux2klein", "tiny_qwenimage", "tiny_sdxl", "tiny_wan", "tiny_wan_i2v"]
@@ -50,11 +50,11 @@ def test_sdxl_in_float16_decodes_in_float32_as_its_vae_asks(tiny_sdxl, tmp_path)
 
 
 def decode_calls(adapter, monkeypatch, setting: str, value: int) -> list[int]:
-    """The images per VAE call of 5 requests (4 batched, then 1) with models/flowmatch.py's `setting` at `value`;
-    the images equal those decoded with the defaults."""
+    """The images per VAE call of 5 requests (4 batched, then 1) with models/flowmatch/adapter.py's `setting` at
+    `value`; the images equal those decoded with the defaults."""
     from engines import generate
 
-    from diffusiond.models import flowmatch
+    from diffusiond.models.flowmatch import adapter as flowmatch
 
     expected = generate(adapter, seeds=(1, 2, 3, 4, 5))
     calls = []
@@ -83,7 +83,7 @@ def test_on_the_cpu_a_decode_call_stays_under_the_arena_bound(tiny_sd3, monkeypa
     pixels x the decoder's widest channels x 4 bytes), so that its buffers come from the arenas that keep freed
     memory instead of mappings faulted in at each call; the images are those of one call. Broken on purpose (the
     bound ignored): calls of 4 and 1, red."""
-    from diffusiond.models import flowmatch
+    from diffusiond.models.flowmatch import adapter as flowmatch
 
     adapter = load_adapter(tiny_sd3)
     each = 64 * 64 * max(adapter.vae.config.block_out_channels[:2]) * 4  # the fixture's 64 x 64 images, float32
@@ -92,9 +92,10 @@ def test_on_the_cpu_a_decode_call_stays_under_the_arena_bound(tiny_sd3, monkeypa
 
 
 def test_on_the_cpu_a_2d_vae_convolves_channels_last(tiny_sd3, tiny_wan):
-    """On the CPU a 2-D VAE's convolution weights are loaded channels-last (models/flowmatch.py `channels_last_vae`:
-    one image's decode 0.7-0.8x the time, measured) and it decodes what the checkpoint's layout decodes, within float
-    rounding; a 3-D (video) VAE is left as it was. Broken on purpose (the conversion a no-op): red."""
+    """On the CPU a 2-D VAE's convolution weights are loaded channels-last (models/flowmatch/adapter.py
+    `channels_last_vae`: one image's decode 0.7-0.8x the time, measured) and it decodes what the checkpoint's layout
+    decodes, within float rounding; a 3-D (video) VAE is left as it was. Broken on purpose (the conversion a no-op):
+    red."""
     adapter = load_adapter(tiny_sd3)
     convs = [m.weight for m in adapter.vae.modules() if isinstance(m, torch.nn.Conv2d)]
     assert all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
@@ -114,7 +115,7 @@ def test_defaults_on_a_gpu_are_what_runs_there(tmp_path):
     failed the warm-up and fp8 tripped torchao's assertion); combinations that cannot run are refused at start,
     before any torch import, naming the flag to change."""
     from diffusiond.daemon.config import ServeConfig, model_setup
-    from diffusiond.models.setup import ModelSetup, SetupError, check_setup
+    from diffusiond.models.loading.setup import ModelSetup, SetupError, check_setup
 
     assert model_setup(ServeConfig(device="cuda")).dtype == "bfloat16"
     assert model_setup(ServeConfig(device="cuda:3")).dtype == "bfloat16"
@@ -130,7 +131,7 @@ def test_defaults_on_a_gpu_are_what_runs_there(tmp_path):
 
 def test_the_two_lists_of_half_precision_kernels_agree():
     from diffusiond.kernels.attention import HALF_ONLY
-    from diffusiond.models.setup import HALF_ONLY_ATTENTION
+    from diffusiond.models.loading.setup import HALF_ONLY_ATTENTION
 
     assert HALF_ONLY == HALF_ONLY_ATTENTION
 
@@ -148,8 +149,8 @@ def test_row_indices_and_scales_reach_the_device_without_a_sync(monkeypatch):
 
 
 def test_a_fused_lora_is_refused_on_quantized_weights(tiny_sd3, tmp_path):
-    from diffusiond.models.setup import ModelSetup, SetupError, check_setup
-    from diffusiond.models.tiny_lora import build_tiny_lora
+    from diffusiond.models.loading.setup import ModelSetup, SetupError, check_setup
+    from diffusiond.models.tiny.lora import build_tiny_lora
 
     lora = build_tiny_lora(tiny_sd3, tmp_path / "style.safetensors", seed=1)
     setup = ModelSetup(model=tiny_sd3, lora=(f"style={lora}",), lora_fuse=1.0)
@@ -161,7 +162,7 @@ def test_a_fused_lora_is_refused_on_quantized_weights(tiny_sd3, tmp_path):
 def test_a_gpu_layout_needs_the_gpus_it_names(monkeypatch, tmp_path):
     """`--device cuda` where no GPU is visible, and more ranks on a node than its GPUs, are refused at start (before:
     the first failed when the model moved to the device, the second when two ranks shared a GPU's NCCL rank)."""
-    from diffusiond.models.setup import ModelSetup, SetupError, check_kernels
+    from diffusiond.models.loading.setup import ModelSetup, SetupError, check_kernels
 
     setup = ModelSetup(model=str(tmp_path), device="cuda")
     with pytest.raises(SetupError, match="--device cuda: no CUDA device is visible"):

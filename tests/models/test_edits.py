@@ -16,7 +16,7 @@ from engines import reference, run_staggered
 from pictures import decoded, mask, picture
 
 from diffusiond.engine.outputs import Completed
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import ParamError, SamplingParams
 
 TOLERANCE = 1e-4

@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 from procs import refused
 
-from diffusiond.models.families import FAMILIES, families_table
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.families.specs import FAMILIES, families_table
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import ParamError, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ from pictures import picture
 from PIL import Image
 
 from diffusiond.engine.outputs import Completed
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import ParamError, SamplingParams
 
 TOLERANCE = 1e-4

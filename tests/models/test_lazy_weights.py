@@ -1,4 +1,4 @@
-"""A denoiser built empty and read a part at a time (models/lazy_weights.py) is, once every part is read, the
+"""A denoiser built empty and read a part at a time (models/loading/lazy_weights.py) is, once every part is read, the
 denoiser `from_pretrained` loads: the same parameters and buffers, names, dtypes and values, no empty tensor left
 anywhere (rotary tables kept as plain attributes included), and the same images, for every family (and in bfloat16,
 where `_keep_in_fp32_modules` stay float32). Broken on purpose once: with every tensor built in the constructor left
@@ -11,7 +11,7 @@ import pytest
 import torch
 from engines import generate
 
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.tiny import FAMILIES
 
 

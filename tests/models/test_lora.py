@@ -1,4 +1,4 @@
-"""LoRA per request (models/lora_registry.py, kernels/lora_rows.py): requests with different adapters, or none,
+"""LoRA per request (models/lora/registry.py, kernels/lora_rows.py): requests with different adapters, or none,
 share one batched forward, and each image equals diffusers' pipeline with `load_lora_weights` +
 `set_adapters(..., adapter_weights)` for the same seed. Tolerance 1e-4 (measured: at most 5e-6 on these
 checkpoints, float32 on CPU)."""
@@ -23,10 +23,10 @@ from safetensors.torch import load_file, save_file
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Completed, Progress
 from diffusiond.kernels import lora_rows as lora_kernels
-from diffusiond.models.loader import load_adapter
-from diffusiond.models.lora_files import LoraError
+from diffusiond.models.loading.loader import load_adapter
+from diffusiond.models.lora.files import LoraError
 from diffusiond.models.params import LoraChoice, SamplingParams
-from diffusiond.models.tiny_lora import build_tiny_lora
+from diffusiond.models.tiny.lora import build_tiny_lora
 
 TOLERANCE = 1e-4
 FAMILIES = {
@@ -128,7 +128,9 @@ def test_mixed_batch_matches_diffusers(family, batch, request, tmp_path, monkeyp
     monkeypatch.setattr(lora_kernels._Gathered, "delta", lambda self, *a: gathered.append(1) or real_delta(self, *a))
 
     requests = MIXED if batch == "mixed" else STACKED
-    if family == "qwen-image-21":  # its rows share a call when their texts have one layout (models/qwenimage21.py)
+    if (
+        family == "qwen-image-21"
+    ):  # its rows share a call when their texts have one layout (models/families/qwenimage21.py)
         requests = [msgspec.structs.replace(p, prompt="a shape") for p in requests]
     if family in EDITS:
         requests = [msgspec.structs.replace(p, image=picture(64, 64, seed=p.seed)) for p in requests]

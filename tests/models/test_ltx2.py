@@ -16,7 +16,7 @@ from engines import run_staggered
 from PIL import Image
 
 from diffusiond.engine.outputs import Completed
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import ParamError, SamplingParams
 
 TOLERANCE = 1e-4
@@ -237,7 +237,7 @@ def test_lora_requests_match_the_pipeline(tiny_ltx2, tmp_path):
     import warnings
 
     from diffusiond.models.params import LoraChoice
-    from diffusiond.models.tiny_lora import build_tiny_lora
+    from diffusiond.models.tiny.lora import build_tiny_lora
 
     files = {n: build_tiny_lora(tiny_ltx2, tmp_path / f"{n}.safetensors", seed=i + 1) for i, n in enumerate("ab")}
     adapter = load_adapter(tiny_ltx2)

@@ -1,5 +1,5 @@
-"""MagCache per request (models/stepcache.py `_magcache`, issue 35): after the first `retention` share of its steps,
-a request multiplies the checkpoint's magnitude ratios of the steps since it last computed and accumulates
+"""MagCache per request (models/stepcache/methods.py `_magcache`, issue 35): after the first `retention` share of its
+steps, a request multiplies the checkpoint's magnitude ratios of the steps since it last computed and accumulates
 |1 - product|; below its threshold, at most `max_skip` steps in a row, it runs no block and adds the residual of its
 last computed step. The ratios: `--cache-config`'s, else the checkpoint's calibration (`python -m
 diffusiond.tools.calibrate --method magcache`), else the family's published ones (FLUX.1), else the start is refused.
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from diffusiond.daemon.config import ConfigError, cache_settings
-from diffusiond.models import stepcache
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
+from diffusiond.models.stepcache import methods as stepcache
 
 
 class Add(torch.nn.Module):

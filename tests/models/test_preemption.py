@@ -20,9 +20,9 @@ import torch
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Completed, Paused, Progress, Resumed
 from diffusiond.engine.parking import Parking, move_tensors
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import LoraChoice, SamplingParams
-from diffusiond.models.tiny_lora import build_tiny_lora
+from diffusiond.models.tiny.lora import build_tiny_lora
 
 
 class CopyingParking(Parking):

@@ -5,9 +5,9 @@ import pytest
 import torch
 from engines import guidance
 
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.flowmatch.prompts import PromptCache
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import SamplingParams
-from diffusiond.models.prompts import PromptCache
 
 
 def test_lru_bounded_in_bytes():

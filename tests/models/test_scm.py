@@ -1,4 +1,4 @@
-"""SCM step masks (models/stepcache.py `scm_steps`, issue 35): per request, the steps that compute whatever the
+"""SCM step masks (models/stepcache/methods.py `scm_steps`, issue 35): per request, the steps that compute whatever the
 cache's signal says (`cache_steps`: "fast", "medium", "slow", "off" or step indices; the server's default from
 `--cache-config '{"scm": ...}'`); the other steps reuse while the signal allows.
 
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from caching import ATOL, params, run
 
-from diffusiond.models import stepcache
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import ParamError
-from diffusiond.models.stepcache import scm_steps
+from diffusiond.models.stepcache import methods as stepcache
+from diffusiond.models.stepcache.methods import scm_steps
 
 
 def test_presets_and_lists():

@@ -1,5 +1,5 @@
-"""Step caching decided per request inside a batch (models/stepcache.py), on the tiny SD3 and FLUX checkpoints, for
-both methods (first-block cache and TeaCache).
+"""Step caching decided per request inside a batch (models/stepcache/methods.py), on the tiny SD3 and FLUX checkpoints,
+for both methods (first-block cache and TeaCache).
 
 - Threshold 0 is exact: the cached forward (first block, then the rest) gives the uncached engine's image, which
   tests/models/test_parity.py holds to diffusers' own pipeline.
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from caching import ATOL, count_reuse, params, run
 
-from diffusiond.models import stepcache
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import ParamError
+from diffusiond.models.stepcache import methods as stepcache
 
 FIXTURES = {"sd3": "tiny_sd3", "flux": "tiny_flux", "qwen-image": "tiny_qwenimage"}
 

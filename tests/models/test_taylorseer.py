@@ -1,5 +1,5 @@
-"""TaylorSeer on DBCache, per request (models/stepcache.py `_forecast`, issue 35): a reusing request adds the Taylor
-forecast of the reused span's residuals from its own last computed steps instead of the last residuals.
+"""TaylorSeer on DBCache, per request (models/stepcache/methods.py `_forecast`, issue 35): a reusing request adds the
+Taylor forecast of the reused span's residuals from its own last computed steps instead of the last residuals.
 
 - The forecast itself, on blocks whose residual follows the step exactly (linear, quadratic): order 1 extrapolates a
   linear residual exactly; order 2 adds half the second difference; without TaylorSeer the step reuses the last one.
@@ -19,8 +19,8 @@ import torch
 from caching import ATOL, count_reuse, params, run
 
 from diffusiond.daemon.config import ConfigError, cache_settings
-from diffusiond.models import stepcache
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
+from diffusiond.models.stepcache import methods as stepcache
 
 CONFIG = {"fn": 2, "bn": 1, "warmup": 2, "taylorseer": True, "taylorseer_order": 2}
 

@@ -1,4 +1,4 @@
-"""Tiny offline SD3/FLUX checkpoints (models/tiny.py) and latent -> RGB preview maps (models/preview.py)."""
+"""Tiny offline SD3/FLUX checkpoints (models/tiny/__init__.py) and latent -> RGB preview maps (models/preview.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from diffusiond.models.preview import (
     random_latents,
     write_preview_factors,
 )
-from diffusiond.models.tiny import WORDS, build_tiny, make_clip_tokenizer, make_t5_tokenizer
+from diffusiond.models.tiny import build_tiny
+from diffusiond.models.tiny.text import WORDS, make_clip_tokenizer, make_t5_tokenizer
 
 torch.set_num_threads(2)
 

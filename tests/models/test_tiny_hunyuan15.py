@@ -1,18 +1,18 @@
-"""The tiny HunyuanVideo-1.5 checkpoints (models/tiny_hunyuan15.py), groundwork for the HunyuanVideo-1.5 family."""
+"""The tiny HunyuanVideo-1.5 checkpoints (models/tiny/hunyuan15.py), groundwork for the HunyuanVideo-1.5 family."""
 
 import numpy as np
 import torch
 
 
 def test_tiny_hunyuan_video15_loads_as_its_pipelines_and_follows_its_inputs(tmp_path):
-    """The tiny HunyuanVideo-1.5 (models/tiny_hunyuan15.py): text- and image-to-video, saved and loaded back through
+    """The tiny HunyuanVideo-1.5 (models/tiny/hunyuan15.py): text- and image-to-video, saved and loaded back through
     the pipelines' `from_pretrained` (the loaded text-to-video pipeline makes the very frames the built one does); a
     prompt, a quoted glyph text (the ByT5 encoder), a seed and the guider's scale move the frames (random weights
     alone hid the prompt: 0.026 of the frames), and the image-to-video pipeline follows its image and its prompt."""
     from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
     from PIL import Image
 
-    from diffusiond.models.tiny_hunyuan15 import build_hunyuan_video15, build_hunyuan_video15_i2v
+    from diffusiond.models.tiny.hunyuan15 import build_hunyuan_video15, build_hunyuan_video15_i2v
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

@@ -1,18 +1,18 @@
-"""The tiny LTX-2 checkpoints (models/tiny_ltx2.py), groundwork for the LTX-2 family (issue 32, item 6)."""
+"""The tiny LTX-2 checkpoints (models/tiny/ltx2.py), groundwork for the LTX-2 family (issue 32, item 6)."""
 
 import numpy as np
 import torch
 
 
 def test_tiny_ltx2_loads_as_its_pipelines_and_follows_its_inputs(tmp_path):
-    """The tiny LTX-2 (models/tiny_ltx2.py, for the coming adapter): text- and image-to-video with sound, saved and
+    """The tiny LTX-2 (models/tiny/ltx2.py, for the coming adapter): text- and image-to-video with sound, saved and
     loaded back through `LTX2Pipeline.from_pretrained`; a prompt and a seed move both the frames and the waveform
     (random weights alone hid the prompt: 0.0035 of the frames, and gave a constant waveform), and the
     image-to-video pipeline takes the same components and follows its image."""
     from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline
     from PIL import Image
 
-    from diffusiond.models.tiny_ltx2 import build_ltx2
+    from diffusiond.models.tiny.ltx2 import build_ltx2
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

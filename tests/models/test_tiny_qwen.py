@@ -9,8 +9,8 @@ from diffusers import DiffusionPipeline, QwenImagePipeline, ZImagePipeline
 from transformers import AutoTokenizer
 
 from diffusiond.models.preview import load_preview_factors
-from diffusiond.models.tiny import WORDS
-from diffusiond.models.tiny_qwen import make_qwen_tokenizer
+from diffusiond.models.tiny.qwen import make_qwen_tokenizer
+from diffusiond.models.tiny.text import WORDS
 
 PROMPTS = ["a red circle on a blue background", "A zebraish Quokka, 42 times!", " leading space"]
 
@@ -69,13 +69,13 @@ def test_make_tiny_writes_a_preview_map_fitted_through_the_familys_decode(family
 
 
 def test_tiny_qwen_image_21_loads_as_its_pipeline_and_follows_its_inputs(tmp_path):
-    """The tiny Qwen-Image 2.1 (models/tiny_qwen21.py, `make-tiny --family qwen-image-21`): saved and loaded back
+    """The tiny Qwen-Image 2.1 (models/tiny/qwen21.py, `make-tiny --family qwen-image-21`): saved and loaded back
     through `QwenImage21Pipeline.from_pretrained`, it generates RGBA 64x64 images in which another prompt, true CFG
     with a negative prompt, and another condition image each clearly show (random weights alone hid them: <= 0.005)."""
     from diffusers import QwenImage21Pipeline
     from PIL import Image
 
-    from diffusiond.models.tiny_qwen21 import build_qwenimage21
+    from diffusiond.models.tiny.qwen21 import build_qwenimage21
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""`make-tiny --real-size`: the real families' transformer configurations (models/tiny_real.py), checked for their
+"""`make-tiny --real-size`: the real families' transformer configurations (models/tiny/real.py), checked for their
 size on the meta device (writing them takes minutes and gigabytes; docs/performance.md has what they measured)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from procs import refused
 
-from diffusiond.models.tiny_real import SD35_MEDIUM, WAN_1_3B
+from diffusiond.models.tiny.real import SD35_MEDIUM, WAN_1_3B
 
 
 @pytest.mark.parametrize(

@@ -19,9 +19,9 @@ from pictures import picture
 from PIL import Image
 
 from diffusiond.engine.outputs import Completed
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import LoraChoice, ParamError, SamplingParams
-from diffusiond.models.tiny_lora import build_tiny_lora
+from diffusiond.models.tiny.lora import build_tiny_lora
 
 TOLERANCE = 1e-4
 
@@ -268,7 +268,7 @@ def test_what_two_experts_refuse(tiny_wan, tiny_wan22):
     """guidance_scale_2 on a one-denoiser checkpoint is a knob it would ignore; settings not made per expert yet
     refuse a two-expert checkpoint at start-up, naming the flag (`--tp`); step caching is per expert
     (tests/models/test_wan_cache.py)."""
-    from diffusiond.models.setup import SetupError
+    from diffusiond.models.loading.setup import SetupError
 
     with pytest.raises(ParamError) as info:
         load_adapter(tiny_wan).resolve(clip("a cat", 1, guidance_scale_2=3.0))

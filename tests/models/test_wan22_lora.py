@@ -13,9 +13,9 @@ import pytest
 from engines import run_staggered
 
 from diffusiond.engine.outputs import Completed
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import LoraChoice, ParamError, SamplingParams
-from diffusiond.models.tiny_lora import build_tiny_lora
+from diffusiond.models.tiny.lora import build_tiny_lora
 
 TOLERANCE = 1e-4
 
@@ -88,7 +88,7 @@ def test_each_choice_applies_in_the_expert_it_names(tiny_wan22, tmp_path):
 
 
 def test_expert_is_for_two_expert_checkpoints(tiny_wan, tiny_wan22, tmp_path):
-    from diffusiond.models.lora_registry import LoraError
+    from diffusiond.models.lora.registry import LoraError
 
     path = build_tiny_lora(tiny_wan, tmp_path / "a.safetensors", seed=1)
     one = load_adapter(tiny_wan)

@@ -1,4 +1,4 @@
-"""Step caching on Wan (models/cached_forward.py `wan_forward`): every method decides per request inside a batch,
+"""Step caching on Wan (models/stepcache/forwards.py `wan_forward`): every method decides per request inside a batch,
 on the layouts Wan ships (2.1 text-to-video, 2.1 image-to-video with image cross-attention, 2.2 A14B's two experts,
 2.2 TI2V-5B's timestep per token), and nothing crosses Wan 2.2's expert switch (`stepcache.restart`).
 
@@ -19,10 +19,10 @@ import pytest
 from caching import ATOL, count_reuse, run
 from pictures import picture
 
-from diffusiond.models import stepcache
 from diffusiond.models.base import RequestState
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import SamplingParams
+from diffusiond.models.stepcache import methods as stepcache
 
 FIXTURES = {"wan": "tiny_wan", "wan-i2v": "tiny_wan_i2v", "wan22": "tiny_wan22", "wan22-ti2v": "tiny_wan22_ti2v"}
 CONFIGS = {"magcache": {"ratios": [1.0, 1.02, 0.98, 1.0]}}

@@ -1,9 +1,10 @@
-"""A clip's VAE decode in pieces (issue 34; engine/executor.py `_decode_pieces`, models/wan.py `wan_pieces`): Wan
-decodes one latent frame per piece, a piece per step, so that a finishing low-class clip's decode does not hold up
-a higher class's steps. The pieces give `decode`'s frames exactly (Wan 2.1 T2V, and TI2V-5B's patchified VAE with
-its given first frame pinned); a class-9 request that takes the slot of a finishing class-0 clip completes before
-the clip's decode does, and the clip's frames equal the clip decoded alone. Broken on purpose once: with the plans'
-`decode` left None (every finished clip decoded whole in the step it finishes), the clip completed first (red)."""
+"""A clip's VAE decode in pieces (issue 34; engine/executor.py `_decode_pieces`, models/families/wan/adapter.py
+`wan_pieces`): Wan decodes one latent frame per piece, a piece per step, so that a finishing low-class clip's decode
+does not hold up a higher class's steps. The pieces give `decode`'s frames exactly (Wan 2.1 T2V, and TI2V-5B's
+patchified VAE with its given first frame pinned); a class-9 request that takes the slot of a finishing class-0 clip
+completes before the clip's decode does, and the clip's frames equal the clip decoded alone. Broken on purpose once:
+with the plans' `decode` left None (every finished clip decoded whole in the step it finishes), the clip completed first
+(red)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Completed, Progress
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import SamplingParams
 
 

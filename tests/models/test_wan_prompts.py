@@ -1,5 +1,5 @@
-"""Wan's prompts through UMT5 without 512 tokens of padding (models/wan_prompts.py): the rows equal the pipeline's
-`encode_prompt` (tolerance 1e-5; measured 1.1e-6 on values up to 3.6), a row does not depend on what else was
+"""Wan's prompts through UMT5 without 512 tokens of padding (models/families/wan/prompts.py): the rows equal the
+pipeline's `encode_prompt` (tolerance 1e-5; measured 1.1e-6 on values up to 3.6), a row does not depend on what else was
 encoded with it (exactly), and the encoder really reads less. Broken on purpose once (every bucket 512): the last
 test went red."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from diffusiond.models import wan_prompts
-from diffusiond.models.loader import load_adapter
-from diffusiond.models.wan_attention import TEXT_TOKENS
+from diffusiond.models.families.wan import prompts as wan_prompts
+from diffusiond.models.families.wan.attention import TEXT_TOKENS
+from diffusiond.models.loading.loader import load_adapter
 
 PROMPTS = ["a red cat", "a dog running across a green field under a cloudy sky, wide shot", "long " * 600, ""]
 

@@ -1,5 +1,5 @@
-"""x0cache (models/stepcache.py `_x0cache`, `settle`; issue 35, part 0): a cache that decides on the predicted clean
-image, which stays smooth under samplers that add fresh noise at every step (the bundled model's), and holds that
+"""x0cache (models/stepcache/methods.py `_x0cache`, `settle`; issue 35, part 0): a cache that decides on the predicted
+clean image, which stays smooth under samplers that add fresh noise at every step (the bundled model's), and holds that
 image through a reused step. The generic per-request tests (threshold 0 exact, a mixed batch equal to each request
 alone, a batch-wide decision caught) run it in tests/models/test_stepcache.py; 2 ranks in tests/engine/test_spmd.py.
 """
@@ -14,8 +14,8 @@ import pytest
 import torch
 from caching import params, run
 
-from diffusiond.models import stepcache
-from diffusiond.models.loader import load_adapter
+from diffusiond.models.loading.loader import load_adapter
+from diffusiond.models.stepcache import methods as stepcache
 
 
 def state(request_id: str, cache=None, step: int = 3) -> SimpleNamespace:
@@ -86,7 +86,7 @@ def test_a_server_that_sets_no_threshold_gets_its_methods(tiny_sd3, method, give
     """x0cache thresholds the change of a request's predicted clean image per step, not a residual's: the bundled
     model as shipped gained 1.23x at 0.1 and 1.54-1.79x at 0.2 (40.3 dB, the judge up), so 0.2 is its default where
     the server sets none; the others keep 0.1. Broken on purpose (one default for all): red."""
-    from diffusiond.models.setup import ModelSetup, build_adapter
+    from diffusiond.models.loading.setup import ModelSetup, build_adapter
 
     adapter = build_adapter(ModelSetup(model=tiny_sd3, cache=method, cache_threshold=given))
     assert adapter.default_cache_threshold == expected

@@ -332,7 +332,7 @@ def test_scheduler_config_must_be_a_json_object(args, message):
     ],
 )
 def test_what_needs_no_torch_is_refused_before_torch_is_imported(argv, message, tiny_sd3):
-    """The checkpoint's declarations, the family's and every flag rule (models/setup.py `check_setup`) are read
+    """The checkpoint's declarations, the family's and every flag rule (models/loading/setup.py `check_setup`) are read
     without torch: a refusal costs a tenth of a second, not the imports (6-9 s)."""
     code = (
         "import sys; from diffusiond.__main__ import main; "

@@ -156,7 +156,7 @@ def test_a_start_up_lora_that_does_not_fit_exits_2_naming_the_file(start_daemon,
     import torch
     from safetensors.torch import load_file, save_file
 
-    from diffusiond.models.tiny_lora import build_tiny_lora
+    from diffusiond.models.tiny.lora import build_tiny_lora
 
     good = build_tiny_lora(tiny_sd3, tmp_path / "good.safetensors", seed=1)
     tensors = load_file(str(good))

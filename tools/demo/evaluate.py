@@ -32,7 +32,7 @@ EVAL_ORDER_SEED = 0
 
 
 def load(model: str | Path) -> Any:
-    from diffusiond.models.loader import load_adapter
+    from diffusiond.models.loading.loader import load_adapter
 
     return load_adapter(str(model))
 
@@ -99,7 +99,7 @@ def set_shift(adapter: Any, shift: float) -> None:
 
 def set_scheduler(adapter: Any, **config: Any) -> None:
     """The adapter's scheduler with `config` changed (as `configure` would write it)."""
-    from diffusiond.models.loader import change_scheduler
+    from diffusiond.models.loading.loader import change_scheduler
 
     adapter.pipe.scheduler = change_scheduler(adapter.pipe.scheduler, config)
 

@@ -17,7 +17,7 @@ CLIP_PROJECTION = 64
 
 def make_tokenizer() -> Any:
     """A CLIPTokenizer in which every word of the scene grammar is one token; 16 tokens of context."""
-    from diffusiond.models.tiny import make_clip_tokenizer
+    from diffusiond.models.tiny.text import make_clip_tokenizer
 
     return make_clip_tokenizer(sc.VOCABULARY, max_length=CLIP_MAX_LENGTH)
 

@@ -10,7 +10,7 @@ import os
 _RANK = os.environ.get("FAULT_INJECT_RANK")
 
 if _RANK is not None and os.environ.get("RANK") == _RANK:
-    from diffusiond.models.sd3 import SD3Adapter
+    from diffusiond.models.families.sd3 import SD3Adapter
 
     def _inject(name: str) -> None:
         real = getattr(SD3Adapter, name)

@@ -1,0 +1,328 @@
+"""What each family declares it supports, readable without torch: start-up validation (models/loading/setup.py),
+README's table and `/v1/models` read these, and each adapter class takes its own (`ModelAdapter.spec`), so they are said
+once. The adapter's module is imported only when a model of the family loads (models/loading/registry.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# How a family guides: "cfg" (a negative branch whenever `guidance_scale` says so), "distilled" (`guidance_scale`
+# feeds a guidance embedding, one row), "true-cfg" (a negative branch with `true_cfg_scale` and a negative prompt),
+# "skip-layer" (skip-layer guidance on top of CFG, `skip_guidance_layers`), "audio-video" (LTX-2: besides the video's
+# CFG, the audio's own CFG, spatio-temporal and modality-isolation guidance for each modality, and their rescale).
+GUIDANCE_STYLES = ("cfg", "distilled", "true-cfg", "skip-layer", "audio-video")
+
+
+@dataclass(frozen=True)
+class Family:
+    # diffusers' pipeline class, as `model_index.json` names it (`_class_name`).
+    pipeline_class: str
+    family: str
+    # "module:Class" of its adapter, under diffusiond.models.families.
+    adapter: str
+    guidance_styles: tuple[str, ...]
+    # Parallel strategies over several ranks: "cfg-parallel" (the two CFG rows, or halves of a batch without CFG),
+    # "ulysses" (sequence parallel attention; its degree must divide the transformer's heads), "ring" (ring attention
+    # over the sharded sequence, alone or with Ulysses; families whose attention takes no mask), "tp" (tensor
+    # parallel linears, by the family's plan), "shard-weights" (FSDP2: weights gathered block by block),
+    # "vae-parallel" (one image decoded in strips by several ranks: 2D VAEs).
+    parallel: tuple[str, ...] = ("cfg-parallel",)
+    # Step caches it implements (models/stepcache/methods.py), besides "none", and whether they run with Ulysses.
+    cache_methods: tuple[str, ...] = ()
+    cache_with_ulysses: bool = True
+    # Images a request may bring: "img2img" (starts from it, `strength`), "mask" (inpainting, with img2img), "edit"
+    # (instruction editing), "references" (edits with more images: `reference_images`), "first-frame" (a video
+    # that starts from the image).
+    image_inputs: tuple[str, ...] = ()
+    # What it makes: "image" or "video" (clips of frames; `Capabilities` then carries the frame rules).
+    modality: str = "image"
+    # LoRA per request (`SamplingParams.lora`, models/lora/registry.py): adapters of the denoiser, mixed in one batch.
+    lora: bool = False
+    # Packages its pipeline needs beyond diffusiond's own dependencies.
+    needs: tuple[str, ...] = ()
+    # Its attention takes masks (texts of a batch padded to the longest): kernels that refuse masks run in their
+    # varlen form (kernels/attention.py MASKED).
+    attention_masks: bool = False
+
+
+ALL_PARALLEL = ("cfg-parallel", "ulysses", "ring", "tp", "shard-weights", "vae-parallel")
+
+SD3 = Family(
+    "StableDiffusion3Pipeline",
+    "sd3",
+    "sd3:SD3Adapter",
+    guidance_styles=("cfg", "skip-layer"),
+    parallel=ALL_PARALLEL,
+    cache_methods=("fbcache", "dbcache", "teacache", "x0cache", "magcache"),
+    image_inputs=("img2img", "mask"),
+    lora=True,
+)
+SDXL = Family(
+    "StableDiffusionXLPipeline",
+    "sdxl",
+    "sdxl:SDXLAdapter",
+    guidance_styles=("cfg",),
+    parallel=("cfg-parallel", "shard-weights", "vae-parallel"),
+    image_inputs=("img2img", "mask"),
+    lora=True,
+)
+FLUX = Family(
+    "FluxPipeline",
+    "flux",
+    "flux:FluxAdapter",
+    guidance_styles=("distilled", "true-cfg"),
+    parallel=ALL_PARALLEL,
+    cache_methods=("fbcache", "dbcache", "teacache", "x0cache", "magcache"),
+    image_inputs=("img2img", "mask"),
+    lora=True,
+)
+FLUX_KONTEXT = Family(
+    "FluxKontextPipeline",
+    "flux-kontext",
+    "kontext:FluxKontextAdapter",
+    guidance_styles=FLUX.guidance_styles,
+    parallel=FLUX.parallel,
+    cache_methods=FLUX.cache_methods,
+    image_inputs=("edit",),
+    lora=True,
+)
+FLUX2_KLEIN = Family(
+    "Flux2KleinPipeline",
+    "flux2-klein",
+    "flux2:Flux2KleinAdapter",
+    guidance_styles=("cfg",),
+    parallel=ALL_PARALLEL,
+    image_inputs=("edit", "references"),
+    lora=True,
+)
+# FLUX.2 [dev]: klein's transformer with a guidance embedding and a Mistral-3 text encoder (Pixtral processor).
+FLUX2 = Family(
+    "Flux2Pipeline",
+    "flux2",
+    "flux2:Flux2Adapter",
+    guidance_styles=("distilled",),
+    parallel=ALL_PARALLEL,
+    image_inputs=("edit", "references"),
+    lora=True,
+    needs=("torchvision",),
+)
+Z_IMAGE = Family(
+    "ZImagePipeline",
+    "z-image",
+    "zimage:ZImageAdapter",
+    guidance_styles=("cfg",),
+    parallel=("cfg-parallel", "ulysses", "shard-weights", "vae-parallel"),
+    image_inputs=("img2img", "mask"),
+    lora=True,
+    attention_masks=True,
+)
+QWEN_IMAGE = Family(
+    "QwenImagePipeline",
+    "qwen-image",
+    "qwenimage:QwenImageAdapter",
+    guidance_styles=("true-cfg", "distilled"),
+    parallel=("cfg-parallel", "ulysses", "tp", "shard-weights"),
+    cache_methods=("fbcache", "dbcache", "teacache", "x0cache", "magcache"),
+    # Its cached forward does not shard tokens yet: --cache with --ulysses is refused at start.
+    cache_with_ulysses=False,
+    image_inputs=("img2img", "mask"),
+    lora=True,
+    attention_masks=True,
+)
+# Qwen-Image-Edit-2509/2511: instruction edits of one to three images (the first is edited, the others are its
+# references), each read by the Qwen2.5-VL text encoder (at 384x384's area) and joining every step's sequence as
+# latent tokens (at 1024x1024's area). Its Qwen2-VL processor needs torchvision.
+QWEN_IMAGE_EDIT_PLUS = Family(
+    "QwenImageEditPlusPipeline",
+    "qwen-image-edit-plus",
+    "qwenimage_edit:QwenImageEditPlusAdapter",
+    guidance_styles=("true-cfg", "distilled"),
+    parallel=("cfg-parallel", "ulysses"),
+    image_inputs=("edit", "references"),
+    lora=True,
+    attention_masks=True,
+    needs=("torchvision",),
+)
+QWEN_IMAGE_EDIT = Family(
+    "QwenImageEditPipeline",
+    "qwen-image-edit",
+    "qwenimage_edit:QwenImageEditAdapter",
+    guidance_styles=QWEN_IMAGE_EDIT_PLUS.guidance_styles,
+    parallel=QWEN_IMAGE_EDIT_PLUS.parallel,
+    image_inputs=("edit",),
+    lora=QWEN_IMAGE_EDIT_PLUS.lora,
+    attention_masks=True,
+    needs=QWEN_IMAGE_EDIT_PLUS.needs,
+)
+# Qwen-Image 2.1: a Qwen3-VL text encoder and a single-stream block-causal transformer whose 16x VAE decodes RGBA.
+# Text to image, and conditioned on one to three images; CFG-parallel and Ulysses (models/families/qwenimage21.py says
+# what is not served yet).
+QWEN_IMAGE_21 = Family(
+    "QwenImage21Pipeline",
+    "qwen-image-21",
+    "qwenimage21:QwenImage21Adapter",
+    guidance_styles=("true-cfg",),
+    parallel=("cfg-parallel", "ulysses"),
+    image_inputs=("edit", "references"),
+    lora=True,
+    attention_masks=True,
+    needs=("torchvision",),
+)
+WAN = Family(
+    "WanPipeline",
+    "wan",
+    "wan.adapter:WanAdapter",
+    guidance_styles=("cfg",),
+    parallel=("cfg-parallel", "ulysses", "ring", "shard-weights"),
+    cache_methods=("fbcache", "dbcache", "teacache", "x0cache", "magcache"),
+    modality="video",
+    lora=True,
+)
+WAN_I2V = Family(
+    "WanImageToVideoPipeline",
+    "wan-i2v",
+    "wan.adapter:WanI2VAdapter",
+    guidance_styles=WAN.guidance_styles,
+    parallel=WAN.parallel,
+    cache_methods=WAN.cache_methods,
+    modality="video",
+    image_inputs=("first-frame",),
+    lora=True,
+    needs=("ftfy",),
+)
+# LTX-2: video and sound from one transformer (video and audio tokens, attending to each other), a Gemma 3 text
+# encoder with connectors, a video VAE, an audio VAE and a vocoder (models/families/ltx2/adapter.py).
+LTX2 = Family(
+    "LTX2Pipeline",
+    "ltx2",
+    "ltx2.adapter:LTX2Adapter",
+    guidance_styles=("cfg", "audio-video"),
+    parallel=("cfg-parallel", "ulysses"),
+    modality="video",
+    image_inputs=("first-frame",),
+    lora=True,
+)
+LTX2_I2V = Family(
+    "LTX2ImageToVideoPipeline",
+    "ltx2-i2v",
+    "ltx2.adapter:LTX2I2VAdapter",
+    guidance_styles=LTX2.guidance_styles,
+    parallel=LTX2.parallel,
+    modality="video",
+    image_inputs=("first-frame",),
+    lora=True,
+)
+# HunyuanVideo-1.5: a dual-stream transformer over video tokens reading Qwen2.5-VL, ByT5 glyph text and (image to
+# video) SigLIP embeddings; a checkpoint is text- or image-to-video (models/families/hunyuan15.py).
+HUNYUAN_VIDEO_15 = Family(
+    "HunyuanVideo15Pipeline",
+    "hunyuan-video-15",
+    "hunyuan15:HunyuanVideo15Adapter",
+    guidance_styles=("cfg",),
+    parallel=("cfg-parallel", "ulysses"),
+    modality="video",
+    attention_masks=True,
+)
+HUNYUAN_VIDEO_15_I2V = Family(
+    "HunyuanVideo15ImageToVideoPipeline",
+    "hunyuan-video-15-i2v",
+    "hunyuan15:HunyuanVideo15I2VAdapter",
+    guidance_styles=("cfg",),
+    parallel=HUNYUAN_VIDEO_15.parallel,
+    modality="video",
+    image_inputs=("first-frame",),
+    attention_masks=True,
+    # Its SigLIP image processor (transformers' image processors need torchvision).
+    needs=("torchvision",),
+)
+
+FAMILIES: dict[str, Family] = {
+    f.pipeline_class: f
+    for f in (
+        SD3,
+        SDXL,
+        FLUX,
+        FLUX_KONTEXT,
+        FLUX2_KLEIN,
+        FLUX2,
+        Z_IMAGE,
+        QWEN_IMAGE,
+        QWEN_IMAGE_EDIT,
+        QWEN_IMAGE_EDIT_PLUS,
+        QWEN_IMAGE_21,
+        WAN,
+        WAN_I2V,
+        LTX2,
+        LTX2_I2V,
+        HUNYUAN_VIDEO_15,
+        HUNYUAN_VIDEO_15_I2V,
+    )
+}
+
+
+# Hub checkpoints whose family and transformer heads are known without downloading them (their model_index.json
+# `_class_name` and transformer config's `num_attention_heads`): `serve --model ID` checks its layout against them
+# at start, not after minutes of download, and the shipped manifests are checked against them in CI.
+KNOWN_CHECKPOINTS: dict[str, tuple[str, int]] = {
+    "stabilityai/stable-diffusion-3-medium-diffusers": ("StableDiffusion3Pipeline", 24),
+    "stabilityai/stable-diffusion-3.5-medium": ("StableDiffusion3Pipeline", 24),
+    "stabilityai/stable-diffusion-3.5-large": ("StableDiffusion3Pipeline", 38),
+    "black-forest-labs/FLUX.1-dev": ("FluxPipeline", 24),
+    "black-forest-labs/FLUX.1-schnell": ("FluxPipeline", 24),
+    "black-forest-labs/FLUX.1-Kontext-dev": ("FluxKontextPipeline", 24),
+    "black-forest-labs/FLUX.2-dev": ("Flux2Pipeline", 48),
+    "Qwen/Qwen-Image": ("QwenImagePipeline", 24),
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("WanPipeline", 12),
+    "Wan-AI/Wan2.1-T2V-14B-Diffusers": ("WanPipeline", 40),
+    "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": ("WanImageToVideoPipeline", 40),
+    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": ("WanPipeline", 40),
+    "Wan-AI/Wan2.2-I2V-A14B-Diffusers": ("WanImageToVideoPipeline", 40),
+    "Wan-AI/Wan2.2-TI2V-5B-Diffusers": ("WanPipeline", 24),
+    "Qwen/Qwen-Image-Edit": ("QwenImageEditPipeline", 24),
+    "Qwen/Qwen-Image-Edit-2509": ("QwenImageEditPlusPipeline", 24),
+    "Qwen/Qwen-Image-Edit-2511": ("QwenImageEditPlusPipeline", 24),
+    "Lightricks/LTX-2": ("LTX2Pipeline", 32),
+    "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v": ("HunyuanVideo15Pipeline", 16),
+    "hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v": ("HunyuanVideo15ImageToVideoPipeline", 16),
+}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def family_of(pipeline_class: str) -> Family:
+    try:
+        return FAMILIES[pipeline_class]
+    except KeyError:
+        supported = ", ".join(sorted(FAMILIES))
+        raise UnsupportedModelError(
+            f"no adapter for pipeline class {pipeline_class!r}; supported: {supported}"
+        ) from None
+
+
+def families_table() -> str:
+    """README's table of supported families, from the declarations (a test keeps README equal to it)."""
+
+    def listed(values) -> str:
+        return ", ".join(values) or "-"
+
+    lines = [
+        "| `_class_name` | family | output | guidance | parallel | step cache | LoRA | image inputs | needs |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, f in FAMILIES.items():
+        cells = [
+            f"`{name}`",
+            f.family,
+            f.modality,
+            listed(f.guidance_styles),
+            listed(f.parallel),
+            listed(f.cache_methods),
+            "yes" if f.lora else "-",
+            listed(f.image_inputs),
+            listed(f.needs),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

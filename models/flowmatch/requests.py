@@ -1,0 +1,292 @@
+"""Request resolution and validation of the flow-matching families: what a request asks for, checked against the
+model (sizes, steps, guidance, strengths, masks, edit and reference images, skip-layer guidance, the step cache's
+threshold, LoRA) and filled in with the model's defaults, so that every rank runs the same thing from it; and the
+batch key, what must match for requests to share a forward.
+
+A part of `FlowMatchAdapter` (models/flowmatch/adapter.py), which provides what this reads: `capabilities`, `declared`,
+`transformer`, `image_inputs`, `guidance_styles`, `step_cache`, `default_cache_threshold`, `lora_registry`.
+Families override the hooks (`_uses_cfg`, `context_size`, `_video`, `_start_step`, `_strength`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Hashable
+from typing import Any, ClassVar
+
+from diffusiond.models.declared import check_declared
+from diffusiond.models.inputs import image_size
+from diffusiond.models.lora.registry import resolve_loras
+from diffusiond.models.params import MAX_GUIDANCE, MAX_PROMPT_CHARS, MAX_SEED, MAX_STEPS, ParamError, SamplingParams
+
+
+class RequestResolution:
+    """`FlowMatchAdapter`'s request resolution (a part of the class, not an object of its own: the families override
+    its hooks as they override the step's)."""
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        caps = self.capabilities
+        if not isinstance(params.prompt, str) or not params.prompt.strip():
+            raise ParamError("prompt", "prompt must be a non-empty string")
+        for name in ("prompt", "negative_prompt"):
+            text = getattr(params, name)
+            if text is not None and len(text) > MAX_PROMPT_CHARS:
+                raise ParamError(name, f"{name} is {len(text)} characters long; the limit is {MAX_PROMPT_CHARS}")
+        check_declared(self.declared, params)
+        strength = self._strength(params)
+        width, height = self._size(params)
+        for name, side in (("width", width), ("height", height)):
+            if side < caps.size_multiple or side > caps.max_side or side % caps.size_multiple:
+                raise ParamError(
+                    name,
+                    f"{name} must be a multiple of {caps.size_multiple} between {caps.size_multiple} and "
+                    f"{caps.max_side} for this model, got {side}",
+                )
+        steps = params.num_inference_steps if params.num_inference_steps is not None else caps.default_steps
+        if not 1 <= steps <= MAX_STEPS:
+            raise ParamError(
+                "num_inference_steps", f"num_inference_steps must be between 1 and {MAX_STEPS}, got {steps}"
+            )
+        guidance = params.guidance_scale if params.guidance_scale is not None else caps.default_guidance
+        if not math.isfinite(guidance) or guidance < 0 or guidance > MAX_GUIDANCE:
+            raise ParamError("guidance_scale", f"guidance_scale must be between 0 and {MAX_GUIDANCE:g}, got {guidance}")
+        if guidance != caps.default_guidance and not {"cfg", "distilled", "skip-layer"} & set(caps.guidance_styles):
+            # A knob the checkpoint ignores (diffusers only warns): a client would get the image of another setting.
+            raise ParamError(
+                "guidance_scale",
+                f"this {caps.family} checkpoint has no guidance embedding, so guidance_scale changes nothing; its "
+                "guidance is true_cfg_scale (with a negative_prompt)",
+            )
+        if params.negative_prompt is not None and not caps.supports_negative_prompt:
+            raise ParamError(
+                "negative_prompt",
+                f"this {caps.family} checkpoint is guidance-distilled (no negative branch), so a negative_prompt "
+                "changes nothing",
+            )
+        true_cfg = params.true_cfg_scale if params.true_cfg_scale is not None else self.default_true_cfg
+        if not math.isfinite(true_cfg) or true_cfg < 0 or true_cfg > MAX_GUIDANCE:
+            raise ParamError("true_cfg_scale", f"true_cfg_scale must be between 0 and {MAX_GUIDANCE:g}, got {true_cfg}")
+        if true_cfg != self.default_true_cfg and "true-cfg" not in caps.guidance_styles:
+            raise ParamError(
+                "true_cfg_scale",
+                f"{caps.family} has no true CFG, so true_cfg_scale changes nothing; its guidance is guidance_scale",
+            )
+        seed = params.seed
+        if seed is None:
+            # Random seeds stay below 2**53, so JavaScript clients (JSON numbers are doubles) can reuse them exactly.
+            seed = int.from_bytes(os.urandom(8), "little") & (2**53 - 1)
+        elif not 0 <= seed <= MAX_SEED:
+            raise ParamError("seed", f"seed must be between 0 and {MAX_SEED}, got {seed}")
+        if params.preview_every < 0:
+            raise ParamError("preview_every", f"preview_every must be >= 0, got {params.preview_every}")
+        if params.image is not None and params.skip_guidance_layers is not None:
+            # As diffusers: its SD3 Img2Img pipeline has no skip-layer guidance.
+            raise ParamError("skip_guidance_layers", "skip-layer guidance is for requests without an input image")
+        resolved = SamplingParams(
+            prompt=params.prompt,
+            negative_prompt=params.negative_prompt,
+            seed=seed,
+            width=width,
+            height=height,
+            num_inference_steps=steps,
+            guidance_scale=float(guidance),
+            true_cfg_scale=float(true_cfg),
+            guidance_scale_2=self._guidance_2(params, float(guidance)),
+            preview_every=params.preview_every,
+            stream_latents=params.stream_latents,
+            preview=params.preview,
+            cache_threshold=self._cache_threshold(params),
+            cache_steps=self._cache_steps(params, steps),
+            **self._skip_layer_guidance(params),
+            **self._audio_video_guidance(params),
+            image=params.image,
+            strength=strength,
+            mask=self._mask(params),
+            reference_images=self._references(params),
+            edit_context=self._edit_context(params),
+            start_step=self._start_step(steps, strength),
+            **self._video(params),
+            lora=resolve_loras(self, params),
+        )
+        if resolved.steps_to_run < 1:
+            raise ParamError(
+                "strength", f"strength {strength} leaves none of the {steps} steps to run; raise either of them"
+            )
+        return resolved
+
+    def _video(self, params: SamplingParams) -> dict[str, Any]:
+        """The resolved video fields (`num_frames`, `fps`); image families refuse them."""
+        for name in ("num_frames", "fps"):
+            if getattr(params, name) is not None:
+                raise ParamError(name, f"the {self.family} family makes images; {name} is for video models")
+        return {}
+
+    # Img2img's strength when a request with an image sends none (the Img2Img pipelines' default), and with a mask
+    # (the Inpaint pipelines').
+    default_strength: ClassVar[float] = 0.6
+
+    default_inpaint_strength: ClassVar[float] = 0.6
+
+    def _start_step(self, steps: int, strength: float | None) -> int:
+        """Img2img's first schedule position, as the flow-matching Img2Img pipelines' `get_timesteps` computes
+        `t_start` (in floats: 50 steps at strength 0.56 start at 21, so 29 run)."""
+        if strength is None:
+            return 0
+        return int(max(steps - min(steps * strength, steps), 0))
+
+    def _strength(self, params: SamplingParams) -> float | None:
+        """The resolved strength: None without an input image."""
+        if params.image is None:
+            if params.strength is not None:
+                raise ParamError("strength", "strength applies to requests with an input image")
+            return None
+        if "edit" in self.image_inputs:  # instruction editing: the image conditions every step, no strength
+            if params.strength is not None:
+                raise ParamError("strength", f"the {self.family} family edits by instruction; strength does not apply")
+            self.context_size(params)  # a file that is not an image (or too small) is refused here, naming it
+            return None
+        if "img2img" not in self.image_inputs:
+            raise ParamError("image", f"the {self.family} family takes no input image")
+        default = self.default_inpaint_strength if params.mask is not None else self.default_strength
+        strength = params.strength if params.strength is not None else default
+        if not 0 <= strength <= 1:
+            raise ParamError("strength", f"strength must be between 0 and 1, got {strength}")
+        return float(strength)
+
+    def _guidance_2(self, params: SamplingParams, guidance: float) -> float | None:
+        """The low-noise expert's guidance (two-expert checkpoints); others refuse it."""
+        if params.guidance_scale_2 is not None:
+            raise ParamError(
+                "guidance_scale_2",
+                f"this {self.family} checkpoint has one denoiser; guidance_scale_2 is for two-expert checkpoints "
+                "(Wan 2.2 A14B)",
+            )
+        return None
+
+    def _edit_context(self, params: SamplingParams) -> str | None:
+        """The resolved `edit_context`: families whose input image has no conditioning size of its own refuse it."""
+        if params.edit_context is not None:
+            raise ParamError(
+                "edit_context",
+                f"the {self.family} family conditions no input image at a size of its own; edit_context is for "
+                "instruction edits (FLUX.1 Kontext)",
+            )
+        return None
+
+    def _references(self, params: SamplingParams) -> tuple[bytes, ...] | None:
+        if not params.reference_images:
+            return None
+        if "references" not in self.image_inputs:
+            raise ParamError("reference_images", f"the {self.family} family edits one image; it takes no references")
+        if params.image is None:
+            raise ParamError("reference_images", "reference images follow the image to edit (image)")
+        for data in params.reference_images:
+            image_size(data, "reference_images")
+        return tuple(params.reference_images)
+
+    def _mask(self, params: SamplingParams) -> bytes | None:
+        if params.mask is None:
+            return None
+        if "mask" not in self.image_inputs:
+            raise ParamError("mask", f"the {self.family} family edits whole images; it takes no mask")
+        if params.image is None:
+            raise ParamError("mask", "a mask needs the image it masks (image)")
+        image_size(params.mask, "mask")
+        return params.mask
+
+    def _size(self, params: SamplingParams) -> tuple[int, int]:
+        """The requested size; a side not given is the model's default, or with an input image, the image's aspect
+        ratio at the model's default area (so that an edit's cost does not depend on the file's resolution)."""
+        caps = self.capabilities
+        if params.image is None or params.width is not None or params.height is not None:
+            width = params.width if params.width is not None else caps.default_width
+            height = params.height if params.height is not None else caps.default_height
+            return width, height
+        image_width, image_height = image_size(params.image)
+        area, ratio, m = caps.default_width * caps.default_height, image_width / image_height, caps.size_multiple
+        if caps.sizes:  # a checkpoint that draws some sizes only: the one closest in aspect
+            return min(caps.sizes, key=lambda size: abs(math.log(size[0] / size[1] / ratio)))
+        width = max(m, min(caps.max_side, round(math.sqrt(area * ratio) / m) * m))
+        height = max(m, min(caps.max_side, round(math.sqrt(area / ratio) / m) * m))
+        return width, height
+
+    # The pipeline's defaults (StableDiffusion3Pipeline.__call__).
+    SKIP_LAYER_DEFAULTS: ClassVar[dict[str, float]] = {
+        "skip_layer_guidance_scale": 2.8,
+        "skip_layer_guidance_start": 0.01,
+        "skip_layer_guidance_stop": 0.2,
+    }
+
+    def _skip_layer_guidance(self, params: SamplingParams) -> dict[str, Any]:
+        """The resolved skip-layer guidance fields: all set when the request skips layers, else none."""
+        layers = params.skip_guidance_layers
+        if layers is None:
+            return {}
+        if "skip-layer" not in self.guidance_styles:
+            raise ParamError("skip_guidance_layers", f"the {self.family} family has no skip-layer guidance")
+        blocks = self.transformer.config.num_layers
+        if max(layers) >= blocks:
+            raise ParamError(
+                "skip_guidance_layers", f"this model's transformer has blocks 0 to {blocks - 1}, got {max(layers)}"
+            )
+        resolved: dict[str, Any] = {"skip_guidance_layers": tuple(sorted(set(layers)))}
+        for name, default in self.SKIP_LAYER_DEFAULTS.items():
+            value = getattr(params, name)
+            resolved[name] = float(value if value is not None else default)
+        return resolved
+
+    # The audio-video guidance fields (LTX-2's, `RequestFields`).
+    AUDIO_VIDEO_FIELDS: ClassVar[tuple[str, ...]] = (
+        "audio_guidance_scale",
+        "stg_scale",
+        "audio_stg_scale",
+        "modality_scale",
+        "audio_modality_scale",
+        "guidance_rescale",
+        "audio_guidance_rescale",
+        "stg_blocks",
+    )
+
+    def _audio_video_guidance(self, params: SamplingParams) -> dict[str, Any]:
+        """The resolved audio-video guidance fields; families without "audio-video" guidance refuse them."""
+        for name in self.AUDIO_VIDEO_FIELDS:
+            if getattr(params, name) is not None:
+                raise ParamError(
+                    name, f"the {self.family} family makes no sound; {name} is for audio-video models (LTX-2)"
+                )
+        return {}
+
+    def _cache_threshold(self, params: SamplingParams) -> float:
+        if params.cache_threshold is None:
+            return self.default_cache_threshold
+        if params.cache_threshold > 0 and self.step_cache == "none":
+            raise ParamError("cache_threshold", "this server runs without step caching (start it with --cache)")
+        return params.cache_threshold
+
+    def _cache_steps(self, params: SamplingParams, steps: int) -> tuple[int, ...] | None:
+        """The steps that compute whatever the cache's signal, as indices (None: no mask)."""
+        from diffusiond.models.stepcache.methods import scm_steps
+
+        if params.cache_steps is None:
+            if self.step_cache == "none" or self.default_cache_steps is None:
+                return None
+            return scm_steps(self.default_cache_steps, steps)  # a list for other step counts: its steps that exist
+        if self.step_cache == "none":
+            raise ParamError("cache_steps", "this server runs without step caching (start it with --cache)")
+        if not isinstance(params.cache_steps, str) and max(params.cache_steps, default=0) >= steps:
+            raise ParamError(
+                "cache_steps", f"step {max(params.cache_steps)} is past the request's {steps} steps (0 is the first)"
+            )
+        return scm_steps(params.cache_steps, steps)
+
+    def batch_key(self, params: SamplingParams) -> Hashable:
+        # An edit's image tokens are part of every forward's sequence: edits batch with edits of the same context.
+        return (params.width, params.height, self._uses_cfg(params), self.context_size(params))
+
+    def context_size(self, params: SamplingParams) -> Hashable:
+        """Instruction-edit families: the size(s) the request's image(s) are conditioned at; None without one."""
+        return None
+
+    def _uses_cfg(self, params: SamplingParams) -> bool:
+        raise NotImplementedError

@@ -1,0 +1,63 @@
+"""Load a model from a local diffusers folder or a hub id: read `model_index.json`, pick the adapter, load it, and
+change what loading changes (scheduler settings, quantized linears, offloaded weights). models/loading/setup.py builds
+the rest of a served model on top."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from diffusiond.models.base import ModelAdapter
+from diffusiond.models.loading.registry import adapter_for, read_model_index
+from diffusiond.models.loading.setup import resolve_dtype
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def load_adapter(
+    model: str,
+    *,
+    device: str = "cpu",
+    dtype: str | torch.dtype = "float32",
+    quantize: str = "none",
+    quantize_skip: str | None = None,
+    offload: str = "none",
+    scheduler_config: Mapping[str, Any] | None = None,
+    lazy_denoiser: bool = False,
+) -> ModelAdapter:
+    """The adapter for `model`, loaded through its pipeline's `from_pretrained`; with `quantize`, its transformer's
+    linear layers quantized (kernels/quantize.py; `quantize_skip`: comma-separated name patterns left alone); with
+    `offload`, loaded to CPU memory and run on `device` (kernels/offload.py); with `scheduler_config`, those
+    settings of its scheduler changed (`change_scheduler`). `dtype` "auto": models/loading/setup.py `resolve_dtype`.
+    `lazy_denoiser`: its denoiser built empty, for a layout that shards it (models/loading/lazy_weights.py)."""
+    torch_dtype = DTYPES[resolve_dtype(dtype, device)] if isinstance(dtype, str) else dtype
+    index = read_model_index(model)
+    cls = adapter_for(index.get("_class_name", "<missing _class_name>"))
+    device = "cpu" if offload != "none" else device
+    adapter = cls.from_pretrained(model, device=device, dtype=torch_dtype, lazy_denoiser=lazy_denoiser)
+    if scheduler_config:
+        adapter.pipe.scheduler = change_scheduler(adapter.pipe.scheduler, scheduler_config)
+    if quantize != "none":
+        from diffusiond.kernels.quantize import DEFAULT_SKIP, quantize_layers
+
+        skip = DEFAULT_SKIP if quantize_skip is None else tuple(filter(None, map(str.strip, quantize_skip.split(","))))
+        adapter.quantized = (quantize, sum(quantize_layers(d, quantize, skip) for d in adapter.experts))
+    if offload != "none":
+        adapter.enable_offload(offload, device)
+    return adapter
+
+
+def change_scheduler(scheduler: Any, changes: Mapping[str, Any]) -> Any:
+    """The checkpoint's scheduler with some settings of its config changed (`--scheduler-config`), as diffusers
+    users do with `type(s).from_config(s.config, **changes)`: the same class, so what the family checked of it
+    at load (its order) still holds. A setting the scheduler does not have is refused, naming the ones it has."""
+    known = {k for k in scheduler.config if not k.startswith("_")}
+    unknown = sorted(set(changes) - known)
+    if unknown:
+        raise ValueError(
+            f"--scheduler-config: {type(scheduler).__name__} has no setting {', '.join(map(repr, unknown))}; "
+            f"it has: {', '.join(sorted(known))}"
+        )
+    return type(scheduler).from_config(scheduler.config, **changes)

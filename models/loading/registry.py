@@ -1,0 +1,52 @@
+"""diffusers `model_index.json` `_class_name` -> the family's declarations (models/families/specs.py) and its adapter
+class. The only place that maps names to code; the adapter's module (torch, diffusers) is imported when it is asked
+for, so what a family supports is known before either is."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from diffusiond.models.families.specs import Family, family_of
+
+if TYPE_CHECKING:
+    from diffusiond.models.base import ModelAdapter
+
+
+def read_model_index(model: str) -> dict:
+    """A checkpoint's model_index.json: a local folder's, or a hub id's (downloaded)."""
+    if os.path.isdir(model):
+        path = Path(model) / "model_index.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{model} has no model_index.json: not a diffusers checkpoint folder")
+    elif model.startswith((".", "/", "~")) or os.path.exists(model):
+        raise FileNotFoundError(f"{model} is not a checkpoint folder")
+    else:
+        from huggingface_hub import hf_hub_download
+
+        path = Path(hf_hub_download(model, "model_index.json"))
+    return json.loads(path.read_text())
+
+
+def attention_heads(config: Mapping[str, Any]) -> int | None:
+    """The attention heads a transformer's config declares (Z-Image calls them `n_heads`; a UNet has a count per
+    block): what Ulysses and tensor-parallel degrees must divide. None if it declares no one count."""
+    heads = config.get("num_attention_heads") or config.get("n_heads")
+    return heads if isinstance(heads, int) else None
+
+
+def family_of_checkpoint(model: str) -> Family:
+    return family_of(read_model_index(model).get("_class_name", "<missing _class_name>"))
+
+
+def adapter_class(family: Family) -> type[ModelAdapter]:
+    module, name = family.adapter.split(":")
+    return getattr(importlib.import_module(f"diffusiond.models.families.{module}"), name)
+
+
+def adapter_for(pipeline_class: str) -> type[ModelAdapter]:
+    return adapter_class(family_of(pipeline_class))

@@ -1,0 +1,443 @@
+"""One model setup: what to load and how (family, dtype, device, attention, compile, quantization, offload, step
+cache, parallel layout, LoRA), resolved once into a frozen `ModelSetup` (daemon/config.py `model_setup` from the
+serving configuration; `generate` and the tools from their flags), checked once, and built by one function.
+
+- `check_setup`: every rule about which settings go together and what the family can do, with the messages users
+  see at start, from the family's declarations (models/families/specs.py) and the checkpoint's files; no torch.
+- `check_kernels`: what only torch can tell (a backend, quantization or offload this device cannot run).
+- `build_adapter`: on every rank's step thread (the thread that owns torch), the adapter loaded, checked again
+  against what loaded (a hub id's family, the heads), and wired: LoRA, the parallel layout, step cache, attention,
+  compile.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from diffusiond.kernels.layout import ParallelLayout
+from diffusiond.models.families.specs import FAMILIES, KNOWN_CHECKPOINTS, Family
+from diffusiond.models.loading.registry import attention_heads, family_of_checkpoint
+from diffusiond.models.lora.files import LoraError, check_safetensors, startup_specs
+
+if TYPE_CHECKING:
+    from diffusiond.models.base import ModelAdapter
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LORA_BUDGET = 2 << 30
+# Attention kernels for fp16/bf16 tensors only (kernels/attention.py `_HALF_ONLY`; a test keeps them equal).
+HALF_ONLY_ATTENTION = ("flash", "flash3", "sage")
+
+
+class SetupError(ValueError):
+    """Settings that cannot be served together, or that the model's family cannot serve; the message says why and
+    names the flags."""
+
+
+# What `--cache-config` may set for each step cache method (models/stepcache/methods.py): each setting's default, least
+# and greatest value (None: no bound); a setting whose default is a bool takes true or false.
+CACHE_SETTINGS: dict[str, dict[str, tuple[int | float, int, int | None]]] = {
+    "dbcache": {
+        "fn": (1, 1, None),
+        "bn": (0, 0, None),
+        "warmup": (0, 0, None),
+        "taylorseer": (False, 0, None),
+        "taylorseer_order": (1, 1, 2),
+    },
+    "x0cache": {"max_run": (1, 1, None)},
+    # MagCache: the most steps reused in a row (its K), the share of first steps that always compute; and "ratios",
+    # the checkpoint's magnitude ratios per step (below; else its calibration, tools/calibrate.py).
+    "magcache": {"max_skip": (3, 1, None), "retention": (0.2, 0, 1)},
+}
+# Every method also takes "scm": the steps that always compute for requests that send no cache_steps (a preset name
+# or step indices, as models/params.py CacheSteps).
+CACHE_METHODS = ("fbcache", "teacache", "dbcache", "x0cache", "magcache")
+
+
+def check_cache_config(name: str, config: dict[str, Any]) -> dict[str, Any]:
+    """`--cache-config`'s settings for `--cache NAME`, defaults filled in; ValueError naming an unknown key or a bad
+    value (what needs the model, the blocks left to reuse, is checked by models/stepcache/methods.method_of)."""
+    allowed = CACHE_SETTINGS.get(name, {})
+    extra = {"scm", "ratios"} if name == "magcache" else {"scm"} if name in CACHE_METHODS else set()
+    unknown = sorted(set(config) - set(allowed) - extra)
+    if unknown:
+        takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
+        raise ValueError(f"--cache-config: {', '.join(map(repr, unknown))} unknown to --cache {name} ({takes})")
+    out: dict[str, Any] = {}
+    for key, (default, least, most) in allowed.items():
+        value = config.get(key, default)
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ValueError(f"--cache-config: {key} must be true or false, not {value!r}")
+        elif isinstance(default, float):
+            if not isinstance(value, int | float) or isinstance(value, bool) or not least <= value <= (most or 0):
+                raise ValueError(f"--cache-config: {key} must be a number from {least} to {most}, not {value!r}")
+        elif not isinstance(value, int) or isinstance(value, bool) or value < least or (most and value > most):
+            within = f">= {least}" if most is None else f"from {least} to {most}"
+            raise ValueError(f"--cache-config: {key} must be an integer {within}, not {value!r}")
+        out[key] = value
+    if "scm" in config:
+        out["scm"] = _scm(config["scm"])
+    if "ratios" in config:
+        ratios = config["ratios"]
+        if not isinstance(ratios, list) or not ratios or not all(_positive(r) for r in ratios):
+            raise ValueError(f"--cache-config: ratios must be a non-empty list of positive numbers, not {ratios!r}")
+        out["ratios"] = tuple(float(r) for r in ratios)
+    if "taylorseer_order" in config and not out.get("taylorseer"):
+        raise ValueError('--cache-config: taylorseer_order is set but TaylorSeer is off (add "taylorseer": true)')
+    return out
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < float("inf")
+
+
+def _scm(value: Any) -> Any:
+    from diffusiond.models.params import CacheSteps
+
+    try:
+        return msgspec.convert(value, CacheSteps)
+    except msgspec.ValidationError:
+        raise ValueError(
+            '--cache-config: scm must be "fast", "medium", "slow", "off" or a list of step indices (0 is the first), '
+            f"not {value!r}"
+        ) from None
+
+
+# The threshold of requests that send none, where the server sets none. x0cache's is higher: it thresholds another
+# quantity (the change of a request's predicted clean image per step). Measured on the bundled model as shipped
+# (stochastic sampler, 16 steps, docs/acceleration.md): 0.1 1.23x; 0.2 1.54-1.79x (1.61-1.69x alternated with the
+# exact runs) at 40.3 dB, the judge 1.6 points up.
+DEFAULT_CACHE_THRESHOLD = 0.1
+CACHE_THRESHOLDS = {"x0cache": 0.2}
+
+
+def default_cache_threshold(method: str) -> float:
+    return CACHE_THRESHOLDS.get(method, DEFAULT_CACHE_THRESHOLD)
+
+
+class ModelSetup(msgspec.Struct, frozen=True, kw_only=True):
+    # A local diffusers folder or a hub id.
+    model: str
+    device: str = "cpu"
+    dtype: str = "auto"  # DTYPES; "auto" is resolved when the setup is made (`resolve_dtype`)
+    # kernels/attention.py CHOICES.
+    attention: str = "auto"
+    compile: bool = False
+    # Inductor's cache folder (None: <cache dir>/inductor, models/default.py).
+    compile_cache: str | None = None
+    quantize: str = "none"
+    # Comma-separated fnmatch patterns of layers left unquantized (None: kernels/quantize.py DEFAULT_SKIP).
+    quantize_skip: str | None = None
+    offload: str = "none"
+    # Settings of the checkpoint's scheduler changed at load (models/loading/loader.py `change_scheduler`).
+    scheduler_config: dict[str, Any] = {}
+    # Step cache method (models/stepcache/methods.py METHODS) and the threshold of requests that send none (None: the
+    # method's, `default_cache_threshold`).
+    cache: str = "none"
+    cache_threshold: float | None = None
+    # The method's settings (`--cache-config`, models/stepcache/methods.SETTINGS), e.g. DBCache's {"fn": 2, "bn": 1}.
+    cache_config: dict[str, Any] = {}
+    layout: ParallelLayout = msgspec.field(default_factory=lambda: ParallelLayout(1))
+    # LoRA adapters registered at start (NAME=PATH each, and every .safetensors file of lora_dir), the bytes resident
+    # adapters may take, and the scale the one adapter is fused into the weights at (None: per request).
+    lora: tuple[str, ...] = ()
+    lora_dir: str | None = None
+    lora_budget: int = DEFAULT_LORA_BUDGET
+    lora_fuse: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype == "auto":  # resolved once, where the setup is made: every reader sees a torch dtype's name
+            msgspec.structs.force_setattr(self, "dtype", resolve_dtype(self.dtype, self.device))
+
+
+# `--dtype auto`: what runs well where the model runs. GPUs compute in bfloat16 (flash-attn and fp8 need a half
+# type); the CPU in float32 (the parity tests' dtype, and CPUs without bf16 units are slower in it).
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """`dtype` ("auto": bfloat16 on a CUDA device, float32 elsewhere) as a torch dtype's name."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def lora_refusal(setup: ModelSetup) -> str | None:
+    """The setting LoRA per request does not compose with yet (None: none): tensor parallel and sharded weights
+    split the linears its deltas add to, offloading moves them between devices, and compiled blocks would recompile
+    for every batch's mix of adapters."""
+    layout = setup.layout
+    for on, flag in (
+        (layout.tp_degree > 1, "--tp"),
+        (layout.sharded, "--shard-weights"),
+        (setup.offload != "none", "--offload"),
+        (setup.compile, "--compile"),
+    ):
+        if on:
+            return f"not with {flag} yet"
+    return None
+
+
+def check_setup(setup: ModelSetup, *, family: Family | None = None, heads: int | None = None) -> Family | None:
+    """Every rule of `setup`, without torch; raises SetupError. `family` and `heads`: the loaded model's, else read
+    from a local checkpoint (a hub id's family is checked when it loads). Returns the family checked against."""
+    _check_combinations(setup)
+    _check_loras(setup)
+    if family is None and os.path.isdir(setup.model):
+        try:
+            family = family_of_checkpoint(setup.model)
+        except (ValueError, FileNotFoundError) as exc:
+            raise SetupError(str(exc)) from None
+        heads = heads or _heads(setup.model)
+    elif family is None and setup.model in KNOWN_CHECKPOINTS:  # a hub id: checked before any download
+        pipeline_class, known_heads = KNOWN_CHECKPOINTS[setup.model]
+        family, heads = FAMILIES[pipeline_class], heads or known_heads
+    if family is not None:
+        _check_family(setup, family, heads)
+    try:
+        setup.layout.validate()
+    except ValueError as exc:
+        raise SetupError(str(exc)) from None
+    return family
+
+
+def _check_combinations(setup: ModelSetup) -> None:
+    layout, compiled = setup.layout, setup.compile
+    if compiled and setup.offload == "group":
+        # Its hooks move each layer's weights inside the blocks --compile would trace.
+        raise SetupError("--compile does not run with --offload group; use --offload model, or drop one")
+    if compiled and layout.ulysses_degree > 1:
+        # Ulysses runs its all-to-alls inside the attention of the blocks --compile would trace.
+        raise SetupError("--compile does not run with --ulysses yet; drop one (CFG-parallel ranks compile)")
+    if layout.ring_degree > 1 and (compiled or setup.attention not in ("auto", "sdpa")):
+        # Ring attention merges blocks by the log-sum-exp that only its SDPA kernels return.
+        raise SetupError("--ring runs its own SDPA kernels: drop --compile and --attention other than sdpa")
+    on_gpu = setup.device.startswith("cuda")  # elsewhere the device is what to fix (check_kernels says so)
+    if on_gpu and setup.quantize == "fp8" and setup.dtype != "bfloat16":
+        # torchao's float8 matmuls take bfloat16 activations (an assertion deep in the first forward otherwise).
+        raise SetupError(f"--quantize fp8 runs in bfloat16: use --dtype bfloat16 (or auto), not {setup.dtype}")
+    if on_gpu and setup.attention in HALF_ONLY_ATTENTION and setup.dtype not in ("float16", "bfloat16"):
+        raise SetupError(
+            f"--attention {setup.attention} runs in float16 or bfloat16 only: use --dtype bfloat16 (or auto on a "
+            f"GPU), not {setup.dtype}"
+        )
+    plain = not compiled and setup.quantize == "none" and setup.offload == "none"
+    if layout.tp_degree > 1 and not plain:
+        raise SetupError("--tp shards plain weights: drop --compile, --quantize and --offload with it")
+    if layout.vae_degree > layout.world_size:
+        raise SetupError(
+            f"--vae-parallel {layout.vae_degree} decodes on that many ranks: it needs --nproc x --nnodes >= "
+            f"{layout.vae_degree}"
+        )
+    if layout.shard_weights:
+        layout.validate_shards()
+        if layout.world_size < 2:
+            raise SetupError("--shard-weights splits the weights over the ranks: it needs --nproc 2 or more")
+        if layout.tp_degree > 1 or not plain:
+            raise SetupError("--shard-weights: drop --tp, --compile, --quantize and --offload with it")
+
+
+def _check_loras(setup: ModelSetup) -> None:
+    """The NAME=PATH pairs, --lora-dir, each file's header, --lora-fuse, and what LoRA does not compose with."""
+    if not setup.lora and setup.lora_dir is None:
+        if setup.lora_fuse is not None:
+            raise SetupError("--lora-fuse adds an adapter into the weights: give it one with --lora NAME=PATH")
+        return
+    if (refusal := lora_refusal(setup)) is not None:
+        raise SetupError(f"LoRA adapters (--lora, --lora-dir): {refusal}")
+    try:
+        specs = startup_specs(setup.lora, setup.lora_dir)
+        for _, path in specs:
+            check_safetensors(path)
+    except LoraError as exc:
+        raise SetupError(str(exc)) from None
+    if setup.lora_fuse is not None and setup.quantize != "none":
+        # The adapter's product would be added to weights torchao has already turned into integers or fp8.
+        raise SetupError(
+            f"--lora-fuse adds the adapter into the weights, which --quantize {setup.quantize} quantizes: drop one"
+        )
+    if setup.lora_fuse is not None and len(specs) != 1:
+        raise SetupError(
+            f"--lora-fuse adds one adapter into the weights; --lora and --lora-dir give {len(specs)}: give exactly one"
+        )
+
+
+def _supports(family: Family, strategy: str, flag: str, what: str) -> None:
+    if strategy not in family.parallel:
+        raise SetupError(
+            f"{flag}: the {family.family} family ({family.pipeline_class}) does not support {what}; it supports: "
+            f"{', '.join(family.parallel)}"
+        )
+
+
+def _heads(model: str) -> int | None:
+    """The transformer's attention heads from its config.json; None if unknown."""
+    config = Path(model) / "transformer" / "config.json"
+    return attention_heads(json.loads(config.read_text())) if config.is_file() else None
+
+
+def _check_family(setup: ModelSetup, family: Family, heads: int | None) -> None:
+    """What the family declares it can run: the parallel layout, the step cache, LoRA."""
+    layout, cache = setup.layout, setup.cache
+    ulysses, ring, tp, vae = layout.ulysses_degree, layout.ring_degree, layout.tp_degree, layout.vae_degree
+    if (setup.lora or setup.lora_dir) and not family.lora:
+        raise SetupError(f"--lora: the {family.family} family ({family.pipeline_class}) does not serve LoRA adapters")
+    if ulysses > 1:
+        _supports(family, "ulysses", f"--ulysses {ulysses}", "Ulysses sequence parallelism")
+        if heads and heads % ulysses:
+            raise SetupError(f"--ulysses {ulysses} must divide the number of attention heads ({heads})")
+    if ring > 1:
+        _supports(family, "ring", f"--ring {ring}", "ring attention")
+    if tp > 1:
+        _supports(family, "tp", f"--tp {tp}", "tensor parallelism")
+        if heads and heads % (tp * ulysses):
+            raise SetupError(f"--tp {tp} x --ulysses {ulysses} must divide the number of attention heads ({heads})")
+        if cache != "none":
+            raise SetupError(f"--cache {cache} with --tp {tp}: step caching does not run with tensor parallelism yet")
+    if vae > 1 and "vae-parallel" not in family.parallel:
+        raise SetupError(
+            f"--vae-parallel {vae}: the {family.family} family's VAE ({family.pipeline_class}) does not decode in "
+            "strips (a video VAE)"
+        )
+    if layout.shard_weights:
+        if "shard-weights" not in family.parallel:
+            raise SetupError(
+                f"--shard-weights: the {family.family} family ({family.pipeline_class}) does not support it"
+            )
+        if cache != "none" and layout.sharded:
+            raise SetupError(f"--cache {cache} with --shard-weights: step caching does not run on sharded weights yet")
+    if cache != "none" and ring > 1:
+        raise SetupError(f"--cache {cache} with --ring {ring}: step caching does not run with ring attention yet")
+    if cache != "none" and ulysses > 1 and not family.cache_with_ulysses:
+        raise SetupError(
+            f"--cache {cache} with --ulysses {ulysses}: the {family.family} family cannot combine them yet"
+        )
+    if cache != "none" and cache not in family.cache_methods:
+        offered = ", ".join(family.cache_methods) or "none"
+        raise SetupError(f"--cache {cache}: the {family.family} family implements {offered}")
+
+
+def check_kernels(setup: ModelSetup, ranks_here: int = 1) -> None:
+    """What only torch can tell: the device, the attention backend, quantization and offload on it (SetupError).
+    `ranks_here`: the ranks this node starts (--nproc), one GPU each."""
+    import torch
+
+    from diffusiond.kernels import offload, quantize
+    from diffusiond.kernels.attention import AttentionUnavailable, resolve
+
+    if setup.device.startswith("cuda"):
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if visible == 0:
+            raise SetupError(f"--device {setup.device}: no CUDA device is visible (torch {torch.__version__})")
+        if ranks_here > visible:
+            raise SetupError(
+                f"--nproc {ranks_here}: each rank needs a GPU of its own and {visible} are visible here; start at "
+                f"most {visible} (CUDA_VISIBLE_DEVICES says which)"
+            )
+    try:
+        resolve(setup.attention, setup.device, getattr(torch, setup.dtype))
+        quantize.check(setup.quantize, setup.device)
+        offload.check(setup.offload, setup.device)
+    except (AttentionUnavailable, quantize.QuantizationUnavailable, offload.OffloadUnavailable) as exc:
+        raise SetupError(str(exc)) from None
+
+
+def build_adapter(setup: ModelSetup, rank: int = 0) -> ModelAdapter:
+    """The adapter `setup` describes, on the thread that owns torch in this process. With several ranks
+    (torch.distributed initialised, `setup.device` this rank's device), its share of the parallel layout."""
+    from diffusiond.models.loading.kept_weights import keepers
+    from diffusiond.models.loading.loader import load_adapter
+    from diffusiond.models.lora.registry import same_on_every_rank, setup_loras
+
+    layout = setup.layout
+    sharded = layout.world_size > 1 and (layout.tp_degree > 1 or layout.sharded)
+    # A group's later attempt (a heal) maps what the previous one kept in shared memory
+    # (models/loading/kept_weights.py).
+    kept = keepers(setup, rank) if layout.world_size > 1 else None
+    restoring = kept is not None and all(k.ready() for k in kept.values())
+    adapter = load_adapter(
+        setup.model,
+        device=setup.device,
+        dtype=setup.dtype,
+        quantize=setup.quantize,
+        quantize_skip=setup.quantize_skip,
+        offload=setup.offload,
+        scheduler_config=setup.scheduler_config,
+        # Layouts that shard the denoiser read it a part at a time: no rank holds it whole
+        # (models/loading/lazy_weights.py).
+        lazy_denoiser=sharded or restoring,
+    )
+    if restoring:
+        adapter.use_kept(kept, now=layout.tp_degree == 1)
+    check_setup(setup, family=adapter.spec, heads=adapter.attention_heads())
+    if adapter.quantized is not None:
+        log.info("quantized %d linear layers of the transformer (%s)", adapter.quantized[1], adapter.quantized[0])
+    # Before the parallel layout: read through the whole model, as every rank's registry will keep doing.
+    specs = startup_specs(setup.lora, setup.lora_dir)
+    registry = setup_loras(adapter, specs, setup.lora_budget, setup.lora_fuse, lora_refusal(setup))
+    if registry is not None and setup.layout.world_size > 1 and (setup.lora or setup.lora_dir):
+        same_on_every_rank(registry, setup.device)
+    if setup.layout.world_size > 1:
+        _wire_parallel(adapter, setup, rank)
+    if kept is not None and restoring:
+        adapter.kept_restored = sum(k.restored for k in kept.values())
+        log.info("%d weights mapped from what the group's previous attempt kept", adapter.kept_restored)
+    elif kept is not None:
+        from diffusiond.kernels.host import drop_file_pages
+
+        for name, module in adapter.denoisers().items():
+            if kept[name].store(module):
+                # Writing read every weight through the checkpoint's mapping (diffusers maps safetensors on the
+                # CPU), whose pages then stayed in this rank's resident set beside the kept file's: 9.4 GB at
+                # SD3.5-medium size under --cfg-parallel 2, not 5.1.
+                drop_file_pages(str(Path(setup.model) / name))
+    threshold = default_cache_threshold(setup.cache) if setup.cache_threshold is None else setup.cache_threshold
+    adapter.enable_step_cache(setup.cache, threshold, setup.cache_config)  # before any request resolves
+    backend = adapter.set_attention(setup.attention)
+    if backend != "sdpa":
+        log.info("attention: %s", backend)
+    if setup.compile:  # compiled at their first calls: the warm-up runs them (on every rank)
+        from diffusiond.kernels.compile import use_cache_dir
+        from diffusiond.models.default import cache_dir
+
+        cache = use_cache_dir(setup.compile_cache or cache_dir() / "inductor")
+        log.info("compiling %d transformer blocks during the warm-up (cache %s)", adapter.enable_compile(), cache)
+    return adapter
+
+
+def _wire_parallel(adapter: ModelAdapter, setup: ModelSetup, rank: int) -> None:
+    """This rank's part of the layout: tensor parallel first (sharding replaces the linears the other strategies'
+    processors call), then sharded weights, strip decoding, prompt encoding once, CFG-parallel rows, Ulysses."""
+    import torch
+    import torch.distributed as dist
+
+    from diffusiond.kernels.collectives import SharedEncoding
+    from diffusiond.kernels.parallel import build_groups
+
+    layout, device = setup.layout, torch.device(setup.device)
+    groups = build_groups(layout, rank, device.type)
+    if groups.tp is not None:
+        adapter.enable_tp(groups.tp)
+    # HSDP Rx1 is R whole copies: nothing to shard (and FSDP2 fails on a shard group of one rank under inference
+    # mode, torch 2.14: "Inference tensors do not track version counter").
+    if layout.sharded:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        # HSDP: a 2-D mesh, FSDP2's (replicate, shard) dimensions; the weights are gathered over a replica's ranks.
+        names = ("replicate", "shard") if layout.shard_replicas > 1 else ("shard",)
+        adapter.enable_shard_weights(init_device_mesh(device.type, layout.shard_mesh, mesh_dim_names=names))
+    if groups.vae is not None:
+        adapter.enable_vae_parallel(groups.vae)
+    # Prompts: rank 0 encodes, the others receive the embeddings and free their text encoders.
+    adapter.enable_encode_once(SharedEncoding(dist.group.WORLD, rank, device))
+    if groups.cfg is not None:
+        adapter.enable_cfg_parallel(groups.cfg)
+    if groups.sequence is not None:
+        adapter.enable_ulysses(groups.sequence)

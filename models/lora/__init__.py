@@ -1,0 +1,1 @@
+"""LoRA: adapter files and the registry of adapters resident for requests."""

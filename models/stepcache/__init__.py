@@ -1,0 +1,1 @@
+"""Step caches: the methods and their settings, and the families' cached forwards."""

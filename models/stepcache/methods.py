@@ -1,0 +1,569 @@
+"""Step caching with a decision per request, inside a batched forward: first-block cache, DBCache and TeaCache.
+
+Cache methods elsewhere (diffusers' `first_block_cache` hook, Cache-DiT, TeaCache) decide once for the whole batch
+tensor: in a batch that mixes requests at different steps, with different thresholds or none, that decision is
+wrong for most of them. Here every request decides alone, from a change signal of its own rows against its own
+previous step:
+
+- **fbcache** (first-block cache): the first transformer block runs for every row; the signal is the relative L1
+  change `mean|r - r_prev| / mean|r_prev|` of the first block's residual (output - input) since the request's last
+  fully computed step. Reusing skips the remaining blocks: the request adds the residual they added then.
+- **dbcache** (Cache-DiT's dual block cache; fbcache is its Fn=1, Bn=0): the first `fn` blocks run for every row and
+  their residual is the signal; the last `bn` blocks also run for every row, so a reusing request only skips the
+  middle ones (it adds their image and text residuals of its last computed step, then the last blocks refine that);
+  no request reuses before step `warmup`. Set per server with `--cache-config '{"fn": 2, "bn": 1, "warmup": 4}'`.
+  With `"taylorseer": true` a reusing request adds, instead of the span's last residuals, their Taylor forecast
+  (TaylorSeer) at this step from its own last computed steps: the residuals' finite differences per step, up to
+  `taylorseer_order` (1 or 2), kept on its cache.
+- **teacache**: only the first block's timestep-modulated input (`norm1(h, temb)`) is computed for every row; the
+  signal is its relative L1 change since the previous step, rescaled by the family's polynomial (`Method.rescale`:
+  FLUX's published coefficients, or a fit beside the weights by `tools/calibrate.py`) and
+  accumulated over the steps the request reused. Reusing skips every block: the request adds the residual all blocks
+  added at its last computed step; computing resets the accumulator.
+
+- **x0cache**: decides before anything runs, from the request's own history: the relative change of its predicted
+  clean image (`x0 = x - sigma * v`, flow matching) between its last two computed steps, per step, times the steps
+  since the last computed one. Reusing skips every block, and the request's output is the one that predicts that
+  same clean image from this step's input (`v = (x - x0) / sigma`): the sampler holds its clean image for the step.
+  At most `max_run` steps in a row reuse (`--cache-config '{"max_run": 2}'`; default 1).
+  What it reads stays smooth under samplers that add fresh noise at every step (the bundled model's), where the
+  blocks' input and residuals do not.
+
+In all of them, a request's change is measured over its rows (both CFG rows: one decision per request, residuals per
+row). Below the request's threshold it reuses; at or above it (and always at its first and last step, and with threshold
+0) its rows go through the blocks in a sub-batch of the requests that compute, and its cache is renewed. State lives
+on the request's `RequestState.cache` and goes with it. Exactness: with threshold 0 every row computes, through the
+same blocks in the same order as the pipeline's forward (tests compare with diffusers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from diffusiond.kernels.host import to_device
+from diffusiond.models.loading.setup import check_cache_config
+
+METHODS = ("none", "fbcache", "teacache", "dbcache", "x0cache", "magcache")
+# TeaCache's polynomial fitted for a checkpoint (tools/calibrate.py), beside its weights.
+CACHE_FILE = "diffusiond_cache.json"
+
+# TeaCache's published rescaling polynomial for FLUX.1 (highest degree first): a fact of those weights.
+FLUX_TEACACHE = (498.651651, -283.781631, 55.8554382, -3.82021401, 0.264230861)
+IDENTITY = (1.0, 0.0)
+
+
+def load_calibration(source: str) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
+    """What tools/calibrate.py measured for the checkpoint in `source`: TeaCache's polynomial (highest degree first)
+    and MagCache's magnitude ratios per step, each None where it measured none."""
+    path = os.path.join(source, CACHE_FILE)
+    if not os.path.isfile(path):
+        return None, None
+    with open(path) as f:
+        fitted = json.load(f)
+    coefficients = _numbers(path, fitted, "teacache", "coefficients", "finite", math.isfinite)
+    ratios = _numbers(path, fitted, "magcache", "ratios", "positive", lambda r: 0 < r < math.inf)
+    return coefficients, ratios
+
+
+def _numbers(path: str, fitted: dict, method: str, key: str, kind: str, ok: Any) -> tuple[float, ...] | None:
+    if method not in fitted:
+        return None
+    values = fitted[method][key]
+    if not values or not all(isinstance(v, int | float) and ok(v) for v in values):
+        raise ValueError(f"{path}: {method} {key} must be a non-empty list of {kind} numbers")
+    return tuple(float(v) for v in values)
+
+
+@dataclass
+class Method:
+    """The server's cache method; for TeaCache, the polynomial (highest degree first) that maps the modulated
+    input's relative change to an estimate of the output's. `record`, when a list, receives (input change, change of
+    the residual the blocks add) for every request-step computed after a computed step: the pairs
+    tools/calibrate.py fits."""
+
+    name: str
+    coefficients: tuple[float, ...] = IDENTITY
+    record: list[tuple[float, float]] | None = field(default=None, repr=False)
+    # DBCache's blocks always computed first and last, and the steps before any reuse (fbcache: 1, 0, 0).
+    fn: int = 1
+    bn: int = 0
+    warmup: int = 0
+    # DBCache: forecast the reused span's residuals by TaylorSeer (its order: the finite differences kept).
+    taylorseer: bool = False
+    taylorseer_order: int = 1
+    # x0cache: the most steps a request reuses in a row.
+    max_run: int = 1
+    # MagCache: the checkpoint's magnitude ratio per step (the norm of the blocks' residual over the previous
+    # step's, on a calibration's steps), the most steps reused in a row, the share of first steps always computed.
+    ratios: tuple[float, ...] = ()
+    max_skip: int = 3
+    retention: float = 0.2
+
+    def rescale(self, x: float) -> float:
+        value = 0.0
+        for c in self.coefficients:  # Horner
+            value = value * x + c
+        return max(value, 0.0)  # a fitted polynomial may dip below 0 outside its data; a change cannot
+
+
+def method_of(
+    name: str, config: dict[str, Any], blocks: int, coefficients: tuple[float, ...] = IDENTITY, ratios: Any = None
+) -> Method:
+    """The server's method from `--cache NAME` and `--cache-config` (`config`, parsed JSON) for a transformer of
+    `blocks` blocks; `ratios`: MagCache's measured for the checkpoint, when `config` gives none. ValueError naming
+    what is wrong (an unknown key, a bad value, no block left to reuse, MagCache without ratios)."""
+    settings = check_cache_config(name, config)
+    settings.pop("scm", None)  # the requests' default mask: the adapter's (models/flowmatch/requests.py)
+    settings.setdefault("ratios", tuple(ratios or ()))
+    method = Method(name, coefficients, **settings)
+    if name == "magcache" and not method.ratios:
+        raise ValueError(
+            "--cache magcache needs the checkpoint's magnitude ratios: measure them with `python -m "
+            "diffusiond.tools.calibrate --method magcache --model MODEL` (or give them: --cache-config "
+            "'{\"ratios\": [...]}')"
+        )
+    if name == "dbcache" and method.fn + method.bn >= blocks:
+        raise ValueError(
+            f"--cache-config: fn + bn = {method.fn + method.bn} leaves none of the transformer's {blocks} blocks "
+            "to reuse"
+        )
+    return method
+
+
+@dataclass
+class RequestCache:
+    """One request's cache, per row: the signal at its previous step (fbcache: the first block's residual at its
+    last computed step; teacache: the modulated input at its previous step, computed or not), the residual to reuse,
+    and TeaCache's accumulated estimate since the last computed step."""
+
+    signal: torch.Tensor
+    rest: torch.Tensor
+    # dbcache with blocks after the reused ones: the text tokens' residual of the reused blocks.
+    rest_text: torch.Tensor | None = None
+    # TaylorSeer: the step of the last computed residuals, and their finite differences per step (first order first)
+    # between the computed steps before, for `rest` and `rest_text`.
+    at: int = 0
+    rest_diffs: list[torch.Tensor] = field(default_factory=list)
+    text_diffs: list[torch.Tensor] = field(default_factory=list)
+    # x0cache (`signal`: the predicted clean image of the last computed step; `rest` unused): its relative change per
+    # step between the last two computed steps, the steps since the last computed one, and whether this step reuses.
+    rate: float | None = None
+    since: int = 0
+    holding: bool = False
+    computed: int = 0
+    reused: int = 0
+    accumulated: float = 0.0
+    # MagCache, since the last computed step: the product of the steps' magnitude ratios and the steps counted.
+    magnitude: float = 1.0
+    counted: int = 0
+    # The denoiser that computed its history (Wan 2.2 A14B's experts: `restart` at the switch).
+    denoiser: int = 0
+
+
+def restart(state: Any) -> None:
+    """The request moves to another denoiser (Wan 2.2 A14B's low-noise expert): no residual, signal or forecast
+    of the other one's applies, so its next step computes and starts a new history. Its reuses so far stay counted
+    (`RequestState.reused_before`)."""
+    if state.cache is not None:
+        state.reused_before += state.cache.reused
+        state.cache = None
+
+
+def reuse(state: Any, change: float | None) -> bool:
+    """Whether this request may skip blocks at this step. `change`: its change signal since its last computed step
+    (fbcache: relative L1 change of the first-block residual; teacache: the accumulated rescaled change), measured
+    over all its rows and tokens on every rank (None: no cache yet). Steps its mask lists (`cache_steps`) compute."""
+    threshold = state.params.cache_threshold or 0.0
+    last = state.step_index + 1 >= state.total_steps
+    if threshold <= 0 or change is None or state.step_index == 0 or last:
+        return False
+    mask = state.params.cache_steps
+    if mask is not None and state.step_index in mask:
+        return False
+    return change < threshold
+
+
+# SCM presets: Cache-DiT's step computation masks for 28 steps ("slow", "medium", "fast": 18, 15 and 11 of them
+# compute), as runs of computed and reused steps.
+SCM_RUNS = {
+    "slow": ((8, 3, 3, 2, 1, 1), (1, 2, 2, 2, 3)),
+    "medium": ((6, 2, 2, 2, 2, 1), (1, 3, 3, 3, 3)),
+    "fast": ((6, 1, 1, 1, 1, 1), (1, 3, 4, 5, 4)),
+}
+
+
+def _runs(pattern: list[bool]) -> list[tuple[int, int]]:
+    """The first and last index of each run of True in `pattern`."""
+    runs: list[tuple[int, int]] = []
+    for j, on in enumerate(pattern):
+        if on and (j == 0 or not pattern[j - 1]):
+            runs.append((j, j))
+        elif on:
+            runs[-1] = (runs[-1][0], j)
+    return runs
+
+
+def scm_steps(mask: str | Sequence[int], steps: int) -> tuple[int, ...] | None:
+    """The steps of a request of `steps` steps that compute whatever its cache's signal says: a preset's 28-step
+    mask stretched to `steps`, or the listed indices that exist; with the first and the last, which always compute
+    (`reuse`). "off": None, no mask."""
+    if mask == "off":
+        return None
+    if isinstance(mask, str):
+        computed, reused = SCM_RUNS[mask]
+        pattern: list[bool] = []
+        for c, r in zip(computed, (*reused, 0), strict=True):
+            pattern += [True] * c + [False] * r
+        n = len(pattern)
+        # Step i computes where the mask's step under its middle does; a run of the mask's computed steps that no
+        # middle falls in (fewer steps than the mask's) still gets the step it starts in.
+        middle = [(2 * i + 1) * n // (2 * steps) for i in range(steps)]
+        stretched = {i for i in range(steps) if pattern[middle[i]]}
+        for start, end in _runs(pattern):
+            if not any(start <= middle[i] <= end for i in stretched):
+                stretched.add(start * steps // n)
+        return tuple(sorted(stretched | {0, steps - 1}))
+    return tuple(sorted({i for i in mask if i < steps} | {0, steps - 1}))
+
+
+def changes(current: torch.Tensor, rows: int, previous: Sequence[torch.Tensor | None]) -> list[float | None]:
+    """Each request's relative L1 change of `current` (its `rows` rows) against `previous`, agreed by every rank of a
+    group: the sums |x - x_prev| and |x_prev| over the rows and tokens each rank holds are all-reduced, so a request
+    split across ranks (CFG-parallel: a row each; Ulysses: a token shard each) decides once, the same everywhere.
+    (Ranks that hold the same rows add copies of the same sums; the ratio is unchanged.)"""
+    import torch.distributed as dist
+
+    sums = torch.zeros(len(previous), 2, dtype=torch.float64, device=current.device)
+    for i, prev in enumerate(previous):
+        if prev is not None:
+            mine = current[i * rows : (i + 1) * rows].double()
+            sums[i, 0] = (mine - prev.double()).abs().sum()
+            sums[i, 1] = prev.double().abs().sum()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums)  # every rank runs every step's forward (SPMD): the world is the right group
+    values = (sums[:, 0] / sums[:, 1].clamp_min(1e-12)).tolist()
+    return [None if prev is None else value for prev, value in zip(previous, values, strict=True)]
+
+
+def relative_l1(current: torch.Tensor, previous: torch.Tensor) -> float:
+    """mean|x - x_prev| / mean|x_prev|, on this rank's elements."""
+    previous = previous.double()
+    return float((current.double() - previous).abs().sum() / previous.abs().sum().clamp_min(1e-12))
+
+
+def _signals(states: Sequence[Any]) -> list[torch.Tensor | None]:
+    return [None if s.cache is None else s.cache.signal for s in states]
+
+
+@dataclass
+class Batch:
+    """One cached forward's inputs: B requests x `rows` rows of image tokens `h` [B * rows, S, D], text tokens
+    `enc` [B * rows, L, D] and `temb` [B * rows, ...]. `row_kwargs`: block arguments with a row per batch row (a
+    text mask, or None), sub-batched with the rows; `narrows`: what holds a plan per row and narrows it to a
+    sub-batch (`narrow(rows or None)`, a context: the transformer's LoRA layers, Wan's projection plan);
+    `block_kwargs`: the other block arguments. `context`: `enc` is a context the blocks read and return unchanged
+    (Wan's text), so no residual of it is kept."""
+
+    h: torch.Tensor
+    enc: torch.Tensor
+    temb: torch.Tensor
+    rows: int
+    states: Sequence[Any]
+    row_kwargs: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    narrows: Sequence[Any] = ()
+    block_kwargs: dict[str, Any] = field(default_factory=dict)
+    context: bool = False
+
+
+@dataclass
+class Ran:
+    """What `_run_blocks` gives: the image tokens of every row after the blocks (rows that did not run: as they came,
+    in a new tensor), and the running rows' image and text tokens after them (in `computing` order; None when no row
+    ran). `text`: the text tokens of every row, when asked for (`text=True`)."""
+
+    h: torch.Tensor
+    hc: torch.Tensor | None
+    ec: torch.Tensor | None
+    text: torch.Tensor | None = None
+
+
+def _run_blocks(
+    blocks: Sequence[Any], h: torch.Tensor, enc: torch.Tensor, batch: Batch, computing: list[int], text: bool = False
+) -> Ran:
+    """`blocks` over `h` and `enc`'s rows of the `computing` requests (a sub-batch; all of them when every request
+    computes, exactly as the pipeline's forward)."""
+    rows, temb, row_kwargs = batch.rows, batch.temb, batch.row_kwargs
+    n = h.shape[0] // rows
+    if len(computing) == n:
+        hc, ec, tc, index = h, enc, temb, None
+    else:
+        if not computing:
+            return Ran(h.clone(), None, None, enc.clone() if text else None)
+        picked = [i * rows + r for i in computing for r in range(rows)]
+        index = to_device(picked, h.device)
+        hc, ec, tc = h[index], enc[index], temb[index]
+        row_kwargs = {name: None if t is None else t[index] for name, t in row_kwargs.items()}
+    with ExitStack() as narrowed:
+        for plan in batch.narrows:
+            narrowed.enter_context(plan.narrow(picked if index is not None else None))
+        for block in blocks:
+            ec, hc = block(hidden_states=hc, encoder_hidden_states=ec, temb=tc, **row_kwargs, **batch.block_kwargs)
+    if index is None:
+        return Ran(hc, hc, ec, ec if text else None)
+    out = h.clone()
+    out[index] = hc
+    if not text:
+        return Ran(out, hc, ec)
+    out_text = enc.clone()
+    out_text[index] = ec
+    return Ran(out, hc, ec, out_text)
+
+
+def cached_blocks(method: Method, blocks: Sequence[Any], batch: Batch, modulated: Any = None) -> torch.Tensor:
+    """The transformer's blocks over `batch` with a decision per request: image tokens after the last block
+    [B * rows, S, D]. Every block takes (hidden_states, encoder_hidden_states, temb, **block_kwargs) and returns
+    (encoder_hidden_states, hidden_states), as diffusers' SD3 and FLUX blocks do. `modulated`: how the first block
+    modulates its input, for TeaCache (default: its `norm1`)."""
+    if method.name == "teacache":
+        return _teacache(method, blocks, batch, modulated or _modulated_input)
+    if method.name == "x0cache":
+        return _x0cache(method, blocks, batch)
+    if method.name == "magcache":
+        return _magcache(method, blocks, batch)
+    return _dbcache(method, blocks, batch)
+
+
+def magnitude_ratio(method: Method, step: int, steps: int) -> float:
+    """The checkpoint's magnitude ratio at `step` of a request of `steps` steps: the calibration's step nearest in
+    the schedule (as diffusers' `nearest_interp`)."""
+    ratios = method.ratios
+    if steps <= 1:
+        return ratios[-1]
+    return ratios[round(step * (len(ratios) - 1) / (steps - 1))]
+
+
+def _magcache(method: Method, blocks: Sequence[Any], batch: Batch) -> torch.Tensor:
+    """MagCache (diffusers' `MagCacheConfig` rule, per request): after the first `retention` share of its steps, a
+    request multiplies the checkpoint's magnitude ratios of the steps since it last computed and adds |1 - product|
+    to its error; below its threshold, at most `max_skip` steps in a row, it runs no block and adds the residual
+    every block added at its last computed step. The decision reads no tensor: every rank makes it alike."""
+    states = batch.states
+    computing: list[int] = []
+    reusing: list[int] = []
+    for i, state in enumerate(states):
+        cache, error = state.cache, None
+        if cache is not None and state.step_index >= int(method.retention * state.total_steps + 0.5):
+            cache.magnitude *= magnitude_ratio(method, state.step_index, state.total_steps)
+            cache.counted += 1
+            cache.accumulated += abs(1.0 - cache.magnitude)
+            error = cache.accumulated if cache.counted <= method.max_skip else None
+        (reusing if reuse(state, error) else computing).append(i)
+
+    out, residuals = _every_block(blocks, batch, computing, reusing)
+    for i, residual in zip(computing, residuals, strict=True):
+        state = states[i]
+        if method.record is not None and state.cache is not None:  # tools/calibrate.py: the ratio of norms
+            ratio = residual.float().norm(dim=-1) / (state.cache.rest.float().norm(dim=-1) + 1e-8)
+            method.record.append((float(state.step_index), float(ratio.mean())))
+        _renew(state, torch.empty(0), residual)
+        cache = state.cache
+        cache.magnitude, cache.counted, cache.accumulated = 1.0, 0, 0.0
+    return out
+
+
+def _every_block(
+    blocks: Sequence[Any], batch: Batch, computing: list[int], reusing: list[int]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """TeaCache's and MagCache's forward: every block over the computing requests' rows (a sub-batch); a reusing
+    request adds the residual all blocks added at its last computed step (counted as reused). Returns the image
+    tokens of every row and the computing requests' new residuals, in `computing` order."""
+    h, rows, states = batch.h, batch.rows, batch.states
+    ran = _run_blocks(blocks, h, batch.enc, batch, computing)
+    residuals = []
+    for k, i in enumerate(computing):
+        assert ran.hc is not None
+        residuals.append(ran.hc[k * rows : (k + 1) * rows] - h[i * rows : (i + 1) * rows])
+    for i in reusing:
+        mine = slice(i * rows, (i + 1) * rows)
+        cache = states[i].cache
+        ran.h[mine] = h[mine] + cache.rest
+        cache.reused += 1
+    return ran.h, residuals
+
+
+def _x0cache(method: Method, blocks: Sequence[Any], batch: Batch) -> torch.Tensor:
+    """x0cache's decision and blocks: the reusing requests' rows run none (their output is replaced by `settle`)."""
+    computing: list[int] = []
+    for i, state in enumerate(batch.states):
+        cache = state.cache
+        estimate = None if cache is None or cache.rate is None else cache.rate * (cache.since + 1)
+        if cache is not None and cache.since >= method.max_run:
+            estimate = None  # computes: reused max_run steps in a row
+        if reuse(state, estimate):
+            cache.holding = True
+            cache.since += 1
+            cache.reused += 1
+        else:
+            computing.append(i)
+    return _run_blocks(blocks, batch.h, batch.enc, batch, computing).h
+
+
+def settle(method: Method, out: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, rows: int, states: Sequence[Any]):
+    """x0cache, after the forward: the model output `out` [B * rows, ...] for the input `x` at noise levels `sigma`
+    [B * rows]. A computing request's predicted clean image renews its cache (and its rate of change, measured over
+    all its rows on every rank: `changes`); a reusing request's rows become the output that predicts its cached one.
+    Other methods: `out` as it is."""
+    if method.name != "x0cache":
+        return out
+    sigma = sigma.to(out.dtype).view(-1, *([1] * (out.dim() - 1)))
+    x0 = x - sigma * out
+    previous = [None if s.cache is None or s.cache.holding else s.cache.signal for s in states]
+    for i, (state, change) in enumerate(zip(states, changes(x0, rows, previous), strict=True)):
+        mine = slice(i * rows, (i + 1) * rows)
+        cache = state.cache
+        if cache is not None and cache.holding:
+            out[mine] = (x[mine] - cache.signal) / sigma[mine]
+            cache.holding = False
+        elif cache is None:
+            state.cache = RequestCache(x0[mine].clone(), torch.empty(0), computed=1)
+        else:
+            assert change is not None
+            cache.rate = change / (cache.since + 1)
+            cache.signal, cache.since = x0[mine].clone(), 0
+            cache.computed += 1
+    return out
+
+
+def _modulated_input(block: Any, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    """The first block's adaptive norm: its normalised, shifted and scaled input (SD3, SD3.5 and FLUX blocks alike
+    return it first from `norm1`). Families whose blocks modulate otherwise pass their own (`modulated=`)."""
+    return block.norm1(h, emb=temb)[0]
+
+
+def _dbcache(method: Method, blocks: Sequence[Any], batch: Batch) -> torch.Tensor:
+    """fbcache and DBCache: the first `fn` blocks over every row decide, the middle ones run for the requests that
+    compute, the last `bn` over every row again."""
+    h, rows, states = batch.h, batch.rows, batch.states
+    middle_end = len(blocks) - method.bn
+    every = list(range(len(states)))
+    front = _run_blocks(blocks[: method.fn], h, batch.enc, batch, every)
+    hf, ef = front.hc, front.ec
+    assert hf is not None
+    first = hf - h
+    computing: list[int] = []  # requests whose rows run the middle blocks
+    reusing: list[int] = []
+    for i, (state, change) in enumerate(zip(states, changes(first, rows, _signals(states)), strict=True)):
+        warm = state.step_index < method.warmup
+        (reusing if not warm and reuse(state, change) else computing).append(i)
+
+    back = method.bn > 0
+    text_rest = back and not batch.context  # the text tokens' residual, kept where the blocks change them
+    mid = _run_blocks(blocks[method.fn : middle_end], hf, ef, batch, computing, text=text_rest)
+    for k, i in enumerate(computing):
+        mine, theirs = slice(i * rows, (i + 1) * rows), slice(k * rows, (k + 1) * rows)
+        assert mid.hc is not None
+        # (the text tokens after the last block: None in SD3, whose last block takes them only)
+        assert not text_rest or mid.ec is not None
+        rest_text = mid.ec[theirs] - ef[mine] if text_rest else None
+        _renew_span(method, states[i], first[mine], mid.hc[theirs] - hf[mine], rest_text)
+    out, text = mid.h, mid.text
+    for i in reusing:
+        mine = slice(i * rows, (i + 1) * rows)
+        state = states[i]
+        cache = state.cache
+        out[mine] = hf[mine] + _forecast(cache.rest, cache.rest_diffs, state.step_index - cache.at)
+        if text_rest:
+            assert text is not None and cache.rest_text is not None
+            text[mine] = ef[mine] + _forecast(cache.rest_text, cache.text_diffs, state.step_index - cache.at)
+        cache.reused += 1
+    if not back:
+        return out
+    if not text_rest:
+        text = ef
+    assert text is not None
+    return _run_blocks(blocks[middle_end:], out, text, batch, every).h
+
+
+def _renew_span(method: Method, state: Any, signal: torch.Tensor, rest: torch.Tensor, text: torch.Tensor | None):
+    """DBCache's computed step: the request's signal and the span's residuals (with TaylorSeer, their differences
+    against its last computed ones too)."""
+    cache = state.cache
+    if method.taylorseer and cache is not None:
+        gap = state.step_index - cache.at
+        cache.rest_diffs = _differences(rest, cache.rest, cache.rest_diffs, gap, method.taylorseer_order)
+        if text is not None and cache.rest_text is not None:
+            cache.text_diffs = _differences(text, cache.rest_text, cache.text_diffs, gap, method.taylorseer_order)
+    _renew(state, signal, rest)
+    state.cache.at = state.step_index
+    if text is not None:
+        state.cache.rest_text = text.clone()
+
+
+def _differences(
+    new: torch.Tensor, old: torch.Tensor, old_diffs: list[torch.Tensor], gap: int, order: int
+) -> list[torch.Tensor]:
+    """TaylorSeer's finite differences of a value computed now (`new`) and `gap` steps before (`old`, whose own
+    differences were `old_diffs`): the k-th is the change of the (k-1)-th per step, up to `order` (fewer while the
+    history is shorter)."""
+    diffs: list[torch.Tensor] = []
+    current, previous = new, old
+    for k in range(order):
+        diffs.append((current - previous) / gap)
+        if k >= len(old_diffs):
+            break
+        current, previous = diffs[-1], old_diffs[k]
+    return diffs
+
+
+def _forecast(value: torch.Tensor, diffs: list[torch.Tensor], gap: int) -> torch.Tensor:
+    """TaylorSeer's forecast `gap` steps after `value` was computed: value + sum_k diffs[k-1] * gap^k / k!
+    (plain reuse without differences)."""
+    out, factor = value, 1.0
+    for k, diff in enumerate(diffs, start=1):
+        factor *= gap / k
+        out = out + factor * diff
+    return out
+
+
+def _teacache(method: Method, blocks: Sequence[Any], batch: Batch, modulate: Any) -> torch.Tensor:
+    h, rows, states = batch.h, batch.rows, batch.states
+    modulated = modulate(blocks[0], h, batch.temb)
+    raw = changes(modulated, rows, _signals(states))
+    computing: list[int] = []
+    reusing: list[int] = []
+    estimates: list[float | None] = []
+    for i, (state, change) in enumerate(zip(states, raw, strict=True)):
+        estimate = None if change is None else state.cache.accumulated + method.rescale(change)
+        estimates.append(estimate)
+        (reusing if reuse(state, estimate) else computing).append(i)
+
+    out, residuals = _every_block(blocks, batch, computing, reusing)
+    for i, residual in zip(computing, residuals, strict=True):
+        state = states[i]
+        if method.record is not None and state.cache is not None and raw[i] is not None:
+            method.record.append((raw[i], relative_l1(residual, state.cache.rest)))
+        _renew(state, modulated[i * rows : (i + 1) * rows], residual)
+        state.cache.accumulated = 0.0
+    for i in reusing:  # TeaCache compares consecutive steps, computed or not
+        cache = states[i].cache
+        cache.signal = modulated[i * rows : (i + 1) * rows].clone()
+        cache.accumulated = estimates[i]
+    return out
+
+
+def _renew(state: Any, signal: torch.Tensor, rest: torch.Tensor) -> None:
+    """A computed step: the request's cache takes its new signal and residual (cloned: views would keep the batch
+    tensors alive)."""
+    if state.cache is None:
+        state.cache = RequestCache(signal.clone(), rest.clone(), computed=1)
+    else:
+        state.cache.signal, state.cache.rest = signal.clone(), rest.clone()
+        state.cache.computed += 1

@@ -1,0 +1,96 @@
+"""Tiny random-weight checkpoints of every family, built entirely offline (`diffusiond make-tiny`).
+
+`build_tiny(family, out)` constructs every pipeline component with a tiny config under a fixed seed and writes a
+diffusers checkpoint folder with the pipeline's own `save_pretrained`, so `model_index.json` and each component's
+config are exactly what diffusers writes for a real checkpoint. The folder loads back with
+`StableDiffusion3Pipeline.from_pretrained(out)` / `FluxPipeline.from_pretrained(out)` and generates (noise-like)
+images at any height/width that is a multiple of 16 (SD3: up to 1024, as pos_embed_max_size=64 allows), in
+well under a second at 256x256 on a CPU.
+
+The builders live beside this dispatcher, one module per group of families (`images`: SD3, SDXL, FLUX.1; `qwen`,
+`qwen21`, `wan`, `ltx2`, `hunyuan15`; `real`: real-size layouts; `lora`: adapters), on the shared text side
+(`text`: tokenizers over a fixed word list, tiny text encoders). Only this module imports them all.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+FAMILIES: tuple[str, ...] = (
+    "sd3",
+    "sd35",
+    "sdxl",
+    "flux",
+    "flux-kontext",
+    "flux2-klein",
+    "flux2",
+    "z-image",
+    "qwen-image",
+    "qwen-image-edit",
+    "qwen-image-edit-plus",
+    "qwen-image-21",
+    "wan",
+    "wan-i2v",
+    "wan22",
+    "wan22-i2v",
+    "wan22-ti2v",
+    "ltx2",
+    "ltx2-i2v",
+    "hunyuan-video-15",
+    "hunyuan-video-15-i2v",
+)
+
+
+def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
+    """The tiny pipeline for `family`, in memory (fp32, CPU). Same weights as `build_tiny` writes."""
+    import torch
+
+    from diffusiond.models.tiny import hunyuan15, images, ltx2, qwen, qwen21, wan
+
+    builders = {
+        "sd3": images.build_sd3,
+        # SD3.5 Medium's layout: RMS-normed q/k and a second (self-only) attention in the first layers.
+        "sd35": lambda: images.build_sd3(qk_norm="rms_norm", dual_attention_layers=(0,)),
+        "sdxl": images.build_sdxl,
+        "flux": images.build_flux,
+        "flux-kontext": images.build_kontext,
+        "z-image": qwen.build_zimage,
+        "qwen-image": qwen.build_qwenimage,
+        # Qwen-Image-Edit and -2509's layouts (need torchvision, for their Qwen2-VL processor).
+        "qwen-image-edit": lambda: qwen.build_qwenimage_edit_plus(plus=False),
+        "qwen-image-edit-plus": qwen.build_qwenimage_edit_plus,
+        "flux2-klein": qwen.build_flux2klein,
+        # Qwen-Image 2.1: a Qwen3-VL text encoder (its processor needs torchvision), an RGBA VAE.
+        "qwen-image-21": qwen21.build_qwenimage21,
+        # FLUX.2 [dev]: a Mistral-3 text encoder read through a Pixtral processor (needs torchvision).
+        "flux2": qwen.build_flux2dev,
+        "wan": wan.build_wan,
+        "wan-i2v": wan.build_wan_i2v,
+        # Wan 2.2 A14B: two experts (`transformer_2`, `boundary_ratio`); its I2V without image cross-attention.
+        "wan22": lambda: wan.build_wan(two_experts=True),
+        "wan22-i2v": lambda: wan.build_wan_i2v(image_context=False, two_experts=True),
+        # Wan 2.2 TI2V-5B: text and image to video from one checkpoint (`expand_timesteps`, Wan 2.2's VAE).
+        "wan22-ti2v": wan.build_wan_ti2v,
+        # LTX-2: video with sound (Gemma 3, connectors, an audio VAE and a vocoder).
+        "ltx2": ltx2.build_ltx2,
+        "ltx2-i2v": ltx2.build_ltx2_i2v,
+        # HunyuanVideo-1.5: a Qwen2.5-VL text model, a ByT5 glyph encoder, a CFG guider (i2v: a SigLIP image encoder,
+        # whose processor needs torchvision).
+        "hunyuan-video-15": hunyuan15.build_hunyuan_video15,
+        "hunyuan-video-15-i2v": hunyuan15.build_hunyuan_video15_i2v,
+    }
+    if family not in builders:
+        raise ValueError(f"unknown model family {family!r}; valid families: {', '.join(FAMILIES)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return builders[family]()
+
+
+def build_tiny(family: str, out: str | Path, seed: int = 0) -> Path:
+    """Write a tiny random-weight diffusers checkpoint of `family`  to `out`; return its path."""
+    pipe = build_tiny_pipeline(family, seed=seed)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(out)
+    return out

@@ -93,7 +93,7 @@ def _child(job: Job) -> None:
     import torch
 
     torch.set_num_threads(job.threads)
-    from diffusiond.models.flowmatch.adapter import null_components
+    from diffusiond.models.loading.pipelines import null_components
     from diffusiond.models.loading.registry import read_model_index
 
     index = read_model_index(job.model)

@@ -279,7 +279,7 @@ class GpuCheck:
         call decode, and the whole job (8 images of 1024 x 1024, or one Wan clip of 81 x 480 x 832)."""
         from diffusers import AutoencoderKL, AutoencoderKLWan
 
-        from diffusiond.models.flowmatch.adapter import DECODE_PIXELS
+        from diffusiond.models.flowmatch.decoding import DECODE_PIXELS
         from diffusiond.models.tiny.real import SD3_VAE
 
         torch = self.torch
@@ -303,7 +303,7 @@ class GpuCheck:
 
     def decode_layout(self) -> str:
         """One 1024 x 1024 image through a VAE of SD3's configuration (random weights), its weights as loaded and then
-        channels-last: the CPU converts 2-D VAEs (models/flowmatch/adapter.py `channels_last_vae`, measured 0.7-0.8x
+        channels-last: the CPU converts 2-D VAEs (models/loading/pipelines.py `channels_last_vae`, measured 0.7-0.8x
         there), GPUs do not until this row says whether it pays there."""
         from diffusers import AutoencoderKL
 

@@ -362,7 +362,7 @@ def cache_settings(method: str, text: str | None) -> dict[str, Any]:
     """`cache_config`'s JSON object for `--cache method` (empty when unset); ConfigError naming an unknown key or a
     bad value (models/loading/setup.check_cache_config); whether the transformer has blocks left to reuse is checked at
     load."""
-    from diffusiond.models.loading.setup import check_cache_config
+    from diffusiond.models.stepcache.settings import check_cache_config
 
     if not text:
         return {}

@@ -12,7 +12,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     Every flag is also a config file key and a DIFFUSIOND_* variable (`--max-batch`: max_batch,
     DIFFUSIOND_MAX_BATCH)."""
     from diffusiond.daemon.config import ATTENTION_CHOICES, QUANTIZE_CHOICES, ServeConfig
-    from diffusiond.models.loading.setup import CACHE_THRESHOLDS, DEFAULT_CACHE_THRESHOLD
+    from diffusiond.models.stepcache.settings import CACHE_THRESHOLDS, DEFAULT_CACHE_THRESHOLD
 
     d = ServeConfig()
     parser.add_argument("--config", metavar="FILE", help="TOML file of the settings below (or set DIFFUSIOND_CONFIG)")

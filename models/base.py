@@ -115,7 +115,7 @@ class RequestState:
     shared: dict[str, Any] = field(default_factory=dict)
     # Step cache state of this request (models/stepcache/methods.py), freed with it.
     cache: Any = None
-    # Inpainting: what pins the region outside the mask after each step (models/flowmatch/adapter.Inpaint).
+    # Inpainting: what pins the region outside the mask after each step (models/flowmatch/images.Inpaint).
     inpaint: Any = None
     # Its LoRA adapters and scales, resident while it lives (kernels/lora_rows.Selection; () for none).
     lora: tuple = ()

@@ -18,6 +18,7 @@ preview path; real VAEs are much closer to linear, which is what makes the publi
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -226,3 +227,25 @@ def load_preview_factors(checkpoint_dir: str | Path) -> LatentRGB | None:
     if not path.is_file():
         return None
     return msgspec.json.decode(path.read_bytes(), type=LatentRGB)
+
+
+def preview_map(
+    source: str,
+    published_as: str,
+    channels: int,
+    decode: Callable[[torch.Tensor], torch.Tensor],
+    scale: int,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> LatentRGB:
+    """A model's map: one written beside the checkpoint (fitted for our own models) wins over the factors published
+    for its VAE (`published_as`); a checkpoint with neither gets one fitted against its decoder (`decode`) now."""
+    if os.path.isdir(source):
+        fitted = load_preview_factors(source)
+        if fitted is not None:
+            return fitted
+    found = published(published_as)
+    if found is not None and len(found.factors) == channels:
+        return found
+    return fit_decoder(decode, channels, scale, device=device, dtype=dtype)

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from diffusiond.models.stepcache.methods import CACHE_FILE
+from diffusiond.models.stepcache.settings import CACHE_FILE
 
 # Prompts any text-to-image model draws, the bundled one included (its words).
 PROMPTS = (
@@ -105,7 +105,7 @@ def record_pairs(
 
     def load() -> Any:  # on the engine's step thread, which owns torch
         adapter = build_adapter(model_setup)
-        adapter.cache_method.record = pairs
+        adapter.cache.method.record = pairs
         return adapter
 
     width, height = size or (None, None)

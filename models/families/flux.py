@@ -4,6 +4,8 @@ embedding (`guidance_scale`) and optional true CFG (`true_cfg_scale` > 1 with a 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -14,29 +16,33 @@ from diffusiond.kernels.ulysses import UlyssesGroup, gather_output, ulysses_sdpa
 from diffusiond.models.base import RequestState
 from diffusiond.models.families import specs
 from diffusiond.models.flowmatch.adapter import FlowMatchAdapter
+from diffusiond.models.flowmatch.requests import RequestRules
+from diffusiond.models.flowmatch.sampler import packed_latent_size, request_generator, shift_mu
 from diffusiond.models.params import SamplingParams
 from diffusiond.models.stepcache import forwards
-from diffusiond.models.stepcache import methods as stepcache
+from diffusiond.models.stepcache.cache import StepCache
+from diffusiond.models.stepcache.settings import FLUX_TEACACHE
 
 
 class FluxAdapter(FlowMatchAdapter):
     spec = specs.FLUX
     default_guidance = 3.5
     max_sequence_length = 512
-    teacache_coefficients = stepcache.FLUX_TEACACHE  # published for FLUX.1; a calibration beside the weights wins
 
-    def magcache_ratios(self) -> tuple[float, ...] | None:
-        """MagCache's published ratios for FLUX.1 [dev] (28 steps; diffusers ships them)."""
+    def _step_cache(self) -> StepCache:
+        """TeaCache's polynomial and MagCache's ratios published for FLUX.1 [dev] (diffusers ships the ratios, for 28
+        steps); a calibration beside the weights wins."""
         from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
 
-        return tuple(float(r) for r in FLUX_MAG_RATIOS)
+        cached = partial(forwards.flux_forward, transformer=self.transformer)
+        ratios = tuple(float(r) for r in FLUX_MAG_RATIOS)
+        return StepCache(self.family, self.cache_methods, self._call, cached, teacache=FLUX_TEACACHE, magcache=ratios)
+
+    def _request_rules(self, caps: Any, declared: Any, **parts: Any) -> RequestRules:
+        return FluxRequests(caps, declared, **parts)
 
     def _size_multiple(self) -> int:
         return self.vae_scale_factor * 2
-
-    def _uses_cfg(self, params: SamplingParams) -> bool:
-        # As the pipeline's `do_true_cfg`.
-        return (params.true_cfg_scale or 0.0) > 1 and params.negative_prompt is not None
 
     def _unpack(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         return FluxPipeline._unpack_latents(latents, params.height, params.width, self.vae_scale_factor)
@@ -44,7 +50,7 @@ class FluxAdapter(FlowMatchAdapter):
     @torch.inference_mode()
     def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
         params = [p for _, p in requests]
-        cfg, text = self._lookup_prompts(params)  # text -> (embeds, pooled)
+        cfg, text = self.prompts.lookup(params)  # text -> (embeds, pooled)
         config = self.pipe.scheduler.config
         channels = self.transformer.config.in_channels // 4
         states = []
@@ -53,9 +59,11 @@ class FluxAdapter(FlowMatchAdapter):
             sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
             if getattr(config, "use_flow_sigmas", False):
                 sigmas = None
-            h, w = self._packed_latent_size(p)
-            generator = self._generator(p)
-            sampler = self._sampler(p, generator, sigmas=sigmas, mu=self._shift_mu((h // 2) * (w // 2)))
+            h, w = packed_latent_size(p, self.vae_scale_factor)
+            generator = request_generator(p)
+            sampler = self._sampler(
+                p, generator, sigmas=sigmas, mu=shift_mu(self.pipe.scheduler.config, (h // 2) * (w // 2))
+            )
             latents, image_ids, context, inpaint = self._initial_latents(p, sampler, generator, channels, embeds.dtype)
             guidance = torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)
             if cfg[i]:
@@ -86,8 +94,8 @@ class FluxAdapter(FlowMatchAdapter):
                 1, channels, p.height, p.width, dtype, self.device, generator
             )
             return latents, image_ids, None, None
-        h, w = self._packed_latent_size(p)
-        noised, inpaint = self._noised_image(p, sampler, generator, dtype)  # [1, C, h, w]
+        h, w = packed_latent_size(p, self.vae_scale_factor)
+        noised, inpaint = self.images.noised(p, sampler, generator, self.device, dtype)  # [1, C, h, w]
 
         def pack(x: torch.Tensor) -> torch.Tensor:
             return FluxPipeline._pack_latents(x, 1, channels, h, w)
@@ -123,28 +131,24 @@ class FluxAdapter(FlowMatchAdapter):
         if self.transformer.config.guidance_embeds:
             batched["guidance"] = cond["guidance"]
         ids = {"txt_ids": shared["text_ids"], "img_ids": shared["image_ids"]}
-        out = self._transformer_rows(rows, batched, ids, states)[:, :, :seq]  # [B, rows, seq, C * 4]
+        out = self.ranks.rows(rows, batched, ids, states)[:, :, :seq]  # [B, rows, seq, C * 4]
         if rows == 1:
             return out[:, 0]
         pos, neg = out[:, 0], out[:, 1]
         scale = cond["true_cfg"].to(out.dtype)  # [B], built once per batch membership
         return neg + scale.view(-1, 1, 1) * (pos - neg)
 
-    def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
-        return forwards.flux_forward(
-            self.cache_method,
-            self.transformer,
-            batched,
-            shared,
-            rows,
-            states,
-            ulysses=getattr(self, "ulysses_group", None),
-        )
-
     def enable_ulysses(self, group: UlyssesGroup) -> None:
-        self.ulysses_group = group
+        self.ranks.ulysses = group
+        self.cache.cached = partial(forwards.flux_forward, transformer=self.transformer, ulysses=group)
         self.transformer.set_attn_processor(UlyssesFluxAttnProcessor(group))
         shard_image_tokens(self.transformer, group)
+
+
+class FluxRequests(RequestRules):
+    def uses_cfg(self, params: SamplingParams) -> bool:
+        # As the pipeline's `do_true_cfg`.
+        return (params.true_cfg_scale or 0.0) > 1 and params.negative_prompt is not None
 
 
 def shard_image_tokens(transformer: torch.nn.Module, group: UlyssesGroup) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -22,6 +22,8 @@ from diffusiond.models.base import RequestState
 from diffusiond.models.families import specs
 from diffusiond.models.families.flux import shard_image_tokens
 from diffusiond.models.flowmatch.adapter import FlowMatchAdapter
+from diffusiond.models.flowmatch.requests import RequestRules
+from diffusiond.models.flowmatch.sampler import packed_latent_size, request_generator
 from diffusiond.models.inputs import image_size, open_rgb
 from diffusiond.models.params import ParamError, SamplingParams
 
@@ -31,51 +33,28 @@ class Flux2KleinAdapter(FlowMatchAdapter):
     vae_family = "flux2"
     default_steps = 50
     default_guidance = 4.0
-    # Reference images above this area are scaled down to it (the pipeline's).
-    max_context_area: ClassVar[int] = 1024 * 1024
     TEXT_ENCODERS = ("text_encoder",)
 
-    def context_size(self, params: SamplingParams) -> tuple[tuple[int, int], ...] | None:
-        """(width, height) of each image an edit is conditioned on (`image`, then `reference_images`): at its own
-        size, scaled down to 1024x1024's area when larger, sides floored to the packing multiple, as the pipeline
-        conditions them."""
-        if params.image is None:
-            return None
-        files = [("image", params.image)] + [("reference_images", data) for data in params.reference_images or ()]
-        return tuple(self._conditioned_size(data, param) for param, data in files)
-
-    def _conditioned_size(self, data: bytes, param: str) -> tuple[int, int]:
-        width, height = image_size(data, param)
-        # The pipeline's `check_image_input`: sides of 64 or more, an aspect ratio up to 8.
-        if min(width, height) < 64 or max(width, height) > 8 * min(width, height):
-            raise ParamError(
-                param, f"{param} must have sides of at least 64 and an aspect ratio up to 8, got {width}x{height}"
-            )
-        if width * height > self.max_context_area:  # `_resize_to_target_area`'s arithmetic
-            scale = math.sqrt(self.max_context_area / (width * height))
-            width, height = int(width * scale), int(height * scale)
-        m = self._size_multiple()
-        return width // m * m, height // m * m
+    def _request_rules(self, caps: Any, declared: Any, **parts: Any) -> RequestRules:
+        # Distilled checkpoints never run a negative branch.
+        return Flux2Requests(caps, declared, distilled=bool(self.pipe.config.is_distilled), **parts)
 
     def _context(self, p: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """The edit's images as packed tokens [1, ctx, C * 4] and their ids [ctx, 4] (time axis 10, 20, ... one per
         image), by the pipeline's own `prepare_image_latents` (the latent mode: no draw from the generator)."""
         self._stage("vae")
         images = []
-        for data, (width, height) in zip((p.image, *(p.reference_images or ())), self.context_size(p), strict=True):
+        area, sizes = self.requests.max_context_area, self.requests.context_size(p)
+        for data, (width, height) in zip((p.image, *(p.reference_images or ())), sizes, strict=True):
             image = open_rgb(data)
-            if image.width * image.height > self.max_context_area:
-                image = self.pipe.image_processor._resize_to_target_area(image, self.max_context_area)
+            if image.width * image.height > area:
+                image = self.pipe.image_processor._resize_to_target_area(image, area)
             images.append(self.pipe.image_processor.preprocess(image, height=height, width=width, resize_mode="crop"))
         tokens, ids = self.pipe.prepare_image_latents(images, 1, generator, self.device, self.vae.dtype)
         return tokens, ids[0].to(self.device)
 
     def _size_multiple(self) -> int:
         return self.vae_scale_factor * 2
-
-    def _uses_cfg(self, params: SamplingParams) -> bool:
-        # As the pipeline's `do_classifier_free_guidance`: distilled checkpoints never run a negative branch.
-        return (params.guidance_scale or 0.0) > 1 and not self.pipe.config.is_distilled
 
     def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor]]:
         """The pipeline's own encoder (chat template, padded to its 512 tokens, three hidden layers stacked)."""
@@ -86,12 +65,12 @@ class Flux2KleinAdapter(FlowMatchAdapter):
     @torch.inference_mode()
     def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
         params = [p for _, p in requests]
-        cfg, text = self._lookup_prompts(params)  # text -> ([1, L, D],)
+        cfg, text = self.prompts.lookup(params)  # text -> ([1, L, D],)
         channels = self.transformer.config.in_channels // 4
         states = []
         for i, (request_id, p) in enumerate(requests):
             (embeds,) = text[p.prompt]
-            generator = self._generator(p)
+            generator = request_generator(p)
             latents, latent_ids = self.pipe.prepare_latents(
                 1, channels, p.height, p.width, embeds.dtype, self.device, generator
             )  # [1, seq, C * 4], [1, seq, 4]
@@ -142,7 +121,7 @@ class Flux2KleinAdapter(FlowMatchAdapter):
         }
         if "guidance" in cond:
             batched["guidance"] = cond["guidance"].repeat_interleave(rows)
-        out = self._transformer_rows(rows, batched, shared, states)[:, :, :seq]
+        out = self.ranks.rows(rows, batched, shared, states)[:, :, :seq]
         if rows == 1:
             return out[:, 0]
         pos, neg = out[:, 0], out[:, 1]
@@ -151,7 +130,7 @@ class Flux2KleinAdapter(FlowMatchAdapter):
     def _unpack(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """Packed tokens [B, seq, C * 4] -> the VAE's own latents [B, C, h, w], as the pipeline: scattered by their
         ids, the batch-norm statistics undone, the 2x2 patches unfolded."""
-        h, w = self._packed_latent_size(params)
+        h, w = packed_latent_size(params, self.vae_scale_factor)
         ids = self.pipe._prepare_latent_ids(latents.new_empty(latents.shape[0], 1, h // 2, w // 2)).to(latents.device)
         patches = Flux2KleinPipeline._unpack_latents_with_ids(latents, ids, h // 2, w // 2)
         bn = self.vae.bn
@@ -167,7 +146,7 @@ class Flux2KleinAdapter(FlowMatchAdapter):
     def enable_ulysses(self, group: UlyssesGroup) -> None:
         """Image tokens (with an edit's reference tokens) and their rotary ids sharded across `group`; the text stays
         whole on every rank, the replicated prefix of each joint attention (as FLUX.1's)."""
-        self.ulysses_group = group
+        self.ranks.ulysses = group
         for block in self.transformer.transformer_blocks:
             block.attn.set_processor(UlyssesFlux2AttnProcessor(group))
         for block in self.transformer.single_transformer_blocks:
@@ -180,8 +159,45 @@ class Flux2Adapter(Flux2KleinAdapter):
 
     spec = specs.FLUX2
 
-    def _uses_cfg(self, params: SamplingParams) -> bool:
-        return False
+    def _request_rules(self, caps: Any, declared: Any, **parts: Any) -> RequestRules:
+        return Flux2Requests(caps, declared, distilled=True, **parts)
+
+
+class Flux2Requests(RequestRules):
+    """`distilled`: a checkpoint that never runs a negative branch (a distilled klein, FLUX.2 [dev])."""
+
+    # Reference images above this area are scaled down to it (the pipeline's).
+    max_context_area: ClassVar[int] = 1024 * 1024
+
+    def __init__(self, caps: Any, declared: Any, *, distilled: bool, **parts: Any) -> None:
+        super().__init__(caps, declared, **parts)
+        self.distilled = distilled
+
+    def uses_cfg(self, params: SamplingParams) -> bool:
+        # As the pipeline's `do_classifier_free_guidance`.
+        return (params.guidance_scale or 0.0) > 1 and not self.distilled
+
+    def context_size(self, params: SamplingParams) -> tuple[tuple[int, int], ...] | None:
+        """(width, height) of each image an edit is conditioned on (`image`, then `reference_images`): at its own
+        size, scaled down to 1024x1024's area when larger, sides floored to the packing multiple, as the pipeline
+        conditions them."""
+        if params.image is None:
+            return None
+        files = [("image", params.image)] + [("reference_images", data) for data in params.reference_images or ()]
+        return tuple(self._conditioned_size(data, param) for param, data in files)
+
+    def _conditioned_size(self, data: bytes, param: str) -> tuple[int, int]:
+        width, height = image_size(data, param)
+        # The pipeline's `check_image_input`: sides of 64 or more, an aspect ratio up to 8.
+        if min(width, height) < 64 or max(width, height) > 8 * min(width, height):
+            raise ParamError(
+                param, f"{param} must have sides of at least 64 and an aspect ratio up to 8, got {width}x{height}"
+            )
+        if width * height > self.max_context_area:  # `_resize_to_target_area`'s arithmetic
+            scale = math.sqrt(self.max_context_area / (width * height))
+            width, height = int(width * scale), int(height * scale)
+        m = self.caps.size_multiple
+        return width // m * m, height // m * m
 
 
 class UlyssesFlux2AttnProcessor:

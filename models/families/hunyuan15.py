@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
+from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
@@ -31,11 +32,13 @@ from diffusiond.models.base import RequestState
 from diffusiond.models.families import specs
 from diffusiond.models.flowmatch.adapter import FlowMatchAdapter
 from diffusiond.models.flowmatch.clips import VideoClips
+from diffusiond.models.flowmatch.requests import RequestRules
+from diffusiond.models.flowmatch.sampler import request_generator
 from diffusiond.models.inputs import image_size, open_rgb
 from diffusiond.models.params import MAX_FRAMES, ParamError, SamplingParams
 
 
-class HunyuanVideo15Adapter(VideoClips, FlowMatchAdapter):
+class HunyuanVideo15Adapter(FlowMatchAdapter):
     spec = specs.HUNYUAN_VIDEO_15
     default_steps = 50
     # The pipeline's 121 frames; it names no rate (its examples write 24 frames per second).
@@ -64,30 +67,23 @@ class HunyuanVideo15Adapter(VideoClips, FlowMatchAdapter):
     def _size_multiple(self) -> int:
         return self.vae_scale_factor * self.transformer.config.patch_size
 
-    def _max_frames(self) -> int:
-        return min(MAX_FRAMES, 4 * 60 + 1)  # 10 seconds at 24 frames per second
-
     def _latent_channels(self) -> int:
         return self.vae.config.latent_channels
 
-    def _size(self, params: SamplingParams) -> tuple[int, int]:
-        """Image to video: the image's aspect bucket at `target_size`, as the pipeline crops it (it takes no size)."""
-        if params.image is None:
-            return super()._size(params)
-        w, h = image_size(params.image)
-        height, width = self.pipe.video_processor.calculate_default_height_width(h, w, self.pipe.target_size)
-        for name, side, asked in (("width", width, params.width), ("height", height, params.height)):
-            if asked is not None and asked != side:
-                raise ParamError(name, f"an image to video clip is {width}x{height}, its image's bucket; got {asked}")
-        return width, height
+    def _clips(self) -> VideoClips:
+        return VideoClips(
+            frame_step=self.frame_step,
+            max_frames=min(MAX_FRAMES, 4 * 60 + 1),  # 10 seconds at 24 frames per second
+            default_num_frames=self.default_num_frames,
+            default_fps=self.default_fps,
+            processor=self.pipe.video_processor,
+            latent_rgb=self.latent_rgb,
+            requires_image=self.requires_image,
+        )
 
-    def batch_key(self, params: SamplingParams) -> Hashable:
-        return (params.width, params.height, params.num_frames, params.image is not None)
-
-    def _uses_cfg(self, params: SamplingParams) -> bool:
-        """The guider's: on unless the scale is its neutral value (1; 0 in the original formulation)."""
-        neutral = 0.0 if self.guider.use_original_formulation else 1.0
-        return self.guider._enabled and not math.isclose(params.guidance_scale or 0.0, neutral)
+    def _request_rules(self, caps: Any, declared: Any, **parts: Any) -> RequestRules:
+        bucket = partial(self.pipe.video_processor.calculate_default_height_width, target_size=self.pipe.target_size)
+        return Hunyuan15Requests(caps, declared, guider=self.guider, bucket=bucket, **parts)
 
     def _guides_at(self, state: RequestState) -> bool:
         """Whether the request runs its negative row at its next step (the guider's `start` and `stop`)."""
@@ -107,11 +103,11 @@ class HunyuanVideo15Adapter(VideoClips, FlowMatchAdapter):
     @torch.inference_mode()
     def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
         params = [p for _, p in requests]
-        cfg, text = self._lookup_prompts(params)
+        cfg, text = self.prompts.lookup(params)
         states = []
         for i, (request_id, p) in enumerate(requests):
             assert p.num_frames is not None and p.height is not None and p.width is not None
-            generator = self._generator(p)
+            generator = request_generator(p)
             s = self.vae_scale_factor
             shape = (1, self.vae.config.latent_channels, (p.num_frames - 1) // self.frame_step + 1, p.height // s,
                      p.width // s)  # fmt: skip
@@ -169,7 +165,7 @@ class HunyuanVideo15Adapter(VideoClips, FlowMatchAdapter):
                 later = sampler.timesteps[sampler.index + 1 :]
                 ends.append(later[0] if len(later) else torch.tensor(0.0, device=self.device))
             kwargs["timestep_r"] = torch.stack(ends).to(self.device, self.dtype)
-        with self._lora_rows([self._lora_of(states[i]) for i, _ in rows]):
+        with self.loras.rows([self.loras.of(states[i]) for i, _ in rows]):
             return self.transformer(
                 hidden_states=hidden,
                 image_embeds=torch.cat([states[i].cond["image_embeds"] for i, _ in rows]),
@@ -202,7 +198,7 @@ class HunyuanVideo15Adapter(VideoClips, FlowMatchAdapter):
                 return latents.new_zeros((0, *latents.shape[1:]))
             return self._transformer_call(rows[lo:hi], states, latents)
 
-        out = compute(0, len(rows)) if self.cfg_group is None else self._split_requests_by(len(rows), compute)
+        out = compute(0, len(rows)) if self.ranks.cfg_group is None else self.ranks.split_by(len(rows), compute)
         guide = self.guider
         guided = []
         r = 0
@@ -225,7 +221,7 @@ class HunyuanVideo15Adapter(VideoClips, FlowMatchAdapter):
         """The frames x height x width tokens are sharded across `group` from the first block on (with their rotary
         angles); each block's joint attention all-to-alls the video shard and keeps the text whole on every rank
         (`Hunyuan15AttnProcessor`); the last block's video output is gathered for the output projection."""
-        self.ulysses_group = group
+        self.ranks.ulysses = group
         blocks = self.transformer.transformer_blocks
         span: dict[str, int] = {}
 
@@ -257,6 +253,34 @@ class HunyuanVideo15Adapter(VideoClips, FlowMatchAdapter):
             return self._decode(latents[:, :, None])[:, :, 0]
         latents = latents.to(self.vae.dtype) / self.vae.config.scaling_factor
         return torch.cat([self.vae.decode(latents[i : i + 1], return_dict=False)[0] for i in range(len(latents))])
+
+
+class Hunyuan15Requests(RequestRules):
+    """`guider`: the checkpoint's guider; `bucket(height, width)`: the pipeline's size bucket of an image's aspect at
+    its `target_size`, as (height, width)."""
+
+    def __init__(self, caps: Any, declared: Any, *, guider: Any, bucket: Any, **parts: Any) -> None:
+        super().__init__(caps, declared, **parts)
+        self.guider, self.bucket = guider, bucket
+
+    def uses_cfg(self, params: SamplingParams) -> bool:
+        """The guider's: on unless the scale is its neutral value (1; 0 in the original formulation)."""
+        neutral = 0.0 if self.guider.use_original_formulation else 1.0
+        return self.guider._enabled and not math.isclose(params.guidance_scale or 0.0, neutral)
+
+    def batch_key(self, params: SamplingParams) -> Hashable:
+        return (params.width, params.height, params.num_frames, params.image is not None)
+
+    def _size(self, params: SamplingParams) -> tuple[int, int]:
+        """Image to video: the image's aspect bucket at `target_size`, as the pipeline crops it (it takes no size)."""
+        if params.image is None:
+            return super()._size(params)
+        w, h = image_size(params.image)
+        height, width = self.bucket(h, w)
+        for name, side, asked in (("width", width, params.width), ("height", height, params.height)):
+            if asked is not None and asked != side:
+                raise ParamError(name, f"an image to video clip is {width}x{height}, its image's bucket; got {asked}")
+        return width, height
 
 
 class Hunyuan15AttnProcessor:

@@ -11,44 +11,26 @@ attends to 1,024 context tokens instead of 4,096 (cheaper, and not the pipeline'
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
 from diffusiond.models.families import specs
-from diffusiond.models.families.flux import FluxAdapter
+from diffusiond.models.families.flux import FluxAdapter, FluxRequests
+from diffusiond.models.flowmatch.requests import RequestRules
 from diffusiond.models.inputs import image_size, open_rgb
 from diffusiond.models.params import ParamError, SamplingParams
 
 
 class FluxKontextAdapter(FluxAdapter):
     spec = specs.FLUX_KONTEXT
-    # The area PREFERRED_KONTEXT_RESOLUTIONS are made for.
-    preferred_area: ClassVar[int] = 1024 * 1024
 
-    def context_size(self, params: SamplingParams) -> tuple[int, int] | None:
-        """(width, height) the request's input image is conditioned at (resolved `params`); None without one."""
-        if params.image is None:
-            return None
-        image_width, image_height = image_size(params.image)
-        ratio = image_width / image_height
-        _, width, height = min((abs(ratio - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
-        scale = 1.0
-        if params.edit_context == "output":
-            scale = math.sqrt(params.width * params.height / self.preferred_area)
-        m = self._size_multiple()
-        return max(m, int(width * scale) // m * m), max(m, int(height * scale) // m * m)
-
-    def _edit_context(self, params: SamplingParams) -> str | None:
-        if params.image is None:
-            if params.edit_context is not None:
-                raise ParamError("edit_context", "edit_context sizes an input image; this request sends none")
-            return None
-        return params.edit_context or "preferred"
+    def _request_rules(self, caps: Any, declared: Any, **parts: Any) -> RequestRules:
+        return KontextRequests(caps, declared, **parts)
 
     def _initial_latents(self, p: SamplingParams, sampler, generator, channels: int, dtype: torch.dtype):
-        size = self.context_size(p)
+        size = self.requests.context_size(p)
         image = None
         if size is not None:
             self._stage("vae")
@@ -63,3 +45,28 @@ class FluxKontextAdapter(FluxAdapter):
         if context_ids is None:
             return latents, latent_ids, None, None
         return latents, torch.cat([latent_ids, context_ids]), context, None
+
+
+class KontextRequests(FluxRequests):
+    # The area PREFERRED_KONTEXT_RESOLUTIONS are made for.
+    preferred_area: ClassVar[int] = 1024 * 1024
+
+    def context_size(self, params: SamplingParams) -> tuple[int, int] | None:
+        """(width, height) the request's input image is conditioned at (resolved `params`); None without one."""
+        if params.image is None:
+            return None
+        image_width, image_height = image_size(params.image)
+        ratio = image_width / image_height
+        _, width, height = min((abs(ratio - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
+        scale = 1.0
+        if params.edit_context == "output":
+            scale = math.sqrt(params.width * params.height / self.preferred_area)
+        m = self.caps.size_multiple
+        return max(m, int(width * scale) // m * m), max(m, int(height * scale) // m * m)
+
+    def _edit_context(self, params: SamplingParams) -> str | None:
+        if params.image is None:
+            if params.edit_context is not None:
+                raise ParamError("edit_context", "edit_context sizes an input image; this request sends none")
+            return None
+        return params.edit_context or "preferred"

@@ -10,6 +10,7 @@ both rows of every request share one forward, their texts padded to the longest 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -21,8 +22,11 @@ from diffusiond.kernels.ulysses import UlyssesGroup, gather_output, ulysses_sdpa
 from diffusiond.models.base import RequestState
 from diffusiond.models.families import specs
 from diffusiond.models.flowmatch.adapter import FlowMatchAdapter
+from diffusiond.models.flowmatch.requests import RequestRules
+from diffusiond.models.flowmatch.sampler import packed_latent_size, request_generator, shift_mu
 from diffusiond.models.params import SamplingParams
 from diffusiond.models.stepcache import forwards
+from diffusiond.models.stepcache.cache import StepCache
 
 
 class QwenImageAdapter(FlowMatchAdapter):
@@ -30,7 +34,6 @@ class QwenImageAdapter(FlowMatchAdapter):
     # The pipeline's own defaults: 50 steps, true CFG at 4 when a negative prompt is given.
     default_steps = 50
     default_guidance = 1.0  # the distilled guidance embedding, which only guidance-distilled checkpoints have
-    default_true_cfg = 4.0
     max_sequence_length = 512
     TEXT_ENCODERS = ("text_encoder",)
 
@@ -40,9 +43,13 @@ class QwenImageAdapter(FlowMatchAdapter):
     def _latent_channels(self) -> int:
         return self.vae.config.z_dim
 
-    def _uses_cfg(self, params: SamplingParams) -> bool:
-        # As the pipeline's `do_true_cfg`.
-        return (params.true_cfg_scale or 0.0) > 1 and params.negative_prompt is not None
+    def _request_rules(self, caps: Any, declared: Any, **parts: Any) -> RequestRules:
+        return QwenImageRequests(caps, declared, **parts)
+
+    def _step_cache(self) -> StepCache:
+        # Its cached forward does not shard tokens yet: --cache with --ulysses is refused at start.
+        cached = partial(forwards.qwen_forward, transformer=self.transformer)
+        return StepCache(self.family, self.cache_methods, self._call, cached)
 
     def _unpack(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # [B, seq, C * 4] -> [B, C, 1, h, w] -> one frame [B, C, h, w]
@@ -71,22 +78,26 @@ class QwenImageAdapter(FlowMatchAdapter):
     @torch.inference_mode()
     def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
         params = [p for _, p in requests]
-        cfg, text = self._lookup_prompts(params)  # text -> ([L, D],)
+        cfg, text = self.prompts.lookup(params)  # text -> ([L, D],)
         channels = self.transformer.config.in_channels // 4
         states = []
         for i, (request_id, p) in enumerate(requests):
             embeds = text[p.prompt][0]
-            h, w = self._packed_latent_size(p)
+            h, w = packed_latent_size(p, self.vae_scale_factor)
             sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
-            generator = self._generator(p)
-            sampler = self._sampler(p, generator, sigmas=sigmas, mu=self._shift_mu((h // 2) * (w // 2)))
+            generator = request_generator(p)
+            sampler = self._sampler(
+                p, generator, sigmas=sigmas, mu=shift_mu(self.pipe.scheduler.config, (h // 2) * (w // 2))
+            )
             inpaint = None
             if p.image is None:
                 latents = self.pipe.prepare_latents(
                     1, channels, p.height, p.width, embeds.dtype, self.device, generator
                 )  # [1, seq, C * 4]
             else:
-                noised, inpaint = self._noised_image(p, sampler, generator, embeds.dtype)  # [1, 1, C, h, w]
+                noised, inpaint = self.images.noised(
+                    p, sampler, generator, self.device, embeds.dtype
+                )  # [1, 1, C, h, w]
 
                 def pack(x: torch.Tensor, h=h, w=w) -> torch.Tensor:
                     return QwenImagePipeline._pack_latents(x, 1, channels, h, w)
@@ -134,7 +145,7 @@ class QwenImageAdapter(FlowMatchAdapter):
             batched["encoder_hidden_states_mask"] = cond["text_mask"]  # [B * rows, L]
         if self.transformer.config.guidance_embeds:
             batched["guidance"] = cond["guidance"]
-        out = self._transformer_rows(rows, batched, states[0].shared, states)[:, :, :seq]  # [B, rows, seq, C * 4]
+        out = self.ranks.rows(rows, batched, states[0].shared, states)[:, :, :seq]  # [B, rows, seq, C * 4]
         if rows == 1:
             return out[:, 0]
         pos, neg = out[:, 0], out[:, 1]
@@ -154,11 +165,8 @@ class QwenImageAdapter(FlowMatchAdapter):
             batched["text_mask"] = mask
         return batched
 
-    def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
-        return forwards.qwen_forward(self.cache_method, self.transformer, batched, shared, rows, states)
-
     def enable_ulysses(self, group: UlyssesGroup) -> None:
-        self.ulysses_group = group
+        self.ranks.ulysses = group
         self.transformer.set_attn_processor(UlyssesQwenAttnProcessor(group))
 
         def shard_inputs(module, args, kwargs):
@@ -178,6 +186,14 @@ class QwenImageAdapter(FlowMatchAdapter):
         for block in self.transformer.transformer_blocks:
             block.register_forward_pre_hook(shard_modulation, with_kwargs=True)
         gather_output(self.transformer.proj_out, group)
+
+
+class QwenImageRequests(RequestRules):
+    default_true_cfg = 4.0  # the pipeline's, when a negative prompt is given
+
+    def uses_cfg(self, params: SamplingParams) -> bool:
+        # As the pipeline's `do_true_cfg`.
+        return (params.true_cfg_scale or 0.0) > 1 and params.negative_prompt is not None
 
 
 class UlyssesQwenAttnProcessor:

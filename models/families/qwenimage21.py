@@ -42,19 +42,19 @@ from diffusiond.models.base import RequestState
 from diffusiond.models.families import specs
 from diffusiond.models.families.qwenimage_edit import PromptsWithImages, _ratio, _ratios
 from diffusiond.models.flowmatch.adapter import FlowMatchAdapter
+from diffusiond.models.flowmatch.prompts import Prompts
+from diffusiond.models.flowmatch.requests import RequestRules
+from diffusiond.models.flowmatch.sampler import request_generator, shift_mu
 from diffusiond.models.inputs import open_rgba
 from diffusiond.models.params import ParamError, SamplingParams
 
 
-class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
+class QwenImage21Adapter(FlowMatchAdapter):
     spec = specs.QWEN_IMAGE_21
     # The pipeline's own defaults: 40 steps, no guidance unless asked (true CFG with a negative prompt), 1024x1024.
     default_steps = 40
     default_guidance = 1.0  # no guidance embedding: `guidance_scale` is refused unless left at this
-    default_true_cfg = 1.0
     output_resolution = 1024
-    # Condition images: the first and up to this many more.
-    max_references: ClassVar[int] = 2
     TEXT_ENCODERS = ("text_encoder",)
 
     def __init__(self, pipe, *, source: str, lazy=None) -> None:
@@ -74,36 +74,11 @@ class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
     def _latent_channels(self) -> int:
         return self.vae.config.z_dim
 
-    def _uses_cfg(self, params: SamplingParams) -> bool:
-        # As the pipeline's `do_true_cfg`.
-        return (params.true_cfg_scale or 0.0) > 1 and params.negative_prompt is not None
+    def _request_rules(self, caps: Any, declared: Any, **parts: Any) -> RequestRules:
+        return Qwen21Requests(caps, declared, output_resolution=self.output_resolution, **parts)
 
-    # ---- resolution: condition images ----
-
-    def _references(self, params: SamplingParams) -> tuple[bytes, ...] | None:
-        references = super()._references(params)
-        if references is not None and len(references) > self.max_references:
-            raise ParamError(
-                "reference_images",
-                f"the {self.family} family conditions on at most {self.max_references + 1} images, "
-                f"got {len(references) + 1}",
-            )
-        return references
-
-    def _size(self, params: SamplingParams) -> tuple[int, int]:
-        """Unsent sides: the last image's aspect at 1024x1024's area, as the pipeline's default."""
-        if params.width is not None or params.height is not None or params.image is None:
-            return super()._size(params)
-        last = (params.reference_images or (params.image,))[-1]
-        width, height, _ = calculate_dimensions(self.output_resolution**2, _ratio(last, "image"))
-        m = self.capabilities.size_multiple
-        return width // m * m, height // m * m
-
-    def context_size(self, params: SamplingParams) -> tuple[tuple[int, int], ...] | None:
-        """(width, height) each condition image is read and encoded at: its aspect at 1024x1024's area."""
-        if params.image is None:
-            return None
-        return tuple(calculate_dimensions(self.output_resolution**2, ratio)[:2] for ratio in _ratios(params))
+    def _prompts(self) -> Prompts:
+        return PromptsWithImages(self._encode, self.requests.uses_cfg)
 
     # ---- prompts ----
 
@@ -113,12 +88,12 @@ class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
         with images alone, with them (the pipeline's call reads one set of images)."""
         self._stage(*self.TEXT_ENCODERS)
         out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        with_images = {k: k.partition("\x00") for k in keys if k.partition("\x00")[0] in self._pending}
+        with_images = {k: k.partition("\x00") for k in keys if k.partition("\x00")[0] in self.prompts.pending}
         plain = [k for k in keys if k not in with_images]
         if plain:
             out.update(zip(plain, self._encode_with(plain, None), strict=True))
         for key, (digest, _, text) in with_images.items():
-            images = [self._condition_image(data) for data in self._pending[digest]]
+            images = [self._condition_image(data) for data in self.prompts.pending[digest]]
             (out[key],) = self._encode_with([text], images)
         return [out[k] for k in keys]
 
@@ -138,14 +113,14 @@ class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
     @torch.inference_mode()
     def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
         params = [p for _, p in requests]
-        cfg, text = self._lookup_prompts(params)  # key -> ([L, D], image slots [L])
+        cfg, text = self.prompts.lookup(params)  # key -> ([L, D], image slots [L])
         channels = self.transformer.config.in_channels
         s = self.vae_scale_factor
         states = []
         for i, (request_id, p) in enumerate(requests):
-            embeds, pads = text[self._prompt_key(p.prompt, p)]
-            generator = self._generator(p)
-            sizes, vae_images = self.context_size(p) or (), None
+            embeds, pads = text[self.prompts.key(p.prompt, p)]
+            generator = request_generator(p)
+            sizes, vae_images = self.requests.context_size(p) or (), None
             if p.image is not None:
                 self._stage("vae")
                 vae_images = [
@@ -157,11 +132,13 @@ class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
                 vae_images, 1, channels, p.height, p.width, embeds.dtype, self.device, generator
             )  # [1, seq, C], [1, ctx, C] or None
             sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
-            sampler = self._sampler(p, generator, sigmas=sigmas, mu=self._shift_mu(latents.shape[1]))
+            sampler = self._sampler(
+                p, generator, sigmas=sigmas, mu=shift_mu(self.pipe.scheduler.config, latents.shape[1])
+            )
             rows, slots = [embeds], [pads]  # (positive, negative) with true CFG
             cond = {} if context is None else {"context": context}
             if cfg[i]:
-                negative, negative_pads = text[self._prompt_key(p.negative_prompt or "", p)]
+                negative, negative_pads = text[self.prompts.key(p.negative_prompt or "", p)]
                 rows.append(negative)
                 slots.append(negative_pads)
                 cond["true_cfg"] = torch.full([1], p.true_cfg_scale, device=self.device, dtype=torch.float32)
@@ -180,14 +157,14 @@ class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
             context = torch.cat([s.cond["context"] for s in states]).to(latents.dtype)
             latents = torch.cat([context, latents], dim=1)
         timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device, latents.dtype) / 1000  # [B]
-        rows, n, g = len(states[0].rows), len(states), self.cfg_group  # rows: 2 with true CFG (batch key)
+        rows, n, g = len(states[0].rows), len(states), self.ranks.cfg_group  # rows: 2 with true CFG (batch key)
         if g is not None and rows == 2:
             # CFG-parallel: each rank computes one row (positive, negative) of every request; gathered.
             mine = self._predict(states, latents, timestep, seq, [(i, g.rank) for i in range(n)])
-            out = torch.stack(self._cfg_gathered(mine), dim=1)  # [B, 2, seq, C]
+            out = torch.stack(self.ranks.gathered(mine), dim=1)  # [B, 2, seq, C]
         elif g is not None and n > 1:
             # No CFG in this batch: the two ranks split the requests (the first takes the odd one).
-            out = self._split_requests_by(
+            out = self.ranks.split_by(
                 n, lambda lo, hi: self._predict(states, latents, timestep, seq, [(i, 0) for i in range(lo, hi)])
             ).unsqueeze(1)  # [B, 1, seq, C]
         else:
@@ -218,7 +195,7 @@ class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
                 "timestep": timestep[index],
                 "encoder_hidden_states": torch.stack([states[i].rows[r] for i, r in (members[k] for k in ks)]),
             }
-            with self._lora_rows([self._lora_of(states[members[k][0]]) for k in ks]):
+            with self.loras.rows([self.loras.of(states[members[k][0]]) for k in ks]):
                 pred = self._call(batched, {"img_shapes": [shapes] * len(ks), "img_mask": img_mask})[:, -seq:]
             out[torch.tensor(ks, device=self.device)] = pred
         return out
@@ -227,7 +204,7 @@ class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
         """The target image's tokens (the joint sequence's suffix) sharded across `group` from the first block on,
         with their rotary angles and modulation rows; the prefix (text and condition images) stays whole on every
         rank; the last block's output is gathered."""
-        self.ulysses_group = group
+        self.ranks.ulysses = group
         blocks = self.transformer.transformer_blocks
         span: dict[str, int] = {}
 
@@ -268,6 +245,46 @@ class QwenImage21Adapter(PromptsWithImages, FlowMatchAdapter):
         mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         std = torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         return self.vae.decode(latents * std + mean, return_dict=False)[0][:, :, 0]
+
+
+class Qwen21Requests(RequestRules):
+    """`output_resolution`: the side of the square whose area condition images and default sizes take."""
+
+    # Condition images: the first and up to this many more.
+    max_references: ClassVar[int] = 2
+
+    def __init__(self, caps: Any, declared: Any, *, output_resolution: int, **parts: Any) -> None:
+        super().__init__(caps, declared, **parts)
+        self.output_resolution = output_resolution
+
+    def uses_cfg(self, params: SamplingParams) -> bool:
+        # As the pipeline's `do_true_cfg`.
+        return (params.true_cfg_scale or 0.0) > 1 and params.negative_prompt is not None
+
+    def _references(self, params: SamplingParams) -> tuple[bytes, ...] | None:
+        references = super()._references(params)
+        if references is not None and len(references) > self.max_references:
+            raise ParamError(
+                "reference_images",
+                f"the {self.family} family conditions on at most {self.max_references + 1} images, "
+                f"got {len(references) + 1}",
+            )
+        return references
+
+    def _size(self, params: SamplingParams) -> tuple[int, int]:
+        """Unsent sides: the last image's aspect at 1024x1024's area, as the pipeline's default."""
+        if params.width is not None or params.height is not None or params.image is None:
+            return super()._size(params)
+        last = (params.reference_images or (params.image,))[-1]
+        width, height, _ = calculate_dimensions(self.output_resolution**2, _ratio(last, "image"))
+        m = self.caps.size_multiple
+        return width // m * m, height // m * m
+
+    def context_size(self, params: SamplingParams) -> tuple[tuple[int, int], ...] | None:
+        """(width, height) each condition image is read and encoded at: its aspect at 1024x1024's area."""
+        if params.image is None:
+            return None
+        return tuple(calculate_dimensions(self.output_resolution**2, ratio)[:2] for ratio in _ratios(params))
 
 
 class UlyssesQwen21AttnProcessor:

@@ -29,72 +29,44 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
 
 from diffusiond.models.base import RequestState
 from diffusiond.models.families import specs
-from diffusiond.models.families.qwenimage import QwenImageAdapter
+from diffusiond.models.families.qwenimage import QwenImageAdapter, QwenImageRequests
+from diffusiond.models.flowmatch.prompts import Prompts
+from diffusiond.models.flowmatch.requests import RequestRules
+from diffusiond.models.flowmatch.sampler import request_generator, shift_mu
 from diffusiond.models.inputs import image_size, open_rgb
 from diffusiond.models.params import ParamError, SamplingParams
 
 
-class PromptsWithImages:
-    """For families whose prompt encoding reads the request's images: the prompt cache keys each prompt by its text
-    and its images (`_prompt_key`), and the images of the keys being looked up wait in `_pending` (by digest) for
-    the family's `_encode`, decoded only when a key of theirs misses the cache."""
+class PromptsWithImages(Prompts):
+    """Prompts of a family whose encoding reads the request's images: each keyed by its text and its images, and
+    the images of the keys being looked up wait in `pending` (by digest) for the family's encoder, decoded only
+    when a key of theirs misses the cache."""
 
-    _pending: dict[str, list[bytes]]
+    pending: dict[str, list[bytes]]
 
-    def _prompt_key(self, text: str, params: SamplingParams) -> str:
-        """The prompt cache's key of `text` read beside the request's images (none: the text alone)."""
+    def key(self, text: str, params: SamplingParams) -> str:
+        """The cache's key of `text` read beside the request's images (none: the text alone)."""
         if params.image is None:
             return text
         return f"{_digest(params)}\x00{text}"
 
-    def _prompt_texts(self, params: Sequence[SamplingParams]) -> tuple[list[bool], list[str]]:
+    def keys(self, params: Sequence[SamplingParams]) -> tuple[list[bool], list[str]]:
         """Which requests use CFG, and the keys of their prompts (and negative prompts), until the next plan's."""
-        cfg = [self._uses_cfg(p) for p in params]
-        keys = [self._prompt_key(p.prompt, p) for p in params]
-        keys += [self._prompt_key(p.negative_prompt or "", p) for p, c in zip(params, cfg, strict=True) if c]
-        self._pending = {_digest(p): [p.image, *(p.reference_images or ())] for p in params if p.image is not None}
+        cfg = [self.uses_cfg(p) for p in params]
+        keys = [self.key(p.prompt, p) for p in params]
+        keys += [self.key(p.negative_prompt or "", p) for p, c in zip(params, cfg, strict=True) if c]
+        self.pending = {_digest(p): [p.image, *(p.reference_images or ())] for p in params if p.image is not None}
         return cfg, keys
 
 
-class QwenImageEditPlusAdapter(PromptsWithImages, QwenImageAdapter):
+class QwenImageEditPlusAdapter(QwenImageAdapter):
     spec = specs.QWEN_IMAGE_EDIT_PLUS
-    # The pipeline's: up to three images, the first edited and the others its references.
-    max_references: ClassVar[int] = 2
 
-    # ---- resolution ----
+    def _request_rules(self, caps: Any, declared: Any, **parts: Any) -> RequestRules:
+        return QwenEditRequests(caps, declared, **parts)
 
-    def _strength(self, params: SamplingParams) -> float | None:
-        if params.image is None:
-            raise ParamError("image", f"the {self.family} family edits images: send the image to edit (image)")
-        if params.strength is not None:
-            raise ParamError("strength", f"the {self.family} family edits by instruction; strength does not apply")
-        self.context_size(params)  # files that are not images are refused here, naming them
-        return None
-
-    def _references(self, params: SamplingParams) -> tuple[bytes, ...] | None:
-        references = super()._references(params)
-        if references is not None and len(references) > self.max_references:
-            raise ParamError(
-                "reference_images",
-                f"the {self.family} family edits with at most {self.max_references} reference images, "
-                f"got {len(references)}",
-            )
-        return references
-
-    def _size(self, params: SamplingParams) -> tuple[int, int]:
-        """Unsent sides: the last image's aspect at 1024x1024's area, as the pipeline's default."""
-        if params.width is not None or params.height is not None or params.image is None:
-            return super()._size(params)
-        last = (params.reference_images or (params.image,))[-1]
-        width, height = calculate_dimensions(1024 * 1024, _ratio(last, "image"))
-        m = self.capabilities.size_multiple
-        return width // m * m, height // m * m
-
-    def context_size(self, params: SamplingParams) -> tuple[tuple[int, int], ...] | None:
-        """(width, height) of each image's latent input, as the pipeline sizes them (1024x1024's area)."""
-        if params.image is None:
-            return None
-        return tuple(calculate_dimensions(VAE_IMAGE_SIZE, ratio) for ratio in _ratios(params))
+    def _prompts(self) -> Prompts:
+        return PromptsWithImages(self._encode, self.requests.uses_cfg)
 
     # ---- prompts: each keyed by its text and its images (`PromptsWithImages`) ----
 
@@ -118,7 +90,7 @@ class QwenImageEditPlusAdapter(PromptsWithImages, QwenImageAdapter):
         out = []
         for key in keys:
             digest, _, text = key.partition("\x00")
-            images = [self._condition_image(data) for data in self._pending[digest]]
+            images = [self._condition_image(data) for data in self.prompts.pending[digest]]
             embeds, mask = self.pipe.encode_prompt(image=self._prompt_images(images), prompt=[text], device=self.device)
             length = int(mask.sum()) if mask is not None else embeds.shape[1]
             out.append((embeds[0, :length].clone(),))
@@ -129,33 +101,35 @@ class QwenImageEditPlusAdapter(PromptsWithImages, QwenImageAdapter):
     @torch.inference_mode()
     def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
         params = [p for _, p in requests]
-        cfg, text = self._lookup_prompts(params)  # key -> ([L, D],)
+        cfg, text = self.prompts.lookup(params)  # key -> ([L, D],)
         channels = self.transformer.config.in_channels // 4
         s = self.vae_scale_factor
         states = []
         for i, (request_id, p) in enumerate(requests):
-            embeds = text[self._prompt_key(p.prompt, p)][0]
-            sizes = self.context_size(p)
+            embeds = text[self.prompts.key(p.prompt, p)][0]
+            sizes = self.requests.context_size(p)
             assert sizes is not None
             self._stage("vae")
             vae_images = [
                 self.pipe.image_processor.preprocess(open_rgb(data), height, width).unsqueeze(2)
                 for data, (width, height) in zip((p.image, *(p.reference_images or ())), sizes, strict=True)
             ]
-            generator = self._generator(p)
+            generator = request_generator(p)
             # The pipeline's own: the images' latent modes (no draw), then the noise from the request's generator.
             latents, context = self.pipe.prepare_latents(
                 self._latent_images(vae_images), 1, channels, p.height, p.width, embeds.dtype, self.device, generator
             )  # [1, seq, C * 4], [1, ctx, C * 4]
             sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
-            sampler = self._sampler(p, generator, sigmas=sigmas, mu=self._shift_mu(latents.shape[1]))
+            sampler = self._sampler(
+                p, generator, sigmas=sigmas, mu=shift_mu(self.pipe.scheduler.config, latents.shape[1])
+            )
             rows = [embeds]
             cond = {
                 "guidance": torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32),
                 "context": context,
             }
             if cfg[i]:
-                rows.append(text[self._prompt_key(p.negative_prompt or "", p)][0])
+                rows.append(text[self.prompts.key(p.negative_prompt or "", p)][0])
                 cond["guidance"] = cond["guidance"].expand(2)
                 cond["true_cfg"] = torch.full([1], p.true_cfg_scale, device=self.device, dtype=torch.float32)
             shapes = [(1, p.height // s // 2, p.width // s // 2), *((1, h // s // 2, w // s // 2) for w, h in sizes)]
@@ -186,11 +160,8 @@ class QwenImageEditAdapter(QwenImageEditPlusAdapter):
 
     spec = specs.QWEN_IMAGE_EDIT
 
-    def context_size(self, params: SamplingParams) -> tuple[tuple[int, int], ...] | None:
-        if params.image is None:
-            return None
-        width, height, _ = calculate_dimensions_edit(VAE_IMAGE_SIZE, _ratio(params.image, "image"))
-        return ((width, height),)
+    def _request_rules(self, caps: Any, declared: Any, **parts: Any) -> RequestRules:
+        return QwenEditOneRequests(caps, declared, **parts)
 
     def _condition_image(self, data: bytes) -> Any:
         image = open_rgb(data)
@@ -204,3 +175,51 @@ class QwenImageEditAdapter(QwenImageEditPlusAdapter):
     def _latent_images(self, images: list[torch.Tensor]) -> Any:
         (image,) = images
         return image
+
+
+class QwenEditRequests(QwenImageRequests):
+    # The pipeline's: up to three images, the first edited and the others its references.
+    max_references: ClassVar[int] = 2
+
+    def _strength(self, params: SamplingParams) -> float | None:
+        if params.image is None:
+            raise ParamError("image", f"the {self.family} family edits images: send the image to edit (image)")
+        if params.strength is not None:
+            raise ParamError("strength", f"the {self.family} family edits by instruction; strength does not apply")
+        self.context_size(params)  # files that are not images are refused here, naming them
+        return None
+
+    def _references(self, params: SamplingParams) -> tuple[bytes, ...] | None:
+        references = super()._references(params)
+        if references is not None and len(references) > self.max_references:
+            raise ParamError(
+                "reference_images",
+                f"the {self.family} family edits with at most {self.max_references} reference images, "
+                f"got {len(references)}",
+            )
+        return references
+
+    def _size(self, params: SamplingParams) -> tuple[int, int]:
+        """Unsent sides: the last image's aspect at 1024x1024's area, as the pipeline's default."""
+        if params.width is not None or params.height is not None or params.image is None:
+            return super()._size(params)
+        last = (params.reference_images or (params.image,))[-1]
+        width, height = calculate_dimensions(1024 * 1024, _ratio(last, "image"))
+        m = self.caps.size_multiple
+        return width // m * m, height // m * m
+
+    def context_size(self, params: SamplingParams) -> tuple[tuple[int, int], ...] | None:
+        """(width, height) of each image's latent input, as the pipeline sizes them (1024x1024's area)."""
+        if params.image is None:
+            return None
+        return tuple(calculate_dimensions(VAE_IMAGE_SIZE, ratio) for ratio in _ratios(params))
+
+
+class QwenEditOneRequests(QwenEditRequests):
+    """The first Qwen-Image-Edit: one image, read and encoded at the same size."""
+
+    def context_size(self, params: SamplingParams) -> tuple[tuple[int, int], ...] | None:
+        if params.image is None:
+            return None
+        width, height, _ = calculate_dimensions_edit(VAE_IMAGE_SIZE, _ratio(params.image, "image"))
+        return ((width, height),)

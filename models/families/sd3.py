@@ -4,6 +4,8 @@ with the negative branch first, as the pipeline batches it."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
+from typing import Any
 
 import torch
 from diffusers.utils.torch_utils import randn_tensor
@@ -14,8 +16,11 @@ from diffusiond.kernels.ulysses import UlyssesGroup, gather_output, shard_output
 from diffusiond.models.base import RequestState
 from diffusiond.models.families import specs
 from diffusiond.models.flowmatch.adapter import FlowMatchAdapter
+from diffusiond.models.flowmatch.requests import RequestRules
+from diffusiond.models.flowmatch.sampler import request_generator, shift_mu
 from diffusiond.models.params import SamplingParams
 from diffusiond.models.stepcache import forwards
+from diffusiond.models.stepcache.cache import StepCache
 
 
 class SD3Adapter(FlowMatchAdapter):
@@ -29,9 +34,13 @@ class SD3Adapter(FlowMatchAdapter):
         side = self.transformer.config.sample_size * self.vae_scale_factor
         return side, side
 
-    def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
-        # Ulysses shards tokens through hooks on pos_embed and proj_out, which this forward calls as well.
-        return forwards.sd3_forward(self.cache_method, self.transformer, batched, rows, states)
+    def _step_cache(self) -> StepCache:
+        # Ulysses shards tokens through hooks on pos_embed and proj_out, which the cached forward calls as well.
+        cached = partial(forwards.sd3_forward, transformer=self.transformer)
+        return StepCache(self.family, self.cache_methods, self._call, cached)
+
+    def _request_rules(self, caps: Any, declared: Any, **parts: Any) -> RequestRules:
+        return SD3Requests(caps, declared, blocks=self.transformer.config.num_layers, **parts)
 
     def _size_multiple(self) -> int:
         return self.vae_scale_factor * self.transformer.config.patch_size
@@ -42,14 +51,10 @@ class SD3Adapter(FlowMatchAdapter):
             return super()._max_side()
         return pos_embed_max_size * self._size_multiple()
 
-    def _uses_cfg(self, params: SamplingParams) -> bool:
-        # As the pipeline's `do_classifier_free_guidance`.
-        return (params.guidance_scale or 0.0) > 1
-
     @torch.inference_mode()
     def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
         params = [p for _, p in requests]
-        cfg, text = self._lookup_prompts(params)  # text -> (embeds, pooled)
+        cfg, text = self.prompts.lookup(params)  # text -> (embeds, pooled)
         config = self.pipe.scheduler.config
         states = []
         for i, (request_id, p) in enumerate(requests):
@@ -63,14 +68,16 @@ class SD3Adapter(FlowMatchAdapter):
             kwargs = {}
             if config.get("use_dynamic_shifting", None):
                 patch = self.transformer.config.patch_size
-                kwargs["mu"] = self._shift_mu((shape[2] // patch) * (shape[3] // patch), max_shift=1.16)
-            generator = self._generator(p)
+                kwargs["mu"] = shift_mu(
+                    self.pipe.scheduler.config, (shape[2] // patch) * (shape[3] // patch), max_shift=1.16
+                )
+            generator = request_generator(p)
             sampler = self._sampler(p, generator, **kwargs)
             inpaint = None
             if p.image is None:
                 latents = randn_tensor(shape, generator=generator, device=self.device, dtype=embeds.dtype)
             else:
-                latents, inpaint = self._noised_image(p, sampler, generator, embeds.dtype)
+                latents, inpaint = self.images.noised(p, sampler, generator, self.device, embeds.dtype)
             if cfg[i]:
                 # Rows (negative, positive) per request: a batch of them interleaves, one concatenation per batch.
                 neg_embeds, neg_pooled = text[p.negative_prompt or ""]
@@ -114,7 +121,7 @@ class SD3Adapter(FlowMatchAdapter):
             "encoder_hidden_states": cond["embeds"],
             "pooled_projections": cond["pooled"],
         }
-        out = self._transformer_rows(rows, batched, {}, states)  # [B, rows, C, h, w]
+        out = self.ranks.rows(rows, batched, {}, states)  # [B, rows, C, h, w]
         if rows == 1:
             return out[:, 0]
         uncond, text = out[:, 0], out[:, 1]
@@ -136,7 +143,7 @@ class SD3Adapter(FlowMatchAdapter):
         for layers, rows in groups.items():
             index = to_device(rows, guided.device)
             positive = 2 * index + 1  # rows (negative, positive) per request
-            with self._lora_rows([self._lora_of(states[i]) for i in rows]):
+            with self.loras.plan([states[i] for i in rows]):
                 skipped = self._skipped(batched, positive, layers)
             scale = slg_scale[index].to(guided.dtype).view(-1, 1, 1, 1)
             guided[index] = guided[index] + (text[index] - skipped) * scale
@@ -182,10 +189,16 @@ class SD3Adapter(FlowMatchAdapter):
                 module.heads //= degree
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:
-        self.ulysses_group = group
+        self.ranks.ulysses = group
         self.transformer.set_attn_processor(UlyssesJointAttnProcessor(group))
         shard_output(self.transformer.pos_embed, group)  # patch tokens [B, S, D] -> this rank's slice
         gather_output(self.transformer.proj_out, group)  # [B, S_local, p*p*C] -> [B, S, p*p*C] before unpatchify
+
+
+class SD3Requests(RequestRules):
+    def uses_cfg(self, params: SamplingParams) -> bool:
+        # As the pipeline's `do_classifier_free_guidance`.
+        return (params.guidance_scale or 0.0) > 1
 
 
 class UlyssesJointAttnProcessor(DispatchJointAttnProcessor):

@@ -17,7 +17,9 @@ from diffusers.utils.torch_utils import randn_tensor
 from diffusiond.models.base import RequestState
 from diffusiond.models.families import specs
 from diffusiond.models.flowmatch.adapter import FlowMatchAdapter
-from diffusiond.models.flowmatch.sampler import SchedulerSampler
+from diffusiond.models.flowmatch.images import ImageStart
+from diffusiond.models.flowmatch.requests import RequestRules
+from diffusiond.models.flowmatch.sampler import SchedulerSampler, request_generator
 from diffusiond.models.params import SamplingParams
 
 
@@ -26,8 +28,6 @@ class SDXLAdapter(FlowMatchAdapter):
     denoiser = "unet"
     default_steps = 50
     default_guidance = 5.0
-    default_strength = 0.3  # StableDiffusionXLImg2ImgPipeline's
-    default_inpaint_strength = 0.9999  # StableDiffusionXLInpaintPipeline's
     TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 
     def __init__(self, pipe: Any, *, source: str, lazy: Any = None) -> None:
@@ -44,29 +44,23 @@ class SDXLAdapter(FlowMatchAdapter):
                 "diffusiond does not run yet; pick Euler, Euler ancestral, DPM++ 2M or UniPC in scheduler_config.json"
             )
 
-    def _start_step(self, steps: int, strength: float | None) -> int:
-        """StableDiffusionXLImg2ImgPipeline's `get_timesteps`: the kept steps rounded down first (50 steps at
-        strength 0.56 run 28)."""
-        if strength is None:
-            return 0
-        return max(steps - min(int(steps * strength), steps), 0)
+    def _request_rules(self, caps: Any, declared: Any, **parts: Any) -> RequestRules:
+        # Its UNets with a guidance embedding are LCM distillations: no negative branch.
+        lcm = self.transformer.config.time_cond_proj_dim is not None
+        return SDXLRequests(caps, declared, lcm=lcm, **parts)
 
     def _size_multiple(self) -> int:
         return self.vae_scale_factor
 
-    def _uses_cfg(self, params: SamplingParams) -> bool:
-        # As the pipeline's `do_classifier_free_guidance` (its UNets with a guidance embedding are LCM distillations).
-        return (params.guidance_scale or 0.0) > 1 and self.transformer.config.time_cond_proj_dim is None
-
     @torch.inference_mode()
     def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
         params = [p for _, p in requests]
-        cfg, text = self._lookup_prompts(params)  # text -> (embeds [1, L, D], pooled [1, P])
+        cfg, text = self.prompts.lookup(params)  # text -> (embeds [1, L, D], pooled [1, P])
         zeros_for_none = self.pipe.config.get("force_zeros_for_empty_prompt", False)
         states = []
         for i, (request_id, p) in enumerate(requests):
             embeds, pooled = text[p.prompt]
-            generator = self._generator(p)
+            generator = request_generator(p)
             sampler = SchedulerSampler(
                 self.pipe.scheduler, p.num_inference_steps, self.device, start=p.start_step, generator=generator
             )
@@ -81,7 +75,7 @@ class SDXLAdapter(FlowMatchAdapter):
                 latents = randn_tensor(shape, generator=generator, device=self.device, dtype=embeds.dtype)
                 latents = latents * sampler.init_noise_sigma
             else:
-                latents, inpaint = self._noised_image(p, sampler, generator, embeds.dtype)
+                latents, inpaint = self.images.noised(p, sampler, generator, self.device, embeds.dtype)
                 if inpaint is not None:
                     # The Inpaint pipeline also samples the masked image's latents (which a 4-channel UNet never
                     # reads) with the request's generator: draw as much, so that schedulers drawing noise at every
@@ -130,7 +124,7 @@ class SDXLAdapter(FlowMatchAdapter):
             "text_embeds": cond["pooled"],
             "time_ids": cond["time_ids"],
         }
-        out = self._transformer_rows(rows, batched, {}, states)  # [B, rows, C, h, w]
+        out = self.ranks.rows(rows, batched, {}, states)  # [B, rows, C, h, w]
         if rows == 1:
             return out[:, 0]
         uncond, text = out[:, 0], out[:, 1]
@@ -151,6 +145,11 @@ class SDXLAdapter(FlowMatchAdapter):
             if state.inpaint is not None:
                 state.latents = state.inpaint.blend(state.latents, state.sampler)
             state.step_index += 1
+
+    def _image_start(self) -> ImageStart:
+        start = super()._image_start()
+        start.start = self._start_latents
+        return start
 
     def _start_latents(self, p: SamplingParams, sampler: Any, image_latents: torch.Tensor, noise: torch.Tensor):
         if p.mask is not None and p.strength == 1.0:
@@ -186,3 +185,23 @@ class SDXLAdapter(FlowMatchAdapter):
         latents = retrieve_latents(self.vae.encode(image.to(self.vae.dtype)), generator=generator).to(image.dtype)
         stats, scale = self._statistics(latents), self.vae.config.scaling_factor
         return (latents - stats[0]) * scale / stats[1] if stats is not None else scale * latents
+
+
+class SDXLRequests(RequestRules):
+    default_strength = 0.3  # StableDiffusionXLImg2ImgPipeline's
+    default_inpaint_strength = 0.9999  # StableDiffusionXLInpaintPipeline's
+
+    def __init__(self, caps: Any, declared: Any, *, lcm: bool, **parts: Any) -> None:
+        super().__init__(caps, declared, **parts)
+        self.lcm = lcm
+
+    def uses_cfg(self, params: SamplingParams) -> bool:
+        # As the pipeline's `do_classifier_free_guidance`.
+        return (params.guidance_scale or 0.0) > 1 and not self.lcm
+
+    def _start_step(self, steps: int, strength: float | None) -> int:
+        """StableDiffusionXLImg2ImgPipeline's `get_timesteps`: the kept steps rounded down first (50 steps at
+        strength 0.56 run 28)."""
+        if strength is None:
+            return 0
+        return max(steps - min(int(steps * strength), steps), 0)

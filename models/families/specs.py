@@ -182,7 +182,7 @@ WAN = Family(
 WAN_I2V = Family(
     "WanImageToVideoPipeline",
     "wan-i2v",
-    "wan.adapter:WanI2VAdapter",
+    "wan.i2v:WanI2VAdapter",
     guidance_styles=WAN.guidance_styles,
     parallel=WAN.parallel,
     cache_methods=WAN.cache_methods,

@@ -18,6 +18,8 @@ from diffusiond.kernels.ulysses import UlyssesGroup, gather_output, ulysses_sdpa
 from diffusiond.models.base import RequestState
 from diffusiond.models.families import specs
 from diffusiond.models.flowmatch.adapter import FlowMatchAdapter
+from diffusiond.models.flowmatch.requests import RequestRules
+from diffusiond.models.flowmatch.sampler import packed_latent_size, request_generator, shift_mu
 from diffusiond.models.params import SamplingParams
 
 
@@ -27,7 +29,6 @@ class ZImageAdapter(FlowMatchAdapter):
     # The pipeline's own defaults.
     default_steps = 50
     default_guidance = 5.0
-    default_inpaint_strength = 1.0  # ZImageInpaintPipeline's
     max_sequence_length = 512
     TEXT_ENCODERS = ("text_encoder",)
 
@@ -41,7 +42,7 @@ class ZImageAdapter(FlowMatchAdapter):
         """The main layers' unified sequence ([image, caption], padded per batch) is sharded across `group`, with its
         rotary angles; each attention all-to-alls to whole sequences of its heads, the padding mask kept whole. The
         refiners before (image and caption apart) run whole on every rank."""
-        self.ulysses_group = group
+        self.ranks.ulysses = group
         layers = self.transformer.layers
         span: dict[str, int] = {}
 
@@ -57,20 +58,21 @@ class ZImageAdapter(FlowMatchAdapter):
             layer.register_forward_pre_hook(shard)
         gather_output(layers[-1], group)
 
-    def _uses_cfg(self, params: SamplingParams) -> bool:
-        # As the pipeline's `do_classifier_free_guidance` (the truncation it may apply is off by default).
-        return (params.guidance_scale or 0.0) > 0
+    def _request_rules(self, caps: Any, declared: Any, **parts: Any) -> RequestRules:
+        return ZImageRequests(caps, declared, **parts)
 
     @torch.inference_mode()
     def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
         params = [p for _, p in requests]
-        cfg, text = self._lookup_prompts(params)  # text -> ([L, D],)
+        cfg, text = self.prompts.lookup(params)  # text -> ([L, D],)
         states = []
         for i, (request_id, p) in enumerate(requests):
-            h, w = self._packed_latent_size(p)
+            h, w = packed_latent_size(p, self.vae_scale_factor)
             sigmas = get_default_z_image_sigmas(p.num_inference_steps)
-            generator = self._generator(p)
-            sampler = self._sampler(p, generator, sigmas=sigmas, mu=self._shift_mu((h // 2) * (w // 2)))
+            generator = request_generator(p)
+            sampler = self._sampler(
+                p, generator, sigmas=sigmas, mu=shift_mu(self.pipe.scheduler.config, (h // 2) * (w // 2))
+            )
             inpaint = None
             if p.image is None:
                 # float32 whatever the transformer's dtype, as the pipeline keeps them.
@@ -79,7 +81,7 @@ class ZImageAdapter(FlowMatchAdapter):
                 )  # [1, C, h, w]
             else:
                 # The text features' dtype, as ZImageImg2ImgPipeline draws them.
-                latents, inpaint = self._noised_image(p, sampler, generator, text[p.prompt][0].dtype)
+                latents, inpaint = self.images.noised(p, sampler, generator, self.device, text[p.prompt][0].dtype)
             # Rows (positive, negative) per request; a batch interleaves them.
             rows = [text[p.prompt][0]]
             cond = {}
@@ -107,7 +109,7 @@ class ZImageAdapter(FlowMatchAdapter):
             "timestep": ((1000 - timestep) / 1000).repeat_interleave(rows),
             "cap_feats": self._batched_cond(states)["cap_feats"],
         }
-        out = self._transformer_rows(rows, batched, {}, states).float().squeeze(3)  # [B, rows, C, h, w]
+        out = self.ranks.rows(rows, batched, {}, states).float().squeeze(3)  # [B, rows, C, h, w]
         if rows == 1:
             return -out[:, 0]
         pos, neg = out[:, 0], out[:, 1]
@@ -122,6 +124,14 @@ class ZImageAdapter(FlowMatchAdapter):
             list(batched["hidden_states"].unbind(0)), batched["timestep"], batched["cap_feats"], return_dict=False
         )[0]  # a list of [C, 1, h, w]
         return torch.stack(out)  # [rows, C, 1, h, w]
+
+
+class ZImageRequests(RequestRules):
+    default_inpaint_strength = 1.0  # ZImageInpaintPipeline's
+
+    def uses_cfg(self, params: SamplingParams) -> bool:
+        # As the pipeline's `do_classifier_free_guidance` (the truncation it may apply is off by default).
+        return (params.guidance_scale or 0.0) > 0
 
 
 class UlyssesZImageAttnProcessor:

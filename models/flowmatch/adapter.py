@@ -1,9 +1,12 @@
 """What every flow-matching family shares, the step itself: loading through the diffusers pipeline class, the
 capabilities, per-request samplers and first latents, the batched transformer call, the batched Euler step,
-inpainting's blend, x0 prediction, decoding and previews; and how the model runs (LoRA rows, step cache, offload,
-compile, attention). Request resolution is models/flowmatch/requests.py's part of the class, running on several ranks
-models/flowmatch/ranks.py's. Families override what their pipelines do differently (SDXL: a UNet and its
-scheduler's own step).
+inpainting's blend, x0 prediction, decoding and previews; and how the model runs (attention, compile, offload).
+
+The adapter holds its parts, each with a narrow interface, and hands each what it reads: request resolution
+(`requests`, models/flowmatch/requests.py), its prompts (`prompts`, models/flowmatch/prompts.py), the step cache
+(`cache`, models/stepcache/cache.py), the ranks (`ranks`, models/flowmatch/ranks.py), LoRA rows (`loras`,
+models/lora/rows.py) and a video family's clips (`clips`, models/flowmatch/clips.py). A family's file holds what its
+pipeline does differently: its own step, and the parts it makes otherwise (`_request_rules`, `_step_cache`, ...).
 
 The pipeline object is only a holder for the components and their helpers (`encode_prompt`, `prepare_latents`);
 its `__call__` never runs while serving.
@@ -11,88 +14,36 @@ its `__call__` never runs while serving.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Sequence
-from contextlib import nullcontext
-from pathlib import Path
 from typing import Any, ClassVar
 
-import diffusers
 import numpy as np
 import torch
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
-from diffusers.utils.torch_utils import randn_tensor
 
 from diffusiond.kernels import attention
 from diffusiond.kernels.lora_rows import Lora, LoraLayers
-from diffusiond.kernels.parallel import CFGGroup
 from diffusiond.models import preview as preview_maps
 from diffusiond.models.base import Capabilities, ModelAdapter, RequestState
 from diffusiond.models.declared import read_declared
-from diffusiond.models.flowmatch.prompts import PROMPT_CACHE_BYTES, PromptCache
-from diffusiond.models.flowmatch.ranks import ParallelWiring
-from diffusiond.models.flowmatch.requests import RequestResolution
+from diffusiond.models.flowmatch.clips import VideoClips
+from diffusiond.models.flowmatch.decoding import decode_within
+from diffusiond.models.flowmatch.images import ImageStart
+from diffusiond.models.flowmatch.prompts import Prompts
+from diffusiond.models.flowmatch.ranks import RankWiring
+from diffusiond.models.flowmatch.requests import RequestRules
 from diffusiond.models.flowmatch.sampler import FlowMatchSampler, step_batch
-from diffusiond.models.inputs import open_mask, open_rgb
-from diffusiond.models.loading.lazy_weights import LazyWeights, empty_model
-from diffusiond.models.loading.registry import attention_heads, read_model_index
-from diffusiond.models.lora.registry import LoraRegistry, file_limit, read_lora
+from diffusiond.models.loading.lazy_weights import LazyWeights
+from diffusiond.models.loading.pipelines import load_pipeline
+from diffusiond.models.loading.registry import attention_heads
+from diffusiond.models.lora.registry import LoraRegistry, file_limit, read_lora, resolve_loras
+from diffusiond.models.lora.rows import LoraRows
 from diffusiond.models.params import SamplingParams
-from diffusiond.models.stepcache import methods as stepcache
-
-log = logging.getLogger(__name__)
-# Output pixels (x frames) one VAE call decodes at most: 4 images of 1024 x 1024, 16 of 512 x 512; a larger image or
-# clip is decoded alone.
-DECODE_PIXELS = 4 << 20
-# On the CPU, the bytes of a VAE call's widest full-size activation (images x pixels x channels): under glibc's
-# largest arena allocation (kernels/host.py `keep_freed_memory`), so that its buffers are reused, not mapped and
-# faulted in again at each call. Measured here (tiny SD3, 256x256: 4 MB an image, 8 finishing together, on a
-# thread of their own with freed memory kept): 8 in one call 89-98 ms with 11,000-18,000 faults, 4 a call 67-69 ms
-# and none, 2 68-70 ms, 1 89-92 ms.
-CPU_DECODE_BYTES = 16 << 20
+from diffusiond.models.stepcache.cache import StepCache
 
 
-def channels_last_vae(vae: torch.nn.Module) -> None:
-    """On the CPU, a 2-D VAE's convolution weights in channels-last layout (its activations follow them): oneDNN
-    then splits one image's convolutions over the threads as well as a batch's. Measured here (2 threads, one image
-    a call): an SD3-sized VAE (128-512 channels) decoding 256x256 2.11 -> 1.72 s and 512x512 10.2-10.5 -> 7.7-8.0 s,
-    tiny SD3 at 256x256 15-20 -> 11-13 ms, the bundled model 4.7-5.3 -> 3.6 ms; two or more images a call: the same
-    (0.97-1.03x), but the bundled model's 8 in 0.67-0.74x. Results differ by float rounding (2e-5 of [-1, 1]). 3-D
-    (video) VAEs are left as they are, and GPUs too: neither was measured."""
-    if all(p.dim() != 5 for p in vae.parameters()):
-        vae.to(memory_format=torch.channels_last)
-
-
-def null_components(source: str) -> dict[str, None]:
-    """Components the checkpoint saved as None (`[null, null]` in model_index.json, e.g. SD3 without T5), to pass
-    as None again: diffusers drops them on load and then insists on every required component being there."""
-    index = read_model_index(source)
-    return {name: None for name, value in index.items() if isinstance(value, list) and value == [None, None]}
-
-
-class Inpaint:
-    """One inpainting request's image latents, the noise it started from and its latent mask (1: repainted), in
-    the family's latent layout."""
-
-    __slots__ = ("image", "mask", "noise")
-
-    def __init__(self, image: torch.Tensor, noise: torch.Tensor, mask: torch.Tensor) -> None:
-        self.image, self.noise, self.mask = image, noise, mask
-
-    def map(self, fn) -> Inpaint:
-        """The same with each tensor mapped (a family's packing)."""
-        return Inpaint(fn(self.image), fn(self.noise), fn(self.mask))
-
-    def blend(self, latents: torch.Tensor, sampler: Any) -> torch.Tensor:
-        """After a step, as the Inpaint pipelines: outside the mask, the image noised to the step the sampler
-        reached (`renoise`; after the last step, the image itself)."""
-        proper = sampler.renoise(self.image, self.noise)
-        return (1 - self.mask) * proper + self.mask * latents
-
-
-class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
+class FlowMatchAdapter(ModelAdapter):
     family: ClassVar[str]
 
     # Whose VAE the family uses, for published preview factors (models/preview.py); None: its own.
@@ -102,8 +53,8 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
 
     default_guidance: ClassVar[float]
 
-    # `true_cfg_scale` when a request sends none (families with true CFG beside a guidance embedding).
-    default_true_cfg: ClassVar[float] = 1.0
+    # A checkpoint whose every request animates an image (saved as an image-to-video pipeline).
+    requires_image: ClassVar[bool] = False
 
     # The pipeline component that denoises.
     denoiser: ClassVar[str] = "transformer"
@@ -111,59 +62,217 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
     # layout shards them.
     extra_denoisers: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, pipe: Any, *, source: str, lazy: LazyWeights | None = None) -> None:
+    TEXT_ENCODERS: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+    # The transformer's repeated block classes, where it does not name them itself (`_repeated_blocks`).
+    repeated_blocks: ClassVar[tuple[str, ...]] = ()
+
+    attention_backend: str = "sdpa"
+    compiled: bool = False
+    offload: str = "none"
+    _stages: Any = None  # kernels/offload.StageOffload with `model` offload
+
+    def __init__(self, pipe: Any, *, source: str, lazy: dict[str, LazyWeights] | None = None) -> None:
         self.pipe = pipe
         self.source = source
         self.transformer = getattr(pipe, self.denoiser)  # named so whatever it is (a UNet for UNet families)
-        # Every denoiser of the checkpoint (Wan 2.2 A14B has two experts): what quantization and attention change.
-        self.experts: tuple[Any, ...] = (self.transformer,)
+        # Every denoiser the steps run (Wan 2.2 A14B has two experts): what quantization and attention change.
+        self.experts: tuple[Any, ...] = self._experts()
         self.vae = pipe.vae
-        # A denoiser built empty (`lazy`), its weights read a part at a time as the parallel layout shards them.
-        self.lazy_weights = lazy
-        # The further denoisers built empty, by component name (set by `from_pretrained`).
-        self.lazy_extra: dict[str, LazyWeights] = {}
-        self.device = lazy.device if lazy is not None else self.transformer.device
+        lazy = lazy or {}
+        self.device = lazy[self.denoiser].device if self.denoiser in lazy else self.transformer.device
         self.dtype = self.transformer.dtype
         self.vae_scale_factor: int = self._vae_scale_factor(pipe)
         self.latent_rgb = self._load_preview_map(source)
-        self.capabilities = self._capabilities()
+        self.declared = read_declared(source)
+        # The parts, each made with what it reads.
+        self.clips: VideoClips | None = self._clips()
+        self.loras: LoraRows = self._lora_rows()
+        self.cache: StepCache = self._step_cache()
+        self.requests: RequestRules = self._request_rules(
+            self._capabilities(),
+            self.declared,
+            cache=self.cache,
+            clips=self.clips,
+            loras=lambda params: resolve_loras(self, params),
+        )
+        self.capabilities = self.requests.caps
+        self.prompts: Prompts = self._prompts()
+        self.images = self._image_start()
+        names = (self.denoiser, *self.extra_denoisers)[: len(self.experts)]
+        self.ranks = RankWiring(
+            denoisers=dict(zip(names, self.experts, strict=True)),
+            vae=self.vae,
+            cache=self.cache,
+            loras=self.loras,
+            lazy=lazy,
+        )
         self._cond_cache: tuple[tuple[str, ...], dict[str, Any]] | None = None
-        self.cfg_group: CFGGroup | None = None
-        self.prompts = PromptCache(PROMPT_CACHE_BYTES)
         # LoRA per request, once enabled (`enable_lora`).
         self.lora_registry: LoraRegistry | None = None
-        self.lora_layers: LoraLayers | None = None
 
     @classmethod
     def from_pretrained(
         cls, path: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32, lazy_denoiser: bool = False
     ) -> FlowMatchAdapter:
-        """`lazy_denoiser`: the denoiser built empty, for a layout that shards it (models/loading/lazy_weights.py)."""
-        pipeline_cls = getattr(diffusers, cls.pipeline_class)
-        components: dict[str, Any] = null_components(path)
-        lazies: dict[str, LazyWeights] = {}
-        if lazy_denoiser:
-            root = Path(path if os.path.isdir(path) else pipeline_cls.download(path))
-            index = read_model_index(str(root))
-            for name in (cls.denoiser, *cls.extra_denoisers):
-                entry = index.get(name)
-                if not isinstance(entry, list) or entry[1] is None:  # a checkpoint without it (Wan 2.1)
-                    continue
-                components[name] = empty_model(getattr(diffusers, entry[1]), root / name, dtype)
-                lazies[name] = LazyWeights(components[name], root / name, torch.device(device))
-            path = str(root)
-        pipe = pipeline_cls.from_pretrained(path, dtype=dtype, **components)
-        for name, module in pipe.components.items():
-            if isinstance(module, torch.nn.Module):
-                if name not in lazies:
-                    module.to(device)
-                module.eval().requires_grad_(False)
-        if torch.device(device).type == "cpu":
-            channels_last_vae(pipe.vae)
-        pipe.set_progress_bar_config(disable=True)
-        adapter = cls(pipe, source=path, lazy=lazies.pop(cls.denoiser, None))
-        adapter.lazy_extra = lazies
-        return adapter
+        """`lazy_denoiser`: the denoisers built empty, for a layout that shards them
+        (models/loading/lazy_weights.py)."""
+        lazy = (cls.denoiser, *cls.extra_denoisers) if lazy_denoiser else ()
+        pipe, path, lazies = load_pipeline(cls.pipeline_class, path, device=device, dtype=dtype, lazy=lazy)
+        return cls(pipe, source=path, lazy=lazies)
+
+    # ---- the parts: a family makes its own where it differs ----
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._capabilities_now
+
+    @capabilities.setter
+    def capabilities(self, caps: Capabilities) -> None:
+        """New capabilities (another device after offloading, what the family learns after loading) reach the request
+        rules too."""
+        self._capabilities_now = caps
+        if hasattr(self, "requests"):
+            self.requests.caps = caps
+
+    def _experts(self) -> tuple[Any, ...]:
+        return (self.transformer,)
+
+    def _clips(self) -> VideoClips | None:
+        """A video family's clips (frame rules, clip outputs); None for an image family."""
+        return None
+
+    def _lora_rows(self) -> LoraRows:
+        return LoraRows()
+
+    def _step_cache(self) -> StepCache:
+        """The step cache, with the family's plain call and (where it implements step caching) its cached forward."""
+        return StepCache(self.family, self.cache_methods, self._call)
+
+    def _request_rules(self, caps: Capabilities, declared: Any, **parts: Any) -> RequestRules:
+        return RequestRules(caps, declared, **parts)
+
+    def _prompts(self) -> Prompts:
+        return Prompts(self._encode, self.requests.uses_cfg)
+
+    def _image_start(self) -> ImageStart:
+        """An input image's first latents (img2img, inpainting), by the family's VAE encoding."""
+        processor = getattr(self.pipe, "image_processor", None)
+        size_multiple = self.capabilities.size_multiple
+        return ImageStart(processor, self._encode_image, stage=self._stage, size_multiple=size_multiple)
+
+    def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor, ...]]:
+        """The family's prompt encoder: one tuple of tensors per text, as that text alone gives them."""
+        raise NotImplementedError
+
+    # ---- requests ----
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        return self.requests.resolve(params)
+
+    def batch_key(self, params: SamplingParams) -> Any:
+        return self.requests.batch_key(params)
+
+    def encode_prompts(self, params: Sequence[SamplingParams]) -> list[None]:
+        self.prompts.encode_together(params)
+        return [None] * len(params)
+
+    def prepared(self) -> None:
+        self.prompts.prepared()
+
+    # ---- how the model runs ----
+
+    def enable_encode_once(self, shared: Any) -> None:
+        """Rank 0 encodes every prompt and broadcasts the embeddings; the other ranks receive them and free their
+        text encoders (unless weights are offloaded: then the stages own them)."""
+        self.prompts.share(shared)
+        if shared.rank != 0 and self.offload == "none":
+            for name in self.TEXT_ENCODERS:
+                module = getattr(self.pipe, name, None)
+                if isinstance(module, torch.nn.Module):
+                    module.to("meta")  # frees the weights; this rank never runs it
+
+    def enable_cfg_parallel(self, group: Any) -> None:
+        """The two CFG branches of every request run on the two ranks of `group`; outputs are all-gathered."""
+        self.ranks.cfg_group = group
+
+    def enable_tp(self, mesh: Any) -> None:
+        """Shard the transformer's block linears over the tensor-parallel `mesh` by the family's plan."""
+        plan = self._tp_plan()
+        if "tp" not in self.parallel or not plan:
+            raise ValueError(f"the {self.family} family does not support tensor parallelism")
+        self.weight_bytes = self.ranks.shard_tp(mesh, plan)
+        self._after_tp(mesh.size())
+
+    def _tp_plan(self) -> dict[str, Any]:
+        """The transformer's plan in diffusers' `_tp_plan` format (diffusers ships FLUX's, FLUX.2's, Qwen-Image's)."""
+        return dict(getattr(self.transformer, "_tp_plan", None) or {})
+
+    def _after_tp(self, degree: int) -> None:
+        """Attention processors that count heads from `attn.heads` now see 1/degree of them."""
+
+    def enable_shard_weights(self, mesh: Any) -> None:
+        """The denoisers' weights sharded over `mesh` with FSDP2 (models/flowmatch/ranks.py)."""
+        self.weight_bytes = self.ranks.shard_weights(mesh)
+
+    def denoisers(self) -> dict[str, Any]:
+        """Every denoiser this checkpoint has, by pipeline component name."""
+        extra = {name: getattr(self.pipe, name, None) for name in self.extra_denoisers}
+        return {self.denoiser: self.transformer, **{name: m for name, m in extra.items() if m is not None}}
+
+    def use_kept(self, kept: dict[str, Any], now: bool) -> int:
+        return self.ranks.use_kept(kept, now)
+
+    def enable_vae_parallel(self, group: Any) -> None:
+        """Decode one image in horizontal strips across `group`'s ranks (a 2D VAE decoder: AutoencoderKL's)."""
+        if "vae-parallel" not in self.parallel:
+            raise ValueError(f"the {self.family} family's VAE does not decode in strips")
+        try:
+            self.vae_strips = self.ranks.vae_strips(group)
+        except ValueError:
+            raise ValueError(f"the {self.family} family's VAE does not decode in strips") from None
+
+    @torch.inference_mode()
+    def decode_strips(self, states: Sequence[RequestState]) -> list[np.ndarray]:
+        """`decode`, every rank of the strip group decoding its strip of each image (all of them call it together);
+        every rank gets the images."""
+        from diffusiond.kernels.patch_vae import active
+
+        self._stage("vae")
+        latents = self._unpack(torch.cat([s.latents for s in states]), states[0].params)  # [B, C, h, w]
+        with active(self.vae_strips, latents.shape[-2]):
+            return self.postprocess(self._decode(latents))
+
+    def enable_lora(self, budget_bytes: int) -> LoraRegistry:
+        """LoRA per request: adapters of the denoiser, registered by name (models/lora/registry.py)."""
+        if not self.lora:
+            raise ValueError(f"the {self.family} family does not serve LoRA adapters")
+        self.loras.layers = LoraLayers(self.transformer)
+
+        max_bytes = file_limit(budget_bytes)  # every read, registration or reload, checks the size first
+
+        def read(name: str, path: str) -> Lora:
+            return read_lora(name, path, type(self.pipe), self.denoiser, self.transformer, self.dtype, max_bytes)
+
+        self.lora_registry = LoraRegistry(read, self.loras.layers, budget_bytes)
+        return self.lora_registry
+
+    def enable_step_cache(self, method: str, threshold: float, config: dict[str, Any] | None = None) -> None:
+        """Server-wide: the method, the threshold of requests that send none and `--cache-config`'s settings."""
+        t = self.transformer
+        blocks = len(getattr(t, "transformer_blocks", ())) + len(getattr(t, "single_transformer_blocks", ()))
+        blocks = blocks or len(getattr(t, "blocks", ()))  # Wan's
+        self.cache.enable(
+            method,
+            threshold,
+            config,
+            blocks=blocks,
+            source=self.source if os.path.isdir(self.source) else None,
+            stochastic=self.pipe.scheduler.config.get("stochastic_sampling", False),
+        )
+
+    def attention_heads(self) -> int | None:
+        return attention_heads(self.transformer.config)
 
     def _vae_scale_factor(self, pipe: Any) -> int:
         """Pixels per latent along each side."""
@@ -186,9 +295,9 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
 
     def _capabilities(self) -> Capabilities:
         width, height = self._default_size()
-        overrides = self.declared = read_declared(self.source)
+        overrides = self.declared
         styles = self._guidance_styles()
-        return Capabilities(
+        caps = Capabilities(
             family=self.family,
             pipeline_class=self.pipeline_class,
             default_width=overrides.width or width,
@@ -217,87 +326,19 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
             image_inputs=self.image_inputs,
             lora=self.lora,
         )
+        return self.clips.capabilities(caps) if self.clips is not None else caps
+
+    def _ulysses_degrees(self) -> tuple[int, ...]:
+        if "ulysses" not in self.parallel:
+            return ()
+        heads = self.attention_heads() or 1
+        return tuple(d for d in range(2, heads + 1) if heads % d == 0)
 
     def _guidance_styles(self) -> tuple[str, ...]:
         """This checkpoint's: a family with a guidance embedding may have checkpoints without one."""
         if "distilled" in self.guidance_styles and not getattr(self.transformer.config, "guidance_embeds", False):
             return tuple(s for s in self.guidance_styles if s != "distilled")
         return self.guidance_styles
-
-    step_cache: str = "none"
-
-    default_cache_threshold: float = 0.0
-    # --cache-config's "scm": the steps that compute for requests that send no cache_steps (None: no mask).
-    default_cache_steps: Any = None
-
-    # TeaCache's rescaling polynomial when the checkpoint has no calibration of its own (tools/calibrate.py).
-    teacache_coefficients: ClassVar[tuple[float, ...]] = stepcache.IDENTITY
-
-    def magcache_ratios(self) -> tuple[float, ...] | None:
-        """MagCache's magnitude ratios when the checkpoint has no calibration of its own (None: none known)."""
-        return None
-
-    def enable_lora(self, budget_bytes: int) -> LoraRegistry:
-        """LoRA per request: adapters of the denoiser, registered by name (models/lora/registry.py)."""
-        if not self.lora:
-            raise ValueError(f"the {self.family} family does not serve LoRA adapters")
-        self.lora_layers = LoraLayers(self.transformer)
-
-        max_bytes = file_limit(budget_bytes)  # every read, registration or reload, checks the size first
-
-        def read(name: str, path: str) -> Lora:
-            return read_lora(name, path, type(self.pipe), self.denoiser, self.transformer, self.dtype, max_bytes)
-
-        self.lora_registry = LoraRegistry(read, self.lora_layers, budget_bytes)
-        return self.lora_registry
-
-    def _lora_of(self, state: RequestState) -> Any:
-        """The adapters that apply to `state`'s rows in the call running now (`RequestState.lora`)."""
-        return state.lora
-
-    def _lora_rows(self, selections: Sequence[Any]) -> Any:
-        """The LoRA plan of a transformer call over rows with these selections (`RequestState.lora`)."""
-        return self.lora_layers.rows(selections) if self.lora_layers is not None else nullcontext()
-
-    def enable_step_cache(self, method: str, threshold: float, config: dict[str, Any] | None = None) -> None:
-        """Server-wide: the method, the threshold of requests that send none and `--cache-config`'s settings
-        (stepcache.SETTINGS). Families implement the forward."""
-        if method not in stepcache.METHODS:
-            raise ValueError(f"unknown cache method {method!r}; choose from {', '.join(stepcache.METHODS)}")
-        if method != "none" and method not in self.cache_methods:
-            raise ValueError(f"--cache {method} is not implemented for the {self.family} family yet")
-        stochastic = self.pipe.scheduler.config.get("stochastic_sampling", False)
-        if method not in ("none", "x0cache") and stochastic:  # x0cache reads what stays smooth under the noise
-            log.warning(
-                "--cache %s: the scheduler samples with fresh noise at every step (stochastic_sampling), so the "
-                "blocks' input changes too much between steps to reuse their residuals; to sample deterministically, "
-                "add --scheduler-config '{\"stochastic_sampling\": false}'",
-                method,
-            )
-        t = self.transformer
-        blocks = len(getattr(t, "transformer_blocks", ())) + len(getattr(t, "single_transformer_blocks", ()))
-        blocks = blocks or len(getattr(t, "blocks", ()))  # Wan's
-        coefficients, ratios = stepcache.load_calibration(self.source) if os.path.isdir(self.source) else (None, None)
-        coefficients = coefficients or self.teacache_coefficients
-        self.cache_method = stepcache.method_of(
-            method, config or {}, blocks, coefficients, ratios or self.magcache_ratios()
-        )
-        self.step_cache = method
-        self.default_cache_threshold = threshold if method != "none" else 0.0
-        self.default_cache_steps = (config or {}).get("scm")
-
-    attention_backend: str = "sdpa"
-
-    compiled: bool = False
-
-    # The transformer's repeated block classes, where it does not name them itself (`_repeated_blocks`).
-    repeated_blocks: ClassVar[tuple[str, ...]] = ()
-
-    offload: str = "none"
-
-    _stages: Any = None  # kernels/offload.StageOffload with `model` offload
-
-    TEXT_ENCODERS: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
     def enable_offload(self, mode: str, device: str) -> None:
         """Keep weights in CPU memory and bring them to `device` as they run (kernels/offload.py); the adapter was
@@ -350,24 +391,6 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
         self.attention_backend = backend
         return backend
 
-    def _shift_mu(self, image_seq_len: int, max_shift: float = 1.15) -> float:
-        """The dynamic shift for `image_seq_len` tokens from the scheduler's config, as the pipelines compute it
-        (`max_shift`: the pipeline's default when the config has none; SD3's is 1.16)."""
-        config = self.pipe.scheduler.config
-        return calculate_shift(
-            image_seq_len,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", max_shift),
-        )
-
-    def _packed_latent_size(self, params: SamplingParams) -> tuple[int, int]:
-        """Latent height and width of a family that packs 2x2 latent patches: even, as its pipelines'
-        `prepare_latents` round them."""
-        m = self.vae_scale_factor * 2
-        return 2 * (params.height // m), 2 * (params.width // m)
-
     def _sampler(self, params: SamplingParams, generator: torch.Generator, **kwargs: Any) -> FlowMatchSampler:
         """The request's own copy of the scheduler, at the request's first step; a stochastic scheduler draws its
         noise from the request's `generator`."""
@@ -380,51 +403,10 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
             **kwargs,
         )
 
-    def _noised_image(
-        self, p: SamplingParams, sampler: FlowMatchSampler, generator: torch.Generator, dtype
-    ) -> tuple[torch.Tensor, Inpaint | None]:
-        """Img2img's first latents, VAE-shaped [1, C, h, w], as the Img2Img and Inpaint pipelines' `prepare_latents`
-        make them: the image resized by the pipeline's image processor, its latent distribution sampled with the
-        request's generator, then the noise drawn from the same generator and mixed in at the starting sigma. With a
-        mask, also what pins the unmasked region (VAE-shaped too; the family maps it to its layout)."""
-        self._stage("vae")
-        image = self.pipe.image_processor.preprocess(open_rgb(p.image), height=p.height, width=p.width)
-        latents = self._encode_image(image.to(self.device, dtype), generator)
-        noise = randn_tensor(latents.shape, generator=generator, device=self.device, dtype=dtype)
-        noised = self._start_latents(p, sampler, latents, noise)
-        if p.mask is None:
-            return noised, None
-        # The Inpaint pipelines' mask: binarized at the output size, then nearest-resized to the latents'.
-        mask = self._mask_processor().preprocess(open_mask(p.mask), height=p.height, width=p.width)
-        mask = torch.nn.functional.interpolate(mask, size=latents.shape[-2:], mode="nearest")
-        mask = mask.view([1] * (latents.dim() - 2) + list(latents.shape[-2:])).expand_as(latents)
-        return noised, Inpaint(latents, noise, mask.to(self.device, dtype).contiguous())
-
-    def _start_latents(self, p: SamplingParams, sampler: Any, image_latents: torch.Tensor, noise: torch.Tensor):
-        """The image's latents noised to the request's first step (the scheduler's own noising)."""
-        return sampler.noise_image(image_latents, noise)
-
-    def _mask_processor(self) -> Any:
-        """The Inpaint pipelines' `mask_processor` (the text-to-image pipeline we load has none)."""
-        from diffusers.image_processor import VaeImageProcessor
-
-        return VaeImageProcessor(
-            vae_scale_factor=self.capabilities.size_multiple,
-            do_normalize=False,
-            do_binarize=True,
-            do_convert_grayscale=True,
-        )
-
     def _encode_image(self, image: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """Preprocessed images [B, 3, H, W] in [-1, 1] -> model-space latents [B, C, h, w] (`_decode`'s inverse)."""
         latents = retrieve_latents(self.vae.encode(image.to(self.vae.dtype)), generator=generator)
         return (latents - self.vae.config.shift_factor) * self.vae.config.scaling_factor
-
-    def _generator(self, params: SamplingParams) -> torch.Generator:
-        # A CPU generator on every device: the same seed gives the same image on CPU and GPU, as in diffusers when
-        # it is handed a CPU generator.
-        assert params.seed is not None
-        return torch.Generator(device="cpu").manual_seed(params.seed)
 
     def _batched_cond(self, states: Sequence[RequestState]) -> dict[str, Any]:
         """Conditioning tensors concatenated along the batch, and the family's batched `rows`
@@ -442,21 +424,9 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
         """The batch's conditioning of varying length (`RequestState.rows`) as the family's transformer takes it."""
         return {}
 
-    def _forward(
-        self, batched: dict[str, torch.Tensor], shared: dict[str, torch.Tensor], rows: int, states: Sequence[Any]
-    ) -> torch.Tensor:
-        """One transformer call over this rank's rows (`rows` per request of `states`): the family's cached forward
-        when step caching is on, else the pipeline's own."""
-        if self.step_cache != "none":
-            return self._cached_forward(batched, shared, rows, states)
-        return self._call(batched, shared)
-
-    def _call(self, batched: dict[str, Any], shared: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _call(self, batched: dict[str, Any], shared: dict[str, Any]) -> torch.Tensor:
         """The pipeline's own transformer call over `batched` rows; [rows, ...]."""
         return self.transformer(**batched, **shared, return_dict=False)[0]
-
-    def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
-        raise NotImplementedError
 
     def forget(self, request_ids: Sequence[str]) -> None:
         """States were freed: drop cached batch tensors that hold them."""
@@ -485,29 +455,8 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
         return self._decode_within(latents, p.width * p.height * (p.num_frames or 1))
 
     def _decode_within(self, latents: torch.Tensor, pixels_each: int) -> torch.Tensor:
-        """`_decode` of a batch, in calls of at most DECODE_PIXELS output pixels (x frames) each, one image or clip
-        at least: a VAE's activations grow with what it decodes at once (8 images of 2048 x 2048 in one call ran a
-        GPU out of memory, which inside a group is a fault of the group)."""
-        per_call = max(1, DECODE_PIXELS // max(1, pixels_each))
-        if latents.device.type == "cpu":
-            per_call = min(per_call, self._cpu_decode_calls(pixels_each))
-        if latents.shape[0] <= per_call:
-            return self._decode(latents)
-        return torch.cat([self._decode(latents[i : i + per_call]) for i in range(0, latents.shape[0], per_call)])
-
-    def _cpu_decode_calls(self, pixels_each: int) -> int:
-        """Images (or clips) a VAE call decodes at most on the CPU: CPU_DECODE_BYTES of its decoder's widest
-        full-size activation (the last up block's channels or the ones upsampled into it); one where the VAE's
-        config does not say."""
-        config = self.vae.config
-        widths = config.get("decoder_block_out_channels") or config.get("block_out_channels")
-        if widths:
-            widest = max(widths[:2])
-        elif config.get("base_dim"):  # Wan's and Qwen-Image's VAEs
-            widest = (config.get("decoder_base_dim") or config["base_dim"]) * max(config.get("dim_mult", [1])[:2])
-        else:
-            return 1
-        return max(1, CPU_DECODE_BYTES // (pixels_each * widest * self.vae.dtype.itemsize))
+        """`_decode` of a batch, in calls of bounded size (models/flowmatch/decoding.py)."""
+        return decode_within(self._decode, latents, pixels_each, self.vae)
 
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Model-space VAE-shaped latents [B, C, h, w] -> the VAE's output [B, 3, H, W] in [-1, 1]."""
@@ -516,39 +465,33 @@ class FlowMatchAdapter(RequestResolution, ParallelWiring, ModelAdapter):
 
     @torch.inference_mode()
     def preview_vae(self, x0: torch.Tensor) -> list[np.ndarray]:
-        """Predicted clean latents [B, C, h, w] (`predicted_x0`, one size) decoded by the VAE: uint8 [H, W, 3] each."""
+        """Predicted clean latents [B, C, h, w] (`predicted_x0`, one size) decoded by the VAE: uint8 [H, W, 3] each;
+        a clip's [B, C, T, h, w]: its frames at latent-frame positions side by side."""
         self._stage("vae")
+        if self.clips is not None:
+            videos = self.postprocess(self._decode_within(x0, self.clips.pixels(x0, self.vae_scale_factor)))
+            return self.clips.strips(videos)
         images = self._decode_within(x0, x0.shape[-2] * x0.shape[-1] * self.vae_scale_factor**2)
         return [(image * 255).round().astype(np.uint8) for image in self.postprocess(images)]
 
     def postprocess(self, images: torch.Tensor) -> list[np.ndarray]:
+        if self.clips is not None:
+            return self.clips.postprocess(images)  # [F, H, W, 3] float32 in [0, 1] each
         return list(self.pipe.image_processor.postprocess(images, output_type="np"))  # [H, W, 3] float32 in [0, 1]
 
     def preview(self, x0: torch.Tensor) -> np.ndarray:
-        return self.latent_rgb.to_uint8(x0)
+        return self.clips.preview(x0) if self.clips is not None else self.latent_rgb.to_uint8(x0)
 
     def _load_preview_map(self, source: str) -> preview_maps.LatentRGB:
-        """A map written beside the checkpoint (fitted for our own models) wins over published factors; a
-        checkpoint with neither gets one fitted against its VAE now."""
-        if os.path.isdir(source):
-            fitted = preview_maps.load_preview_factors(source)
-            if fitted is not None:
-                return fitted
-        published = preview_maps.published(self.vae_family or self.family)
-        channels = self._latent_channels()
-        if published is not None and len(published.factors) == channels:
-            return published
         # Latents where the family's decode takes them: the transformer's device and dtype (the VAE may be on a GPU).
-        return preview_maps.fit_decoder(
-            self._decode_rgb, channels, self.vae_scale_factor, device=self.device, dtype=self.dtype
-        )
+        return preview_maps.preview_map(
+            source, self.vae_family or self.family, self._latent_channels(), self._decode_rgb, self.vae_scale_factor,
+            device=self.device, dtype=self.dtype,
+        )  # fmt: skip
 
     def _decode_rgb(self, latents: torch.Tensor) -> torch.Tensor:
         """`_decode`'s colour channels [B, 3, H, W] (Qwen-Image 2.1's VAE decodes RGBA): what preview maps fit."""
         return self._decode(latents)[:, :3]
-
-    def attention_heads(self) -> int | None:
-        return attention_heads(self.transformer.config)
 
     def _latent_channels(self) -> int:
         return self.vae.config.latent_channels

@@ -1,11 +1,15 @@
-"""Encoded prompts by text, bounded in bytes: shared by every request that repeats a prompt."""
+"""A model's prompts: encoded by the family's encoder, kept by text (bounded in bytes) for every request that repeats
+one, and encoded once for a group of ranks. A family's adapter holds one (`FlowMatchAdapter.prompts`)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+
+from diffusiond.models.params import SamplingParams
 
 
 class PromptCache:
@@ -55,3 +59,58 @@ class PromptCache:
 # Encoded prompts kept per model: 64 MiB is ~12 prompts of real SD3 (T5 at 4096 x 333 floats) and thousands of a
 # small model's.
 PROMPT_CACHE_BYTES = 64 << 20
+
+
+class Prompts:
+    """A model's prompts, encoded by the family's encoder through the cache: `encode(texts)` gives one tuple of
+    tensors per text (the family's `_encode`), `uses_cfg(params)` says whose negative prompt is encoded too. In a
+    group of ranks, once enabled (`share`), rank 0 encodes every prompt of a plan before prepare and the others
+    receive the tensors (kernels/collectives.SharedEncoding), kept until the plan is prepared."""
+
+    def __init__(self, encode: Callable[[list[str]], list[tuple[torch.Tensor, ...]]], uses_cfg: Callable) -> None:
+        self.encode, self.uses_cfg = encode, uses_cfg
+        self.cache = PromptCache(PROMPT_CACHE_BYTES)
+        self.shared: Any = None
+        self._shared_texts: dict[str, tuple[torch.Tensor, ...]] = {}
+
+    def keys(self, params: Sequence[SamplingParams]) -> tuple[list[bool], list[str]]:
+        """Which requests use CFG, and the cache's keys of their prompts and (with CFG) negative prompts: the texts
+        themselves (`PromptsWithImages`: and the images they are read beside)."""
+        cfg = [self.uses_cfg(p) for p in params]
+        texts = [p.prompt for p in params] + [p.negative_prompt or "" for p, c in zip(params, cfg, strict=True) if c]
+        return cfg, texts
+
+    def key(self, text: str, params: SamplingParams) -> str:
+        """The cache's key of `text`, one of the request's prompts."""
+        return text
+
+    def lookup(self, params: Sequence[SamplingParams]) -> tuple[list[bool], dict[str, tuple[torch.Tensor, ...]]]:
+        """Which requests use CFG, and the encoded prompts (and negative prompts of those) by key, through the cache:
+        one encoder call for the texts it misses."""
+        cfg, texts = self.keys(params)
+        if self.shared is None:
+            return cfg, self.cache.lookup(texts, self.encode)
+        # In a group the encodings were shared before prepare (`encode_together`): prepare runs no collective.
+        missing = [t for t in texts if t not in self._shared_texts]
+        if missing:
+            raise RuntimeError(f"no shared encoding of {len(missing)} prompt(s) on this rank")
+        return cfg, {t: self._shared_texts[t] for t in texts}
+
+    def share(self, shared: Any) -> None:
+        """Prompts encoded once for the group: rank 0 encodes, the others receive (`shared`: SharedEncoding)."""
+        self.shared = shared
+
+    def encode_together(self, params: Sequence[SamplingParams]) -> None:
+        """A group's stage before prepare, run by every rank together: the prompts of these requests encoded once
+        (rank 0) and shared, through the cache, and kept for the next prepare. No-op on one rank."""
+        if self.shared is None:
+            return
+        _, texts = self.keys(params)
+        self._shared_texts.update(self.cache.lookup(texts, self._encode_shared))
+
+    def _encode_shared(self, texts: list[str]) -> list[tuple[torch.Tensor, ...]]:
+        return self.shared.run("\x00".join(texts), lambda: self.encode(texts))
+
+    def prepared(self) -> None:
+        """After prepare: the shared encodings of that plan are no longer needed here (the cache keeps its own)."""
+        self._shared_texts.clear()

@@ -1,32 +1,76 @@
-"""Request resolution and validation of the flow-matching families: what a request asks for, checked against the
-model (sizes, steps, guidance, strengths, masks, edit and reference images, skip-layer guidance, the step cache's
-threshold, LoRA) and filled in with the model's defaults, so that every rank runs the same thing from it; and the
-batch key, what must match for requests to share a forward.
+"""Request resolution and validation: what a request asks for, checked against the model (sizes, steps, guidance,
+strengths, masks, edit and reference images, skip-layer guidance, the step cache's threshold, LoRA) and filled in
+with the model's defaults, so that every rank runs the same thing from it; and the batch key, what must match for
+requests to share a forward.
 
-A part of `FlowMatchAdapter` (models/flowmatch/adapter.py), which provides what this reads: `capabilities`, `declared`,
-`transformer`, `image_inputs`, `guidance_styles`, `step_cache`, `default_cache_threshold`, `lora_registry`.
-Families override the hooks (`_uses_cfg`, `context_size`, `_video`, `_start_step`, `_strength`).
+A family's adapter holds one (`FlowMatchAdapter.requests`), made with what it reads of the loaded model: the
+capabilities, the checkpoint's declarations, the step cache (the threshold of requests that send none), the video
+clips' frame rules and the LoRA registry's check. A family whose requests differ subclasses it in its own file (its
+rules on CFG, on its input images' sizes, its defaults).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
 
-from diffusiond.models.declared import check_declared
+from diffusiond.models.base import Capabilities
+from diffusiond.models.declared import Declared, check_declared
 from diffusiond.models.inputs import image_size
-from diffusiond.models.lora.registry import resolve_loras
 from diffusiond.models.params import MAX_GUIDANCE, MAX_PROMPT_CHARS, MAX_SEED, MAX_STEPS, ParamError, SamplingParams
 
 
-class RequestResolution:
-    """`FlowMatchAdapter`'s request resolution (a part of the class, not an object of its own: the families override
-    its hooks as they override the step's)."""
+class RequestRules:
+    """`caps`: the loaded checkpoint's capabilities (the adapter hands new ones down when they change); `declared`:
+    its declarations (models/declared.py); `cache`: the step cache (models/stepcache/cache.py); `clips`: the video
+    clips' rules (models/flowmatch/clips.py), None for an image family; `loras`: a request's LoRA choices checked
+    against the registry; `blocks`: the transformer's blocks (skip-layer guidance's range)."""
+
+    # `true_cfg_scale` when a request sends none (families with true CFG beside a guidance embedding).
+    default_true_cfg: ClassVar[float] = 1.0
+    # Img2img's strength when a request with an image sends none (the Img2Img pipelines' default), and with a mask
+    # (the Inpaint pipelines').
+    default_strength: ClassVar[float] = 0.6
+    default_inpaint_strength: ClassVar[float] = 0.6
+
+    def __init__(
+        self,
+        caps: Capabilities,
+        declared: Declared,
+        *,
+        cache: Any,
+        clips: Any = None,
+        loras: Callable[[SamplingParams], tuple | None] | None = None,
+        blocks: int | None = None,
+    ) -> None:
+        self.caps, self.declared, self.cache, self.clips = caps, declared, cache, clips
+        self.loras = loras
+        self.blocks = blocks
+
+    @property
+    def family(self) -> str:
+        return self.caps.family
+
+    @property
+    def image_inputs(self) -> tuple[str, ...]:
+        return self.caps.image_inputs
+
+    def uses_cfg(self, params: SamplingParams) -> bool:
+        """Whether the request runs a negative branch (the family's pipeline's rule)."""
+        raise NotImplementedError
+
+    def context_size(self, params: SamplingParams) -> Hashable:
+        """Instruction-edit families: the size(s) the request's image(s) are conditioned at; None without one."""
+        return None
+
+    def batch_key(self, params: SamplingParams) -> Hashable:
+        # An edit's image tokens are part of every forward's sequence: edits batch with edits of the same context.
+        return (params.width, params.height, self.uses_cfg(params), self.context_size(params))
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
-        caps = self.capabilities
+        caps = self.caps
         if not isinstance(params.prompt, str) or not params.prompt.strip():
             raise ParamError("prompt", "prompt must be a non-empty string")
         for name in ("prompt", "negative_prompt"):
@@ -96,8 +140,7 @@ class RequestResolution:
             preview_every=params.preview_every,
             stream_latents=params.stream_latents,
             preview=params.preview,
-            cache_threshold=self._cache_threshold(params),
-            cache_steps=self._cache_steps(params, steps),
+            **self.cache.request_fields(params, steps),
             **self._skip_layer_guidance(params),
             **self._audio_video_guidance(params),
             image=params.image,
@@ -107,7 +150,7 @@ class RequestResolution:
             edit_context=self._edit_context(params),
             start_step=self._start_step(steps, strength),
             **self._video(params),
-            lora=resolve_loras(self, params),
+            lora=self.loras(params) if self.loras is not None and params.lora else None,
         )
         if resolved.steps_to_run < 1:
             raise ParamError(
@@ -116,17 +159,13 @@ class RequestResolution:
         return resolved
 
     def _video(self, params: SamplingParams) -> dict[str, Any]:
-        """The resolved video fields (`num_frames`, `fps`); image families refuse them."""
+        """The resolved video fields (`num_frames`, `fps`): the clips' rules; image families refuse them."""
+        if self.clips is not None:
+            return self.clips.fields(self.caps, params)
         for name in ("num_frames", "fps"):
             if getattr(params, name) is not None:
                 raise ParamError(name, f"the {self.family} family makes images; {name} is for video models")
         return {}
-
-    # Img2img's strength when a request with an image sends none (the Img2Img pipelines' default), and with a mask
-    # (the Inpaint pipelines').
-    default_strength: ClassVar[float] = 0.6
-
-    default_inpaint_strength: ClassVar[float] = 0.6
 
     def _start_step(self, steps: int, strength: float | None) -> int:
         """Img2img's first schedule position, as the flow-matching Img2Img pipelines' `get_timesteps` computes
@@ -136,7 +175,17 @@ class RequestResolution:
         return int(max(steps - min(steps * strength, steps), 0))
 
     def _strength(self, params: SamplingParams) -> float | None:
-        """The resolved strength: None without an input image."""
+        """The resolved strength: None without an input image, or with a clip's first frame (it is the clip's first
+        frame at every step)."""
+        if self.clips is not None:
+            if params.image is None and self.clips.requires_image:
+                raise ParamError("image", f"the {self.family} family animates an image: send the first frame (image)")
+            if params.image is not None and "first-frame" in self.image_inputs:
+                if params.strength is not None:
+                    raise ParamError(
+                        "strength", f"the {self.family} family keeps its first frame at every step; drop strength"
+                    )
+                return None
         if params.image is None:
             if params.strength is not None:
                 raise ParamError("strength", "strength applies to requests with an input image")
@@ -198,7 +247,7 @@ class RequestResolution:
     def _size(self, params: SamplingParams) -> tuple[int, int]:
         """The requested size; a side not given is the model's default, or with an input image, the image's aspect
         ratio at the model's default area (so that an edit's cost does not depend on the file's resolution)."""
-        caps = self.capabilities
+        caps = self.caps
         if params.image is None or params.width is not None or params.height is not None:
             width = params.width if params.width is not None else caps.default_width
             height = params.height if params.height is not None else caps.default_height
@@ -223,9 +272,9 @@ class RequestResolution:
         layers = params.skip_guidance_layers
         if layers is None:
             return {}
-        if "skip-layer" not in self.guidance_styles:
+        if "skip-layer" not in self.caps.guidance_styles or self.blocks is None:
             raise ParamError("skip_guidance_layers", f"the {self.family} family has no skip-layer guidance")
-        blocks = self.transformer.config.num_layers
+        blocks = self.blocks
         if max(layers) >= blocks:
             raise ParamError(
                 "skip_guidance_layers", f"this model's transformer has blocks 0 to {blocks - 1}, got {max(layers)}"
@@ -256,37 +305,3 @@ class RequestResolution:
                     name, f"the {self.family} family makes no sound; {name} is for audio-video models (LTX-2)"
                 )
         return {}
-
-    def _cache_threshold(self, params: SamplingParams) -> float:
-        if params.cache_threshold is None:
-            return self.default_cache_threshold
-        if params.cache_threshold > 0 and self.step_cache == "none":
-            raise ParamError("cache_threshold", "this server runs without step caching (start it with --cache)")
-        return params.cache_threshold
-
-    def _cache_steps(self, params: SamplingParams, steps: int) -> tuple[int, ...] | None:
-        """The steps that compute whatever the cache's signal, as indices (None: no mask)."""
-        from diffusiond.models.stepcache.methods import scm_steps
-
-        if params.cache_steps is None:
-            if self.step_cache == "none" or self.default_cache_steps is None:
-                return None
-            return scm_steps(self.default_cache_steps, steps)  # a list for other step counts: its steps that exist
-        if self.step_cache == "none":
-            raise ParamError("cache_steps", "this server runs without step caching (start it with --cache)")
-        if not isinstance(params.cache_steps, str) and max(params.cache_steps, default=0) >= steps:
-            raise ParamError(
-                "cache_steps", f"step {max(params.cache_steps)} is past the request's {steps} steps (0 is the first)"
-            )
-        return scm_steps(params.cache_steps, steps)
-
-    def batch_key(self, params: SamplingParams) -> Hashable:
-        # An edit's image tokens are part of every forward's sequence: edits batch with edits of the same context.
-        return (params.width, params.height, self._uses_cfg(params), self.context_size(params))
-
-    def context_size(self, params: SamplingParams) -> Hashable:
-        """Instruction-edit families: the size(s) the request's image(s) are conditioned at; None without one."""
-        return None
-
-    def _uses_cfg(self, params: SamplingParams) -> bool:
-        raise NotImplementedError

@@ -178,3 +178,31 @@ class SchedulerSampler:
         if config.prediction_type == "v_prediction":
             return alpha.sqrt() * x - (1 - alpha).sqrt() * out
         return (x - (1 - alpha).sqrt() * out) / alpha.sqrt()
+
+
+def shift_mu(config: Any, image_seq_len: int, max_shift: float = 1.15) -> float:
+    """The dynamic shift for `image_seq_len` tokens from a scheduler's `config`, as the pipelines compute it
+    (`max_shift`: the pipeline's default when the config has none; SD3's is 1.16)."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    return calculate_shift(
+        image_seq_len,
+        config.get("base_image_seq_len", 256),
+        config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5),
+        config.get("max_shift", max_shift),
+    )
+
+
+def packed_latent_size(params: Any, vae_scale_factor: int) -> tuple[int, int]:
+    """Latent height and width of a family that packs 2x2 latent patches: even, as its pipelines' `prepare_latents`
+    round them."""
+    m = vae_scale_factor * 2
+    return 2 * (params.height // m), 2 * (params.width // m)
+
+
+def request_generator(params: Any) -> torch.Generator:
+    """A request's generator: a CPU generator on every device, so that the same seed gives the same image on CPU and
+    GPU, as in diffusers when it is handed a CPU generator."""
+    assert params.seed is not None
+    return torch.Generator(device="cpu").manual_seed(params.seed)

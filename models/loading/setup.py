@@ -24,6 +24,7 @@ from diffusiond.kernels.layout import ParallelLayout
 from diffusiond.models.families.specs import FAMILIES, KNOWN_CHECKPOINTS, Family
 from diffusiond.models.loading.registry import attention_heads, family_of_checkpoint
 from diffusiond.models.lora.files import LoraError, check_safetensors, startup_specs
+from diffusiond.models.stepcache.settings import default_cache_threshold
 
 if TYPE_CHECKING:
     from diffusiond.models.base import ModelAdapter
@@ -38,88 +39,6 @@ HALF_ONLY_ATTENTION = ("flash", "flash3", "sage")
 class SetupError(ValueError):
     """Settings that cannot be served together, or that the model's family cannot serve; the message says why and
     names the flags."""
-
-
-# What `--cache-config` may set for each step cache method (models/stepcache/methods.py): each setting's default, least
-# and greatest value (None: no bound); a setting whose default is a bool takes true or false.
-CACHE_SETTINGS: dict[str, dict[str, tuple[int | float, int, int | None]]] = {
-    "dbcache": {
-        "fn": (1, 1, None),
-        "bn": (0, 0, None),
-        "warmup": (0, 0, None),
-        "taylorseer": (False, 0, None),
-        "taylorseer_order": (1, 1, 2),
-    },
-    "x0cache": {"max_run": (1, 1, None)},
-    # MagCache: the most steps reused in a row (its K), the share of first steps that always compute; and "ratios",
-    # the checkpoint's magnitude ratios per step (below; else its calibration, tools/calibrate.py).
-    "magcache": {"max_skip": (3, 1, None), "retention": (0.2, 0, 1)},
-}
-# Every method also takes "scm": the steps that always compute for requests that send no cache_steps (a preset name
-# or step indices, as models/params.py CacheSteps).
-CACHE_METHODS = ("fbcache", "teacache", "dbcache", "x0cache", "magcache")
-
-
-def check_cache_config(name: str, config: dict[str, Any]) -> dict[str, Any]:
-    """`--cache-config`'s settings for `--cache NAME`, defaults filled in; ValueError naming an unknown key or a bad
-    value (what needs the model, the blocks left to reuse, is checked by models/stepcache/methods.method_of)."""
-    allowed = CACHE_SETTINGS.get(name, {})
-    extra = {"scm", "ratios"} if name == "magcache" else {"scm"} if name in CACHE_METHODS else set()
-    unknown = sorted(set(config) - set(allowed) - extra)
-    if unknown:
-        takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
-        raise ValueError(f"--cache-config: {', '.join(map(repr, unknown))} unknown to --cache {name} ({takes})")
-    out: dict[str, Any] = {}
-    for key, (default, least, most) in allowed.items():
-        value = config.get(key, default)
-        if isinstance(default, bool):
-            if not isinstance(value, bool):
-                raise ValueError(f"--cache-config: {key} must be true or false, not {value!r}")
-        elif isinstance(default, float):
-            if not isinstance(value, int | float) or isinstance(value, bool) or not least <= value <= (most or 0):
-                raise ValueError(f"--cache-config: {key} must be a number from {least} to {most}, not {value!r}")
-        elif not isinstance(value, int) or isinstance(value, bool) or value < least or (most and value > most):
-            within = f">= {least}" if most is None else f"from {least} to {most}"
-            raise ValueError(f"--cache-config: {key} must be an integer {within}, not {value!r}")
-        out[key] = value
-    if "scm" in config:
-        out["scm"] = _scm(config["scm"])
-    if "ratios" in config:
-        ratios = config["ratios"]
-        if not isinstance(ratios, list) or not ratios or not all(_positive(r) for r in ratios):
-            raise ValueError(f"--cache-config: ratios must be a non-empty list of positive numbers, not {ratios!r}")
-        out["ratios"] = tuple(float(r) for r in ratios)
-    if "taylorseer_order" in config and not out.get("taylorseer"):
-        raise ValueError('--cache-config: taylorseer_order is set but TaylorSeer is off (add "taylorseer": true)')
-    return out
-
-
-def _positive(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < float("inf")
-
-
-def _scm(value: Any) -> Any:
-    from diffusiond.models.params import CacheSteps
-
-    try:
-        return msgspec.convert(value, CacheSteps)
-    except msgspec.ValidationError:
-        raise ValueError(
-            '--cache-config: scm must be "fast", "medium", "slow", "off" or a list of step indices (0 is the first), '
-            f"not {value!r}"
-        ) from None
-
-
-# The threshold of requests that send none, where the server sets none. x0cache's is higher: it thresholds another
-# quantity (the change of a request's predicted clean image per step). Measured on the bundled model as shipped
-# (stochastic sampler, 16 steps, docs/acceleration.md): 0.1 1.23x; 0.2 1.54-1.79x (1.61-1.69x alternated with the
-# exact runs) at 40.3 dB, the judge 1.6 points up.
-DEFAULT_CACHE_THRESHOLD = 0.1
-CACHE_THRESHOLDS = {"x0cache": 0.2}
-
-
-def default_cache_threshold(method: str) -> float:
-    return CACHE_THRESHOLDS.get(method, DEFAULT_CACHE_THRESHOLD)
 
 
 class ModelSetup(msgspec.Struct, frozen=True, kw_only=True):

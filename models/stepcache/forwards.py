@@ -1,6 +1,7 @@
 """The transformers' forwards with a step cache decision per request (models/stepcache/methods.py): SD3/SD3.5, FLUX.1,
-Qwen-Image and Wan, as their diffusers `forward`s compute them, with the blocks run by `stepcache.cached_blocks` and the
-output settled by `stepcache.settle` (x0cache)."""
+Qwen-Image and Wan, as their diffusers `forward`s compute them, with the blocks run by `methods.cached_blocks` and the
+output settled by `methods.settle` (x0cache). Each family's step cache (models/stepcache/cache.py) runs its own, as
+`forward(method, batched, shared, rows, states)` with the transformer (and Ulysses group) bound by keyword."""
 
 from __future__ import annotations
 
@@ -22,7 +23,13 @@ def lora_narrows(transformer: Any) -> tuple[LoraLayers, ...]:
 
 @torch.inference_mode()
 def sd3_forward(
-    method: Method, transformer: Any, batched: dict[str, torch.Tensor], rows: int, states: Sequence[Any]
+    method: Method,
+    batched: dict[str, torch.Tensor],
+    shared: dict[str, Any],
+    rows: int,
+    states: Sequence[Any],
+    *,
+    transformer: Any,
 ) -> torch.Tensor:
     """`SD3Transformer2DModel.forward` over B requests x `rows` rows, with a cache decision per request.
     Returns the model output [B * rows, C, H, W]."""
@@ -45,11 +52,12 @@ def sd3_forward(
 @torch.inference_mode()
 def flux_forward(
     method: Method,
-    transformer: Any,
     batched: dict[str, torch.Tensor],
     shared: dict[str, torch.Tensor],
     rows: int,
     states: Sequence[Any],
+    *,
+    transformer: Any,
     ulysses: Any = None,
 ) -> torch.Tensor:
     """`FluxTransformer2DModel.forward` over B requests x `rows` rows (packed latents), with a cache decision per
@@ -91,11 +99,12 @@ def _qwen_modulated(block: Any, h: torch.Tensor, temb: torch.Tensor) -> torch.Te
 @torch.inference_mode()
 def qwen_forward(
     method: Method,
-    transformer: Any,
     batched: dict[str, torch.Tensor],
     shared: dict[str, Any],
     rows: int,
     states: Sequence[Any],
+    *,
+    transformer: Any,
 ) -> torch.Tensor:
     """`QwenImageTransformer2DModel.forward` over B requests x `rows` rows (packed latents), with a cache decision
     per request; a padded batch's text mask is sub-batched with the rows. Returns [B * rows, seq, C * 4]."""

@@ -38,9 +38,6 @@ same blocks in the same order as the pipeline's forward (tests compare with diff
 
 from __future__ import annotations
 
-import json
-import math
-import os
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -49,37 +46,7 @@ from typing import Any
 import torch
 
 from diffusiond.kernels.host import to_device
-from diffusiond.models.loading.setup import check_cache_config
-
-METHODS = ("none", "fbcache", "teacache", "dbcache", "x0cache", "magcache")
-# TeaCache's polynomial fitted for a checkpoint (tools/calibrate.py), beside its weights.
-CACHE_FILE = "diffusiond_cache.json"
-
-# TeaCache's published rescaling polynomial for FLUX.1 (highest degree first): a fact of those weights.
-FLUX_TEACACHE = (498.651651, -283.781631, 55.8554382, -3.82021401, 0.264230861)
-IDENTITY = (1.0, 0.0)
-
-
-def load_calibration(source: str) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
-    """What tools/calibrate.py measured for the checkpoint in `source`: TeaCache's polynomial (highest degree first)
-    and MagCache's magnitude ratios per step, each None where it measured none."""
-    path = os.path.join(source, CACHE_FILE)
-    if not os.path.isfile(path):
-        return None, None
-    with open(path) as f:
-        fitted = json.load(f)
-    coefficients = _numbers(path, fitted, "teacache", "coefficients", "finite", math.isfinite)
-    ratios = _numbers(path, fitted, "magcache", "ratios", "positive", lambda r: 0 < r < math.inf)
-    return coefficients, ratios
-
-
-def _numbers(path: str, fitted: dict, method: str, key: str, kind: str, ok: Any) -> tuple[float, ...] | None:
-    if method not in fitted:
-        return None
-    values = fitted[method][key]
-    if not values or not all(isinstance(v, int | float) and ok(v) for v in values):
-        raise ValueError(f"{path}: {method} {key} must be a non-empty list of {kind} numbers")
-    return tuple(float(v) for v in values)
+from diffusiond.models.stepcache.settings import IDENTITY, check_cache_config
 
 
 @dataclass
@@ -189,49 +156,6 @@ def reuse(state: Any, change: float | None) -> bool:
     if mask is not None and state.step_index in mask:
         return False
     return change < threshold
-
-
-# SCM presets: Cache-DiT's step computation masks for 28 steps ("slow", "medium", "fast": 18, 15 and 11 of them
-# compute), as runs of computed and reused steps.
-SCM_RUNS = {
-    "slow": ((8, 3, 3, 2, 1, 1), (1, 2, 2, 2, 3)),
-    "medium": ((6, 2, 2, 2, 2, 1), (1, 3, 3, 3, 3)),
-    "fast": ((6, 1, 1, 1, 1, 1), (1, 3, 4, 5, 4)),
-}
-
-
-def _runs(pattern: list[bool]) -> list[tuple[int, int]]:
-    """The first and last index of each run of True in `pattern`."""
-    runs: list[tuple[int, int]] = []
-    for j, on in enumerate(pattern):
-        if on and (j == 0 or not pattern[j - 1]):
-            runs.append((j, j))
-        elif on:
-            runs[-1] = (runs[-1][0], j)
-    return runs
-
-
-def scm_steps(mask: str | Sequence[int], steps: int) -> tuple[int, ...] | None:
-    """The steps of a request of `steps` steps that compute whatever its cache's signal says: a preset's 28-step
-    mask stretched to `steps`, or the listed indices that exist; with the first and the last, which always compute
-    (`reuse`). "off": None, no mask."""
-    if mask == "off":
-        return None
-    if isinstance(mask, str):
-        computed, reused = SCM_RUNS[mask]
-        pattern: list[bool] = []
-        for c, r in zip(computed, (*reused, 0), strict=True):
-            pattern += [True] * c + [False] * r
-        n = len(pattern)
-        # Step i computes where the mask's step under its middle does; a run of the mask's computed steps that no
-        # middle falls in (fewer steps than the mask's) still gets the step it starts in.
-        middle = [(2 * i + 1) * n // (2 * steps) for i in range(steps)]
-        stretched = {i for i in range(steps) if pattern[middle[i]]}
-        for start, end in _runs(pattern):
-            if not any(start <= middle[i] <= end for i in stretched):
-                stretched.add(start * steps // n)
-        return tuple(sorted(stretched | {0, steps - 1}))
-    return tuple(sorted({i for i in mask if i < steps} | {0, steps - 1}))
 
 
 def changes(current: torch.Tensor, rows: int, previous: Sequence[torch.Tensor | None]) -> list[float | None]:

@@ -66,7 +66,12 @@ def record_forwards(adapter) -> list[dict]:
         # Two-expert checkpoints: how many experts this step runs (one transformer call each).
         experts = len({adapter.expert_of(s) for s in states}) if hasattr(adapter, "expert_of") else 1
         forwards.append(
-            {"requests": len(states), "cfg": adapter._uses_cfg(states[0].params), "calls": [], "experts": experts}
+            {
+                "requests": len(states),
+                "cfg": adapter.requests.uses_cfg(states[0].params),
+                "calls": [],
+                "experts": experts,
+            }
         )
         if hasattr(adapter, "step_rows"):  # several passes per step (LTX-2): the rows one rank alone would compute
             forwards[-1]["rows"] = len(adapter.step_rows(states))
@@ -91,7 +96,7 @@ def record_forwards(adapter) -> list[dict]:
         forwards[-1]["calls"][-1].setdefault("block_tokens", hs.shape[1])
         if "audio_hidden_states" in kwargs:
             forwards[-1]["calls"][-1].setdefault("audio_block_tokens", kwargs["audio_hidden_states"].shape[1])
-        group = getattr(adapter, "ulysses_group", None)
+        group = adapter.ranks.ulysses
         if group is not None:  # the whole sequence the shards make (Z-Image's: image and caption tokens)
             forwards[-1]["calls"][-1].setdefault("block_total", sum(group.shards))
             # What every rank holds whole beside its shard in the blocks' sequence (Qwen-Image 2.1's prefix).
@@ -195,13 +200,13 @@ def main() -> None:
     rank = join_group(ModelSetup(model=model, layout=layout, lora=loras))
     forwards = record_forwards(rank.adapter)
     encodings = [0]  # text encoder calls on this rank
-    real_encode = rank.adapter._encode
+    real_encode = rank.adapter.prompts.encode
 
     def counted_encode(texts):
         encodings[0] += 1
         return real_encode(texts)
 
-    rank.adapter._encode = counted_encode
+    rank.adapter.prompts.encode = counted_encode
     ring_keys = record_ring_keys() if os.environ.get("SPMD_RING", "1") != "1" else None
     decisions: list[list] = []
     attention_calls = None
@@ -241,7 +246,7 @@ def main() -> None:
     else:
         run_follower(rank.adapter, rank.comm)
     Path(out, f"forwards{rank.rank}.json").write_text(json.dumps(forwards))
-    shared = rank.adapter.shared_encoding
+    shared = rank.adapter.prompts.shared
     sent = shared.sent if shared is not None else 0
     Path(out, f"encode{rank.rank}.json").write_text(json.dumps({"calls": encodings[0], "sent": sent}))
     if ring_keys is not None:

@@ -42,7 +42,7 @@ def plain(deep):
 def cached(deep):
     adapter = load_adapter(deep[1])
     adapter.enable_step_cache("dbcache", 0.0, CONFIG)
-    assert (adapter.cache_method.fn, adapter.cache_method.bn, adapter.cache_method.warmup) == (2, 1, 2)
+    assert (adapter.cache.method.fn, adapter.cache.method.bn, adapter.cache.method.warmup) == (2, 1, 2)
     return adapter
 
 

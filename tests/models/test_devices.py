@@ -50,11 +50,11 @@ def test_sdxl_in_float16_decodes_in_float32_as_its_vae_asks(tiny_sdxl, tmp_path)
 
 
 def decode_calls(adapter, monkeypatch, setting: str, value: int) -> list[int]:
-    """The images per VAE call of 5 requests (4 batched, then 1) with models/flowmatch/adapter.py's `setting` at
+    """The images per VAE call of 5 requests (4 batched, then 1) with models/flowmatch/decoding.py's `setting` at
     `value`; the images equal those decoded with the defaults."""
     from engines import generate
 
-    from diffusiond.models.flowmatch import adapter as flowmatch
+    from diffusiond.models.flowmatch import decoding
 
     expected = generate(adapter, seeds=(1, 2, 3, 4, 5))
     calls = []
@@ -65,7 +65,7 @@ def decode_calls(adapter, monkeypatch, setting: str, value: int) -> list[int]:
         return decode(latents, *args, **kwargs)
 
     monkeypatch.setattr(adapter.vae, "decode", counted)
-    monkeypatch.setattr(flowmatch, setting, value)
+    monkeypatch.setattr(decoding, setting, value)
     got = generate(adapter, seeds=(1, 2, 3, 4, 5))
     for a, b in zip(expected, got, strict=True):
         assert abs(a - b).max() <= 1e-5
@@ -83,16 +83,16 @@ def test_on_the_cpu_a_decode_call_stays_under_the_arena_bound(tiny_sd3, monkeypa
     pixels x the decoder's widest channels x 4 bytes), so that its buffers come from the arenas that keep freed
     memory instead of mappings faulted in at each call; the images are those of one call. Broken on purpose (the
     bound ignored): calls of 4 and 1, red."""
-    from diffusiond.models.flowmatch import adapter as flowmatch
+    from diffusiond.models.flowmatch import decoding
 
     adapter = load_adapter(tiny_sd3)
     each = 64 * 64 * max(adapter.vae.config.block_out_channels[:2]) * 4  # the fixture's 64 x 64 images, float32
-    assert adapter._cpu_decode_calls(64 * 64) == flowmatch.CPU_DECODE_BYTES // each
+    assert decoding.cpu_decode_calls(adapter.vae, 64 * 64) == decoding.CPU_DECODE_BYTES // each
     assert decode_calls(adapter, monkeypatch, "CPU_DECODE_BYTES", 2 * each + 1) == [2, 2, 1]
 
 
 def test_on_the_cpu_a_2d_vae_convolves_channels_last(tiny_sd3, tiny_wan):
-    """On the CPU a 2-D VAE's convolution weights are loaded channels-last (models/flowmatch/adapter.py
+    """On the CPU a 2-D VAE's convolution weights are loaded channels-last (models/loading/pipelines.py
     `channels_last_vae`: one image's decode 0.7-0.8x the time, measured) and it decodes what the checkpoint's layout
     decodes, within float rounding; a 3-D (video) VAE is left as it was. Broken on purpose (the conversion a no-op):
     red."""

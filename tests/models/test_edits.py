@@ -6,6 +6,7 @@ Float32 on CPU; tolerance as the text-to-image oracle (tests/models/test_parity.
 """
 
 import asyncio
+import dataclasses
 
 import diffusers
 import msgspec
@@ -154,9 +155,10 @@ def test_edit_requests_are_checked(tiny_sd3):
     assert wide.width > wide.height and wide.width % caps.size_multiple == 0
     assert abs(wide.width * wide.height / (caps.default_width * caps.default_height) - 1) < 0.2
     assert wide.strength == 0.6 and wide.steps_to_run < wide.num_inference_steps
-    adapter.image_inputs = ("img2img",)  # a family that declares no mask refuses one
+    # A family that declares no mask refuses one; one that declares no image input, an image.
+    adapter.capabilities = dataclasses.replace(caps, image_inputs=("img2img",))
     assert refused(image=IMAGES[0], mask=MASKS[0][0]) == "mask"
-    adapter.image_inputs = ()  # a family that declares no image input refuses one
+    adapter.capabilities = dataclasses.replace(caps, image_inputs=())
     assert refused(image=IMAGES[0]) == "image"
 
 
@@ -263,7 +265,7 @@ def reference_kontext(pipe, adapter, params: SamplingParams) -> np.ndarray:
     its own image processor."""
     extra = {"max_area": params.width * params.height}
     if params.image is not None and params.edit_context == "output":
-        width, height = adapter.context_size(params)
+        width, height = adapter.requests.context_size(params)
         image = pipe.image_processor.resize(decoded(params.image), height, width)
         extra.update(image=image, _auto_resize=False)
     elif params.image is not None:
@@ -290,7 +292,7 @@ def test_instruction_edits_match_diffusers_kontext(tiny_kontext):
         expected = reference_kontext(pipe, adapter, params)
         assert result.image.shape == expected.shape == (params.height, params.width, 3)
         diff = float(np.abs(result.image - expected).max())
-        print(f"kontext {params.prompt!r} context {adapter.context_size(params)}: max abs diff {diff:.2e}")
+        print(f"kontext {params.prompt!r} context {adapter.requests.context_size(params)}: max abs diff {diff:.2e}")
         assert diff <= TOLERANCE, f"{params.prompt!r}: max abs diff {diff}"
     # Not vacuous: another input image gives a clearly different image.
     first = handles[0].params
@@ -310,11 +312,11 @@ def test_kontext_context_size_is_diffusers_choice_at_its_area(tiny_kontext):
     for width, height in ((1000, 1000), (1600, 700), (700, 1600), (1300, 900)):
         params = SamplingParams(prompt="x", image=picture(width, height), width=1024, height=1024)
         _, w, h = min((abs(width / height - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
-        assert adapter.context_size(params) == (w // 16 * 16, h // 16 * 16)
+        assert adapter.requests.context_size(params) == (w // 16 * 16, h // 16 * 16)
     small = adapter.resolve(SamplingParams(prompt="x", image=picture(1000, 1000), width=256, height=256))
-    assert small.edit_context == "preferred" and adapter.context_size(small) == (1024, 1024)
+    assert small.edit_context == "preferred" and adapter.requests.context_size(small) == (1024, 1024)
     scaled = adapter.resolve(msgspec.structs.replace(small, edit_context="output"))
-    assert adapter.context_size(scaled) == (256, 256)
+    assert adapter.requests.context_size(scaled) == (256, 256)
     with pytest.raises(ParamError) as info:
         adapter.resolve(SamplingParams(prompt="x", width=64, height=64, edit_context="output"))
     assert info.value.param == "edit_context"

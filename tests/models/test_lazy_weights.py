@@ -34,7 +34,7 @@ def test_read_a_part_at_a_time_equals_from_pretrained(family, dtype, request, tm
     adapter = load_adapter(model, dtype=dtype, lazy_denoiser=True)
     assert adapter.device == torch.device("cpu") and adapter.dtype == getattr(whole, adapter.denoiser).dtype
     # Every denoiser of the checkpoint (Wan 2.2 A14B: `transformer_2` as well) is built empty and read a part at a time.
-    lazies = {adapter.denoiser: adapter.lazy_weights, **adapter.lazy_extra}
+    lazies = dict(adapter.ranks.lazy)
     two = family in ("wan22", "wan22-i2v")
     assert set(lazies) == ({adapter.denoiser, "transformer_2"} if two else {adapter.denoiser})
     for name, lazy in lazies.items():

@@ -120,7 +120,7 @@ def test_mixed_batch_matches_diffusers(family, batch, request, tmp_path, monkeyp
     forwards, rows = [], []
     real = adapter.denoise
     adapter.denoise = lambda states: forwards.append(len(states)) or real(states)
-    linear = adapter.lora_layers.linear(next(iter(registry.entries["a"].lora.layers)))
+    linear = adapter.loras.layers.linear(next(iter(registry.entries["a"].lora.layers)))
     linear.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
 
     gathered = []  # per linear call with LoRA rows: whether the rows' factors were gathered
@@ -152,10 +152,10 @@ def test_requests_without_lora_pay_nothing(tiny_sd3, tmp_path):
     any adapter registered."""
     adapter = load_adapter(tiny_sd3)
     registry = adapter.enable_lora(1 << 30)
-    assert adapter.lora_layers.hooked == 0
+    assert adapter.loras.layers.hooked == 0
     plain, _ = run(adapter, [request(1), request(2)])
     registry.register("a", str(loras_for(tiny_sd3, tmp_path, ("a",))["a"]))
-    assert adapter.lora_layers.hooked > 0
+    assert adapter.loras.layers.hooked > 0
     again, _ = run(adapter, [request(1), request(2)])
     for x, y in zip(plain, again, strict=True):
         assert np.array_equal(x, y)
@@ -166,7 +166,7 @@ def test_bad_files_are_refused_and_change_nothing(tiny_sd3, tiny_flux, tmp_path)
     registry = adapter.enable_lora(1 << 30)
     good = loras_for(tiny_sd3, tmp_path / "sd3", ("a", "b"))
     registry.register("a", str(good["a"]))
-    hooked = adapter.lora_layers.hooked
+    hooked = adapter.loras.layers.hooked
     (tmp_path / "garbage.safetensors").write_bytes(b"not a safetensors file at all")
     (tmp_path / "x.bin").write_bytes(b"\x80\x04pickle")
     wrong = tmp_path / "wrong.safetensors"  # one factor 3 columns wider than the linear it targets
@@ -191,7 +191,7 @@ def test_bad_files_are_refused_and_change_nothing(tiny_sd3, tiny_flux, tmp_path)
         registry.register("a", str(good["b"]))
     with pytest.raises(LoraError, match="letters, digits"):
         registry.register("../a", str(good["b"]))
-    assert list(registry.entries) == ["a"] and adapter.lora_layers.hooked == hooked
+    assert list(registry.entries) == ["a"] and adapter.loras.layers.hooked == hooked
     assert registry.loads == 0 and registry.resident_bytes == registry.entries["a"].nbytes
 
 
@@ -260,7 +260,7 @@ def test_fused_adapter_matches_unfused_and_unfuses_exactly(tiny_sd3, tmp_path):
     registry.register("a", str(path))
     unfused, _ = run(adapter, [request(1, ("a", 0.8)), request(2, ("a", 0.8))])
     registry.fuse("a", 0.8)
-    assert adapter.lora_layers.hooked == 0  # in the weights now: no per-step work
+    assert adapter.loras.layers.hooked == 0  # in the weights now: no per-step work
     fused, _ = run(adapter, [request(1, ("a", 0.8)), request(2)])  # every request gets it
     for x, y in zip(unfused, fused, strict=True):
         assert np.abs(x - y).max() < TOLERANCE
@@ -291,8 +291,8 @@ def test_step_cache_sub_batches_keep_each_request_s_adapter(tiny_sd3, tmp_path):
         for i, (name, threshold) in enumerate([("a", 0.0), ("b", 10.0), ("c", 0.0), (None, 10.0)])
     ]
     narrowed = []
-    real = adapter.lora_layers.narrow
-    adapter.lora_layers.narrow = lambda index: narrowed.append(index) or real(index)
+    real = adapter.loras.layers.narrow
+    adapter.loras.layers.narrow = lambda index: narrowed.append(index) or real(index)
     together, _ = run(adapter, requests)
     assert any(index is not None for index in narrowed)  # some steps ran a sub-batch
     for params, image in zip(requests, together, strict=True):

@@ -20,6 +20,7 @@ import torch
 from diffusiond.daemon.config import ConfigError, cache_settings
 from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.stepcache import methods as stepcache
+from diffusiond.models.stepcache import settings
 
 
 class Add(torch.nn.Module):
@@ -86,7 +87,7 @@ def test_settings_and_refusals(tiny_sd3, tiny_flux):
         load_adapter(tiny_sd3).enable_step_cache("magcache", 0.1)
     flux = load_adapter(tiny_flux)
     flux.enable_step_cache("magcache", 0.1)  # FLUX.1's published ratios
-    assert len(flux.cache_method.ratios) == 28 and flux.cache_method.ratios[1] == pytest.approx(1.21094)
+    assert len(flux.cache.method.ratios) == 28 and flux.cache.method.ratios[1] == pytest.approx(1.21094)
 
 
 def test_calibration_measures_the_checkpoint(tmp_path, tiny_sd3):
@@ -96,17 +97,17 @@ def test_calibration_measures_the_checkpoint(tmp_path, tiny_sd3):
 
     assert calibrate.magnitude_ratios([(1, 2.0), (1, 4.0), (2, 0.5)]) == [1.0, 3.0, 0.5]
     model = shutil.copytree(tiny_sd3, tmp_path / "model")
-    (model / stepcache.CACHE_FILE).write_text(json.dumps({"teacache": {"coefficients": [1.0, 0.0]}}))
+    (model / settings.CACHE_FILE).write_text(json.dumps({"teacache": {"coefficients": [1.0, 0.0]}}))
     argv = ["--model", str(model), "--steps", "5", "--size", "64x64", "--method", "magcache"]
     assert calibrate.main([*argv, "--prompts", str(_prompts(tmp_path))]) == 0
-    written = json.loads((model / stepcache.CACHE_FILE).read_text())
+    written = json.loads((model / settings.CACHE_FILE).read_text())
     assert written["teacache"]["coefficients"] == [1.0, 0.0]
     ratios = written["magcache"]["ratios"]
     assert len(ratios) == 5 and ratios[0] == 1.0 and all(r > 0 for r in ratios)
     assert len(set(ratios[1:])) > 1, "every step measured the same: nothing was measured"
     adapter = load_adapter(str(model))
     adapter.enable_step_cache("magcache", 0.1)
-    assert adapter.cache_method.ratios == tuple(ratios)
+    assert adapter.cache.method.ratios == tuple(ratios)
 
 
 def _prompts(tmp_path):

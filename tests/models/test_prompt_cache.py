@@ -48,7 +48,7 @@ def test_a_cached_prompt_gives_the_same_image(family, request):
         return adapter.decode([state])[0]
 
     first = run()
-    misses = adapter.prompts.misses
+    misses = adapter.prompts.cache.misses
     second = run()
-    assert adapter.prompts.misses == misses and adapter.prompts.hits >= 2  # both texts came from the cache
+    assert adapter.prompts.cache.misses == misses and adapter.prompts.cache.hits >= 2  # both texts came from the cache
     np.testing.assert_array_equal(first, second)

@@ -20,7 +20,7 @@ from caching import ATOL, params, run
 from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import ParamError
 from diffusiond.models.stepcache import methods as stepcache
-from diffusiond.models.stepcache.methods import scm_steps
+from diffusiond.models.stepcache.settings import scm_steps
 
 
 def test_presets_and_lists():

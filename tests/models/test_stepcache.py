@@ -19,6 +19,7 @@ from caching import ATOL, count_reuse, params, run
 from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import ParamError
 from diffusiond.models.stepcache import methods as stepcache
+from diffusiond.models.stepcache import settings
 
 FIXTURES = {"sd3": "tiny_sd3", "flux": "tiny_flux", "qwen-image": "tiny_qwenimage"}
 
@@ -136,7 +137,7 @@ def test_teacache_skips_every_block_and_accumulates(family, request, monkeypatch
         if change is None:
             assert estimate is None
             continue
-        expected = accumulated.get(request_id, 0.0) + adapter.cache_method.rescale(change)
+        expected = accumulated.get(request_id, 0.0) + adapter.cache.method.rescale(change)
         assert estimate == pytest.approx(expected, rel=1e-12)
         accumulated[request_id] = expected if decision else 0.0
 
@@ -161,12 +162,12 @@ def test_calibration_fits_the_checkpoint(tmp_path, request):
     assert len(pairs) == 3 * 4, "one pair per request-step after the first"
     assert all(a > 0 and b > 0 for a, b in pairs)
     assert calibrate.main(["--model", str(model), "--steps", "5", "--size", "64x64", "--degree", "2"]) == 0
-    fitted = json.loads((model / stepcache.CACHE_FILE).read_text())["teacache"]
+    fitted = json.loads((model / settings.CACHE_FILE).read_text())["teacache"]
     assert fitted["pairs"] == 16 * 4 and len(fitted["coefficients"]) == 3
     adapter = load_adapter(str(model))
     adapter.enable_step_cache("teacache", 0.1)
-    assert adapter.cache_method.coefficients == tuple(fitted["coefficients"])
-    assert load_adapter(request.getfixturevalue("tiny_flux")).teacache_coefficients == stepcache.FLUX_TEACACHE
+    assert adapter.cache.method.coefficients == tuple(fitted["coefficients"])
+    assert load_adapter(request.getfixturevalue("tiny_flux")).cache.teacache == settings.FLUX_TEACACHE
 
 
 @pytest.mark.asyncio

@@ -90,7 +90,7 @@ def deep(request) -> str:
 def seer(deep):
     adapter = load_adapter(deep)
     adapter.enable_step_cache("dbcache", 0.0, CONFIG)
-    assert adapter.cache_method.taylorseer and adapter.cache_method.taylorseer_order == 2
+    assert adapter.cache.method.taylorseer and adapter.cache.method.taylorseer_order == 2
     return adapter
 
 

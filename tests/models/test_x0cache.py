@@ -89,4 +89,4 @@ def test_a_server_that_sets_no_threshold_gets_its_methods(tiny_sd3, method, give
     from diffusiond.models.loading.setup import ModelSetup, build_adapter
 
     adapter = build_adapter(ModelSetup(model=tiny_sd3, cache=method, cache_threshold=given))
-    assert adapter.default_cache_threshold == expected
+    assert adapter.cache.threshold == expected

@@ -43,6 +43,8 @@ from diffusiond.models.families import specs
 from diffusiond.models.families.ltx2 import ulysses as ltx2_ulysses
 from diffusiond.models.flowmatch.adapter import FlowMatchAdapter
 from diffusiond.models.flowmatch.clips import VideoClips
+from diffusiond.models.flowmatch.requests import RequestRules
+from diffusiond.models.flowmatch.sampler import request_generator
 from diffusiond.models.inputs import open_rgb
 from diffusiond.models.params import MAX_GUIDANCE, ParamError, SamplingParams
 
@@ -81,7 +83,7 @@ class Layout:
         return video, flat[:, cut:].reshape(-1, self.audio, self.audio_features)
 
 
-class LTX2Adapter(VideoClips, FlowMatchAdapter):
+class LTX2Adapter(FlowMatchAdapter):
     spec = specs.LTX2
     default_steps = 30
     default_guidance = 3.0
@@ -92,21 +94,33 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
 
     def __init__(self, pipe: Any, *, source: str, lazy: Any = None) -> None:
         self.frame_step = pipe.vae_temporal_compression_ratio
-        super().__init__(pipe, source=source, lazy=lazy)
         self.audio_vae, self.vocoder = pipe.audio_vae, pipe.vocoder
         self.sample_rate = int(self.vocoder.config.output_sampling_rate)
         # Audio latents per second of clip: mel frames per second over the audio VAE's temporal compression.
         mel_rate = pipe.audio_sampling_rate / pipe.audio_hop_length
         self.audio_rate = mel_rate / float(pipe.audio_vae_temporal_compression_ratio)
         self.mel_bins = self.audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio  # latent mel bins
-        blocks = len(self.transformer.transformer_blocks)
         # STG perturbs self-attention only in blocks built for it (`perturbed_attn`); elsewhere the pass would
         # repeat the positive prediction, and its delta would be zero.
-        self.stg_capable = bool(self.transformer.config.get("perturbed_attn", False))
-        self.default_stg_blocks = tuple(b for b in DEFAULT_STG_BLOCKS if b < blocks) or None
+        self.stg_capable = bool(pipe.transformer.config.get("perturbed_attn", False))
+        super().__init__(pipe, source=source, lazy=lazy)
         # The image-to-video pipeline's processor resizes the first frame bilinearly (the text-to-video one's, bicubic).
         self.first_frame_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor, resample="bilinear")
-        self.capabilities = self._capabilities()
+
+    def _clips(self) -> VideoClips:
+        return VideoClips(
+            frame_step=self.frame_step,
+            max_frames=8 * 60 + 1,  # 20 seconds at 24 frames per second, the pipeline's longest predicted duration
+            default_num_frames=self.default_num_frames,
+            default_fps=self.default_fps,
+            processor=self.pipe.video_processor,
+            latent_rgb=self.latent_rgb,
+            requires_image=self.requires_image,
+        )
+
+    def _request_rules(self, caps: Any, declared: Any, **parts: Any) -> RequestRules:
+        blocks = len(self.transformer.transformer_blocks)
+        return LTX2Requests(caps, declared, blocks=blocks, **parts)
 
     # ---- capabilities and requests ----
 
@@ -119,50 +133,11 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
     def _size_multiple(self) -> int:
         return self.vae_scale_factor * self.transformer.config.patch_size
 
-    def _max_frames(self) -> int:
-        return 8 * 60 + 1  # 20 seconds at 24 frames per second, the pipeline's longest predicted duration
-
     def _latent_channels(self) -> int:
         return self.vae.config.latent_channels
 
     def _capabilities(self) -> Capabilities:
-        # Set once the vocoder is known (`FlowMatchAdapter.__init__` asks before).
-        return dataclasses.replace(super()._capabilities(), audio_sample_rate=getattr(self, "sample_rate", None))
-
-    def resolve(self, params: SamplingParams) -> SamplingParams:
-        resolved = super().resolve(params)
-        for name in ("width", "height"):
-            if getattr(resolved, name) < MIN_SIDE:
-                side = getattr(resolved, name)
-                raise ParamError(name, f"{name} must be at least {MIN_SIDE} for this model, got {side}")
-        return resolved
-
-    def _audio_video_guidance(self, params: SamplingParams) -> dict[str, Any]:
-        resolved: dict[str, Any] = {}
-        for name, default in AUDIO_VIDEO_DEFAULTS.items():
-            value = getattr(params, name)
-            value = float(value if value is not None else default)
-            if not math.isfinite(value) or not 0 <= value <= MAX_GUIDANCE:
-                raise ParamError(name, f"{name} must be between 0 and {MAX_GUIDANCE:g}, got {value}")
-            resolved[name] = value
-        blocks = params.stg_blocks
-        if blocks is not None:
-            count = len(self.transformer.transformer_blocks)
-            if max(blocks) >= count:
-                message = f"this model's transformer has blocks 0 to {count - 1}, got {max(blocks)}"
-                raise ParamError("stg_blocks", message)
-            blocks = tuple(sorted(set(blocks)))
-        resolved["stg_blocks"] = blocks if blocks is not None else self.default_stg_blocks
-        return resolved
-
-    def batch_key(self, params: SamplingParams) -> Hashable:
-        # Rows of requests with and without each guidance pass share the calls: the token grid and its rate (the
-        # positions' time axis) must match, and whether the first frame is given (a timestep per token then).
-        return (params.width, params.height, params.num_frames, params.fps, params.image is not None)
-
-    def _uses_cfg(self, params: SamplingParams) -> bool:
-        """The pipeline's `do_classifier_free_guidance`: either modality's CFG."""
-        return (params.guidance_scale or 0.0) > 1.0 or (params.audio_guidance_scale or 0.0) > 1.0
+        return dataclasses.replace(super()._capabilities(), audio_sample_rate=self.sample_rate)
 
     def _uses_stg(self, params: SamplingParams) -> bool:
         stg = (params.stg_scale or 0.0) > 0.0 or (params.audio_stg_scale or 0.0) > 0.0
@@ -200,11 +175,11 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
     @torch.inference_mode()
     def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
         params = [p for _, p in requests]
-        cfg, text = self._lookup_prompts(params)
+        cfg, text = self.prompts.lookup(params)
         states = []
         for i, (request_id, p) in enumerate(requests):
             layout = self.layout(p)
-            generator = self._generator(p)
+            generator = request_generator(p)
             # As the pipeline draws them, float32: the video's noise, then the audio's, from the request's generator.
             shape = (1, self.vae.config.latent_channels, layout.frames, layout.height, layout.width)
             cond: dict[str, Any] = {}
@@ -281,7 +256,7 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
         )
         audio_coords = self.transformer.audio_rope.prepare_audio_coords(count, layout.audio, self.device)
         mask = torch.cat([t[2] for t in texts])
-        with self._lora_rows([self._lora_of(states[i]) for i, _ in rows]):
+        with self.loras.rows([self.loras.of(states[i]) for i, _ in rows]):
             out_video, out_audio = self.transformer(
                 hidden_states=video[index].to(self.dtype),
                 audio_hidden_states=audio[index].to(self.dtype),
@@ -341,7 +316,7 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
                 outs.append(torch.cat([out_video.flatten(1), out_audio.flatten(1)], dim=1))
             return torch.cat(outs)  # [hi - lo, N]
 
-        flat = compute(0, len(items)) if self.cfg_group is None else self._split_requests_by(len(items), compute)
+        flat = compute(0, len(items)) if self.ranks.cfg_group is None else self.ranks.split_by(len(items), compute)
         passes: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for r, (key, i, which) in enumerate(items):
             name = which if key == "cfg" else "stg" if isinstance(key, tuple) else "modality"
@@ -372,7 +347,7 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:
         """Video and audio tokens both sharded across `group` (models/families/ltx2/ulysses.py)."""
-        self.ulysses_group = group
+        self.ranks.ulysses = group
         ltx2_ulysses.enable(self.transformer, group)
 
     # ---- decode ----
@@ -407,6 +382,50 @@ class LTX2Adapter(VideoClips, FlowMatchAdapter):
         mel = self.audio_vae.decode(audio.to(self.audio_vae.dtype), return_dict=False)[0]
         waves = self.vocoder(mel).float().cpu().numpy()  # [B, channels, samples]
         return list(waves)
+
+
+class LTX2Requests(RequestRules):
+    """`blocks`: the transformer's blocks (STG's range)."""
+
+    @property
+    def default_stg_blocks(self) -> tuple[int, ...] | None:
+        assert self.blocks is not None
+        return tuple(b for b in DEFAULT_STG_BLOCKS if b < self.blocks) or None
+
+    def uses_cfg(self, params: SamplingParams) -> bool:
+        """The pipeline's `do_classifier_free_guidance`: either modality's CFG."""
+        return (params.guidance_scale or 0.0) > 1.0 or (params.audio_guidance_scale or 0.0) > 1.0
+
+    def batch_key(self, params: SamplingParams) -> Hashable:
+        # Rows of requests with and without each guidance pass share the calls: the token grid and its rate (the
+        # positions' time axis) must match, and whether the first frame is given (a timestep per token then).
+        return (params.width, params.height, params.num_frames, params.fps, params.image is not None)
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        resolved = super().resolve(params)
+        for name in ("width", "height"):
+            if getattr(resolved, name) < MIN_SIDE:
+                side = getattr(resolved, name)
+                raise ParamError(name, f"{name} must be at least {MIN_SIDE} for this model, got {side}")
+        return resolved
+
+    def _audio_video_guidance(self, params: SamplingParams) -> dict[str, Any]:
+        resolved: dict[str, Any] = {}
+        for name, default in AUDIO_VIDEO_DEFAULTS.items():
+            value = getattr(params, name)
+            value = float(value if value is not None else default)
+            if not math.isfinite(value) or not 0 <= value <= MAX_GUIDANCE:
+                raise ParamError(name, f"{name} must be between 0 and {MAX_GUIDANCE:g}, got {value}")
+            resolved[name] = value
+        blocks = params.stg_blocks
+        if blocks is not None:
+            count = self.blocks
+            if max(blocks) >= count:
+                message = f"this model's transformer has blocks 0 to {count - 1}, got {max(blocks)}"
+                raise ParamError("stg_blocks", message)
+            blocks = tuple(sorted(set(blocks)))
+        resolved["stg_blocks"] = blocks if blocks is not None else self.default_stg_blocks
+        return resolved
 
 
 def _guide(

@@ -31,22 +31,25 @@ from diffusiond.models.families.wan.attention import (
     UlyssesWanSelfAttnProcessor,
     WanCrossAttnProcessor,
     local_tokens,
-    project_image,
     project_text,
 )
+from diffusiond.models.families.wan.decode import wan_pieces
 from diffusiond.models.families.wan.projections import ProjectionCache, tensor_digest, weights_version
 from diffusiond.models.flowmatch.adapter import FlowMatchAdapter
 from diffusiond.models.flowmatch.clips import VideoClips
-from diffusiond.models.flowmatch.sampler import SchedulerSampler
+from diffusiond.models.flowmatch.requests import RequestRules
+from diffusiond.models.flowmatch.sampler import SchedulerSampler, request_generator
 from diffusiond.models.inputs import open_rgb
+from diffusiond.models.lora.rows import ExpertLoraRows
 from diffusiond.models.params import MAX_FRAMES, SamplingParams
 from diffusiond.models.stepcache import forwards
 from diffusiond.models.stepcache import methods as stepcache
+from diffusiond.models.stepcache.cache import StepCache
 
 TWO_EXPERTS_NOT_YET = "not with a two-expert checkpoint (Wan 2.2 A14B) yet"
 
 
-class WanAdapter(VideoClips, FlowMatchAdapter):
+class WanAdapter(FlowMatchAdapter):
     spec = specs.WAN
     extra_denoisers = ("transformer_2",)  # Wan 2.2 A14B's low-noise expert
     default_steps = 50
@@ -59,7 +62,6 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
 
     def __init__(self, pipe: Any, *, source: str, lazy: Any = None) -> None:
         self.frame_step = pipe.vae_scale_factor_temporal
-        super().__init__(pipe, source=source, lazy=lazy)
         # Wan 2.2 A14B: two experts. `transformer` denoises the steps whose timestep is at or above the boundary
         # (`boundary_ratio` x the scheduler's training timesteps), `transformer_2` the rest, with `guidance_scale_2`;
         # each request by its own timestep, so one step of a batch may run both, each on its own requests' rows.
@@ -71,7 +73,6 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
         self.boundary: float | None = None
         if ratio is not None:
             self.boundary = ratio * pipe.scheduler.config.num_train_timesteps
-        self.experts = (self.transformer,) if self.boundary is None else (self.transformer, self.transformer_2)
         self.expert = 0  # the expert `_call` runs now
         # Under Ulysses with step caching, the cached forward shards the tokens itself: the blocks' hooks stand aside.
         self._presharded = False
@@ -81,7 +82,7 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
         if self.expand_timesteps:
             self.image_inputs = ("first-frame",)
             self.default_fps = 24  # TI2V-5B's clips play at 24 frames per second
-        self.capabilities = self._capabilities()
+        super().__init__(pipe, source=source, lazy=lazy)
         self.projections: ProjectionCache | None = ProjectionCache()
         # One projection plan per expert: each reuses projections made by its own weights.
         self.plans = [ProjectionPlan() for _ in self.experts]
@@ -98,36 +99,49 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
 
             raise SetupError(f"{setting}: {TWO_EXPERTS_NOT_YET}")
 
+    def _experts(self) -> tuple[Any, ...]:
+        return (self.transformer,) if self.boundary is None else (self.transformer, self.transformer_2)
+
+    def _clips(self) -> VideoClips:
+        # Rotary positions exist for `rope_max_seq_len` latent frames.
+        latent = self.transformer.config.rope_max_seq_len // self.transformer.config.patch_size[0]
+        return VideoClips(
+            frame_step=self.frame_step,
+            max_frames=min(MAX_FRAMES, (latent - 1) * self.frame_step + 1),
+            default_num_frames=self.default_num_frames,
+            default_fps=self.default_fps,
+            processor=self.pipe.video_processor,
+            latent_rgb=self.latent_rgb,
+            requires_image=self.requires_image,
+        )
+
+    def _lora_rows(self) -> ExpertLoraRows:
+        return ExpertLoraRows()
+
+    def _step_cache(self) -> StepCache:
+        return StepCache(self.family, self.cache_methods, self._call, self._cached_forward)
+
+    def _request_rules(self, caps: Any, declared: Any, **parts: Any) -> RequestRules:
+        return WanRequests(caps, declared, two_experts=self.boundary is not None, **parts)
+
     def enable_lora(self, budget_bytes: int) -> Any:
         """LoRA per request; with two experts, each choice applies in the expert it names (`LoraChoice.expert`):
         every adapter is hooked in both, and each expert's calls apply its requests' choices for it."""
         registry = super().enable_lora(budget_bytes)
-        self.expert_layers = [self.lora_layers]
+        layers = [self.loras.layers]
         if len(self.experts) > 1:
-            self.expert_layers.append(LoraLayers(self.transformer_2))
-            registry.layers = LoraLayerSet(self.expert_layers)
-        for plan, layers in zip(self.plans, self.expert_layers, strict=True):
-            plan.lora = layers
+            layers.append(LoraLayers(self.transformer_2))
+            registry.layers = LoraLayerSet(layers)
+        self.loras.experts = layers
+        for plan, expert_layers in zip(self.plans, layers, strict=True):
+            plan.lora = expert_layers
         return registry
-
-    def _lora_of(self, state: RequestState) -> Any:
-        if len(self.experts) == 1 or not state.lora:
-            return state.lora
-        choices = state.params.lora or ()
-        return tuple(
-            selected for selected, c in zip(state.lora, choices, strict=True) if (c.expert or 1) - 1 == self.expert
-        )
-
-    def _lora_rows(self, selections: Sequence[Any]) -> Any:
-        if self.lora_layers is None:
-            return super()._lora_rows(selections)
-        return self.expert_layers[self.expert].rows(selections)
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:
         """The frames x height x width tokens are sharded across `group` from the first block on (with their rotary
         angles); self-attention all-to-alls, cross-attention needs nothing (each rank's queries attend to the whole
         text), and the last block's output is gathered for the output projection."""
-        self.ulysses_group = group
+        self.ranks.ulysses = group
         for expert in self.experts:
             blocks = expert.blocks
             span: dict[str, int] = {}
@@ -178,23 +192,8 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
         # Rotary positions exist for `rope_max_seq_len` patches per axis.
         return min(4096, self.transformer.config.rope_max_seq_len * self._size_multiple())
 
-    def _max_frames(self) -> int:
-        latent = self.transformer.config.rope_max_seq_len // self.transformer.config.patch_size[0]
-        return min(MAX_FRAMES, (latent - 1) * self.frame_step + 1)
-
     def _latent_channels(self) -> int:
         return self.vae.config.z_dim
-
-    def _guidance_2(self, params: SamplingParams, guidance: float) -> float | None:
-        if self.boundary is None:
-            return super()._guidance_2(params, guidance)
-        return params.guidance_scale_2 if params.guidance_scale_2 is not None else guidance
-
-    def batch_key(self, params: SamplingParams) -> Hashable:
-        return (params.width, params.height, params.num_frames, self._uses_cfg(params), self.context_size(params))
-
-    def _uses_cfg(self, params: SamplingParams) -> bool:
-        return (params.guidance_scale or 0.0) > 1.0  # the pipeline's `do_classifier_free_guidance`
 
     # ---- prepare ----
 
@@ -207,10 +206,10 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
     @torch.inference_mode()
     def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
         params = [p for _, p in requests]
-        cfg, text = self._lookup_prompts(params)  # text -> (embeds [1, 512, D],)
+        cfg, text = self.prompts.lookup(params)  # text -> (embeds [1, 512, D],)
         states = []
         for i, (request_id, p) in enumerate(requests):
-            generator = self._generator(p)
+            generator = request_generator(p)
             sampler = SchedulerSampler(self.pipe.scheduler, p.num_inference_steps, self.device, generator=generator)
             # float32 latents, as the pipeline draws and steps them (the transformer sees its own dtype).
             latents = randn_tensor(self._latent_shape(p), generator=generator, device=self.device, dtype=torch.float32)
@@ -328,7 +327,7 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
 
     def _denoise_with(self, expert: int, states: Sequence[RequestState]) -> torch.Tensor:
         self._stage(self.denoiser if expert == 0 else "transformer_2")
-        self.expert = expert
+        self.expert = self.loras.expert = expert
         for state in states:  # a request's first step on the low-noise expert: the high-noise one's history is void
             if state.cache is not None and state.cache.denoiser != expert:
                 stepcache.restart(state)
@@ -350,7 +349,7 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
             "text_entries": cond["text_entries_2" if expert else "text_entries"],
             **self._image_inputs(cond, rows),
         }
-        out = self._transformer_rows(rows, batched, {}, states).float()  # [B, rows, C, T, h, w]
+        out = self.ranks.rows(rows, batched, {}, states).float()  # [B, rows, C, T, h, w]
         for state in states:
             if state.cache is not None:
                 state.cache.denoiser = expert
@@ -367,16 +366,14 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
         with self._planned(batched) as inputs:
             return self.experts[self.expert](**inputs, return_dict=False)[0]
 
-    def _cached_forward(self, batched, shared, rows, states) -> torch.Tensor:
-        transformer, group = self.experts[self.expert], getattr(self, "ulysses_group", None)
+    def _cached_forward(self, method: Any, batched: dict[str, Any], shared: Any, rows: int, states: Any):
+        transformer, group = self.experts[self.expert], self.ranks.ulysses
         narrows = (*forwards.lora_narrows(transformer), self.plans[self.expert])
         sigma = torch.stack([s.sampler.sigma for s in states]).to(self.device).repeat_interleave(rows)
         with self._planned(batched) as inputs:
             self._presharded = group is not None
             try:
-                return forwards.wan_forward(
-                    self.cache_method, transformer, inputs, sigma, rows, states, narrows, ulysses=group
-                )
+                return forwards.wan_forward(method, transformer, inputs, sigma, rows, states, narrows, ulysses=group)
             finally:
                 self._presharded = False
 
@@ -445,144 +442,25 @@ class WanAdapter(VideoClips, FlowMatchAdapter):
         return latents / inverse_std + mean  # the pipeline's arithmetic, rounding included
 
 
-class WanI2VAdapter(WanAdapter):
-    """Image-to-video: the first frame is given. Its VAE latents (with a mask of the given frames) join the noise
-    as extra input channels at every step, and its CLIP image embedding is a second context for every block."""
+class WanRequests(RequestRules):
+    """`two_experts`: a checkpoint whose low-noise expert has a guidance of its own (`guidance_scale_2`)."""
 
-    spec = specs.WAN_I2V
-    requires_image = True
+    def __init__(self, caps: Any, declared: Any, *, two_experts: bool, **parts: Any) -> None:
+        super().__init__(caps, declared, **parts)
+        self.two_experts = two_experts
 
-    def __init__(self, pipe: Any, *, source: str, lazy: Any = None) -> None:
-        super().__init__(pipe, source=source, lazy=lazy)
-        # Wan 2.1 I2V's transformer attends to the first frame's CLIP embedding too; Wan 2.2's (`image_dim` null, no
-        # image encoder) sees the image through its latents only, as the pipeline decides.
-        self.image_context = self.transformer.config.image_dim is not None
-        if self.image_context and len(self.experts) > 1:  # image projections are reused for `transformer` only
-            raise ValueError(f"{source}: two experts with image cross-attention is not a layout Wan ships")
+    def uses_cfg(self, params: SamplingParams) -> bool:
+        return (params.guidance_scale or 0.0) > 1.0  # the pipeline's `do_classifier_free_guidance`
 
-    def context_size(self, params: SamplingParams) -> Hashable:
-        return None
+    def batch_key(self, params: SamplingParams) -> Hashable:
+        return (params.width, params.height, params.num_frames, self.uses_cfg(params), self.context_size(params))
 
-    def _prepare_image(self, state: RequestState, rows: int) -> None:
-        """As WanImageToVideoPipeline: the image resized to the clip's size, encoded by the VAE (its mode, no
-        noise drawn), concatenated after a zero video and masked; and its CLIP embedding."""
-        p = state.params
-        image = open_rgb(p.image)
-        if self.image_context:
-            self._stage("image_encoder")
-            embeds = self.pipe.encode_image(image, self.device).to(self.dtype)  # [1, 257, D_img]
-            state.cond["image_embeds"] = embeds.expand(rows, -1, -1)
-            # One for the request's rows; none with LoRA (see `prepare`).
-            state.shared["image_entry"] = None if state.params.lora else self._acquire_image(embeds)
-        self._stage("vae")
-        pixels = self.pipe.video_processor.preprocess(image, height=p.height, width=p.width)
-        pixels = pixels.to(self.device, torch.float32)
-        _, condition = self.pipe.prepare_latents(
-            pixels, 1, self.vae.config.z_dim, p.height, p.width, p.num_frames, torch.float32, self.device,
-            None, state.latents,
-        )  # fmt: skip
-        state.cond["condition"] = condition  # [1, 4 + C, T, h, w]
-
-    def _acquire_image(self, embeds: torch.Tensor) -> Any:
-        if self.projections is None:
-            return None
-        embedder = self.transformer.condition_embedder.image_embedder
-        attns = [b.attn2 for b in self.transformer.blocks]
-        modules = [m for a in attns for m in (a.add_k_proj, a.add_v_proj, a.norm_added_k)]
-        weights = [*embedder.parameters(), *(p for m in modules for p in m.parameters())]
-        key = ("image", tensor_digest(embeds), weights_version(weights))
-
-        def compute() -> tuple[torch.Tensor, ...]:
-            ctx = embedder(embeds)  # [1, 257, D]
-            return tuple(t for a in attns for t in project_image(a, ctx))
-
-        return self.projections.acquire(key, compute)
-
-    def _batched_rows(self, states: Sequence[RequestState]) -> dict[str, Any]:
-        rows = super()._batched_rows(states)
-        if self.image_context:
-            rows["image_entries"] = [s.shared["image_entry"] for s in states for _ in range(len(s.rows))]
-        return rows
-
-    def _image_inputs(self, cond: dict[str, Any], rows: int) -> dict[str, Any]:
-        if not self.image_context:
-            return {}
-        return {"encoder_hidden_states_image": cond["image_embeds"], "image_entries": cond["image_entries"]}
+    def _guidance_2(self, params: SamplingParams, guidance: float) -> float | None:
+        if not self.two_experts:
+            return super()._guidance_2(params, guidance)
+        return params.guidance_scale_2 if params.guidance_scale_2 is not None else guidance
 
 
 def _release(cache: ProjectionCache, entries: list[Any]) -> None:
     for entry in entries:
         cache.release(entry)
-
-
-def wan_pieces(vae: Any, latents: torch.Tensor) -> Generator[None, None, torch.Tensor]:
-    """`AutoencoderKLWan` decoding [B, C, T, h, w] (the VAE's space) in pieces, yielding between them; returns the
-    video [B, 3, F, H, W] in [-1, 1], equal to `vae.decode`'s: the same calls in the same order (its `_decode`, a
-    latent frame at a time, the decoder's causal convolutions carrying the frames before in a cache, here this
-    decode's own so that decodes may interleave; `WanDecoder3d.forward`, in stages: input convolution and middle,
-    each resnet and upsampler of each up block, the head). A piece is a stage of a latent frame: the longest, a
-    resnet of the last up block at full size."""
-    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
-
-    decoder = vae.decoder
-    cache: list[Any] = [None] * sum(isinstance(m, WanCausalConv3d) for m in decoder.modules())
-    with torch.inference_mode():
-        x = vae.post_quant_conv(latents)
-    frames = []
-    for i in range(x.shape[2]):
-        index, first = [0], i == 0
-        with torch.inference_mode():
-            h = _cached_conv(decoder.conv_in, x[:, :, i : i + 1], cache, index)
-            h = decoder.mid_block(h, feat_cache=cache, feat_idx=index)
-        for up_block in decoder.up_blocks:
-            yield
-            h = yield from _up_block_pieces(up_block, h, cache, index, first)
-        yield
-        with torch.inference_mode():
-            frames.append(_cached_conv(decoder.conv_out, decoder.nonlinearity(decoder.norm_out(h)), cache, index))
-        if i + 1 < x.shape[2]:
-            yield
-    with torch.inference_mode():
-        out = torch.cat(frames, 2)
-        if vae.config.patch_size is not None:
-            out = unpatchify(out, patch_size=vae.config.patch_size)
-        return torch.clamp(out, min=-1.0, max=1.0)
-
-
-def _up_block_pieces(block: Any, h: torch.Tensor, cache: list[Any], index: list[int], first: bool):
-    """A decoder up block a resnet at a time, yielding between them: the calls of `WanUpBlock.forward` (Wan 2.1) or
-    `WanResidualUpBlock.forward` (Wan 2.2 TI2V's, with its shortcut), in order. A block of another kind runs whole.
-    Measured on the tiny Wan (96x96): the last up block at full size took 26-29 ms as one piece; a resnet at most 10."""
-    from diffusers.models.autoencoders.autoencoder_kl_wan import WanResidualUpBlock, WanUpBlock
-
-    if type(block) not in (WanUpBlock, WanResidualUpBlock):
-        with torch.inference_mode():
-            return block(h, feat_cache=cache, feat_idx=index, first_chunk=first)
-    residual = isinstance(block, WanResidualUpBlock)
-    with torch.inference_mode():
-        shortcut = h.clone() if residual else None
-    upsampler = block.upsampler if residual else (block.upsamplers[0] if block.upsamplers is not None else None)
-    for j, layer in enumerate([*block.resnets, *([upsampler] if upsampler is not None else [])]):
-        if j:
-            yield
-        with torch.inference_mode():
-            h = layer(h, feat_cache=cache, feat_idx=index)
-    if residual and block.avg_shortcut is not None:
-        with torch.inference_mode():
-            h = h + block.avg_shortcut(shortcut, first_chunk=first)
-    return h
-
-
-def _cached_conv(conv: Any, x: torch.Tensor, cache: list[Any], index: list[int]) -> torch.Tensor:
-    """A causal convolution of the decoder's input or head over a latent frame, with the frames before from the
-    cache (`WanDecoder3d.forward`'s arithmetic: the last two frames kept, one from the chunk before if need be)."""
-    from diffusers.models.autoencoders.autoencoder_kl_wan import CACHE_T
-
-    idx = index[0]
-    keep = x[:, :, -CACHE_T:, :, :].clone()
-    if keep.shape[2] < 2 and cache[idx] is not None:
-        keep = torch.cat([cache[idx][:, :, -1, :, :].unsqueeze(2).to(keep.device), keep], dim=2)
-    out = conv(x, cache[idx])
-    cache[idx] = keep
-    index[0] += 1
-    return out

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 import msgspec
 from aiohttp import web
 
+from diffusiond.daemon.admission import queue_requests
 from diffusiond.daemon.api import ApiError
 from diffusiond.daemon.auth import TENANTS
 from diffusiond.daemon.idempotency import WINDOW_S
 from diffusiond.daemon.job_db import JobDB, database_errors
 from diffusiond.daemon.state import STATE
-from diffusiond.daemon.streaming import queue_requests
 from diffusiond.daemon.video_store import VideoJob
 from diffusiond.engine.engine import QueueFullError
 from diffusiond.models.params import SamplingParams

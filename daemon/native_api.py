@@ -9,6 +9,7 @@ import contextlib
 import msgspec
 from aiohttp import web
 
+from diffusiond.daemon.admission import queue_requests
 from diffusiond.daemon.api import ApiError, GenerationRequest, body_limit, decode_body
 from diffusiond.daemon.auth import TENANT, tenant_of
 from diffusiond.daemon.config import ServeConfig
@@ -26,7 +27,6 @@ from diffusiond.daemon.streaming import (
     encode_off_loop,
     encode_small,
     finish,
-    queue_requests,
     send,
     send_event,
     sse_event,

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from diffusiond.daemon.admission import queue_requests
 from diffusiond.daemon.api import (
     ApiError,
     ImageEditRequest,
@@ -41,7 +42,6 @@ from diffusiond.daemon.streaming import (
     encode_off_loop,
     finish,
     last_event,
-    queue_requests,
     send,
     send_event,
     sse_event,

@@ -31,6 +31,7 @@ from pathlib import Path
 import msgspec
 from aiohttp import web
 
+from diffusiond.daemon.admission import queue_requests, quota_exceeded, resolve_priority
 from diffusiond.daemon.api import (
     ApiError,
     VideoCreateRequest,
@@ -42,7 +43,7 @@ from diffusiond.daemon.idempotency import HEADER, KEYS, REPLAYED, WINDOW_S, fing
 from diffusiond.daemon.job_db import JobDB, database_errors
 from diffusiond.daemon.job_leases import keep_leases
 from diffusiond.daemon.state import ENCODERS, STATE, Record
-from diffusiond.daemon.streaming import check_images, queue_requests, quota_exceeded, resolve_priority, run_encoder
+from diffusiond.daemon.streaming import check_images, run_encoder
 from diffusiond.daemon.video_encoding import MEDIA_TYPES, encode_video
 from diffusiond.daemon.video_requests import read_video_create, resolve_video
 from diffusiond.daemon.video_store import (

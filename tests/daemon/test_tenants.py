@@ -257,8 +257,8 @@ def test_sighup_reads_the_file_again_under_the_launcher(tiny_sd3, tmp_path):
 
 
 def test_queued_and_in_flight_quotas_count_the_tenant_s_own_requests():
+    from diffusiond.daemon.admission import check_quotas
     from diffusiond.daemon.state import Record, ServerState
-    from diffusiond.daemon.streaming import check_quotas
     from diffusiond.daemon.tenants import Tenant
 
     state = ServerState(ServeConfig())

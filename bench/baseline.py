@@ -120,20 +120,23 @@ def _child(job: Job) -> None:
             for image in out.images:
                 image.save(io.BytesIO(), format="PNG")
 
-    # The bare forward: the transformer alone, with the inputs the pipeline gives it for a batch.
+    # The bare forward: the denoiser alone (a transformer, or a UNet), with the inputs the pipeline gives it for a
+    # batch.
+    denoiser = getattr(pipe, "transformer", None) or pipe.unet
     captured = {}
 
     def grab(module, args, kwargs) -> None:
-        captured.setdefault("kwargs", dict(kwargs))
+        captured.setdefault("call", (tuple(args), dict(kwargs)))
 
-    hook = pipe.transformer.register_forward_pre_hook(grab, with_kwargs=True)
+    hook = denoiser.register_forward_pre_hook(grab, with_kwargs=True)
     call(job.batch, png=False)
     hook.remove()
     call(1)
 
     def forward() -> None:
+        args, kwargs = captured["call"]
         with torch.inference_mode():
-            pipe.transformer(**captured["kwargs"])
+            denoiser(*args, **kwargs)
 
     commands = {
         "single": lambda: call(1),

@@ -214,16 +214,10 @@ def warm_up_params(caps: Capabilities, limits: RequestLimits | None = None) -> S
     # Video: the default size in the shortest clip past one frame (1 + frame_step frames), not the default clip,
     # whose every step costs about a minute for Wan 14B at 81 frames on one GPU; it runs every kernel all the same.
     frames = 1 + caps.frame_step if caps.modality == "video" and caps.frame_step else None
-    return SamplingParams(
-        prompt="warm-up",
-        seed=0,
-        width=width,
-        height=height,
-        num_inference_steps=steps,
-        guidance_scale=caps.default_guidance,
-        image=image,
-        num_frames=frames,
-    )
+    fields = dict(width=width, height=height, guidance_scale=caps.default_guidance, image=image, num_frames=frames)
+    if caps.mode == "generic":  # only what the pipeline's call takes (a sound model takes no size)
+        fields = {name: value for name, value in fields.items() if name in caps.fields}
+    return SamplingParams(prompt="warm-up", seed=0, num_inference_steps=steps, **fields)
 
 
 def _gray_png(width: int, height: int) -> bytes:

@@ -85,6 +85,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="change settings of the checkpoint's scheduler, as a JSON object, e.g. '{\"shift\": 3.0}' (default: "
         "the checkpoint's)",
     )
+    parser.add_argument(
+        "--adapter",
+        default="auto",
+        choices=["auto", "generic"],
+        help="auto = the pipeline's dedicated family, else the generic path; generic = the pipeline's own call, a "
+        "step at a time (default: auto)",
+    )
 
 
 def resolve_model(model: str | None) -> str:
@@ -160,6 +167,7 @@ def generate_setup(args: argparse.Namespace):
             quantize=args.quantize,
             offload=args.offload,
             scheduler_config=scheduler_changes(args.scheduler_config),
+            adapter=args.adapter,
         )
         check_setup(setup)
     except (ConfigError, SetupError) as exc:

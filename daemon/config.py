@@ -178,6 +178,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # Offload (kernels/offload.py), for GPUs with less memory than the model: "model" keeps one stage's components
     # (text encoders, transformer, VAE) on the device at a time; "group" streams the transformer's layers to it.
     offload: Literal["none", "model", "group"] = "none"
+    # Which adapter serves the model: "auto" (its pipeline's dedicated family, else the generic path, which runs the
+    # pipeline's own call a step at a time) or "generic" (the generic path whatever the pipeline; models/generic/).
+    adapter: Literal["auto", "generic"] = "auto"
     # Settings of the checkpoint's scheduler changed at load, as a JSON object (`scheduler_changes`), e.g.
     # '{"shift": 3.0}' or, for the bundled model's step cache, '{"stochastic_sampling": false}'.
     scheduler_config: str | None = None
@@ -429,6 +432,7 @@ def model_setup(config: ServeConfig) -> ModelSetup:
         quantize_skip=config.quantize_skip,
         offload=config.offload,
         scheduler_config=scheduler_changes(config.scheduler_config),
+        adapter=config.adapter,
         cache=config.cache,
         cache_threshold=config.cache_threshold,
         cache_config=cache_settings(config.cache, config.cache_config),

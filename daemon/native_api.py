@@ -11,6 +11,7 @@ from aiohttp import web
 
 from diffusiond.daemon.admission import queue_requests
 from diffusiond.daemon.api import ApiError, GenerationRequest, body_limit, decode_body
+from diffusiond.daemon.audio_encoding import encode_sound
 from diffusiond.daemon.auth import TENANT, tenant_of
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.edge import read_body
@@ -48,6 +49,7 @@ from diffusiond.engine.outputs import (
     Progress,
     Queued,
     Resumed,
+    Sound,
 )
 from diffusiond.models.params import SamplingParams, params_from
 
@@ -82,9 +84,12 @@ async def generations(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, body: GenerationRequest, params: SamplingParams) -> web.StreamResponse:
     state = request.app[STATE]
     engine = state.require_engine()
-    video = engine.adapter.capabilities.modality == "video"
+    modality = engine.adapter.capabilities.modality
+    video = modality == "video"
     if body.video_format is not None and not video:
-        raise ApiError(400, "video_format is for video models; this model makes images", param="video_format")
+        raise ApiError(400, f"video_format is for video models; this model makes {modality}", param="video_format")
+    if body.audio_format is not None and modality != "audio":
+        raise ApiError(400, f"audio_format is for sound models; this model makes {modality}", param="audio_format")
     await check_images(request, {"image": body.image, "mask": body.mask, "reference_images": body.reference_images})
     # add_request checks it (Engine.check)
     (handle,) = queue_requests(
@@ -104,7 +109,7 @@ async def _generate(request: web.Request, body: GenerationRequest, params: Sampl
             if event is None:
                 await send(response, KEEPALIVE, [rid])
                 continue
-            name, data, blob = await _render(request, body, handle, event, told, video)
+            name, data, blob = await _render(request, body, handle, event, told, modality)
             data = {"type": name, "id": rid, **data}
             retry = isinstance(event, Failed) and event.retry
             event = None  # a finished image or clip is let go before its file waits on the client
@@ -116,7 +121,7 @@ async def _generate(request: web.Request, body: GenerationRequest, params: Sampl
 
 
 async def _render(
-    request: web.Request, body: GenerationRequest, handle: RequestHandle, event: Event, told: dict, video: bool
+    request: web.Request, body: GenerationRequest, handle: RequestHandle, event: Event, told: dict, modality: str
 ) -> tuple[str, dict, bytes | None]:
     """An event of the stream: its name, its data, and the file that goes where the data holds BLOB."""
     if isinstance(event, Queued):
@@ -137,7 +142,17 @@ async def _render(
     by_url = body.response_format == "url"
     # Served from the result cache (engine/result_cache.py): said in every form a result takes.
     cached = {"cached": True} if isinstance(event, Completed) and event.cached else {}
-    if isinstance(event, Completed) and video:
+    if isinstance(event, Completed) and modality == "audio":
+        # The executor attaches the track where the model says its sample rate; a pipeline that does not say it
+        # (none known to do so) gets CD's rate, the waveform as its call returned it.
+        sound = event.audio or Sound(event.image, 44100)
+        encoded = await encode_off_loop(request, encode_sound, sound, body.audio_format or "wav")
+        payload = {k: getattr(encoded, k) for k in ("format", "sample_rate", "channels", "samples")}
+        if by_url:
+            payload["url"] = await store_result(request, encoded.data, encoded.format)
+            return "completed", {"seed": event.seed, "audio": payload, **cached, **told}, None
+        return "completed", {"seed": event.seed, "audio": {**payload, "b64": BLOB}, **cached, **told}, encoded.data
+    if isinstance(event, Completed) and modality == "video":
         fmt = body.video_format or "mp4"
         clip = await encode_off_loop(request, encode_video, event.image, handle.params.fps, fmt, None, event.audio)
         payload = video_payload(clip)

@@ -273,6 +273,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         f"prefetch (default: {d.offload})",
     )
     add(
+        "--adapter",
+        choices=["auto", "generic"],
+        help="auto = the pipeline's dedicated family, else the generic path (its own call, a step at a time); "
+        f"generic = the generic path for any pipeline (default: {d.adapter})",
+    )
+    add(
         "--scheduler-config",
         metavar="JSON",
         help="change settings of the checkpoint's scheduler at load, as a JSON object: e.g. '{\"shift\": 3.0}', or "

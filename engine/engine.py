@@ -110,6 +110,7 @@ class Engine:
             max_running=max_running,
             max_waiting=max_waiting,
             gate=lambda request, running: lora_commands.fits(self.adapter, request, running),
+            shares_calls=self.adapter is not None and self.adapter.shares_calls,
         )
         self.limits = limits
         # The admission window (engine/admission.py): how long an idle engine lets a burst gather.
@@ -167,6 +168,8 @@ class Engine:
         self.comm = comm or self.comm
         self.executor = Executor(adapter, comm=self.comm, driver=True)
         self.executor.parking.budget = self.paused_bytes
+        if hasattr(self, "scheduler"):  # loaded on the step thread: its requests may share calls (the generic path)
+            self.scheduler.shares_calls = adapter.shares_calls
 
     async def stop(self) -> None:
         self._stopping.set()

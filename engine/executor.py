@@ -87,6 +87,9 @@ class ExecResult:
     reused: int = 0
     # Requests that finished their steps with this plan and still have pieces of their decode to run.
     decoding: list[str] = field(default_factory=list)
+    # Requests whose steps turned out other than their parameters said (a generic call's, once its pipeline set its
+    # timesteps), by id: the scheduler counts those.
+    totals: dict[str, int] = field(default_factory=dict)
 
 
 def _reused(states: Sequence[RequestState]) -> int:
@@ -147,6 +150,8 @@ class Executor:
                     self.adapter.prepared()
             for state in prepared:
                 self.states[state.request_id] = state
+                if state.steps is not None:
+                    result.totals[state.request_id] = state.steps
 
         dropped = self._agree([n.request_id for n in plan.new], result) if self.group and plan.new else set()
         batch = self._batch(plan.advance, dropped)
@@ -172,7 +177,9 @@ class Executor:
                             if state.params.preview == "vae":
                                 decoded.append((state, x0))
                             else:
-                                result.previews[state.request_id] = (state.step_index + 1, self.adapter.preview(x0))
+                                image = self.adapter.preview(x0)
+                                if image is not None:  # a generic pipeline's latents may be no image grid
+                                    result.previews[state.request_id] = (state.step_index + 1, image)
                         except Exception as exc:
                             self._fail(state.request_id, "previewing", exc, result)
                     if decoded:
@@ -186,6 +193,7 @@ class Executor:
         self._forward_s = time.perf_counter() - t0
         batch = [s for s in batch if s.request_id in self.states]
         result.advanced = [s.request_id for s in batch]
+        result.totals.update({s.request_id: s.steps for s in batch if s.steps is not None})
         for state in batch:
             if state.request_id in result.previews and state.params.stream_latents:
                 result.latents[state.request_id] = state.latents[0].to(torch.float32).cpu().numpy()
@@ -454,7 +462,8 @@ class Executor:
     def _preview_vae(self, part: list[tuple[RequestState, torch.Tensor]], result: ExecResult) -> list[None]:
         images = self.adapter.preview_vae(torch.cat([x0[None] for _, x0 in part]))
         for (state, _), image in zip(part, images, strict=True):
-            result.previews[state.request_id] = (state.step_index + 1, image)
+            if image is not None:
+                result.previews[state.request_id] = (state.step_index + 1, image)
         return [None] * len(part)
 
     def _isolated(

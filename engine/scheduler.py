@@ -76,12 +76,10 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
 
 from diffusiond.engine.deadlines import AdmissionCosts
-from diffusiond.engine.request import RequestStatus
+from diffusiond.engine.request import RequestStatus, SchedRequest, StepResult
 from diffusiond.engine.wire import NewRequest, StepPlan
-from diffusiond.models.params import SamplingParams
 
 MAX_PRIORITY = 9
 # Steps a request waits per class it rises (issue 34's aging; `--priority-aging-steps`).
@@ -94,53 +92,6 @@ SHORT_STEP_SLACK = 1.25
 
 class QueueFullError(Exception):
     """The waiting queue is at `max_waiting`; the caller should retry later (HTTP 429)."""
-
-
-@dataclass(eq=False)
-class SchedRequest:
-    request_id: str
-    params: SamplingParams
-    # What must match to share a forward (size, CFG on/off, ...); decided by the model adapter.
-    key: Hashable
-    total_steps: int
-    status: RequestStatus = RequestStatus.WAITING
-    steps_done: int = 0
-    arrival: int = 0
-    last_advanced: int = -1
-    cancel_requested: bool = False
-    error: str | None = None
-    # Its class (0-MAX_PRIORITY, higher first), and who asked (fair share by weight).
-    priority: int = 0
-    tenant: str = ""
-    weight: float = 1.0
-    # Where the scheduler's count of steps served above its class stood when its wait began (added, paused, last
-    # advanced; decoding: last able to run): for aging.
-    held_since: int = 0
-    # When its client stops waiting (perf_counter seconds; None: no deadline): earlier first within a class.
-    deadline: float | None = None
-    # The effective class it was admitted at: it keeps it while it runs (and when paused and admitted again).
-    floor: int = 0
-    # Times it was paused; and whether it is paused now (every rank holds its state, out of the batch).
-    pauses: int = 0
-    parked: bool = False
-
-    @property
-    def work(self) -> int:
-        """What one step of it costs, in pixel-frames."""
-        p = self.params
-        return (p.width or 1) * (p.height or 1) * (p.num_frames or 1)
-
-
-@dataclass
-class StepResult:
-    """What one executed plan reports back (rank 0's view), in scheduler terms."""
-
-    advanced: list[str] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)
-    # Finished their steps with this plan, their decode not (pieces left); and the requests whose image this plan
-    # made (those decoding end with it).
-    decoding: list[str] = field(default_factory=list)
-    decoded: list[str] = field(default_factory=list)
 
 
 class Scheduler:
@@ -156,6 +107,7 @@ class Scheduler:
         max_paused: int | None = None,
         class_window_s: float = CLASS_WINDOW_S,
         clock: Callable[[], float] = time.perf_counter,
+        shares_calls: bool = False,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -199,6 +151,9 @@ class Scheduler:
         self.class_window_s = class_window_s
         self.clock = clock
         self._recent: dict[int, tuple[float, Hashable]] = {}
+        # Requests admitted in one step of a key share a computation (the generic path's calls): they advance, pause
+        # and resume together, whole calls in a step even where a short step would carry fewer rows.
+        self.shares_calls = shares_calls
 
     # ---- admission and cancellation (called between steps) ----
 
@@ -315,18 +270,20 @@ class Scheduler:
             # rise into it by aging. If the top class cannot run now (its admission is gated), the rest may.
             top = self._top_class(key, group)
             rows = self._rows(key, top, now)
-            advance = [r for r in group if self.effective_priority(r) >= top][:rows]
+            advance = self._whole_calls([r for r in group if self.effective_priority(r) >= top][:rows], group)
             encodes = self.costs.new_per_step(key) if self.costs is not None and advance else None
             admitted = self._admit(key, rows - len(advance), top, encodes)
             if rows < self.max_batch and advance and not admitted and (later := self._admit(key, 1, top, encodes)):
                 # A short step still lets a waiting request into a free slot, in place of a running one's turn.
                 advance, admitted = advance[: rows - 1], later
             if not advance and not admitted:
-                advance = group[:rows]
+                advance = self._whole_calls(group[:rows], group)
                 admitted = self._admit(key, rows - len(advance))
             for req in admitted:
                 advance.append(req)
                 if not req.parked:
+                    if self.shares_calls:
+                        req.call = step
                     new.append(NewRequest(req.request_id, req.params))
                     continue
                 req.parked = False
@@ -377,6 +334,9 @@ class Scheduler:
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[SchedRequest]:
         """Record an executed plan; returns the requests that reached a terminal status with it."""
         finished: list[SchedRequest] = []
+        for request_id, total in result.totals.items():
+            if (req := self._requests.get(request_id)) is not None:
+                req.total_steps = total
         for request_id in result.decoded:
             if (req := self.decoding.pop(request_id, None)) is not None and request_id not in result.failed:
                 finished.append(self._finish(req, RequestStatus.FINISHED_COMPLETED))
@@ -499,14 +459,15 @@ class Scheduler:
             if not victims:
                 break
             victim = min(victims, key=lambda r: (self.effective_priority(r), -r.arrival))
-            del self.running[victim.request_id]
-            victim.status = RequestStatus.PREEMPTED
-            victim.pauses += 1
-            victim.parked = True
-            victim.held_since = self._above[victim.priority]  # its wait, for aging, starts now
-            self.num_paused += 1
-            self.waiting.append(victim)
-            paused.append(victim.request_id)
+            for req in self._whole_calls([victim], list(self.running.values())):  # a shared call pauses whole
+                del self.running[req.request_id]
+                req.status = RequestStatus.PREEMPTED
+                req.pauses += 1
+                req.parked = True
+                req.held_since = self._above[req.priority]  # its wait, for aging, starts now
+                self.num_paused += 1
+                self.waiting.append(req)
+                paused.append(req.request_id)
             above = max(above, rank)  # this step's class now: a head below it would not run either
         return paused
 
@@ -546,6 +507,8 @@ class Scheduler:
         for req in order:
             if len(admitted) >= room:
                 break
+            if req in admitted:  # a call-mate of a paused call admitted before it
+                continue
             if req.key != key or self.effective_priority(req) < floor or self._free(req) <= reserve:
                 continue
             if encodes is not None and not req.parked and new >= encodes:
@@ -554,12 +517,32 @@ class Scheduler:
             held = [*self.running.values(), *(r for r in self.waiting if r.parked)]
             if self.gate is not None and not self.gate(req, held):
                 continue
-            self.waiting.remove(req)
-            if req.status == RequestStatus.PREEMPTED:
-                self.num_paused -= 1
-            req.status = RequestStatus.RUNNING
-            req.floor = max(req.floor, self.effective_priority(req))
-            self.running[req.request_id] = req
-            admitted.append(req)
+            mates = self._whole_calls([req], list(self.waiting)) if req.parked else [req]
+            for mate in mates:  # a paused shared call resumes whole
+                if mate in admitted:
+                    continue
+                self.waiting.remove(mate)
+                if mate.status == RequestStatus.PREEMPTED:
+                    self.num_paused -= 1
+                mate.status = RequestStatus.RUNNING
+                mate.floor = max(mate.floor, self.effective_priority(mate))
+                self.running[mate.request_id] = mate
+                admitted.append(mate)
             new += not req.parked
         return admitted
+
+    def _whole_calls(self, chosen: list[SchedRequest], among: list[SchedRequest]) -> list[SchedRequest]:
+        """`chosen` with every request of `among` that shares a call with one of them, in `among`'s order (chosen
+        ones not in `among` first). Without shared calls, `chosen`."""
+        if not self.shares_calls:
+            return chosen
+        calls = {r.call for r in chosen if r.call is not None}
+        if not calls:
+            return chosen
+        ids = {r.request_id for r in chosen}
+        extra = [r for r in among if r.request_id not in ids and r.call in calls]
+        if not extra:
+            return chosen
+        keep = {r.request_id for r in extra} | ids
+        ordered = [r for r in among if r.request_id in keep]
+        return [r for r in chosen if r not in ordered] + ordered

@@ -249,7 +249,7 @@ class StepLoop:
     def _events_for(self, plan: StepPlan, result: ExecResult) -> list[Event]:
         engine = self.engine
         scheduler, clocks = engine.scheduler, engine.clocks
-        outcome = StepResult(result.advanced, result.failed, result.decoding, list(result.images))
+        outcome = StepResult(result.advanced, result.failed, result.decoding, list(result.images), result.totals)
         finished = scheduler.update_from_output(plan, outcome)
         done = [r for r in finished if r.status == RequestStatus.FINISHED_COMPLETED]
         step_s = engine.step_times.seconds.get(done[0].key) if done else None

@@ -19,6 +19,11 @@ from diffusiond.models.families.specs import Family
 from diffusiond.models.params import SamplingParams
 
 
+class UnsupportedLayout(ValueError):
+    """A checkpoint of a served pipeline class whose configuration its family's adapter does not read (the message
+    says what): it is served on the generic path instead (models/flowmatch/adapter.py `from_pretrained`)."""
+
+
 @dataclass(frozen=True)
 class Capabilities:
     family: str
@@ -48,7 +53,8 @@ class Capabilities:
     cache_methods: tuple[str, ...] = ()
     image_inputs: tuple[str, ...] = ()
     # "image", or "video": then requests are clips of `num_frames` frames (1 + frame_step * k, at most max_frames),
-    # decoded to float32 [F, H, W, 3] and played at `fps`.
+    # decoded to float32 [F, H, W, 3] and played at `fps`; or "audio" (the generic path): a waveform [channels,
+    # samples] at `audio_sample_rate`.
     modality: str = "image"
     # LoRA per request (`lora` in requests; adapters at /v1/loras).
     lora: bool = False
@@ -58,6 +64,10 @@ class Capabilities:
     default_fps: int | None = None
     # Video with sound: the waveform's samples per second (`ModelAdapter.decode_audio`); None: silent clips.
     audio_sample_rate: int | None = None
+    # "dedicated" (a family of models/families/), or "generic" (the pipeline's own call, models/generic/): then
+    # `fields` lists what a request may add to the call (`arguments`, `images`).
+    mode: str = "dedicated"
+    fields: tuple[str, ...] = ()
 
     def public(self) -> dict:
         """What `/v1/models` and the playground show (not the vocabulary's every word: its size)."""
@@ -82,6 +92,8 @@ class Capabilities:
             "image_inputs": list(self.image_inputs),
             "modality": self.modality,
             "lora": self.lora,
+            "mode": self.mode,
+            **({"fields": list(self.fields)} if self.mode == "generic" else {}),
             **(
                 {
                     "default_num_frames": self.default_num_frames,
@@ -93,6 +105,7 @@ class Capabilities:
                 if self.modality == "video"
                 else {}
             ),
+            **({"audio_sample_rate": self.audio_sample_rate} if self.modality == "audio" else {}),
         }
 
 
@@ -121,6 +134,9 @@ class RequestState:
     lora: tuple = ()
     # Step cache reuses of histories it left (`stepcache.restart`: a two-expert checkpoint's switch).
     reused_before: int = 0
+    # Its steps where they are not its parameters' (`steps_to_run`): a generic call's, once its pipeline set its
+    # timesteps (models/generic/); the executor reports them to the scheduler.
+    steps: int | None = None
 
     @property
     def cache_reuses(self) -> int:
@@ -129,7 +145,7 @@ class RequestState:
 
     @property
     def total_steps(self) -> int:
-        return self.params.steps_to_run
+        return self.steps if self.steps is not None else self.params.steps_to_run
 
     @property
     def finished(self) -> bool:
@@ -169,6 +185,9 @@ class ModelAdapter(abc.ABC):
     # Whether `decode_in_pieces` yields between pieces (stages of a clip's frames): the executor then decodes each
     # finished request in pieces between steps; else finished requests decode together, whole, when they finish.
     decodes_in_pieces: ClassVar[bool] = False
+    # Whether requests admitted together may share one computation from their first step to their last (the generic
+    # path's calls): the scheduler then advances, pauses and resumes them together (engine/scheduler.py).
+    shares_calls: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -249,8 +268,9 @@ class ModelAdapter(abc.ABC):
         raise NotImplementedError(f"the {self.family} family makes no sound")
 
     @abc.abstractmethod
-    def preview(self, x0: torch.Tensor) -> np.ndarray:
-        """A small uint8 RGB image [h, w, 3] of a predicted clean latent."""
+    def preview(self, x0: torch.Tensor) -> np.ndarray | None:
+        """A small uint8 RGB image [h, w, 3] of a predicted clean latent; None where there is none to make (a
+        generic pipeline's latents that are no image grid): progress still goes out."""
 
     # ---- optional hooks of the step (defaults: nothing to share, nothing cached) ----
 

@@ -54,6 +54,17 @@ CacheSteps = (
     | Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, lt=MAX_STEPS)], ...], msgspec.Meta(max_length=MAX_STEPS)]
 )
 
+# A generic call's further arguments (models/generic/): a parameter's name and a JSON value.
+ArgumentName = Annotated[str, msgspec.Meta(pattern=r"^[a-z_][a-z0-9_]{0,63}$")]
+Number = Annotated[float, msgspec.Meta(ge=-1e9, le=1e9)]
+Argument = (
+    bool
+    | Annotated[int, msgspec.Meta(ge=-(2**53), le=2**53)]
+    | Number
+    | Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
+    | Annotated[tuple[Number, ...], msgspec.Meta(max_length=64)]
+)
+
 # LoRA adapters a request applies (by the names the operator registered) and their scales.
 LORA_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 MAX_LORAS = 8
@@ -160,6 +171,11 @@ class RequestFields(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     # LoRA adapters (families that declare `lora`), each at its scale, added to this request's rows of every forward
     # while other requests of the same batch use others or none (kernels/lora_rows.py). `[]` is none.
     lora: Loras | None = None
+    # The generic path (models/generic/): further arguments of the pipeline's call by name (JSON values: numbers,
+    # booleans, strings, lists of numbers), and further images it takes by name (`control_image`, ...). What a
+    # pipeline takes is listed at /v1/models (`fields`); anything else is refused, naming it.
+    arguments: Annotated[dict[ArgumentName, Argument], msgspec.Meta(max_length=32)] | None = None
+    images: Annotated[dict[ArgumentName, ImageFile], msgspec.Meta(max_length=MAX_REFERENCES)] | None = None
 
 
 class SamplingParams(RequestFields, frozen=True, kw_only=True, array_like=True):

@@ -134,8 +134,31 @@ _PUBLISHED: dict[str, tuple[list[list[float]], list[float]]] = {
 }
 
 
+# ComfyUI comfy/latent_formats.py (SD15, SDXL): 4-channel VAEs, model-space latents. Named for the VAE, not a
+# family: the generic path recognises these VAEs (`recognised`); the sdxl family keeps its fitted map.
+_PUBLISHED["sd1-vae"] = (
+    [[0.3512, 0.2297, 0.3227], [0.3250, 0.4974, 0.2350], [-0.2829, 0.1762, 0.2721], [-0.2120, -0.2616, -0.7177]],
+    [0.0, 0.0, 0.0],
+)
+_PUBLISHED["sdxl-vae"] = (
+    [[0.3651, 0.4232, 0.4341], [-0.2533, -0.0042, 0.1068], [0.1076, 0.1111, -0.0362], [-0.3165, -0.2492, -0.2188]],
+    [0.1084, -0.0175, -0.0011],
+)
+# Which published map a VAE's config names: its latent channels, scaling and shift factors.
+_RECOGNISED = {(4, 0.18215, None): "sd1-vae", (4, 0.13025, None): "sdxl-vae", (16, 1.5305, 0.0609): "sd3",
+               (16, 0.3611, 0.1159): "flux"}  # fmt: skip
+
+
+def recognised(config: Any) -> LatentRGB | None:
+    """The published map of the VAE a config describes (SD 1.x, SDXL, SD3, FLUX.1), None for any other."""
+    channels = getattr(config, "latent_channels", None)
+    scale, shift = getattr(config, "scaling_factor", None), getattr(config, "shift_factor", None)
+    name = _RECOGNISED.get((channels, scale, shift if shift else None))
+    return published(name) if name is not None else None
+
+
 def published(name: str) -> LatentRGB | None:
-    """The published map for a real VAE ("sd3" or "flux"), or None for any other name."""
+    """The published map for a real VAE ("sd3", "flux", "sd1-vae", "sdxl-vae"), or None for any other name."""
     entry = _PUBLISHED.get(name)
     if entry is None:
         return None

@@ -138,6 +138,18 @@ def tiny_flux(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_sd15(tmp_path_factory) -> str:
+    """Stable Diffusion 1.5's layout: no dedicated family (the generic path serves it)."""
+    return str(build_tiny("sd15", tmp_path_factory.mktemp("tiny") / "sd15"))
+
+
+@pytest.fixture(scope="session")
+def tiny_stable_audio(tmp_path_factory) -> str:
+    """Stable Audio Open's layout: sound alone, on the generic path."""
+    return str(build_tiny("stable-audio", tmp_path_factory.mktemp("tiny") / "stable-audio"))
+
+
+@pytest.fixture(scope="session")
 def tiny_sdxl(tmp_path_factory) -> str:
     return str(build_tiny("sdxl", tmp_path_factory.mktemp("tiny") / "sdxl"))
 

@@ -38,7 +38,7 @@ from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimen
 
 from diffusiond.kernels.attention import attention
 from diffusiond.kernels.ulysses import UlyssesGroup, ulysses_sdpa
-from diffusiond.models.base import RequestState
+from diffusiond.models.base import RequestState, UnsupportedLayout
 from diffusiond.models.families import specs
 from diffusiond.models.families.qwenimage_edit import PromptsWithImages, _ratio, _ratios
 from diffusiond.models.flowmatch.adapter import FlowMatchAdapter
@@ -59,7 +59,7 @@ class QwenImage21Adapter(FlowMatchAdapter):
 
     def __init__(self, pipe, *, source: str, lazy=None) -> None:
         if pipe.config.get("sample_sigmas") is not None:
-            raise ValueError(f"{source}: a fixed sampling schedule (`sample_sigmas`) is not served yet")
+            raise UnsupportedLayout("a fixed sampling schedule (`sample_sigmas`) is not served by the family yet")
         super().__init__(pipe, source=source, lazy=lazy)
 
     def _vae_scale_factor(self, pipe) -> int:

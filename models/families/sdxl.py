@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffusiond.models.base import RequestState
+from diffusiond.models.base import RequestState, UnsupportedLayout
 from diffusiond.models.families import specs
 from diffusiond.models.flowmatch.adapter import FlowMatchAdapter
 from diffusiond.models.flowmatch.images import ImageStart
@@ -39,7 +39,7 @@ class SDXLAdapter(FlowMatchAdapter):
         order = getattr(pipe.scheduler, "order", 1)
         if order != 1:
             # Heun, KDPM2: 2 forwards per step over duplicated timesteps; every step count here is one forward.
-            raise ValueError(
+            raise UnsupportedLayout(
                 f"{type(pipe.scheduler).__name__} is a second-order scheduler (two UNet forwards per step), which "
                 "diffusiond does not run yet; pick Euler, Euler ancestral, DPM++ 2M or UniPC in scheduler_config.json"
             )

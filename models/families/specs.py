@@ -19,7 +19,7 @@ class Family:
     # diffusers' pipeline class, as `model_index.json` names it (`_class_name`).
     pipeline_class: str
     family: str
-    # "module:Class" of its adapter, under diffusiond.models.families.
+    # "module:Class" of its adapter, under diffusiond.models.
     adapter: str
     guidance_styles: tuple[str, ...]
     # Parallel strategies over several ranks: "cfg-parallel" (the two CFG rows, or halves of a batch without CFG),
@@ -51,7 +51,7 @@ ALL_PARALLEL = ("cfg-parallel", "ulysses", "ring", "tp", "shard-weights", "vae-p
 SD3 = Family(
     "StableDiffusion3Pipeline",
     "sd3",
-    "sd3:SD3Adapter",
+    "families.sd3:SD3Adapter",
     guidance_styles=("cfg", "skip-layer"),
     parallel=ALL_PARALLEL,
     cache_methods=("fbcache", "dbcache", "teacache", "x0cache", "magcache"),
@@ -61,7 +61,7 @@ SD3 = Family(
 SDXL = Family(
     "StableDiffusionXLPipeline",
     "sdxl",
-    "sdxl:SDXLAdapter",
+    "families.sdxl:SDXLAdapter",
     guidance_styles=("cfg",),
     parallel=("cfg-parallel", "shard-weights", "vae-parallel"),
     image_inputs=("img2img", "mask"),
@@ -70,7 +70,7 @@ SDXL = Family(
 FLUX = Family(
     "FluxPipeline",
     "flux",
-    "flux:FluxAdapter",
+    "families.flux:FluxAdapter",
     guidance_styles=("distilled", "true-cfg"),
     parallel=ALL_PARALLEL,
     cache_methods=("fbcache", "dbcache", "teacache", "x0cache", "magcache"),
@@ -80,7 +80,7 @@ FLUX = Family(
 FLUX_KONTEXT = Family(
     "FluxKontextPipeline",
     "flux-kontext",
-    "kontext:FluxKontextAdapter",
+    "families.kontext:FluxKontextAdapter",
     guidance_styles=FLUX.guidance_styles,
     parallel=FLUX.parallel,
     cache_methods=FLUX.cache_methods,
@@ -90,7 +90,7 @@ FLUX_KONTEXT = Family(
 FLUX2_KLEIN = Family(
     "Flux2KleinPipeline",
     "flux2-klein",
-    "flux2:Flux2KleinAdapter",
+    "families.flux2:Flux2KleinAdapter",
     guidance_styles=("cfg",),
     parallel=ALL_PARALLEL,
     image_inputs=("edit", "references"),
@@ -100,7 +100,7 @@ FLUX2_KLEIN = Family(
 FLUX2 = Family(
     "Flux2Pipeline",
     "flux2",
-    "flux2:Flux2Adapter",
+    "families.flux2:Flux2Adapter",
     guidance_styles=("distilled",),
     parallel=ALL_PARALLEL,
     image_inputs=("edit", "references"),
@@ -110,7 +110,7 @@ FLUX2 = Family(
 Z_IMAGE = Family(
     "ZImagePipeline",
     "z-image",
-    "zimage:ZImageAdapter",
+    "families.zimage:ZImageAdapter",
     guidance_styles=("cfg",),
     parallel=("cfg-parallel", "ulysses", "shard-weights", "vae-parallel"),
     image_inputs=("img2img", "mask"),
@@ -120,7 +120,7 @@ Z_IMAGE = Family(
 QWEN_IMAGE = Family(
     "QwenImagePipeline",
     "qwen-image",
-    "qwenimage:QwenImageAdapter",
+    "families.qwenimage:QwenImageAdapter",
     guidance_styles=("true-cfg", "distilled"),
     parallel=("cfg-parallel", "ulysses", "tp", "shard-weights"),
     cache_methods=("fbcache", "dbcache", "teacache", "x0cache", "magcache"),
@@ -136,7 +136,7 @@ QWEN_IMAGE = Family(
 QWEN_IMAGE_EDIT_PLUS = Family(
     "QwenImageEditPlusPipeline",
     "qwen-image-edit-plus",
-    "qwenimage_edit:QwenImageEditPlusAdapter",
+    "families.qwenimage_edit:QwenImageEditPlusAdapter",
     guidance_styles=("true-cfg", "distilled"),
     parallel=("cfg-parallel", "ulysses"),
     image_inputs=("edit", "references"),
@@ -147,7 +147,7 @@ QWEN_IMAGE_EDIT_PLUS = Family(
 QWEN_IMAGE_EDIT = Family(
     "QwenImageEditPipeline",
     "qwen-image-edit",
-    "qwenimage_edit:QwenImageEditAdapter",
+    "families.qwenimage_edit:QwenImageEditAdapter",
     guidance_styles=QWEN_IMAGE_EDIT_PLUS.guidance_styles,
     parallel=QWEN_IMAGE_EDIT_PLUS.parallel,
     image_inputs=("edit",),
@@ -161,7 +161,7 @@ QWEN_IMAGE_EDIT = Family(
 QWEN_IMAGE_21 = Family(
     "QwenImage21Pipeline",
     "qwen-image-21",
-    "qwenimage21:QwenImage21Adapter",
+    "families.qwenimage21:QwenImage21Adapter",
     guidance_styles=("true-cfg",),
     parallel=("cfg-parallel", "ulysses"),
     image_inputs=("edit", "references"),
@@ -172,7 +172,7 @@ QWEN_IMAGE_21 = Family(
 WAN = Family(
     "WanPipeline",
     "wan",
-    "wan.adapter:WanAdapter",
+    "families.wan.adapter:WanAdapter",
     guidance_styles=("cfg",),
     parallel=("cfg-parallel", "ulysses", "ring", "shard-weights"),
     cache_methods=("fbcache", "dbcache", "teacache", "x0cache", "magcache"),
@@ -182,7 +182,7 @@ WAN = Family(
 WAN_I2V = Family(
     "WanImageToVideoPipeline",
     "wan-i2v",
-    "wan.i2v:WanI2VAdapter",
+    "families.wan.i2v:WanI2VAdapter",
     guidance_styles=WAN.guidance_styles,
     parallel=WAN.parallel,
     cache_methods=WAN.cache_methods,
@@ -196,7 +196,7 @@ WAN_I2V = Family(
 LTX2 = Family(
     "LTX2Pipeline",
     "ltx2",
-    "ltx2.adapter:LTX2Adapter",
+    "families.ltx2.adapter:LTX2Adapter",
     guidance_styles=("cfg", "audio-video"),
     parallel=("cfg-parallel", "ulysses"),
     modality="video",
@@ -206,7 +206,7 @@ LTX2 = Family(
 LTX2_I2V = Family(
     "LTX2ImageToVideoPipeline",
     "ltx2-i2v",
-    "ltx2.adapter:LTX2I2VAdapter",
+    "families.ltx2.adapter:LTX2I2VAdapter",
     guidance_styles=LTX2.guidance_styles,
     parallel=LTX2.parallel,
     modality="video",
@@ -218,7 +218,7 @@ LTX2_I2V = Family(
 HUNYUAN_VIDEO_15 = Family(
     "HunyuanVideo15Pipeline",
     "hunyuan-video-15",
-    "hunyuan15:HunyuanVideo15Adapter",
+    "families.hunyuan15:HunyuanVideo15Adapter",
     guidance_styles=("cfg",),
     parallel=("cfg-parallel", "ulysses"),
     modality="video",
@@ -227,7 +227,7 @@ HUNYUAN_VIDEO_15 = Family(
 HUNYUAN_VIDEO_15_I2V = Family(
     "HunyuanVideo15ImageToVideoPipeline",
     "hunyuan-video-15-i2v",
-    "hunyuan15:HunyuanVideo15I2VAdapter",
+    "families.hunyuan15:HunyuanVideo15I2VAdapter",
     guidance_styles=("cfg",),
     parallel=HUNYUAN_VIDEO_15.parallel,
     modality="video",
@@ -235,6 +235,18 @@ HUNYUAN_VIDEO_15_I2V = Family(
     attention_masks=True,
     # Its SigLIP image processor (transformers' image processors need torchvision).
     needs=("torchvision",),
+)
+
+# The generic path (models/generic/): any other pipeline whose call hands out its steps, and Modular pipelines, run
+# through their own call. One rank; no step cache, no LoRA (the dedicated families' advantages).
+GENERIC = Family(
+    "*",
+    "generic",
+    "generic.adapter:GenericAdapter",
+    guidance_styles=(),
+    parallel=(),
+    image_inputs=(),
+    needs=("greenlet",),
 )
 
 FAMILIES: dict[str, Family] = {
@@ -325,4 +337,10 @@ def families_table() -> str:
             listed(f.needs),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines.append(
+        "| any other with a step callback (`StableDiffusionPipeline`, `StableAudioPipeline`, ...), and Modular "
+        "pipelines (`modular_model_index.json`) | generic | what the call returns: image, video, audio | the call's "
+        "own | - | - | - | what the call takes (`image`, `mask_image`; others by name in `images`) | "
+        f"{listed(GENERIC.needs)} |"
+    )
     return "\n".join(lines) + "\n"

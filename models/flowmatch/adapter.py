@@ -14,6 +14,7 @@ its `__call__` never runs while serving.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -25,7 +26,7 @@ from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 from diffusiond.kernels import attention
 from diffusiond.kernels.lora_rows import Lora, LoraLayers
 from diffusiond.models import preview as preview_maps
-from diffusiond.models.base import Capabilities, ModelAdapter, RequestState
+from diffusiond.models.base import Capabilities, ModelAdapter, RequestState, UnsupportedLayout
 from diffusiond.models.declared import read_declared
 from diffusiond.models.flowmatch.clips import VideoClips
 from diffusiond.models.flowmatch.decoding import decode_within
@@ -41,6 +42,8 @@ from diffusiond.models.lora.registry import LoraRegistry, file_limit, read_lora,
 from diffusiond.models.lora.rows import LoraRows
 from diffusiond.models.params import SamplingParams
 from diffusiond.models.stepcache.cache import StepCache
+
+log = logging.getLogger(__name__)
 
 
 class FlowMatchAdapter(ModelAdapter):
@@ -119,7 +122,15 @@ class FlowMatchAdapter(ModelAdapter):
         (models/loading/lazy_weights.py)."""
         lazy = (cls.denoiser, *cls.extra_denoisers) if lazy_denoiser else ()
         pipe, path, lazies = load_pipeline(cls.pipeline_class, path, device=device, dtype=dtype, lazy=lazy)
-        return cls(pipe, source=path, lazy=lazies)
+        try:
+            return cls(pipe, source=path, lazy=lazies)
+        except UnsupportedLayout as why:
+            if lazies:  # built empty for a parallel layout, which the generic path does not run
+                raise
+            from diffusiond.models.generic.adapter import GenericAdapter
+
+            log.warning("%s: %s; serving it on the generic path (the pipeline's own call)", path, why)
+            return GenericAdapter.of_pipeline(pipe, path, reason=str(why))
 
     # ---- the parts: a family makes its own where it differs ----
 

@@ -78,6 +78,11 @@ class RequestRules:
             if text is not None and len(text) > MAX_PROMPT_CHARS:
                 raise ParamError(name, f"{name} is {len(text)} characters long; the limit is {MAX_PROMPT_CHARS}")
         check_declared(self.declared, params)
+        for name in ("arguments", "images"):
+            if getattr(params, name):
+                raise ParamError(
+                    name, f"the {self.family} family is served by a dedicated adapter; {name} is for the generic path"
+                )
         strength = self._strength(params)
         width, height = self._size(params)
         for name, side in (("width", width), ("height", height)):

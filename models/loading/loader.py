@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from diffusiond.models.base import ModelAdapter
-from diffusiond.models.loading.registry import adapter_for, read_model_index
+from diffusiond.models.loading.registry import adapter_class, family_of_checkpoint
 from diffusiond.models.loading.setup import resolve_dtype
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -26,27 +26,28 @@ def load_adapter(
     offload: str = "none",
     scheduler_config: Mapping[str, Any] | None = None,
     lazy_denoiser: bool = False,
+    adapter: str = "auto",
 ) -> ModelAdapter:
     """The adapter for `model`, loaded through its pipeline's `from_pretrained`; with `quantize`, its transformer's
     linear layers quantized (kernels/quantize.py; `quantize_skip`: comma-separated name patterns left alone); with
     `offload`, loaded to CPU memory and run on `device` (kernels/offload.py); with `scheduler_config`, those
     settings of its scheduler changed (`change_scheduler`). `dtype` "auto": models/loading/setup.py `resolve_dtype`.
-    `lazy_denoiser`: its denoiser built empty, for a layout that shards it (models/loading/lazy_weights.py)."""
+    `lazy_denoiser`: its denoiser built empty, for a layout that shards it (models/loading/lazy_weights.py).
+    `adapter`: "auto" (the dedicated family, else the generic path) or "generic" (the generic path always)."""
     torch_dtype = DTYPES[resolve_dtype(dtype, device)] if isinstance(dtype, str) else dtype
-    index = read_model_index(model)
-    cls = adapter_for(index.get("_class_name", "<missing _class_name>"))
+    cls = adapter_class(family_of_checkpoint(model, adapter))
     device = "cpu" if offload != "none" else device
-    adapter = cls.from_pretrained(model, device=device, dtype=torch_dtype, lazy_denoiser=lazy_denoiser)
+    loaded = cls.from_pretrained(model, device=device, dtype=torch_dtype, lazy_denoiser=lazy_denoiser)
     if scheduler_config:
-        adapter.pipe.scheduler = change_scheduler(adapter.pipe.scheduler, scheduler_config)
+        loaded.pipe.scheduler = change_scheduler(loaded.pipe.scheduler, scheduler_config)
     if quantize != "none":
         from diffusiond.kernels.quantize import DEFAULT_SKIP, quantize_layers
 
         skip = DEFAULT_SKIP if quantize_skip is None else tuple(filter(None, map(str.strip, quantize_skip.split(","))))
-        adapter.quantized = (quantize, sum(quantize_layers(d, quantize, skip) for d in adapter.experts))
+        loaded.quantized = (quantize, sum(quantize_layers(d, quantize, skip) for d in loaded.experts))
     if offload != "none":
-        adapter.enable_offload(offload, device)
-    return adapter
+        loaded.enable_offload(offload, device)
+    return loaded
 
 
 def change_scheduler(scheduler: Any, changes: Mapping[str, Any]) -> Any:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from diffusiond.kernels.layout import ParallelLayout
-from diffusiond.models.families.specs import FAMILIES, KNOWN_CHECKPOINTS, Family
+from diffusiond.models.families.specs import FAMILIES, GENERIC, KNOWN_CHECKPOINTS, Family
 from diffusiond.models.loading.registry import attention_heads, family_of_checkpoint
 from diffusiond.models.lora.files import LoraError, check_safetensors, startup_specs
 from diffusiond.models.stepcache.settings import default_cache_threshold
@@ -57,6 +57,8 @@ class ModelSetup(msgspec.Struct, frozen=True, kw_only=True):
     offload: str = "none"
     # Settings of the checkpoint's scheduler changed at load (models/loading/loader.py `change_scheduler`).
     scheduler_config: dict[str, Any] = {}
+    # "auto": the pipeline's dedicated family, else the generic path; "generic": the generic path (models/generic/).
+    adapter: str = "auto"
     # Step cache method (models/stepcache/methods.py METHODS) and the threshold of requests that send none (None: the
     # method's, `default_cache_threshold`).
     cache: str = "none"
@@ -109,7 +111,9 @@ def check_setup(setup: ModelSetup, *, family: Family | None = None, heads: int |
     from a local checkpoint (a hub id's family is checked when it loads). Returns the family checked against."""
     _check_combinations(setup)
     _check_loras(setup)
-    if family is None and os.path.isdir(setup.model):
+    if family is None and setup.adapter == "generic":
+        family = GENERIC
+    elif family is None and os.path.isdir(setup.model):
         try:
             family = family_of_checkpoint(setup.model)
         except (ValueError, FileNotFoundError) as exc:
@@ -118,7 +122,9 @@ def check_setup(setup: ModelSetup, *, family: Family | None = None, heads: int |
     elif family is None and setup.model in KNOWN_CHECKPOINTS:  # a hub id: checked before any download
         pipeline_class, known_heads = KNOWN_CHECKPOINTS[setup.model]
         family, heads = FAMILIES[pipeline_class], heads or known_heads
-    if family is not None:
+    if family is GENERIC:
+        _check_generic(setup)
+    elif family is not None:
         _check_family(setup, family, heads)
     try:
         setup.layout.validate()
@@ -243,6 +249,27 @@ def _check_family(setup: ModelSetup, family: Family, heads: int | None) -> None:
         raise SetupError(f"--cache {cache}: the {family.family} family implements {offered}")
 
 
+def _check_generic(setup: ModelSetup) -> None:
+    """The generic path runs the pipeline's own call on one process: what the dedicated families add to a call
+    (the parallel menu, step caches, LoRA per request, compiled blocks, quantized or offloaded weights) it refuses,
+    saying so."""
+    why = "the generic path (the pipeline's own call, a step at a time; models/generic/) runs on one rank"
+    if setup.layout.world_size > 1:
+        raise SetupError(
+            f"--nproc/--nnodes and the parallel strategies: {why}, and diffusers' own context parallelism is not "
+            "wired into it; serve a dedicated family for them (diffusiond serve --help lists them)"
+        )
+    for on, flag in (
+        (setup.cache != "none", f"--cache {setup.cache}"),
+        (bool(setup.lora or setup.lora_dir), "--lora"),
+        (setup.compile, "--compile"),
+        (setup.quantize != "none", f"--quantize {setup.quantize}"),
+        (setup.offload != "none", f"--offload {setup.offload}"),
+    ):
+        if on:
+            raise SetupError(f"{flag}: not on the generic path yet (it runs the pipeline's own call); drop {flag}")
+
+
 def check_kernels(setup: ModelSetup, ranks_here: int = 1) -> None:
     """What only torch can tell: the device, the attention backend, quantization and offload on it (SetupError).
     `ranks_here`: the ranks this node starts (--nproc), one GPU each."""
@@ -283,6 +310,7 @@ def build_adapter(setup: ModelSetup, rank: int = 0) -> ModelAdapter:
     restoring = kept is not None and all(k.ready() for k in kept.values())
     adapter = load_adapter(
         setup.model,
+        adapter=setup.adapter,
         device=setup.device,
         dtype=setup.dtype,
         quantize=setup.quantize,

@@ -21,6 +21,8 @@ FAMILIES: tuple[str, ...] = (
     "sd3",
     "sd35",
     "sdxl",
+    "sd15",
+    "stable-audio",
     "flux",
     "flux-kontext",
     "flux2-klein",
@@ -40,19 +42,25 @@ FAMILIES: tuple[str, ...] = (
     "hunyuan-video-15",
     "hunyuan-video-15-i2v",
 )
+# Those no dedicated family serves: the generic path does (models/generic/), on one rank.
+GENERIC_FAMILIES: tuple[str, ...] = ("sd15", "stable-audio")
 
 
 def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
     """The tiny pipeline for `family`, in memory (fp32, CPU). Same weights as `build_tiny` writes."""
     import torch
 
-    from diffusiond.models.tiny import hunyuan15, images, ltx2, qwen, qwen21, wan
+    from diffusiond.models.tiny import audio, hunyuan15, images, ltx2, qwen, qwen21, wan
 
     builders = {
         "sd3": images.build_sd3,
         # SD3.5 Medium's layout: RMS-normed q/k and a second (self-only) attention in the first layers.
         "sd35": lambda: images.build_sd3(qk_norm="rms_norm", dual_attention_layers=(0,)),
         "sdxl": images.build_sdxl,
+        # Stable Diffusion 1.5: no dedicated family; served on the generic path (models/generic/).
+        "sd15": images.build_sd15,
+        # Stable Audio Open: sound alone, on the generic path (its scheduler needs torchsde).
+        "stable-audio": audio.build_stable_audio,
         "flux": images.build_flux,
         "flux-kontext": images.build_kontext,
         "z-image": qwen.build_zimage,

@@ -184,3 +184,64 @@ def build_kontext() -> Any:
             block.attn.norm_k.weight.mul_(3.0)
             block.attn.to_v.weight.mul_(4.0)
     return pipe
+
+
+def build_sd15() -> Any:
+    """Stable Diffusion 1.5's layout at toy size: a two-level UNet with cross-attention over one CLIP encoder's hidden
+    states, a 4-channel VAE with SD 1.5's scaling factor, SD 1.5's PNDM scheduler (`skip_prk_steps`: a call of N steps
+    runs N + 1 timesteps), no safety checker. The cross-attention's queries and keys are scaled up so that prompts
+    change the image clearly (random weights attend almost uniformly)."""
+    import torch
+    from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel
+
+    unet = UNet2DConditionModel(
+        sample_size=8,  # the pipeline's default size: 8 x vae_scale_factor = 64
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        attention_head_dim=8,
+        cross_attention_dim=32,  # == CLIP hidden_size
+        norm_num_groups=8,
+    )
+    with torch.no_grad():
+        for name, module in unet.named_modules():
+            if name.endswith("attn2"):
+                module.to_q.weight.mul_(3.0)
+                module.to_k.weight.mul_(3.0)
+                module.to_v.weight.mul_(3.0)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 16, 16, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=256,
+        scaling_factor=0.18215,
+    )
+    tokenizer = make_clip_tokenizer()
+    text_encoder = CLIPTextModel(clip_config(tokenizer))
+    scheduler = PNDMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        skip_prk_steps=True,
+        steps_offset=1,
+        set_alpha_to_one=False,
+    )
+    return StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )

@@ -92,6 +92,7 @@ valid = {
     "num_frames": st.none() | st.sampled_from([1, 5, 9]),
     "fps": st.none() | st.integers(min_value=1, max_value=240),
     "video_format": st.none() | st.sampled_from(["mp4", "webp"]),
+    "audio_format": st.none() | st.sampled_from(["wav", "flac"]),
     "input_fidelity": st.sampled_from(["high", "low"]),
     "n": st.integers(min_value=1, max_value=10),
     "size": st.sampled_from(["64x64", "auto", "32x48"]),
@@ -119,6 +120,13 @@ valid = {
         min_size=1,
         max_size=2,
     ),
+    # The generic path's further call arguments and images (a dedicated family refuses them, naming the field).
+    "arguments": st.none()
+    | st.just({})
+    | st.dictionaries(
+        st.sampled_from(["eta", "clip_skip", "Bad-Name"]), st.floats(0, 1) | st.integers(0, 3), max_size=2
+    ),
+    "images": st.none() | st.just({}) | st.just({"control_image": base64.b64encode(picture(32, 32)).decode()}),
     "input_reference": st.none()
     | st.just({"image_url": "data:image/png;base64," + base64.b64encode(picture(32, 48)).decode()})
     | st.just({"image_url": "https://example.com/a.png"}),

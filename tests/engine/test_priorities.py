@@ -430,3 +430,37 @@ def test_a_wait_behind_its_own_class_ages_no_one():
         plan, _ = run_step(sched)
         admitted += [n.request_id for n in plan.new]
     assert admitted == ["vip", "second"], admitted
+
+
+def test_requests_that_share_a_call_advance_pause_and_resume_together():
+    """The generic path's calls (`shares_calls`): the requests of a key admitted in one step share a call; a step
+    advances whole calls (even where short steps would carry fewer rows), a higher class pauses a whole call and
+    it resumes whole. Broken on purpose (`_whole_calls` returning what it is given): a pause took one request of the
+    call of three, red."""
+    sched = Scheduler(max_batch=4, max_running=4, shares_calls=True)
+    for rid in ("a", "b", "c"):
+        sched.add(make(rid, 0, steps=10))
+    plan, _ = run_step(sched)
+    assert plan.advance == ["a", "b", "c"]
+    calls = {sched.get(rid).call for rid in "abc"}
+    assert len(calls) == 1 and None not in calls
+    sched.add(make("d", 0, steps=10))  # joins later: a call of its own
+    plan, _ = run_step(sched)
+    assert sorted(plan.advance) == ["a", "b", "c", "d"] and sched.get("d").call not in calls
+    for rid in ("h1", "h2"):  # two class-5 requests on a full house: pauses make room, a whole call each
+        sched.add(make(rid, 5, steps=2))
+    pauses, resumes = [], []
+    for _ in range(12):
+        plan, _ = run_step(sched)
+        pauses += [set(plan.pause)] if plan.pause else []
+        resumes += [set(plan.resume)] if plan.resume else []
+    whole = [{"a", "b", "c"}, {"d"}, {"a", "b", "c", "d"}]  # a plan pauses (resumes) whole calls
+    assert pauses and all(p in whole for p in pauses), pauses
+    assert resumes and all(r in whole for r in resumes) and set().union(*resumes) == set().union(*pauses), resumes
+    rows = Scheduler(max_batch=1, max_running=4, shares_calls=True)
+    for rid in ("x", "y"):
+        rows.add(make(rid, 0, steps=5))
+    rows.max_batch = 2  # both admitted in one step...
+    run_step(rows)
+    rows.max_batch = 1  # ...then steps of one row: the call still advances whole
+    assert sorted(run_step(rows)[0].advance) == ["x", "y"]

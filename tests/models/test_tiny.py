@@ -198,7 +198,7 @@ def test_build_is_deterministic(tmp_path: Path) -> None:
 
 
 def test_unknown_family() -> None:
-    with pytest.raises(ValueError, match="sd3, sd35, sdxl, flux"):
+    with pytest.raises(ValueError, match="sd3, sd35, sdxl, sd15, stable-audio, flux"):
         build_tiny("no-such-family", "/nonexistent/never-written")
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from diffusiond.models.base import RequestState
+from diffusiond.models.base import RequestState, UnsupportedLayout
 from diffusiond.models.families import specs
 from diffusiond.models.families.wan.adapter import WanAdapter
 from diffusiond.models.families.wan.attention import project_image
@@ -25,6 +25,14 @@ class WanI2VAdapter(WanAdapter):
     requires_image = True
 
     def __init__(self, pipe: Any, *, source: str, lazy: Any = None) -> None:
+        config = pipe.transformer.config
+        if config.image_dim is not None and config.added_kv_proj_dim is None:
+            # The pipeline runs it (its image embedding joins the text context); this family reuses per-block image
+            # projections it does not have.
+            raise UnsupportedLayout(
+                "its transformer has an image embedding (`image_dim`) but no image key/value projections "
+                "(`added_kv_proj_dim` null), which the wan-i2v family does not read"
+            )
         super().__init__(pipe, source=source, lazy=lazy)
         # Wan 2.1 I2V's transformer attends to the first frame's CLIP embedding too; Wan 2.2's (`image_dim` null, no
         # image encoder) sees the image through its latents only, as the pipeline decides.

@@ -261,6 +261,15 @@ def tiny_wan_i2v_no_image_attention(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_wan_i2v_no_image_projections(tmp_path_factory) -> str:
+    """Wan 2.1 I2V's layout with an image embedding (`image_dim`) but no image key/value projections
+    (`added_kv_proj_dim` null): diffusers' WanImageToVideoPipeline runs it; the wan-i2v family does not read it."""
+    from diffusiond.models.tiny.wan import build_wan_i2v
+
+    return _deep(lambda: build_wan_i2v(image_projections=False), tmp_path_factory.mktemp("tiny") / "wan-i2v-no-kv")
+
+
+@pytest.fixture(scope="session")
 def tiny_kontext(tmp_path_factory) -> str:
     return str(build_tiny("flux-kontext", tmp_path_factory.mktemp("tiny") / "flux-kontext"))
 

@@ -144,9 +144,11 @@ def build_wan_ti2v() -> Any:
     )
 
 
-def build_wan_i2v(image_context: bool = True, two_experts: bool = False) -> Any:
+def build_wan_i2v(image_context: bool = True, two_experts: bool = False, image_projections: bool = True) -> Any:
     """Wan 2.1 I2V; `image_context=False`: Wan 2.2 I2V's transformer, without image cross-attention (`image_dim`
-    and `added_kv_proj_dim` null), and no image encoder; `two_experts` (with it): Wan 2.2 I2V A14B's layout."""
+    and `added_kv_proj_dim` null), and no image encoder; `two_experts` (with it): Wan 2.2 I2V A14B's layout;
+    `image_projections=False`: an image embedding (`image_dim`) without its own key/value projections
+    (`added_kv_proj_dim` null), a layout diffusers' pipeline runs and the wan-i2v family does not read."""
     from diffusers import WanImageToVideoPipeline
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
@@ -175,7 +177,8 @@ def build_wan_i2v(image_context: bool = True, two_experts: bool = False) -> Any:
     processor = CLIPImageProcessor(crop_size=32, size={"shortest_edge": 32})
     # Wan 2.1 I2V: 36 input channels (16 noise + 4 mask + 16 first-frame latents) and the image context's own
     # key/value projections in every block.
-    transformer = _transformer(in_channels=36, image_dim=IMAGE_DIM, added_kv_proj_dim=HEADS * HEAD_DIM)
+    projections = {"added_kv_proj_dim": HEADS * HEAD_DIM} if image_projections else {}
+    transformer = _transformer(in_channels=36, image_dim=IMAGE_DIM, **projections)
     return WanImageToVideoPipeline(
         tokenizer=tok,
         text_encoder=umt5_encoder(tok),

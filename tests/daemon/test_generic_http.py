@@ -198,3 +198,55 @@ async def test_sound_comes_back_as_wav_or_flac(serve, tiny_stable_audio):
     assert sound.sample_rate == data["audio"]["sample_rate"] and sound.samples.shape == reference.shape
     assert float(np.abs(sound.samples - np.clip(reference, -1, 1)).max()) <= 2 / 32767
     assert flac[-1][1]["audio"]["format"] == "flac" and base64.b64decode(flac[-1][1]["audio"]["b64"])[:4] == b"fLaC"
+
+
+@pytest.mark.asyncio
+async def test_a_wan_layout_the_family_does_not_read_serves_image_to_video_jobs(
+    serve, tiny_wan_i2v_no_image_projections
+):
+    """Wan I2V with an image embedding and no image key/value projections goes generic at load (it killed the daemon
+    at warm-up before) and serves /v1/videos jobs from a first frame: the MP4 holds the pipeline's own clip, frame by
+    frame within what H.264 changes (as tests/daemon/test_videos.py reads MP4s), and the native stream's lossless
+    WebP the exact frames (within 2/255)."""
+    from pictures import picture
+    from videos import decode_mp4, decode_webp
+
+    model = tiny_wan_i2v_no_image_projections
+    server = serve(model=model, max_pixels=64 * 64)
+    assert server.state.engine.adapter.capabilities.mode == "generic"
+    first = picture(48, 32, seed=2)
+    clip = {"prompt": "a red ball rolling on grass", "num_frames": 5, "num_inference_steps": 2, "seed": 6}
+    pipe = diffusers.WanImageToVideoPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    expected = pipe(
+        image=Image.open(io.BytesIO(first)).convert("RGB"), prompt=clip["prompt"], num_frames=5, height=32, width=48,
+        num_inference_steps=2, generator=torch.Generator().manual_seed(6), output_type="np",
+    ).frames[0]  # fmt: skip
+    expected = (expected * 255).round()
+    data_url = "data:image/png;base64," + base64.b64encode(first).decode()
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        body = {**clip, "size": "48x32", "input_reference": {"image_url": data_url}}
+        async with session.post(f"{server.base_url}/v1/videos", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            job = await resp.json()
+        for _ in range(600):
+            async with session.get(f"{server.base_url}/v1/videos/{job['id']}") as resp:
+                job = await resp.json()
+            if job["status"] in ("completed", "failed"):
+                break
+            await asyncio.sleep(0.05)
+        assert job["status"] == "completed", job
+        async with session.get(f"{server.base_url}/v1/videos/{job['id']}/content") as resp:
+            mp4 = decode_mp4(await resp.read()).astype(float)
+        native = {**clip, "width": 48, "height": 32, "image": base64.b64encode(first).decode(), "video_format": "webp"}
+        events = await stream(session, server, native)
+    webp = decode_webp(base64.b64decode(events[-1][1]["video"]["b64"])).astype(float)
+    assert webp.shape == expected.shape and np.abs(webp - expected).max() <= 2
+
+    def pooled(frames):  # 4x4 blocks: H.264's colour subsampling averaged out (FACTS.md)
+        f, h, w, c = frames.shape
+        return frames.reshape(f, h // 4, 4, w // 4, 4, c).mean(axis=(2, 4))
+
+    for i, frame in enumerate(pooled(mp4)):
+        errors = [np.abs(frame - e).mean() for e in pooled(expected)]
+        assert int(np.argmin(errors)) == i and errors[i] < 6.0, (i, errors)

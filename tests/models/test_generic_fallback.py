@@ -68,37 +68,6 @@ def test_the_generic_path_equals_the_dedicated_one(fixture, extra, request):
 
 
 @pytest.fixture(scope="module")
-def wan_i2v_without_image_projections(tmp_path_factory) -> str:
-    """Wan 2.1 I2V's layout with an image embedding (`image_dim`) but no image key/value projections
-    (`added_kv_proj_dim` null): diffusers' WanImageToVideoPipeline runs it, its image embedding joining the text."""
-    from diffusers import WanImageToVideoPipeline
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
-
-    from diffusiond.models.tiny import wan
-
-    out = tmp_path_factory.mktemp("tiny") / "wan-i2v-no-image-projections"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        tok = wan.make_t5_tokenizer()
-        vision = CLIPVisionModel(
-            CLIPVisionConfig(
-                hidden_size=wan.IMAGE_DIM, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                image_size=32, patch_size=8, projection_dim=wan.IMAGE_DIM,
-            )
-        )  # fmt: skip
-        WanImageToVideoPipeline(
-            tokenizer=tok,
-            text_encoder=wan.umt5_encoder(tok),
-            vae=wan.wan_vae(),
-            scheduler=wan.wan_scheduler(),
-            image_processor=CLIPImageProcessor(crop_size=32, size={"shortest_edge": 32}),
-            image_encoder=vision,
-            transformer=wan._transformer(in_channels=36, image_dim=wan.IMAGE_DIM),
-        ).save_pretrained(out)
-    return str(out)
-
-
-@pytest.fixture(scope="module")
 def sdxl_heun(tiny_sdxl, tmp_path_factory) -> str:
     """SDXL with a second-order scheduler (Heun: two UNet forwards per step), which the sdxl family does not run."""
     pipe = diffusers.StableDiffusionXLPipeline.from_pretrained(tiny_sdxl)
@@ -119,11 +88,11 @@ def qwen21_fixed_schedule(tiny_qwenimage21, tmp_path_factory) -> str:
 
 
 def test_a_wan_i2v_layout_the_family_does_not_read_serves_the_pipeline_s_clips(
-    wan_i2v_without_image_projections, caplog
+    tiny_wan_i2v_no_image_projections, caplog
 ):
     """Before: `AttributeError: 'WanAttention' object has no attribute 'norm_added_k'` at warm-up killed the
     daemon. Now it loads on the generic path, saying why, and an image-to-video request gets the pipeline's clip."""
-    model = wan_i2v_without_image_projections
+    model = tiny_wan_i2v_no_image_projections
     with caplog.at_level(logging.WARNING):
         adapter = load_adapter(model)
     assert isinstance(adapter, GenericAdapter) and "added_kv_proj_dim" in (adapter.reason or "")

@@ -150,6 +150,12 @@ def tiny_stable_audio(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux_modular(tmp_path_factory) -> str:
+    """FLUX.1's tiny components as a Modular pipeline (modular_model_index.json)."""
+    return str(build_tiny("flux-modular", tmp_path_factory.mktemp("tiny") / "flux-modular"))
+
+
+@pytest.fixture(scope="session")
 def tiny_sdxl(tmp_path_factory) -> str:
     return str(build_tiny("sdxl", tmp_path_factory.mktemp("tiny") / "sdxl"))
 

@@ -56,6 +56,8 @@ class GenericAdapter(ModelAdapter):
 
     def __init__(self, pipe: Any, *, source: str, call: CallSpec) -> None:
         self.pipe, self.source, self.call = pipe, source, call
+        # Requests admitted together share a call (a classic pipeline's call takes lists of prompts).
+        self.shares_calls = not call.modular
         self.pipeline_class = call.pipeline_class  # the checkpoint's, not the generic spec's
         module = next((m for m in self._modules().values()), None)
         self.device = module.device if module is not None else torch.device("cpu")
@@ -268,7 +270,9 @@ class GenericAdapter(ModelAdapter):
     def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
         groups: dict[Hashable, list[tuple[str, SamplingParams]]] = {}
         for request_id, params in requests:
-            groups.setdefault(self.batch_key(params), []).append((request_id, params))
+            # A Modular pipeline's blocks encode one prompt per call: each request its own call.
+            key = request_id if self.call.modular else self.batch_key(params)
+            groups.setdefault(key, []).append((request_id, params))
         states = []
         for members in groups.values():
             call = Call([i for i, _ in members], self._runner([p for _, p in members]))
@@ -291,6 +295,10 @@ class GenericAdapter(ModelAdapter):
         if first.negative_prompt is not None:
             kwargs["negative_prompt"] = [p.negative_prompt for p in members]
         kwargs["generator"] = [torch.Generator(device="cpu").manual_seed(p.seed) for p in members]
+        if self.call.modular:  # one request a call (`prepare`): its prompt and generator as they are
+            kwargs.update(
+                {name: kwargs[name][0] for name in ("prompt", "negative_prompt", "generator") if name in kwargs}
+            )
         if self.call.takes("output_type"):
             kwargs["output_type"] = "np"
         pipe, spec = self.pipe, self.call

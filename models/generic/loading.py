@@ -62,8 +62,9 @@ def _load_modular(cls: type, path: str, device: str, dtype: torch.dtype) -> Any:
     from diffusers import ModularPipeline
 
     pipe = ModularPipeline.from_pretrained(path)
-    pipe.load_components(torch_dtype=dtype)
+    pipe.load_components(dtype=dtype)
     pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
             module.eval().requires_grad_(False)

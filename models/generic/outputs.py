@@ -13,7 +13,8 @@ def output_row(output: Any, names: tuple[str, ...], row: int, modality: str) -> 
     """A request's row of the call's output, as float32 in [0, 1] ([H, W, C] image, [F, H, W, 3] frames) or a
     waveform [channels, samples] in [-1, 1]."""
     for name in names:
-        value = output.get(name) if isinstance(output, dict) else getattr(output, name, None)
+        # A dict, a Modular pipeline's PipelineState (`get`), or a pipeline's output dataclass.
+        value = output.get(name) if hasattr(output, "get") else getattr(output, name, None)
         if value is None:
             continue
         item = to_numpy(value[row])

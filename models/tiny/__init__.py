@@ -23,6 +23,7 @@ FAMILIES: tuple[str, ...] = (
     "sdxl",
     "sd15",
     "stable-audio",
+    "flux-modular",
     "flux",
     "flux-kontext",
     "flux2-klein",
@@ -43,7 +44,7 @@ FAMILIES: tuple[str, ...] = (
     "hunyuan-video-15-i2v",
 )
 # Those no dedicated family serves: the generic path does (models/generic/), on one rank.
-GENERIC_FAMILIES: tuple[str, ...] = ("sd15", "stable-audio")
+GENERIC_FAMILIES: tuple[str, ...] = ("sd15", "stable-audio", "flux-modular")
 
 
 def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
@@ -61,6 +62,8 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
         "sd15": images.build_sd15,
         # Stable Audio Open: sound alone, on the generic path (its scheduler needs torchsde).
         "stable-audio": audio.build_stable_audio,
+        # FLUX.1 as a Modular pipeline (modular_model_index.json): the generic path steps its denoise loop.
+        "flux-modular": images.build_flux_modular,
         "flux": images.build_flux,
         "flux-kontext": images.build_kontext,
         "z-image": qwen.build_zimage,
@@ -100,5 +103,9 @@ def build_tiny(family: str, out: str | Path, seed: int = 0) -> Path:
     pipe = build_tiny_pipeline(family, seed=seed)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    pipe.save_pretrained(out)
+    if type(pipe).__module__.startswith("diffusers.modular_pipelines"):
+        # Its components saved beside the index, which then loads them from this folder.
+        pipe.save_pretrained(str(out.resolve()), overwrite_modular_index=True)
+    else:
+        pipe.save_pretrained(out)
     return out

@@ -245,3 +245,15 @@ def build_sd15() -> Any:
         feature_extractor=None,
         requires_safety_checker=False,
     )
+
+
+def build_flux_modular() -> Any:
+    """FLUX.1's tiny components as a Modular pipeline (`FluxModularPipeline`, its auto blocks): what the generic path
+    serves through its denoise loop (models/generic/loading.py)."""
+    from diffusers.modular_pipelines.flux.modular_blocks_flux import FluxAutoBlocks
+
+    blocks = FluxAutoBlocks()
+    pipe = blocks.init_pipeline()
+    wanted = {c.name for c in blocks.expected_components}
+    pipe.update_components(**{k: v for k, v in build_flux().components.items() if k in wanted})
+    return pipe

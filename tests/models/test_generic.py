@@ -132,24 +132,26 @@ def test_a_cancelled_call_stops_at_the_next_step(tiny_sd15):
         await engine.start()
         try:
             handle = engine.add_request(params("a long one", 5, 40))
-            events = []
+            events, at = [], []
             async for event in handle.events():
                 events.append(event)
-                if isinstance(event, Progress) and event.step == 2:
+                if isinstance(event, Progress) and event.step >= 2 and not at:  # (a slow reader's are coalesced)
+                    at.append(event.step)
                     engine.cancel(handle.request_id)
             counted = len(forwards)
             await asyncio.sleep(0.3)  # nothing of it runs any more
-            return events, counted
+            return events, counted, at[0]
         finally:
             await engine.stop()
 
     try:
-        events, at_end = asyncio.run(run())
+        events, at_end, cancelled_at = asyncio.run(run())
     finally:
         hook.remove()
     assert isinstance(events[-1], Cancelled), events[-1]
     steps = max(e.step for e in events if isinstance(e, Progress))
-    assert steps <= 3 and len(forwards) == at_end <= 4, (steps, len(forwards))
+    # The steps seen when it was cancelled, and at most the one in flight then; none after its terminal event.
+    assert steps <= cancelled_at + 1 and len(forwards) == at_end <= cancelled_at + 2, (steps, len(forwards))
     assert not adapter.rows  # its call is gone
 
 
@@ -167,7 +169,7 @@ def test_a_higher_class_overtakes_a_running_call_and_it_resumes_to_the_same_imag
             events, urgent, order = [], None, []
             async for event in handle.events():
                 events.append(event)
-                if isinstance(event, Progress) and event.step == 3 and urgent is None:
+                if isinstance(event, Progress) and event.step >= 3 and urgent is None:
                     high = msgspec.structs.replace(low, prompt="an urgent shape", seed=1000, num_inference_steps=4)
                     urgent = engine.add_request(high, priority=5)
                     urgent_done = asyncio.ensure_future(urgent.result())

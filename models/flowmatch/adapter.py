@@ -48,14 +48,10 @@ log = logging.getLogger(__name__)
 
 class FlowMatchAdapter(ModelAdapter):
     family: ClassVar[str]
-
     # Whose VAE the family uses, for published preview factors (models/preview.py); None: its own.
     vae_family: ClassVar[str | None] = None
-
     default_steps: ClassVar[int] = 28
-
     default_guidance: ClassVar[float]
-
     # A checkpoint whose every request animates an image (saved as an image-to-video pipeline).
     requires_image: ClassVar[bool] = False
 
@@ -66,10 +62,8 @@ class FlowMatchAdapter(ModelAdapter):
     extra_denoisers: ClassVar[tuple[str, ...]] = ()
 
     TEXT_ENCODERS: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")
-
     # The transformer's repeated block classes, where it does not name them itself (`_repeated_blocks`).
     repeated_blocks: ClassVar[tuple[str, ...]] = ()
-
     attention_backend: str = "sdpa"
     compiled: bool = False
     offload: str = "none"
@@ -118,8 +112,7 @@ class FlowMatchAdapter(ModelAdapter):
     def from_pretrained(
         cls, path: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32, lazy_denoiser: bool = False
     ) -> FlowMatchAdapter:
-        """`lazy_denoiser`: the denoisers built empty, for a layout that shards them
-        (models/loading/lazy_weights.py)."""
+        """`lazy_denoiser`: the denoisers built empty, for a layout that shards them (loading/lazy_weights.py)."""
         lazy = (cls.denoiser, *cls.extra_denoisers) if lazy_denoiser else ()
         pipe, path, lazies = load_pipeline(cls.pipeline_class, path, device=device, dtype=dtype, lazy=lazy)
         try:
@@ -236,12 +229,11 @@ class FlowMatchAdapter(ModelAdapter):
 
     def enable_vae_parallel(self, group: Any) -> None:
         """Decode one image in horizontal strips across `group`'s ranks (a 2D VAE decoder: AutoencoderKL's)."""
-        if "vae-parallel" not in self.parallel:
+        from diffusers.models.autoencoders.vae import Decoder
+
+        if "vae-parallel" not in self.parallel or not isinstance(getattr(self.vae, "decoder", None), Decoder):
             raise ValueError(f"the {self.family} family's VAE does not decode in strips")
-        try:
-            self.vae_strips = self.ranks.vae_strips(group)
-        except ValueError:
-            raise ValueError(f"the {self.family} family's VAE does not decode in strips") from None
+        self.vae_strips = self.ranks.vae_strips(group)
 
     @torch.inference_mode()
     def decode_strips(self, states: Sequence[RequestState]) -> list[np.ndarray]:

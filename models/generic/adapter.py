@@ -19,7 +19,7 @@ import logging
 import math
 import os
 from collections.abc import Hashable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -52,17 +52,17 @@ class CallRow:
 
 class GenericAdapter(ModelAdapter):
     spec = GENERIC
-    shares_calls: ClassVar[bool] = True
 
     def __init__(self, pipe: Any, *, source: str, call: CallSpec) -> None:
         self.pipe, self.source, self.call = pipe, source, call
-        # Requests admitted together share a call (a classic pipeline's call takes lists of prompts).
+        # Requests admitted together share a call (a classic pipeline's call takes lists of prompts; a Modular
+        # pipeline's blocks one prompt per call).
         self.shares_calls = not call.modular
         self.pipeline_class = call.pipeline_class  # the checkpoint's, not the generic spec's
         module = next((m for m in self._modules().values()), None)
         self.device = module.device if module is not None else torch.device("cpu")
         self.dtype = module.dtype if module is not None else torch.float32
-        self.declared = read_declared(source) if os.path.isdir(source) else read_declared("")
+        self.declared = read_declared(source)
         self.latent_rgb = self._preview_map()
         self.capabilities = self._capabilities()
         # request id -> its place in a call (while its call runs).
@@ -123,7 +123,7 @@ class GenericAdapter(ModelAdapter):
             draws=d.draws,
             name=d.name,
             image_inputs=call.image_inputs,
-            modality="video" if call.modality == "video" else call.modality,
+            modality=call.modality,
             mode="generic",
             fields=tuple(call.settable()),
         )
@@ -173,6 +173,8 @@ class GenericAdapter(ModelAdapter):
                 if not value:  # `[]` is no LoRA
                     continue
                 raise ParamError("lora", f"the generic path ({self.pipeline_class}) serves no LoRA adapters")
+            if name == "fps" and call.modality == "video":  # the file's rate, where the call takes none
+                continue
             if call.argument_of(name) is None:
                 raise ParamError(name, f"{self.pipeline_class}'s call takes no {name}; it takes: {_listed(call)}")
         for name, value in (params.arguments or {}).items():

@@ -156,6 +156,12 @@ def tiny_flux_modular(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_kandinsky6(tmp_path_factory) -> str:
+    """Kandinsky 6's layout: video with sound, on the generic path."""
+    return str(build_tiny("kandinsky6", tmp_path_factory.mktemp("tiny") / "kandinsky6"))
+
+
+@pytest.fixture(scope="session")
 def tiny_sdxl(tmp_path_factory) -> str:
     return str(build_tiny("sdxl", tmp_path_factory.mktemp("tiny") / "sdxl"))
 

@@ -24,6 +24,7 @@ FAMILIES: tuple[str, ...] = (
     "sd15",
     "stable-audio",
     "flux-modular",
+    "kandinsky6",
     "flux",
     "flux-kontext",
     "flux2-klein",
@@ -44,14 +45,14 @@ FAMILIES: tuple[str, ...] = (
     "hunyuan-video-15-i2v",
 )
 # Those no dedicated family serves: the generic path does (models/generic/), on one rank.
-GENERIC_FAMILIES: tuple[str, ...] = ("sd15", "stable-audio", "flux-modular")
+GENERIC_FAMILIES: tuple[str, ...] = ("sd15", "stable-audio", "flux-modular", "kandinsky6")
 
 
 def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
     """The tiny pipeline for `family`, in memory (fp32, CPU). Same weights as `build_tiny` writes."""
     import torch
 
-    from diffusiond.models.tiny import audio, hunyuan15, images, ltx2, qwen, qwen21, wan
+    from diffusiond.models.tiny import audio, hunyuan15, images, kandinsky6, ltx2, qwen, qwen21, wan
 
     builders = {
         "sd3": images.build_sd3,
@@ -64,6 +65,8 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
         "stable-audio": audio.build_stable_audio,
         # FLUX.1 as a Modular pipeline (modular_model_index.json): the generic path steps its denoise loop.
         "flux-modular": images.build_flux_modular,
+        # Kandinsky 6: video with sound (a Qwen2.5-VL processor, HunyuanVideo's VAE, MMAudio's VAE and vocoder).
+        "kandinsky6": kandinsky6.build_kandinsky6,
         "flux": images.build_flux,
         "flux-kontext": images.build_kontext,
         "z-image": qwen.build_zimage,

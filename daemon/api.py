@@ -11,6 +11,8 @@ from aiohttp import web
 from diffusiond.daemon.config import MAX_N
 from diffusiond.models.params import (
     MAX_IMAGE_BYTES,
+    Argument,
+    ArgumentName,
     CacheSteps,
     CacheThreshold,
     EditContext,
@@ -187,6 +189,27 @@ class VideoCreateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     # Milliseconds within which the clip must be done: refused (429) at once when the engine's estimate is later;
     # earlier deadlines first within a class. Its admission only: a job run again (a restart, another replica's
     # claim) runs without it.
+    deadline_ms: DeadlineMs | None = None
+
+
+class AudioCreateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`POST /v1/audio/generations` (JSON): what the call takes, as on the native API, and the file's format."""
+
+    prompt: Prompt
+    model: Short | None = None
+    user: Short | None = None
+    # The call's length argument (daemon/audio_jobs.py LENGTH_ARGUMENTS), at most an hour.
+    seconds: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] | None = None
+    negative_prompt: Prompt | None = None
+    seed: Seed | None = None
+    num_inference_steps: Steps | None = None
+    guidance_scale: Guidance | None = None
+    # Further arguments of the pipeline's call by name (/v1/models lists them as `fields`).
+    arguments: Annotated[dict[ArgumentName, Argument], msgspec.Meta(max_length=32)] | None = None
+    format: Literal["wav", "flac"] = "wav"
+    # The job's class, 0-9, higher served first (engine/scheduler.py); default --default-priority.
+    priority: Priority | None = None
+    # Milliseconds within which the sound must be done: refused (429) at once when the engine's estimate is later.
     deadline_ms: DeadlineMs | None = None
 
 

@@ -22,7 +22,7 @@ from PIL import Image
 from prometheus_client.exposition import choose_encoder
 
 from diffusiond import __version__
-from diffusiond.daemon import loras_api, native_api, openai_api, videos_api
+from diffusiond.daemon import audio_jobs, loras_api, native_api, openai_api, videos_api
 from diffusiond.daemon.api import ApiError, retry_later, too_large
 from diffusiond.daemon.auth import TENANTS, tenant_middleware
 from diffusiond.daemon.config import ServeConfig, model_setup
@@ -31,6 +31,7 @@ from diffusiond.daemon.edge import READ_BUDGET, ReadBudget, edge_middleware
 from diffusiond.daemon.handover import CARRIED, carry_over
 from diffusiond.daemon.idempotency import KEYS, IdempotencyKeys
 from diffusiond.daemon.image_encoding import encoder_pool
+from diffusiond.daemon.jobs_api import add_job_routes
 from diffusiond.daemon.listener import served_marker
 from diffusiond.daemon.native_api import native_limit
 from diffusiond.daemon.openapi import document
@@ -87,10 +88,9 @@ def create_app(config: ServeConfig, *, load: Loader | None = None, healing: bool
     app.router.add_get("/v1/generations/{id}", native_api.generation_status)
     app.router.add_delete("/v1/generations/{id}", native_api.generation_cancel)
     app.router.add_post("/v1/videos", videos_api.create_video)
-    app.router.add_get("/v1/videos", videos_api.list_videos)
-    app.router.add_get("/v1/videos/{id}", videos_api.retrieve_video)
-    app.router.add_delete("/v1/videos/{id}", videos_api.delete_video)
-    app.router.add_get("/v1/videos/{id}/content", videos_api.video_content)
+    add_job_routes(app.router, "/v1/videos", "video")
+    app.router.add_post("/v1/audio/generations", audio_jobs.create_audio)
+    add_job_routes(app.router, "/v1/audio/generations", "audio")
     app.router.add_get("/v1/files/{id}/content", videos_api.file_content)
     app.router.add_get("/v1/loras", loras_api.list_loras)
     app.router.add_post("/v1/loras", loras_api.create_lora)

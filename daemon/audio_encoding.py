@@ -11,9 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diffusiond.engine.outputs import Sound
+from diffusiond.engine.outputs import Completed, Sound
 
 FORMATS = ("wav", "flac")
+# The rate of a waveform whose pipeline does not say its own (none known to do so): CD's.
+DEFAULT_RATE = 44100
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,12 @@ class EncodedSound:
     sample_rate: int
     channels: int
     samples: int
+
+
+def completed_sound(event: Completed) -> Sound:
+    """A sound model's result: the track the executor attached where the model says its sample rate, else the
+    waveform as its call returned it, at DEFAULT_RATE."""
+    return event.audio or Sound(event.image, DEFAULT_RATE)
 
 
 def encode_sound(sound: Sound, fmt: str = "wav") -> EncodedSound:

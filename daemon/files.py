@@ -39,7 +39,10 @@ from diffusiond.daemon.state import ENCODERS, STATE
 
 log = logging.getLogger(__name__)
 
-MEDIA = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp", "mp4": "video/mp4"}
+MEDIA = {
+    "png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp", "mp4": "video/mp4", "wav": "audio/wav",
+    "flac": "audio/flac",
+}  # fmt: skip
 FILE_ID = re.compile(r"file_[0-9a-f]{32}")
 
 

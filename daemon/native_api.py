@@ -11,7 +11,7 @@ from aiohttp import web
 
 from diffusiond.daemon.admission import queue_requests
 from diffusiond.daemon.api import ApiError, GenerationRequest, body_limit, decode_body
-from diffusiond.daemon.audio_encoding import encode_sound
+from diffusiond.daemon.audio_encoding import completed_sound, encode_sound
 from diffusiond.daemon.auth import TENANT, tenant_of
 from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.edge import read_body
@@ -49,7 +49,6 @@ from diffusiond.engine.outputs import (
     Progress,
     Queued,
     Resumed,
-    Sound,
 )
 from diffusiond.models.params import SamplingParams, params_from
 
@@ -143,10 +142,7 @@ async def _render(
     # Served from the result cache (engine/result_cache.py): said in every form a result takes.
     cached = {"cached": True} if isinstance(event, Completed) and event.cached else {}
     if isinstance(event, Completed) and modality == "audio":
-        # The executor attaches the track where the model says its sample rate; a pipeline that does not say it
-        # (none known to do so) gets CD's rate, the waveform as its call returned it.
-        sound = event.audio or Sound(event.image, 44100)
-        encoded = await encode_off_loop(request, encode_sound, sound, body.audio_format or "wav")
+        encoded = await encode_off_loop(request, encode_sound, completed_sound(event), body.audio_format or "wav")
         payload = {k: getattr(encoded, k) for k in ("format", "sample_rate", "channels", "samples")}
         if by_url:
             payload["url"] = await store_result(request, encoded.data, encoded.format)

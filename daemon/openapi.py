@@ -10,7 +10,13 @@ from typing import Any
 import msgspec
 
 from diffusiond import __version__
-from diffusiond.daemon.api import GenerationRequest, ImageEditRequest, ImageGenerationRequest, VideoCreateRequest
+from diffusiond.daemon.api import (
+    AudioCreateRequest,
+    GenerationRequest,
+    ImageEditRequest,
+    ImageGenerationRequest,
+    VideoCreateRequest,
+)
 from diffusiond.daemon.loras_api import LoraCreateRequest
 
 REF = "#/components/schemas/{name}"
@@ -55,6 +61,10 @@ IMAGES = _obj(
 VIDEO = _obj(
     {"id": STR, "object": {"const": "video"}, "status": STR, "progress": INT, "created_at": INT, "model": STR},
     {"prompt": STR, "seconds": STR, "size": STR, "num_frames": INT, "fps": INT, "seed": INT, "url": STR},
+)
+AUDIO = _obj(
+    {"id": STR, "object": {"const": "audio"}, "status": STR, "progress": INT, "created_at": INT, "model": STR},
+    {"prompt": STR, "seconds": STR, "format": STR, "sample_rate": INT, "seed": INT, "url": STR},
 )
 LORA = _obj({"object": {"const": "lora"}, "name": STR}, {"path": STR, "bytes": INT, "sha256": STR, "resident": BOOL})
 RECORD = _obj(
@@ -106,7 +116,14 @@ def _id_param(name: str) -> list[dict]:
 def document() -> dict:
     """The OpenAPI document (built once per process: it depends on nothing but the code)."""
     _, components = msgspec.json.schema_components(
-        [ImageGenerationRequest, ImageEditRequest, GenerationRequest, VideoCreateRequest, LoraCreateRequest],
+        [
+            ImageGenerationRequest,
+            ImageEditRequest,
+            GenerationRequest,
+            VideoCreateRequest,
+            AudioCreateRequest,
+            LoraCreateRequest,
+        ],
         ref_template=REF,
     )
     components["Error"] = ERROR
@@ -152,38 +169,22 @@ def document() -> dict:
                 ),
             },
         },
-        "/v1/videos": {
-            "post": {
-                "summary": "OpenAI Videos: create a job (JSON or multipart)",
-                "requestBody": _body(
-                    _ref("VideoCreateRequest"), form={"type": "object", "properties": {"prompt": STR}}
-                ),
-                "responses": _responses(
-                    _ok("the job", {JSON: VIDEO}), "404 `model` is not the served model", "507 the video store is full"
-                ),
-            },
-            "get": {"summary": "Video jobs", "responses": _responses(_ok("jobs", {JSON: _list(VIDEO)}))},
-        },
-        "/v1/videos/{id}": {
-            "parameters": _id_param("id"),
-            "get": {
-                "summary": "A video job",
-                "responses": _responses(_ok("the job", {JSON: VIDEO}), "404 no such job"),
-            },
-            "delete": {
-                "summary": "Delete a job and its file",
-                "responses": _responses(_ok("deleted", {JSON: _obj({"id": STR, "deleted": BOOL})}), "404 no such job"),
-            },
-        },
-        "/v1/videos/{id}/content": {
-            "parameters": _id_param("id"),
-            "get": {
-                "summary": "A completed job's file",
-                "responses": _responses(
-                    _ok("the video", {"video/mp4": STR, "image/webp": STR}), "404 no such job", "409 not completed"
-                ),
-            },
-        },
+        **_jobs(
+            "/v1/videos",
+            "video",
+            VIDEO,
+            {"video/mp4": STR, "image/webp": STR},
+            "OpenAI Videos: create a job (JSON or multipart)",
+            _body(_ref("VideoCreateRequest"), form={"type": "object", "properties": {"prompt": STR}}),
+        ),
+        **_jobs(
+            "/v1/audio/generations",
+            "audio",
+            AUDIO,
+            {"audio/wav": STR, "audio/flac": STR},
+            "Sound models: create a job (JSON)",
+            _body(_ref("AudioCreateRequest")),
+        ),
         "/v1/files/{id}/content": {
             "parameters": [
                 *_id_param("id"),
@@ -194,7 +195,13 @@ def document() -> dict:
                 "summary": "An image answered by URL (response_format url): signed, expiring, no API key",
                 "security": [],
                 "responses": _responses(
-                    _ok("the image", {"image/png": STR, "image/jpeg": STR, "image/webp": STR}),
+                    _ok(
+                        "the file",
+                        {
+                            m: STR
+                            for m in ("image/png", "image/jpeg", "image/webp", "video/mp4", "audio/wav", "audio/flac")
+                        },
+                    ),
                     "404 no such file, expired, or not signed here",
                 ),
             },
@@ -247,6 +254,38 @@ def document() -> dict:
         "components": {
             "schemas": components,
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+def _jobs(prefix: str, kind: str, job: dict, files: dict[str, dict], summary: str, body: dict) -> dict:
+    """The routes of one kind of job (daemon/jobs_api.py) under `prefix`."""
+    missing = "404 no such job"
+    return {
+        prefix: {
+            "post": {
+                "summary": summary,
+                "requestBody": body,
+                "responses": _responses(
+                    _ok("the job", {JSON: job}), "404 `model` is not the served model", "507 the job store is full"
+                ),
+            },
+            "get": {"summary": f"{kind.capitalize()} jobs", "responses": _responses(_ok("jobs", {JSON: _list(job)}))},
+        },
+        prefix + "/{id}": {
+            "parameters": _id_param("id"),
+            "get": {"summary": f"A {kind} job", "responses": _responses(_ok("the job", {JSON: job}), missing)},
+            "delete": {
+                "summary": "Delete a job and its file",
+                "responses": _responses(_ok("deleted", {JSON: _obj({"id": STR, "deleted": BOOL})}), missing),
+            },
+        },
+        prefix + "/{id}/content": {
+            "parameters": _id_param("id"),
+            "get": {
+                "summary": "A completed job's file",
+                "responses": _responses(_ok(f"the {kind}", files), missing, "409 not completed"),
+            },
         },
     }
 

@@ -35,9 +35,9 @@ from diffusiond.kernels.process_folders import new_folder, remove_dead
 log = logging.getLogger(__name__)
 
 FINISHED = ("completed", "failed", "cancelled")
-# The files of a job: its video, the JSON beside it, and a video being written.
-_OURS = re.compile(r"video_[0-9a-f]{32}\.(mp4|webp|json|tmp)|diffusiond-\w+\.mp4")
-JobId = Annotated[str, msgspec.Meta(pattern=r"^video_[0-9a-f]{32}$")]
+# The files of a job: its video (or sound: daemon/audio_jobs.py), the JSON beside it, and a file being written.
+_OURS = re.compile(r"(video|audio)_[0-9a-f]{32}\.(mp4|webp|wav|flac|json|tmp)|diffusiond-\w+\.mp4")
+JobId = Annotated[str, msgspec.Meta(pattern=r"^(video|audio)_[0-9a-f]{32}$")]
 # What a video's JSON file takes on disk, counted in the budget beside the video.
 SIDECAR_BYTES = 4096
 
@@ -68,7 +68,9 @@ MIN_FREE_BYTES = 8 << 20
 
 
 class VideoJob(msgspec.Struct, kw_only=True):
-    """One `/v1/videos` job: OpenAI's video object, plus what the clip is (frames, fps, seed) and its file."""
+    """One `/v1/videos` job: OpenAI's video object, plus what the clip is (frames, fps, seed) and its file. A sound
+    model's job (`/v1/audio/generations`, daemon/audio_jobs.py) is one too, with `audio_format` set: no frames, and
+    its `seconds` and `sample_rate` are the file's once it is done."""
 
     id: JobId
     # The engine's request id (`/v1/generations/{request_id}` reports its steps).
@@ -87,8 +89,8 @@ class VideoJob(msgspec.Struct, kw_only=True):
     completed_at: int | None = None
     expires_at: int | None = None
     error: dict[str, str] | None = None
-    # The file: "mp4", or "webp" (asked for, or `fallback` says why), and its size.
-    format: Literal["mp4", "webp"] | None = None
+    # The file: "mp4", or "webp" (asked for, or `fallback` says why), "wav" or "flac" (sound), and its size.
+    format: Literal["mp4", "webp", "wav", "flac"] | None = None
     fallback: str | None = None
     bytes: int = 0
     # When it finished, on the store's clock: expiry and eviction order.
@@ -97,6 +99,9 @@ class VideoJob(msgspec.Struct, kw_only=True):
     owner: str = "default"
     # Its class (engine/scheduler.py), kept for a rerun after a restart.
     priority: int = 0
+    # A sound job: the file it makes ("wav" or "flac"), and the rate of its samples once done.
+    audio_format: Literal["wav", "flac"] | None = None
+    sample_rate: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -107,7 +112,9 @@ class VideoJob(msgspec.Struct, kw_only=True):
         return f"{self.id}.{self.format}" if self.format is not None and self.status == "completed" else None
 
     def public(self) -> dict:
-        """OpenAI's video object, with our fields after its own."""
+        """OpenAI's video object, with our fields after its own; a sound job's object is "audio", without frames."""
+        if self.audio_format is not None:
+            return self._public_audio()
         out = {
             "id": self.id,
             "object": "video",
@@ -130,6 +137,15 @@ class VideoJob(msgspec.Struct, kw_only=True):
             out["format"] = self.format
         if self.fallback is not None:
             out["format_fallback"] = self.fallback
+        return out
+
+    def _public_audio(self) -> dict:
+        out = {"id": self.id, "object": "audio", "status": self.status, "progress": self.progress}
+        for name in ("created_at", "completed_at", "expires_at", "model", "prompt", "seconds", "error", "seed"):
+            out[name] = getattr(self, name)
+        out["format"] = self.format or self.audio_format
+        if self.sample_rate is not None:
+            out["sample_rate"] = self.sample_rate
         return out
 
 
@@ -313,11 +329,13 @@ class VideoStore:
         job.bytes = size
         self.used += needed
 
-    def completion(self, job: VideoJob, fmt: str, fallback: str | None) -> VideoJob:
-        """The job as it will be once its file is written (what `write_video` writes beside the file)."""
+    def completion(self, job: VideoJob, fmt: str, fallback: str | None, **file: object) -> VideoJob:
+        """The job as it will be once its file is written (what `write_video` writes beside the file); `file`: what
+        the file says of itself (a sound's `seconds` and `sample_rate`)."""
         now = self.clock()
         return msgspec.structs.replace(
             job,
+            **file,
             status="completed",
             progress=100,
             format=fmt,
@@ -329,7 +347,10 @@ class VideoStore:
 
     def complete(self, job: VideoJob, done: VideoJob) -> None:
         """The job's file is written: it takes `done`'s state (from `completion`)."""
-        for field in ("status", "progress", "format", "fallback", "finished_at", "completed_at", "expires_at"):
+        for field in (
+            "status", "progress", "format", "fallback", "finished_at", "completed_at", "expires_at", "seconds",
+            "sample_rate",
+        ):  # fmt: skip
             setattr(job, field, getattr(done, field))
 
     def end(self, job: VideoJob, status: str, code: str, message: str) -> None:

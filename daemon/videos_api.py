@@ -1,6 +1,7 @@
-"""OpenAI's Videos API on a video model: `POST /v1/videos` queues a job that runs whatever its client does,
+"""OpenAI's Videos API on a video model: `POST /v1/videos` queues a job that runs whatever its client does;
 `GET /v1/videos/{id}` reports it, `GET /v1/videos/{id}/content` serves its file, `GET /v1/videos` lists jobs and
-`DELETE /v1/videos/{id}` cancels one and removes its file.
+`DELETE /v1/videos/{id}` cancels one and removes its file (daemon/jobs_api.py, for both kinds of job: a sound
+model's are daemon/audio_jobs.py's).
 
 Each job is a task of its own (a strong reference in `VideoJobs.tasks`, cancelled at shutdown) that reads the engine
 request's events: its progress follows the steps (to 95; the encoding takes the rest), and once the clip is done it
@@ -25,7 +26,7 @@ import shutil
 import socket
 import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import msgspec
@@ -37,6 +38,7 @@ from diffusiond.daemon.api import (
     VideoCreateRequest,
     retry_later,
 )
+from diffusiond.daemon.audio_encoding import completed_sound, encode_sound
 from diffusiond.daemon.auth import TENANT, TENANTS, tenant_of
 from diffusiond.daemon.files import FILES, MEDIA, FileStore, base_url
 from diffusiond.daemon.idempotency import HEADER, KEYS, REPLAYED, WINDOW_S, fingerprint
@@ -44,7 +46,7 @@ from diffusiond.daemon.job_db import JobDB, database_errors
 from diffusiond.daemon.job_leases import keep_leases
 from diffusiond.daemon.state import ENCODERS, STATE, Record
 from diffusiond.daemon.streaming import check_images, run_encoder
-from diffusiond.daemon.video_encoding import MEDIA_TYPES, encode_video
+from diffusiond.daemon.video_encoding import encode_video
 from diffusiond.daemon.video_requests import read_video_create, resolve_video
 from diffusiond.daemon.video_store import (
     MIN_FREE_BYTES,
@@ -67,9 +69,6 @@ log = logging.getLogger(__name__)
 
 # Progress the denoising steps take; encoding and writing the file take the rest.
 STEPS_SHARE = 95
-LIST_LIMIT = (20, 100)  # default, most
-# How long DELETE waits for a running job to stop (at its next step boundary) before it answers.
-DELETE_WAIT_S = 30.0
 # At shutdown, jobs whose clip is done get this long to write their file before they are cancelled.
 STORE_GRACE_S = 10.0
 # How long a repeated POST waits for the job its Idempotency-Key names to be recorded (by another replica).
@@ -160,8 +159,13 @@ class VideoJobs:
 
     async def _store(self, app: web.Application, job: VideoJob, event: Completed) -> None:
         store = self.store
+        file: dict = {}
         try:
-            clip = await run_encoder(app, encode_video, event.image, job.fps, "mp4", store.directory, event.audio)
+            if job.audio_format is not None:  # a sound job (daemon/audio_jobs.py)
+                clip = await run_encoder(app, encode_sound, completed_sound(event), job.audio_format)
+                file = {"seconds": f"{clip.samples / clip.sample_rate:g}", "sample_rate": clip.sample_rate}
+            else:
+                clip = await run_encoder(app, encode_video, event.image, job.fps, "mp4", store.directory, event.audio)
         except OSError as exc:  # its staging file (in the store's folder) found no room
             log.error("video job %s: cannot encode into %s: %s", job.id, store.directory, exc)
             code = "storage_full" if exc.errno == errno.ENOSPC else "storage_error"
@@ -177,7 +181,7 @@ class VideoJobs:
         except QuotaFull as exc:
             store.end(job, "failed", exc.quota, f"tenant {job.owner}: quota {exc.quota} reached ({exc})")
             return
-        done = store.completion(job, clip.format, clip.fallback)
+        done = store.completion(job, clip.format, getattr(clip, "fallback", None), **file)
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(app[ENCODERS], write_video, store.directory, done, clip.data)
@@ -259,7 +263,7 @@ async def videos_ctx(app: web.Application) -> AsyncIterator[None]:
             await asyncio.to_thread(shutil.rmtree, directory, True)
 
 
-def _public(request: web.Request, job: VideoJob) -> dict:
+def public_job(request: web.Request, job: VideoJob) -> dict:
     """The video object, with `url` once completed: its file at a signed URL that needs no API key
     (daemon/files.py), valid until the job expires."""
     out = job.public()
@@ -294,12 +298,12 @@ async def file_content(request: web.Request) -> web.StreamResponse:
     files, file_id = request.app[FILES], request.match_info["id"]
     expires, signature = request.query.get("expires", ""), request.query.get("signature", "")
     gone = ApiError(404, "no such file, or its URL expired or was not signed here", code="not_found")
-    if file_id.startswith("video_"):
+    if file_id.startswith(("video_", "audio_")):
         job = await find_job(request.app, file_id) if files.valid(file_id, expires, signature) else None
         path = request.app[VIDEOS].store.path(job) if job is not None else None
         if job is None or path is None or not path.is_file():
             raise gone
-        media, until = MEDIA_TYPES[job.format], job.expires_at or 0
+        media, until = MEDIA[job.format], job.expires_at or 0
     else:
         entry = files.lookup(file_id, expires, signature)
         if entry is not None:
@@ -340,9 +344,10 @@ async def _create_video(
     engine = state.require_engine()
     caps = engine.adapter.capabilities
     if caps.modality != "video":
+        route = "/v1/audio/generations" if caps.modality == "audio" else "/v1/images/generations"
         raise ApiError(
             400,
-            f"the model served here ({state.model_id}) makes images: use POST /v1/images/generations",
+            f"the model served here ({state.model_id}) makes {caps.modality}: use POST {route}",
             param="model",
             code="unsupported_model",
         )
@@ -360,26 +365,62 @@ async def _create_video(
             )
         await check_images(request, {"input_reference": reference})
     resolved = resolve_video(engine, body, reference)
-    tenant = tenant_of(request)
     rid = uuid.uuid4().hex
+    return await admit_once(request, digest, f"video_{rid}", lambda: _new_job(request, resolved, rid, body))
+
+
+async def admit_once(
+    request: web.Request, digest: str, job_id: str, admit: Callable[[], Awaitable[web.Response]]
+) -> web.Response:
+    """`admit()` the job `job_id`, unless the job database knows the request's Idempotency-Key: then the job the
+    first request with it made. The key is kept with the jobs: a retry that reaches another replica, or comes after a
+    restart, finds it."""
     db, key = request.app.get(JOB_DB), request.headers.get(HEADER)
     if db is None or key is None:
-        return await _new_job(request, resolved, rid, body)
-    # The key is kept with the jobs too: a retry that reaches another replica, or comes after a restart, finds it.
-    first = await db.remember_key(tenant.name, request.path, key, digest, f"video_{rid}", WINDOW_S)
-    if first[1] != f"video_{rid}":
+        return await admit()
+    tenant = tenant_of(request)
+    first = await db.remember_key(tenant.name, request.path, key, digest, job_id, WINDOW_S)
+    if first[1] != job_id:
         return await _replayed(request, key, digest, *first)
     try:
-        return await _new_job(request, resolved, rid, body)
+        return await admit()
     except BaseException:
-        db.forget_key(tenant.name, request.path, key, f"video_{rid}")
+        db.forget_key(tenant.name, request.path, key, job_id)
         raise
 
 
 async def _new_job(request: web.Request, resolved: SamplingParams, rid: str, body: VideoCreateRequest) -> web.Response:
+    assert resolved.num_frames is not None and resolved.fps is not None and resolved.seed is not None
+    job = VideoJob(
+        id=f"video_{rid}",
+        request_id=rid,
+        created_at=0,
+        model=request.app[STATE].model_id,
+        prompt=resolved.prompt,
+        size=f"{resolved.width}x{resolved.height}",
+        seconds=f"{resolved.num_frames / resolved.fps:g}",
+        num_frames=resolved.num_frames,
+        fps=resolved.fps,
+        seed=resolved.seed,
+    )
+    return await admit_job(request, job, resolved, body.priority, cacheable=body.seed is not None,
+                           deadline_ms=body.deadline_ms)  # fmt: skip
+
+
+async def admit_job(
+    request: web.Request,
+    job: VideoJob,
+    resolved: SamplingParams,
+    priority: int | None,
+    *,
+    cacheable: bool,
+    deadline_ms: int | None,
+) -> web.Response:
+    """A new job admitted: room made for it in the store (429/507 when there is none), its record written before it
+    is queued (a job the client hears of is never lost), its task started; the job object answered."""
     state, jobs, tenant = request.app[STATE], request.app[VIDEOS], tenant_of(request)
     engine = state.require_engine()
-    priority = resolve_priority(state, tenant, body.priority)
+    job.priority, job.owner = resolve_priority(state, tenant, priority), tenant.name
     try:
         jobs.store.make_room_for(tenant.name, tenant.max_stored_jobs)
     except StoreFull as exc:
@@ -389,35 +430,19 @@ async def _new_job(request: web.Request, resolved: SamplingParams, rid: str, bod
     try:
         free = free_bytes(jobs.store.directory)  # one statfs call
     except OSError as exc:
-        free, why = 0, f"the video store cannot be read ({exc.strerror or exc})"
+        free, why = 0, f"the store cannot be read ({exc.strerror or exc})"
     else:
-        why = f"the video store's disk has {free} bytes free"
+        why = f"the job store's disk has {free} bytes free"
     if free < MIN_FREE_BYTES:
-        raise ApiError(
-            507, f"{why}; no new video jobs until there is room", type="server_error", code="insufficient_storage"
-        )
-    assert resolved.num_frames is not None and resolved.fps is not None and resolved.seed is not None
-    job = VideoJob(
-        id=f"video_{rid}",
-        request_id=rid,
-        created_at=int(jobs.store.clock()),
-        model=state.model_id,
-        prompt=resolved.prompt,
-        size=f"{resolved.width}x{resolved.height}",
-        seconds=f"{resolved.num_frames / resolved.fps:g}",
-        num_frames=resolved.num_frames,
-        fps=resolved.fps,
-        seed=resolved.seed,
-        owner=tenant.name,
-        priority=priority,
-    )
+        raise ApiError(507, f"{why}; no new jobs until there is room", type="server_error", code="insufficient_storage")
+    job.created_at = int(jobs.store.clock())
     db = request.app.get(JOB_DB)
     if db is not None:  # written before it is admitted: a job the client hears of is never lost
         await db.put(job.id, tenant.name, job.status, msgspec.json.encode(resolved), msgspec.json.encode(job))
     try:
         (handle,) = queue_requests(
-            engine, state, [resolved], tenant=tenant, checked=True, ids=[rid], priority=priority,
-            cacheable=body.seed is not None, deadline_ms=body.deadline_ms,
+            engine, state, [resolved], tenant=tenant, checked=True, ids=[job.request_id], priority=job.priority,
+            cacheable=cacheable, deadline_ms=deadline_ms,
         )  # fmt: skip
     except BaseException:
         if db is not None:
@@ -425,7 +450,7 @@ async def _new_job(request: web.Request, resolved: SamplingParams, rid: str, bod
         raise
     jobs.store.add(job)
     jobs.start(request.app, job, handle)
-    return _json(_public(request, job))
+    return json_response(public_job(request, job))
 
 
 async def _replayed(request: web.Request, key: str, digest: str, first_digest: str, job_id: str) -> web.Response:
@@ -450,7 +475,7 @@ async def _replayed(request: web.Request, key: str, digest: str, first_digest: s
             param=HEADER,
             code="idempotency_key_retry",
         )
-    response = _json(_public(request, job))
+    response = json_response(public_job(request, job))
     response.headers[REPLAYED] = "true"
     return response
 
@@ -470,99 +495,5 @@ async def find_job(app: web.Application, job_id: str) -> VideoJob | None:
     return msgspec.json.decode(row[1], type=VideoJob)
 
 
-async def _get_job(request: web.Request) -> VideoJob:
-    job_id = request.match_info["id"]
-    job = await find_job(request.app, job_id)
-    if job is None or job.owner != request[TENANT]:  # another tenant's job is as unknown as one never made
-        raise ApiError(
-            404,
-            f"no video job {job_id!r} (unknown, deleted, expired or evicted)",
-            param="video_id",
-            code="not_found",
-        )
-    return job
-
-
-async def retrieve_video(request: web.Request) -> web.Response:
-    return _json(_public(request, await _get_job(request)))
-
-
-async def video_content(request: web.Request) -> web.StreamResponse:
-    job = await _get_job(request)
-    variant = request.query.get("variant", "video")
-    if variant != "video":
-        raise ApiError(400, f"variant {variant!r} is not made here; only 'video' is", param="variant")
-    path = request.app[VIDEOS].store.path(job)
-    if path is None or not path.is_file():
-        raise ApiError(
-            409,
-            f"video {job.id} is {job.status}; its file exists once it is completed",
-            param="video_id",
-            code="video_not_ready" if not job.finished else "video_not_available",
-        )
-    assert job.format is not None
-    return web.FileResponse(path, headers={"Content-Type": MEDIA_TYPES[job.format]})
-
-
-async def list_videos(request: web.Request) -> web.Response:
-    query = request.query
-    try:
-        limit = int(query.get("limit", LIST_LIMIT[0]))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= LIST_LIMIT[1]:
-        raise ApiError(400, f"limit must be an integer from 1 to {LIST_LIMIT[1]}", param="limit")
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise ApiError(400, f"order must be asc or desc; got {order!r}", param="order")
-    jobs = await _listing(request.app, request[TENANT])  # in creation order
-    if order == "desc":
-        jobs.reverse()
-    start = 0
-    if "after" in query:
-        ids = [j.id for j in jobs]
-        if query["after"] not in ids:
-            raise ApiError(400, f"after: no video job {query['after']!r}", param="after")
-        start = ids.index(query["after"]) + 1
-    page = jobs[start : start + limit]
-    return _json(
-        {
-            "object": "list",
-            "data": [_public(request, j) for j in page],
-            "first_id": page[0].id if page else None,
-            "last_id": page[-1].id if page else None,
-            "has_more": start + limit < len(jobs),
-        }
-    )
-
-
-async def delete_video(request: web.Request) -> web.Response:
-    """Forgets the job at once and removes its file; a job still running is cancelled, and the answer waits (up to
-    DELETE_WAIT_S) for it to stop at its next step boundary."""
-    job = await _get_job(request)
-    videos = request.app[VIDEOS]
-    if videos.store.remove(job.id) is None and (db := request.app.get(JOB_DB)) is not None:
-        # Another replica's (a shared database): its record and files go here; if it runs the job, it finds its
-        # lease gone at its next renewal and stops it.
-        await db.delete(job.id)
-        videos.store.discard_files(job)
-    task = videos.tasks.get(job.id)
-    engine = request.app[STATE].engine
-    if task is not None:
-        if engine is not None:
-            engine.cancel(job.request_id)
-        await asyncio.wait([task], timeout=DELETE_WAIT_S)  # never cancels the task itself
-    return _json({"id": job.id, "object": "video.deleted", "deleted": True})
-
-
-async def _listing(app: web.Application, tenant: str) -> list[VideoJob]:
-    videos, db = app[VIDEOS], app.get(JOB_DB)
-    if db is None or not db.shared:
-        return [j for j in videos.store.listing() if j.owner == tenant]
-    here = {i: videos.store.jobs[i] for i in videos.tasks if i in videos.store.jobs and i not in videos.lost}
-    records = [msgspec.json.decode(raw, type=VideoJob) for raw in await db.listing(tenant)]
-    return [here.get(j.id, j) for j in records]
-
-
-def _json(data: dict) -> web.Response:
+def json_response(data: dict) -> web.Response:
     return web.json_response(data, dumps=lambda o: msgspec.json.encode(o).decode())

@@ -187,6 +187,10 @@ async def test_sound_comes_back_as_wav_or_flac(serve, tiny_stable_audio):
     async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
         events = await stream(session, server, body)
         flac = await stream(session, server, {**body, "audio_format": "flac"})
+        by_url = await stream(session, server, {**body, "response_format": "url"})
+        async with session.get(by_url[-1][1]["audio"]["url"]) as resp:
+            assert resp.status == 200 and resp.headers["Content-Type"] == "audio/wav"
+            kept = await resp.read()
         async with session.post(f"{server.base_url}/v1/generations", json={**body, "video_format": "mp4"}) as resp:
             assert resp.status == 400 and (await resp.json())["error"]["param"] == "video_format"
     name, data = events[-1]
@@ -198,6 +202,7 @@ async def test_sound_comes_back_as_wav_or_flac(serve, tiny_stable_audio):
     assert sound.sample_rate == data["audio"]["sample_rate"] and sound.samples.shape == reference.shape
     assert float(np.abs(sound.samples - np.clip(reference, -1, 1)).max()) <= 2 / 32767
     assert flac[-1][1]["audio"]["format"] == "flac" and base64.b64decode(flac[-1][1]["audio"]["b64"])[:4] == b"fLaC"
+    assert kept == base64.b64decode(data["audio"]["b64"])  # a file served by its signed URL (it was a 500)
 
 
 @pytest.mark.asyncio

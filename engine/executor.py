@@ -44,7 +44,7 @@ from diffusiond.engine.wire import StepPlan
 from diffusiond.kernels.collectives import CommError
 from diffusiond.models.base import ModelAdapter, RequestState
 from diffusiond.models.inputs import DECODED_INPUTS
-from diffusiond.models.params import SamplingParams
+from diffusiond.models.params import ParamError, SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -430,8 +430,8 @@ class Executor:
             raise GroupFault(f"rank {self.rank}: its GPU failed while {stage}; the device must be reset") from exc
         log.error("rank %d: request %s failed while %s", self.rank, request_id, stage, exc_info=exc)
         self.states.pop(request_id, None)
-        if self.driver:
-            result.failed[request_id] = public_error(request_id, stage)
+        if self.driver:  # a parameter the model refused only once it ran (a pipeline's own checks) says why
+            result.failed[request_id] = str(exc) if isinstance(exc, ParamError) else public_error(request_id, stage)
 
     def _done(self, result: ExecResult) -> ExecResult:
         result.timings = self.timer.collect()

@@ -156,6 +156,12 @@ def tiny_flux_modular(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux3_klein(tmp_path_factory) -> str:
+    """FLUX.3 [klein] as its Modular pipeline (Flux3ModularPipeline): a prompt upsampler before the text encoder."""
+    return str(build_tiny("flux3-klein", tmp_path_factory.mktemp("tiny") / "flux3-klein"))
+
+
+@pytest.fixture(scope="session")
 def tiny_kandinsky6(tmp_path_factory) -> str:
     """Kandinsky 6's layout: video with sound, on the generic path."""
     return str(build_tiny("kandinsky6", tmp_path_factory.mktemp("tiny") / "kandinsky6"))

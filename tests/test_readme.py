@@ -270,6 +270,11 @@ def test_make_tiny_example(tmp_path):
     result = run(command.replace("/tmp/tiny-sd3", str(tmp_path / "tiny-sd3")), tmp_path)
     assert result.returncode == 0, result.stderr.decode()
     assert (tmp_path / "tiny-sd3" / "model_index.json").exists()
+    # A family of the generic path, which fits no preview file (it exited 1 after writing the folder)
+    generic = command.replace("sd3", "sd15").replace("/tmp/tiny-sd15", str(tmp_path / "tiny-sd15"))
+    result = run(generic, tmp_path)
+    assert result.returncode == 0, result.stderr.decode()
+    assert (tmp_path / "tiny-sd15" / "model_index.json").exists()
 
 
 @pytest.mark.slow

@@ -25,15 +25,15 @@ import msgspec
 import numpy as np
 import torch
 
-from diffusiond.models import preview as preview_maps
-from diffusiond.models.base import Capabilities, ModelAdapter, RequestState
+from diffusiond.models.base import ModelAdapter, RequestState
 from diffusiond.models.declared import check_declared, read_declared
 from diffusiond.models.families.specs import GENERIC
 from diffusiond.models.generic.calls import Call, own_copy, running
-from diffusiond.models.generic.outputs import output_row, sample_rate, to_numpy
-from diffusiond.models.generic.signature import OURS, PER_PROMPT, RESERVED, CallSpec
+from diffusiond.models.generic.capabilities import capabilities_of, preview_map
+from diffusiond.models.generic.outputs import output_row, to_numpy
+from diffusiond.models.generic.signature import OURS, PER_PROMPT, CallSpec
 from diffusiond.models.inputs import open_mask, open_rgb
-from diffusiond.models.params import MAX_FRAMES, MAX_GUIDANCE, MAX_PROMPT_CHARS, MAX_SEED, ParamError, SamplingParams
+from diffusiond.models.params import MAX_GUIDANCE, MAX_PROMPT_CHARS, MAX_SEED, ParamError, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,8 @@ class GenericAdapter(ModelAdapter):
         self.device = module.device if module is not None else torch.device("cpu")
         self.dtype = module.dtype if module is not None else torch.float32
         self.declared = read_declared(source)
-        self.latent_rgb = self._preview_map()
-        self.capabilities = self._capabilities()
+        self.latent_rgb = preview_map(pipe, source, self.device)
+        self.capabilities = capabilities_of(pipe, call, self.declared, dtype=self.dtype, device=self.device)
         # request id -> its place in a call (while its call runs).
         self.rows: dict[str, CallRow] = {}
         if not call.modular:
@@ -98,62 +98,6 @@ class GenericAdapter(ModelAdapter):
 
     # ---- what it serves ----
 
-    def _capabilities(self) -> Capabilities:
-        call, d = self.call, self.declared
-        width, height = self._default_size()
-        frames = call.default("num_frames")
-        caps = Capabilities(
-            family="generic",
-            pipeline_class=self.pipeline_class,
-            default_width=d.width or width,
-            default_height=d.height or height,
-            default_steps=d.num_inference_steps or int(call.default("num_inference_steps") or 50),
-            default_guidance=float(
-                d.guidance_scale if d.guidance_scale is not None else _number(call, "guidance_scale")
-            ),
-            size_multiple=int(getattr(self.pipe, "vae_scale_factor", 8) or 8),
-            max_side=4096,
-            supports_negative_prompt=call.takes("negative_prompt"),
-            dtype=str(self.dtype).removeprefix("torch."),
-            device=str(self.device),
-            sizes=tuple(tuple(s) for s in d.sizes) if d.sizes else None,
-            steps=d.steps,
-            guidance=d.guidance,
-            vocabulary=d.vocabulary,
-            draws=d.draws,
-            name=d.name,
-            image_inputs=call.image_inputs,
-            modality=call.modality,
-            mode="generic",
-            fields=tuple(call.settable()),
-        )
-        if call.modality == "video":
-            fps = call.default("frame_rate") or call.default("fps") or 16
-            caps = _replace(
-                caps,
-                default_num_frames=int(frames) if isinstance(frames, int) else 1,
-                max_num_frames=MAX_FRAMES,
-                frame_step=1,
-                default_fps=int(fps),
-            )
-        rate = sample_rate(self.pipe)
-        if rate is not None and call.modality in ("video", "audio"):
-            caps = _replace(caps, audio_sample_rate=rate)
-        return caps
-
-    def _default_size(self) -> tuple[int, int]:
-        width, height = self.call.default("width"), self.call.default("height")
-        if isinstance(width, int) and isinstance(height, int):
-            return width, height
-        side = getattr(self.pipe, "default_sample_size", None)
-        unet = getattr(self.pipe, "unet", None)
-        if side is None and unet is not None:
-            side = getattr(unet.config, "sample_size", None)
-        scale = getattr(self.pipe, "vae_scale_factor", None)
-        if isinstance(side, int) and isinstance(scale, int):
-            return side * scale, side * scale
-        return 0, 0
-
     # ---- requests ----
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
@@ -178,11 +122,11 @@ class GenericAdapter(ModelAdapter):
             if call.argument_of(name) is None:
                 raise ParamError(name, f"{self.pipeline_class}'s call takes no {name}; it takes: {_listed(call)}")
         for name, value in (params.arguments or {}).items():
-            if name in RESERVED or not call.takes(name):
+            if not call.may_set(name):
                 raise ParamError("arguments", f"{self.pipeline_class}'s call takes no argument {name!r} from a request")
             _check_argument(name, value)
         for name in params.images or {}:
-            if name in RESERVED or not call.takes(name):
+            if not call.may_set(name):
                 raise ParamError("images", f"{self.pipeline_class}'s call takes no image {name!r}")
         steps = params.num_inference_steps or self.capabilities.default_steps
         seed = params.seed
@@ -196,7 +140,14 @@ class GenericAdapter(ModelAdapter):
                 raise ParamError(name, f"{name} must be between 0 and {MAX_GUIDANCE:g}, got {value}")
         resolved = msgspec.structs.replace(params, seed=seed, num_inference_steps=steps, start_step=0)
         caps = self.capabilities
-        if call.takes("width") and call.takes("height") and caps.default_width and caps.default_height:
+        from_image = params.image is not None and call.default("width") is None  # its call sizes it as the image
+        if (
+            call.takes("width")
+            and call.takes("height")
+            and caps.default_width
+            and caps.default_height
+            and not from_image
+        ):
             # The pipeline's own default where the request sends none (its call would compute the same).
             resolved = msgspec.structs.replace(
                 resolved, width=params.width or caps.default_width, height=params.height or caps.default_height
@@ -206,6 +157,11 @@ class GenericAdapter(ModelAdapter):
             resolved = msgspec.structs.replace(
                 resolved, num_frames=frames, fps=params.fps or self.capabilities.default_fps
             )
+        if call.modular:  # its blocks check inside the call; a classic pipeline's check_inputs below
+            for name in ("width", "height"):
+                value = getattr(resolved, name)
+                if value is not None and value % caps.size_multiple:
+                    raise ParamError(name, f"{name} must be a multiple of {caps.size_multiple}; got {value}")
         self._check_inputs(resolved)
         return resolved
 
@@ -305,9 +261,13 @@ class GenericAdapter(ModelAdapter):
             kwargs["output_type"] = "np"
         pipe, spec = self.pipe, self.call
 
+        settings = {name: kwargs.pop(name) for name in spec.guider if name in kwargs}
+
         def run(call: Call) -> Any:
             mine = own_copy(pipe)
             call.pipe = mine
+            for name, value in settings.items():  # on this call's own guider (own_copy's)
+                setattr(mine.guider, name, value)
             if spec.modular:
                 return mine(**kwargs)
             if spec.steps == "callback_on_step_end":
@@ -402,31 +362,6 @@ class GenericAdapter(ModelAdapter):
             if not call.live and not call.done:
                 call.close()
 
-    def _preview_map(self) -> preview_maps.LatentRGB | None:
-        """A map written beside the checkpoint, or published factors for the VAE it recognises, or one fitted
-        against a 2-D AutoencoderKL now; None for a VAE of another kind."""
-        if os.path.isdir(self.source):
-            fitted = preview_maps.load_preview_factors(self.source)
-            if fitted is not None:
-                return fitted
-        vae = getattr(self.pipe, "vae", None)
-        config = getattr(vae, "config", None)
-        channels = getattr(config, "latent_channels", None)
-        if not isinstance(channels, int) or not hasattr(config, "scaling_factor") or not hasattr(vae, "decoder"):
-            return None
-        published = preview_maps.recognised(config)
-        if published is not None and len(published.factors) == channels:
-            return published
-        if any(p.dim() == 5 for p in vae.parameters()):
-            return None
-        shift = getattr(config, "shift_factor", None) or 0.0
-
-        def decode(z: torch.Tensor) -> torch.Tensor:
-            return vae.decode((z / config.scaling_factor + shift).to(vae.dtype), return_dict=False)[0][:, :3]
-
-        scale = getattr(self.pipe, "vae_scale_factor", 8)
-        return preview_maps.fit_decoder(decode, channels, scale, device=self.device, dtype=vae.dtype)
-
 
 def _first_forward(module: Any, args: Any) -> None:
     """A denoiser's forward pre-hook: a call about to run its first step gives control back (its `prepare` is
@@ -485,16 +420,5 @@ def _check_argument(name: str, value: Any) -> None:
         raise ParamError("arguments", f"argument {name!r} must be a finite number")
 
 
-def _number(call: CallSpec, name: str) -> float:
-    value = call.default(name)
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
-
-
 def _listed(call: CallSpec) -> str:
     return ", ".join(call.settable()) or "nothing but the prompt"
-
-
-def _replace(caps: Capabilities, **changes: Any) -> Capabilities:
-    import dataclasses
-
-    return dataclasses.replace(caps, **changes)

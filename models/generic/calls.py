@@ -27,12 +27,19 @@ from typing import Any
 import torch
 from greenlet import GreenletExit, getcurrent, greenlet
 
+from diffusiond.models.params import ParamError
+
 # Which call runs in each greenlet (the hooks on shared modules look their call up here).
 _RUNNING: dict[Any, Call] = {}
 
 
 class CallFailed(RuntimeError):
     """The pipeline's call raised; `__cause__` is what it raised."""
+
+
+class CallRefused(ParamError):
+    """The pipeline's call refused its arguments before its first step (a ValueError of its own checks: a Modular
+    pipeline's blocks check inside the call): its message is the client's."""
 
 
 def own_copy(pipe: Any) -> Any:
@@ -114,7 +121,9 @@ class Call:
             try:
                 value = self.greenlet.switch()
             except Exception as exc:
-                self.phase, self.error = "failed", exc
+                starting, self.phase, self.error = self.phase == "starting", "failed", exc
+                if starting and type(exc) is ValueError:
+                    raise CallRefused("request", f"the pipeline refused the request: {exc}") from exc
                 raise CallFailed(f"the pipeline's call failed: {exc}") from exc
         if self.greenlet.dead:
             self.phase, self.output = "done", value

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from diffusiond.models.generic.calls import running
-from diffusiond.models.generic.signature import CallSpec, classic_spec, modular_spec
+from diffusiond.models.generic.signature import RENAMES, CallSpec, classic_spec, modular_spec
+from diffusiond.models.params import CLIENT_FIELDS
 
 MODULAR_INDEX = "modular_model_index.json"
 
@@ -73,12 +74,42 @@ def _load_modular(cls: type, path: str, device: str, dtype: torch.dtype) -> Any:
         raise NoStepCallback(f"{type(pipe).__name__} has no denoise loop (LoopSequentialPipelineBlocks)")
     for loop in loops:
         _hook_loop(loop)
-    inputs = {p.name: p.default for p in pipe._blocks.inputs if p.name is not None}
+        loop.set_progress_bar_config(disable=True)  # each loop has its own bar: the pipeline's setting is not theirs
+    blocks = pipe._blocks
+    inputs = {p.name: p.default for p in blocks.inputs if p.name is not None}
     class_name = json.loads((Path(path) / "modular_model_index.json").read_text()).get(
         "_class_name", type(pipe).__name__
     )
     modality = "video" if "num_frames" in inputs else "image"
-    return cls(pipe, source=path, call=modular_spec(class_name, inputs, modality))
+    # Guidance in the guider's settings (FLUX.3's ClassifierFreeGuidance): a request's guidance_scale goes there.
+    guider = getattr(pipe, "guider", None)
+    settings = ()
+    if "guidance_scale" not in inputs and isinstance(getattr(guider, "guidance_scale", None), int | float):
+        inputs["guidance_scale"], settings = float(guider.guidance_scale), ("guidance_scale",)
+    defaults = _branch_defaults(blocks)
+    width, height = defaults.get("width"), defaults.get("height")
+    size = (width, height) if isinstance(width, int) and isinstance(height, int) else None
+    spec = modular_spec(class_name, inputs, modality, computed=_computed(blocks), guider=settings, size=size)
+    return cls(pipe, source=path, call=spec)
+
+
+def _branch_defaults(block: Any) -> dict[str, Any]:
+    """Each input's first default among the blocks and their branches: the auto blocks' merged inputs drop a default
+    their branches disagree on (FLUX.3's size: 1024 from text, the reference's own from an image)."""
+    found = {p.name: p.default for p in getattr(block, "inputs", ()) if p.name is not None and p.default is not None}
+    for sub in (getattr(block, "sub_blocks", None) or {}).values():
+        for name, value in _branch_defaults(sub).items():
+            found.setdefault(name, value)
+    return found
+
+
+def _computed(block: Any) -> frozenset[str]:
+    """What the blocks compute (their intermediate outputs), but what a request's own fields set (its prompt, which a
+    prompt upsampler rewrites; its size, which an image-conditioned branch reads from the image)."""
+    names = {o.name for o in getattr(block, "intermediate_outputs", ()) if getattr(o, "name", None)}
+    for sub in (getattr(block, "sub_blocks", None) or {}).values():
+        names |= _computed(sub)
+    return frozenset(names - CLIENT_FIELDS - set(RENAMES.values()))
 
 
 def _loops(block: Any) -> list[Any]:

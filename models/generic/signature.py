@@ -61,6 +61,12 @@ class CallSpec:
     # The output's fields, in the order they are looked for.
     outputs: tuple[str, ...] = ("images", "frames", "videos", "audios", "audio")
     image_inputs: tuple[str, ...] = field(default=())
+    # A Modular pipeline's inputs its own blocks compute (latents of a reference image, its crop): never a request's.
+    computed: frozenset[str] = frozenset()
+    # Settings of its guider a request may change (a Modular pipeline's guidance lives there, not in its inputs).
+    guider: tuple[str, ...] = ()
+    # Its default size where the call's inputs say none for every branch (a Modular text-to-image branch's).
+    size: tuple[int, int] | None = None
 
     def takes(self, name: str) -> bool:
         return name in self.defaults
@@ -76,9 +82,13 @@ class CallSpec:
                 return name
         return None
 
+    def may_set(self, name: str) -> bool:
+        """Whether a request may set `name` in `arguments` (a JSON value) or `images` (a file)."""
+        return name in self.defaults and name not in RESERVED and name not in self.computed and name[:1] != "_"
+
     def settable(self) -> list[str]:
-        """What a request may add in `arguments` (JSON values) and `images` (files), by name."""
-        return sorted(n for n in self.defaults if n not in RESERVED and not n.startswith("_"))
+        """What a request may add in `arguments` and `images`, by name."""
+        return sorted(n for n in self.defaults if self.may_set(n))
 
 
 def classic_spec(pipeline_cls: type) -> CallSpec | None:
@@ -101,10 +111,11 @@ def classic_spec(pipeline_cls: type) -> CallSpec | None:
     return CallSpec(pipeline_cls.__name__, defaults, steps, modality, image_inputs=image_inputs(defaults, modality))
 
 
-def modular_spec(class_name: str, inputs: Mapping[str, Any], modality: str = "image") -> CallSpec:
-    """A Modular pipeline's spec from its blocks' inputs (name -> default)."""
+def modular_spec(class_name: str, inputs: Mapping[str, Any], modality: str = "image", **more: Any) -> CallSpec:
+    """A Modular pipeline's spec from its blocks' inputs (name -> default); `more`: CallSpec's `computed`, `guider`,
+    `size`."""
     images = image_inputs(inputs, modality)
-    return CallSpec(class_name, dict(inputs), "loop", modality, modular=True, image_inputs=images)
+    return CallSpec(class_name, dict(inputs), "loop", modality, modular=True, image_inputs=images, **more)
 
 
 def image_inputs(defaults: Mapping[str, Any], modality: str) -> tuple[str, ...]:

@@ -8,7 +8,7 @@ images at any height/width that is a multiple of 16 (SD3: up to 1024, as pos_emb
 well under a second at 256x256 on a CPU.
 
 The builders live beside this dispatcher, one module per group of families (`images`: SD3, SDXL, FLUX.1; `qwen`,
-`qwen21`, `wan`, `ltx2`, `hunyuan15`; `real`: real-size layouts; `lora`: adapters), on the shared text side
+`qwen21`, `wan`, `ltx2`, `hunyuan15`, `flux3`; `real`: real-size layouts; `lora`: adapters), on the shared text side
 (`text`: tokenizers over a fixed word list, tiny text encoders). Only this module imports them all.
 """
 
@@ -25,6 +25,7 @@ FAMILIES: tuple[str, ...] = (
     "stable-audio",
     "flux-modular",
     "kandinsky6",
+    "flux3-klein",
     "flux",
     "flux-kontext",
     "flux2-klein",
@@ -45,14 +46,14 @@ FAMILIES: tuple[str, ...] = (
     "hunyuan-video-15-i2v",
 )
 # Those no dedicated family serves: the generic path does (models/generic/), on one rank.
-GENERIC_FAMILIES: tuple[str, ...] = ("sd15", "stable-audio", "flux-modular", "kandinsky6")
+GENERIC_FAMILIES: tuple[str, ...] = ("sd15", "stable-audio", "flux-modular", "kandinsky6", "flux3-klein")
 
 
 def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
     """The tiny pipeline for `family`, in memory (fp32, CPU). Same weights as `build_tiny` writes."""
     import torch
 
-    from diffusiond.models.tiny import audio, hunyuan15, images, kandinsky6, ltx2, qwen, qwen21, wan
+    from diffusiond.models.tiny import audio, flux3, hunyuan15, images, kandinsky6, ltx2, qwen, qwen21, wan
 
     builders = {
         "sd3": images.build_sd3,
@@ -67,6 +68,9 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
         "flux-modular": images.build_flux_modular,
         # Kandinsky 6: video with sound (a Qwen2.5-VL processor, HunyuanVideo's VAE, MMAudio's VAE and vocoder).
         "kandinsky6": kandinsky6.build_kandinsky6,
+        # FLUX.3 [klein] as its Modular pipeline: a Qwen3.5 prompt upsampler, a Qwen3-VL text encoder (their
+        # processors need torchvision), FLUX.2's VAE, a CFG guider.
+        "flux3-klein": flux3.build_flux3klein,
         "flux": images.build_flux,
         "flux-kontext": images.build_kontext,
         "z-image": qwen.build_zimage,

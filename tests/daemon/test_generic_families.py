@@ -1,10 +1,10 @@
 """Each family make-tiny builds for the generic path, behind a live server (tests/daemon/test_generic_http.py does
-SD 1.5): three native streams started a step apart (mixed prompts, seeds, negative prompts, step counts) each equal
-the pipeline's own call (sound within 2/32767 as WAV, frames within 2/255 as lossless WebP, images within 2/255 as
-PNG), with progress (and previews where the latents it hands out are a map we read: neither Stable Audio's 1-D sound
-latents nor Kandinsky 6's 3-D VAE, which no published map covers, give any); a DELETE ends the call at
-the next step; on a one-slot server a higher class overtakes a running call, which resumes to the output it would
-have made."""
+SD 1.5): Stable Audio Open, Kandinsky 6, FLUX.3 [klein] (its Modular pipeline). Three native streams started a step
+apart (mixed prompts, seeds, negative prompts, step counts) each equal the pipeline's own call (sound within 2/32767
+as WAV, frames within 2/255 as lossless WebP, images within 2/255 as PNG), with progress (previews come where the
+latents a call hands out are a map we read: not Stable Audio's 1-D sound latents, Kandinsky 6's 3-D VAE, which no
+published map covers, nor FLUX.3's packed tokens); a DELETE ends the call at the next step; on a one-slot server a
+higher class overtakes a running call, which resumes to the output it would have made."""
 
 from __future__ import annotations
 
@@ -123,6 +123,16 @@ FAMILIES = {
         decode_frames,
         2,
         VIDEO,
+        serve={"max_pixels": 64 * 64},
+    ),
+    # Its prompt upsampler's caption bounded to 4 tokens (a random upsampler writes hundreds before its end token).
+    "flux3-klein": Family(
+        "tiny_flux3_klein",
+        load_modular,
+        image_of,
+        decode_png,
+        2,
+        {"width": 64, "height": 64, "arguments": {"max_new_tokens": 4}},
         serve={"max_pixels": 64 * 64},
     ),
 }

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffusiond.models.base import RequestState, UnsupportedLayout
+from diffusiond.models.base import RequestState
 from diffusiond.models.families import specs
 from diffusiond.models.flowmatch.adapter import FlowMatchAdapter
 from diffusiond.models.flowmatch.images import ImageStart
@@ -35,14 +35,7 @@ class SDXLAdapter(FlowMatchAdapter):
             # SDXL's VAE overflows in float16 (NaN images): its pipeline decodes in float32 whenever the config says
             # `force_upcast`; here it stays in float32 (a few hundred MB), the UNet in float16.
             pipe.vae.to(torch.float32)
-        super().__init__(pipe, source=source, lazy=lazy)
-        order = getattr(pipe.scheduler, "order", 1)
-        if order != 1:
-            # Heun, KDPM2: 2 forwards per step over duplicated timesteps; every step count here is one forward.
-            raise UnsupportedLayout(
-                f"{type(pipe.scheduler).__name__} is a second-order scheduler (two UNet forwards per step), which "
-                "diffusiond does not run yet; pick Euler, Euler ancestral, DPM++ 2M or UniPC in scheduler_config.json"
-            )
+        super().__init__(pipe, source=source, lazy=lazy)  # a second-order scheduler: models/flowmatch/sampler.py
 
     def _request_rules(self, caps: Any, declared: Any, **parts: Any) -> RequestRules:
         # Its UNets with a guidance embedding are LCM distillations: no negative branch.

@@ -34,7 +34,7 @@ from diffusiond.models.flowmatch.images import ImageStart
 from diffusiond.models.flowmatch.prompts import Prompts
 from diffusiond.models.flowmatch.ranks import RankWiring
 from diffusiond.models.flowmatch.requests import RequestRules
-from diffusiond.models.flowmatch.sampler import FlowMatchSampler, step_batch
+from diffusiond.models.flowmatch.sampler import FlowMatchSampler, check_order, step_batch
 from diffusiond.models.loading.lazy_weights import LazyWeights
 from diffusiond.models.loading.pipelines import load_pipeline
 from diffusiond.models.loading.registry import attention_heads
@@ -70,8 +70,8 @@ class FlowMatchAdapter(ModelAdapter):
     _stages: Any = None  # kernels/offload.StageOffload with `model` offload
 
     def __init__(self, pipe: Any, *, source: str, lazy: dict[str, LazyWeights] | None = None) -> None:
-        self.pipe = pipe
-        self.source = source
+        check_order(pipe.scheduler)
+        self.pipe, self.source = pipe, source
         self.transformer = getattr(pipe, self.denoiser)  # named so whatever it is (a UNet for UNet families)
         # Every denoiser the steps run (Wan 2.2 A14B has two experts): what quantization and attention change.
         self.experts: tuple[Any, ...] = self._experts()

@@ -18,6 +18,19 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
 
+def check_order(scheduler: Any) -> None:
+    """UnsupportedLayout for a second-order scheduler (Heun, KDPM2: two forwards per step over duplicated
+    timesteps): every step here is one forward, so its steps would be another schedule's (SD3 with Heun made another
+    image, silently). The loader serves such a checkpoint on the generic path, the pipeline's own call."""
+    from diffusiond.models.base import UnsupportedLayout
+
+    if getattr(scheduler, "order", 1) != 1:
+        raise UnsupportedLayout(
+            f"{type(scheduler).__name__} is a second-order scheduler (two denoiser forwards per step), which the "
+            "family does not run; pick Euler, Euler ancestral, DPM++ 2M or UniPC in scheduler_config.json"
+        )
+
+
 def accepted_step_kwargs(scheduler: Any, **offered: Any) -> dict[str, Any]:
     """Those of `offered` that this scheduler's `step` accepts, as the pipelines' `prepare_extra_step_kwargs` picks
     `eta` and `generator`."""

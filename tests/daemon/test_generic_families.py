@@ -4,7 +4,8 @@ apart (mixed prompts, seeds, negative prompts, step counts) each equal the pipel
 as WAV, frames within 2/255 as lossless WebP, images within 2/255 as PNG), with progress (previews come where the
 latents a call hands out are a map we read: not Stable Audio's 1-D sound latents, Kandinsky 6's 3-D VAE, which no
 published map covers, nor FLUX.3's packed tokens); a DELETE ends the call at the next step; on a one-slot server a
-higher class overtakes a running call, which resumes to the output it would have made."""
+higher class overtakes a running call, which resumes to the output it would have made (bitwise: the same file as
+the request run again, never paused)."""
 
 from __future__ import annotations
 
@@ -237,9 +238,12 @@ async def test_a_higher_class_overtakes_a_running_call(serve, family):
         events = await stream(session, server.base_url, low, send_high)
         order.append("low")
         high_events = await urgent[0]
+        alone = await stream(session, server.base_url, low)  # the same request, never paused
     assert order == ["high", "low"], order
     names = [n for n, _ in events]
     assert "paused" in names and "resumed" in names, names
+    assert "paused" not in [n for n, _ in alone] and not alone[-1][1].get("cached"), alone[-1][1].keys()
     assert high_events[-1][0] == "completed"
     out, expected = spec.decode(events[-1][1]), spec.reference(pipe, low)
     assert float(np.abs(out - expected).max()) <= spec.tolerance
+    assert np.array_equal(out, spec.decode(alone[-1][1]))  # bitwise: the pause changed nothing

@@ -4,8 +4,8 @@
   images (clips) the dedicated adapter gives;
 - a checkpoint of a served class whose layout its family's adapter does not read goes generic at load, with the
   reason logged, and serves what its pipeline makes: a Wan image-to-video transformer with an image embedding but no
-  image key/value projections (it killed the daemon at warm-up before), SDXL with a second-order scheduler, Qwen-Image
-  2.1 with a fixed sampling schedule.
+  image key/value projections (it killed the daemon at warm-up before), SDXL and SD3 with a second-order scheduler
+  (SD3's family made another image with one, silently), Qwen-Image 2.1 with a fixed sampling schedule.
 """
 
 from __future__ import annotations
@@ -78,6 +78,17 @@ def sdxl_heun(tiny_sdxl, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def sd3_heun(tiny_sd3, tmp_path_factory) -> str:
+    """SD3 with FlowMatchHeunDiscreteScheduler (second order): the sd3 family ran it as one forward a step and made
+    another image (0.54 off), silently."""
+    pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
+    pipe.scheduler = diffusers.FlowMatchHeunDiscreteScheduler.from_config(pipe.scheduler.config)
+    out = tmp_path_factory.mktemp("tiny") / "sd3-heun"
+    pipe.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
 def qwen21_fixed_schedule(tiny_qwenimage21, tmp_path_factory) -> str:
     """Qwen-Image 2.1 with a fixed sampling schedule (`sample_sigmas` in its pipeline config)."""
     pipe = diffusers.QwenImage21Pipeline.from_pretrained(tiny_qwenimage21)
@@ -120,6 +131,7 @@ def test_a_wan_i2v_layout_the_family_does_not_read_serves_the_pipeline_s_clips(
     ("fixture", "pipeline", "why"),
     [
         ("sdxl_heun", "StableDiffusionXLPipeline", "second-order"),
+        ("sd3_heun", "StableDiffusion3Pipeline", "second-order"),
         ("qwen21_fixed_schedule", "QwenImage21Pipeline", "sample_sigmas"),
     ],
 )

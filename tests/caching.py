@@ -56,3 +56,32 @@ async def run(adapter, requests: list[SamplingParams], together: bool) -> list[n
         await engine.stop()
     assert all(isinstance(r, Completed) for r in results), results
     return [r.image for r in results]
+
+
+async def run_joining(adapter, first: SamplingParams, later: SamplingParams, after: int = 3) -> list[np.ndarray]:
+    """`first` alone until it has run `after` steps, then `later` joins its batch: their images."""
+    from diffusiond.engine.outputs import Progress
+
+    engine = Engine(adapter, max_batch=8, batch_wait=0.0)
+    await engine.start()
+    try:
+        handle = engine.add_request(first)
+        events = handle.events()
+        async for event in events:
+            if isinstance(event, Progress) and event.step >= after:
+                break
+        joined = engine.add_request(later)
+        results = [await _terminal(events), await joined.result()]
+    finally:
+        await engine.stop()
+    assert all(isinstance(r, Completed) for r in results), results
+    return [r.image for r in results]
+
+
+async def _terminal(events):
+    from diffusiond.engine.outputs import TERMINAL
+
+    async for event in events:
+        if isinstance(event, TERMINAL):
+            return event
+    raise AssertionError("no terminal event")

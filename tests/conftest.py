@@ -122,6 +122,22 @@ def tiny_flux_deep(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwenimage_deep(tmp_path_factory) -> str:
+    """Tiny Qwen-Image with 3 blocks (DBCache's first, middle and last: the text tokens' residual is kept)."""
+    from diffusiond.models.tiny import qwen
+
+    return _deep(lambda: qwen.build_qwenimage(num_layers=3), tmp_path_factory.mktemp("tiny") / "qwen-image-deep")
+
+
+@pytest.fixture(scope="session")
+def tiny_zimage_deep(tmp_path_factory) -> str:
+    """Tiny Z-Image with 4 main layers (DBCache's first, middle and last over the joint sequence)."""
+    from diffusiond.models.tiny import qwen
+
+    return _deep(lambda: qwen.build_zimage(n_layers=4), tmp_path_factory.mktemp("tiny") / "z-image-deep")
+
+
+@pytest.fixture(scope="session")
 def tiny_sd3_stochastic(tiny_sd3, tmp_path_factory) -> str:
     """Tiny SD3 whose scheduler samples with fresh noise at every step (`stochastic_sampling`, as the bundled
     model)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
@@ -26,6 +27,8 @@ from diffusiond.models.flowmatch.requests import RequestRules
 from diffusiond.models.flowmatch.sampler import packed_latent_size, request_generator
 from diffusiond.models.inputs import image_size, open_rgb
 from diffusiond.models.params import ParamError, SamplingParams
+from diffusiond.models.stepcache import forwards
+from diffusiond.models.stepcache.cache import StepCache
 
 
 class Flux2KleinAdapter(FlowMatchAdapter):
@@ -34,6 +37,11 @@ class Flux2KleinAdapter(FlowMatchAdapter):
     default_steps = 50
     default_guidance = 4.0
     TEXT_ENCODERS = ("text_encoder",)
+
+    def _step_cache(self) -> StepCache:
+        # Its cached forward does not shard tokens: --cache with --ulysses is refused at start.
+        cached = partial(forwards.flux2_forward, transformer=self.transformer)
+        return StepCache(self.family, self.cache_methods, self._call, cached)
 
     def _request_rules(self, caps: Any, declared: Any, **parts: Any) -> RequestRules:
         # Distilled checkpoints never run a negative branch.

@@ -9,6 +9,7 @@ The distilled Turbo checkpoints run at `guidance_scale` 0 (one row per request) 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -21,6 +22,8 @@ from diffusiond.models.flowmatch.adapter import FlowMatchAdapter
 from diffusiond.models.flowmatch.requests import RequestRules
 from diffusiond.models.flowmatch.sampler import packed_latent_size, request_generator, shift_mu
 from diffusiond.models.params import SamplingParams
+from diffusiond.models.stepcache import forwards
+from diffusiond.models.stepcache.cache import StepCache
 
 
 class ZImageAdapter(FlowMatchAdapter):
@@ -34,6 +37,12 @@ class ZImageAdapter(FlowMatchAdapter):
 
     def _default_size(self) -> tuple[int, int]:
         return 1024, 1024
+
+    def _step_cache(self) -> StepCache:
+        # Its cached forward runs the transformer's own with the main layers stood in for (forwards.zimage_forward);
+        # its Ulysses hooks shard around those layers: --cache with --ulysses is refused at start.
+        cached = partial(forwards.zimage_forward, transformer=self.transformer, call=self._call)
+        return StepCache(self.family, self.cache_methods, self._call, cached)
 
     def _size_multiple(self) -> int:
         return self.vae_scale_factor * 2

@@ -264,7 +264,7 @@ class FlowMatchAdapter(ModelAdapter):
         """Server-wide: the method, the threshold of requests that send none and `--cache-config`'s settings."""
         t = self.transformer
         blocks = len(getattr(t, "transformer_blocks", ())) + len(getattr(t, "single_transformer_blocks", ()))
-        blocks = blocks or len(getattr(t, "blocks", ()))  # Wan's
+        blocks = blocks or len(getattr(t, "blocks", ())) or len(getattr(t, "layers", ()))  # Wan's, Z-Image's
         self.cache.enable(
             method,
             threshold,

@@ -5,6 +5,7 @@ output settled by `methods.settle` (x0cache). Each family's step cache (models/s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -90,10 +91,33 @@ def flux_forward(
     )
 
 
-def _qwen_modulated(block: Any, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+class _QwenBlock:
+    """A Qwen-Image block as `cached_blocks` calls blocks. Edit-2511 (`zero_cond_t`): the input images' tokens take
+    timestep 0's modulation (`index`: which tokens, [1, S]), so each row's `temb` is a pair [rows, 2, D] (the
+    noise's, timestep 0's), which a sub-batch narrows with its rows; the block takes them as its forward builds
+    them: every row's first, then every row's second."""
+
+    def __init__(self, block: Any, index: torch.Tensor | None) -> None:
+        self.block, self.index = block, index
+
+    def temb(self, temb: torch.Tensor) -> torch.Tensor:
+        return temb if self.index is None else torch.cat([temb[:, 0], temb[:, 1]])
+
+    def __call__(self, hidden_states, encoder_hidden_states, temb, **kwargs):
+        return self.block(
+            hidden_states=hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            temb=self.temb(temb),
+            modulate_index=self.index,
+            **kwargs,
+        )
+
+
+def _qwen_modulated(wrapped: _QwenBlock, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
     """A Qwen-Image block's modulated image input, as its forward computes it before attention."""
-    img_mod1 = block.img_mod(temb).chunk(2, dim=-1)[0]
-    return block._modulate(block.img_norm1(h), img_mod1)[0]
+    block = wrapped.block
+    img_mod1 = block.img_mod(wrapped.temb(temb)).chunk(2, dim=-1)[0]
+    return block._modulate(block.img_norm1(h), img_mod1, wrapped.index)[0]
 
 
 @torch.inference_mode()
@@ -113,6 +137,14 @@ def qwen_forward(
     t = transformer
     h = t.img_in(batched["hidden_states"])
     timestep = batched["timestep"].to(h.dtype)
+    index = None
+    if getattr(t, "zero_cond_t", False):  # Edit-2511: the input images' tokens at timestep 0
+        timestep = torch.cat([timestep, timestep * 0])
+        index = torch.tensor(
+            [[0] * math.prod(s[0]) + [1] * sum(math.prod(x) for x in s[1:]) for s in shared["img_shapes"]],
+            device=h.device,
+            dtype=torch.int,
+        )
     enc = t.txt_in(t.txt_norm(batched["encoder_hidden_states"]))
     text_len, _, mask = compute_text_seq_len_from_mask(enc, batched.get("encoder_hidden_states_mask"))
     guidance = batched.get("guidance")
@@ -120,6 +152,8 @@ def qwen_forward(
         temb = t.time_text_embed(timestep, h, None)
     else:
         temb = t.time_text_embed(timestep, guidance.to(h.dtype) * 1000, h, None)
+    if index is not None:
+        temb = torch.stack(temb.chunk(2), dim=1)  # [rows, 2, D]: the noise's, timestep 0's
     rotary = t.pos_embed(shared["img_shapes"], max_txt_seq_len=text_len, device=h.device)
     batch = Batch(
         h,
@@ -131,7 +165,9 @@ def qwen_forward(
         narrows=lora_narrows(t),
         block_kwargs={"image_rotary_emb": rotary, "joint_attention_kwargs": None},
     )
-    out = cached_blocks(method, t.transformer_blocks, batch, modulated=_qwen_modulated)
+    blocks = [_QwenBlock(b, index) for b in t.transformer_blocks]
+    out = cached_blocks(method, blocks, batch, modulated=_qwen_modulated)
+    temb = temb if index is None else temb[:, 0]
     return settle(
         method, t.proj_out(t.norm_out(out, temb)), batched["hidden_states"], batched["timestep"], rows, states
     )
@@ -205,3 +241,157 @@ def wan_forward(
     out = out.reshape(out.shape[0], frames // p_t, height // p_h, width // p_w, p_t, p_h, p_w, -1)
     out = out.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
     return settle(method, out, x[:, : out.shape[1]], sigma, rows, states)  # image-to-video: the noisy channels
+
+
+class _Flux2Block:
+    """A FLUX.2 block as `cached_blocks` calls blocks. Each row's `temb` holds its three modulations side by side
+    (the double-stream blocks' image and text ones, the single-stream blocks' one: `widths`), so that a sub-batch
+    narrows them with its rows. A single-stream block takes the text and image tokens apart and gives them back
+    apart (it joins them for its attention, as the transformer's forward does once)."""
+
+    def __init__(self, block: Any, widths: tuple[int, int, int], single: bool) -> None:
+        self.block, self.widths, self.single = block, widths, single
+
+    def mods(self, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return temb.split(self.widths, dim=-1)
+
+    def __call__(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
+        img, txt, single = self.mods(temb)
+        if self.single:
+            return self.block(
+                hidden_states=hidden_states,
+                encoder_hidden_states=encoder_hidden_states,
+                temb_mod=single,
+                image_rotary_emb=image_rotary_emb,
+                split_hidden_states=True,
+            )
+        return self.block(
+            hidden_states=hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            temb_mod_img=img,
+            temb_mod_txt=txt,
+            image_rotary_emb=image_rotary_emb,
+        )
+
+
+def _flux2_modulated(wrapped: _Flux2Block, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    """A FLUX.2 double-stream block's modulated image input, as its forward computes it before attention."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
+
+    shift, scale, _ = Flux2Modulation.split(wrapped.mods(temb)[0], 2)[0]
+    return (1 + scale) * wrapped.block.norm1(h) + shift
+
+
+@torch.inference_mode()
+def flux2_forward(
+    method: Method,
+    batched: dict[str, torch.Tensor],
+    shared: dict[str, torch.Tensor],
+    rows: int,
+    states: Sequence[Any],
+    *,
+    transformer: Any,
+) -> torch.Tensor:
+    """`Flux2Transformer2DModel.forward` (FLUX.2 klein and dev) over B requests x `rows` rows (packed latents, an
+    edit's reference tokens after them), with a cache decision per request: the first double-stream block decides;
+    the double- and single-stream blocks after it are skipped together. Returns [B * rows, seq, C * 4]."""
+    t = transformer
+    x = batched["hidden_states"]
+    h = t.x_embedder(x)
+    timestep = batched["timestep"].to(h.dtype) * 1000
+    guidance = batched.get("guidance")
+    if guidance is not None:
+        guidance = guidance.to(h.dtype) * 1000
+    temb = t.time_guidance_embed(timestep, guidance)
+    mods = [
+        t.double_stream_modulation_img(temb),
+        t.double_stream_modulation_txt(temb),
+        t.single_stream_modulation(temb),
+    ]
+    widths = tuple(m.shape[-1] for m in mods)
+    enc = t.context_embedder(batched["encoder_hidden_states"])
+    img_ids, txt_ids = shared["img_ids"], shared["txt_ids"]
+    img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
+    txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids
+    image, text = t.pos_embed(img_ids), t.pos_embed(txt_ids)
+    rotary = (torch.cat([text[0], image[0]]), torch.cat([text[1], image[1]]))
+    blocks = [_Flux2Block(b, widths, single=False) for b in t.transformer_blocks]
+    blocks += [_Flux2Block(b, widths, single=True) for b in t.single_transformer_blocks]
+    batch = Batch(
+        h,
+        enc,
+        torch.cat(mods, dim=-1),
+        rows,
+        states,
+        narrows=lora_narrows(t),
+        block_kwargs={"image_rotary_emb": rotary},
+    )
+    out = cached_blocks(method, blocks, batch, modulated=_flux2_modulated)
+    return settle(method, t.proj_out(t.norm_out(out, temb)), x, batched["timestep"], rows, states)
+
+
+class _ZImageSpan(torch.nn.Module):
+    """Stands in for Z-Image's main layers (`transformer.layers`) during one cached forward: the transformer's own
+    forward builds the joint sequence (image tokens, then the caption's, each row padded to the batch's longest) and
+    calls this once where it would call its layers one by one; this runs them through `cached_blocks`."""
+
+    def __init__(self, method: Method, layers: Any, rows: int, states: Sequence[Any], narrows: Sequence[Any]) -> None:
+        super().__init__()
+        self.method, self.rows, self.states, self.narrows = method, rows, states, narrows
+        self.wrapped = [_ZImageBlock(layer) for layer in layers]
+
+    def forward(self, x, attn_mask, freqs_cis, adaln_input=None, noise_mask=None, *rest):
+        if noise_mask is not None:
+            raise NotImplementedError("Z-Image's omni mode (per-token modulation) has no cached forward")
+        batch = Batch(
+            x,
+            x.new_zeros(x.shape[0], 0, x.shape[2]),  # no second stream: the caption is in the joint sequence
+            adaln_input,
+            self.rows,
+            self.states,
+            row_kwargs={"attn_mask": attn_mask, "freqs_cis": freqs_cis},
+            narrows=self.narrows,
+            context=True,
+            valid=attn_mask,
+        )
+        return cached_blocks(self.method, self.wrapped, batch, modulated=_zimage_modulated)
+
+
+class _ZImageBlock:
+    def __init__(self, layer: Any) -> None:
+        self.layer = layer
+
+    def __call__(self, hidden_states, encoder_hidden_states, temb, attn_mask, freqs_cis):
+        return encoder_hidden_states, self.layer(hidden_states, attn_mask, freqs_cis, temb)
+
+
+def _zimage_modulated(wrapped: _ZImageBlock, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    """A Z-Image layer's modulated input to its attention, as its forward computes it."""
+    layer = wrapped.layer
+    scale = 1.0 + layer.adaLN_modulation(temb).unsqueeze(1).chunk(4, dim=2)[0]
+    return layer.attention_norm1(h) * scale
+
+
+@torch.inference_mode()
+def zimage_forward(
+    method: Method,
+    batched: dict[str, Any],
+    shared: dict[str, Any],
+    rows: int,
+    states: Sequence[Any],
+    *,
+    transformer: Any,
+    call: Any,
+) -> torch.Tensor:
+    """`ZImageTransformer2DModel.forward` (its own, through the family's `call`) over B requests x `rows` rows, with
+    its main layers run by `_ZImageSpan`: a cache decision per request, read over each row's own tokens. Returns
+    [B * rows, C, 1, h, w]. Its output is the negative velocity at `1 - sigma` (as the pipeline reads it)."""
+    t = transformer
+    layers = t.layers
+    t._modules["layers"] = torch.nn.ModuleList([_ZImageSpan(method, layers, rows, states, lora_narrows(t))])
+    try:
+        out = call(batched, shared)
+    finally:
+        t._modules["layers"] = layers
+    sigma = 1 - batched["timestep"]  # the family's timestep is 1 - sigma, and its output -v: x0 = x + sigma * out
+    return settle(method, out, batched["hidden_states"], -sigma, rows, states)

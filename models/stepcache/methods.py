@@ -169,7 +169,7 @@ def changes(current: torch.Tensor, rows: int, previous: Sequence[torch.Tensor | 
     for i, prev in enumerate(previous):
         if prev is not None:
             mine = current[i * rows : (i + 1) * rows].double()
-            sums[i, 0] = (mine - prev.double()).abs().sum()
+            sums[i, 0] = (mine - fit(prev, mine.shape[1]).double()).abs().sum()
             sums[i, 1] = prev.double().abs().sum()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sums)  # every rank runs every step's forward (SPMD): the world is the right group
@@ -194,7 +194,13 @@ class Batch:
     text mask, or None), sub-batched with the rows; `narrows`: what holds a plan per row and narrows it to a
     sub-batch (`narrow(rows or None)`, a context: the transformer's LoRA layers, Wan's projection plan);
     `block_kwargs`: the other block arguments. `context`: `enc` is a context the blocks read and return unchanged
-    (Wan's text), so no residual of it is kept."""
+    (Wan's text), so no residual of it is kept. `valid`: [B * rows, S], the tokens of `h` that are each row's own,
+    where rows of one batch are padded to its longest (Z-Image's joint sequence; None: every token): the change
+    signals read those only, so that a request decides as it would alone.
+
+    A request's sequence may be padded to another length at every step (the batch's longest, as requests come and
+    go): what it keeps (signals, residuals, their differences) is fitted to the step's length (`fit`), the padding's
+    share zeros."""
 
     h: torch.Tensor
     enc: torch.Tensor
@@ -205,6 +211,23 @@ class Batch:
     narrows: Sequence[Any] = ()
     block_kwargs: dict[str, Any] = field(default_factory=dict)
     context: bool = False
+    valid: torch.Tensor | None = None
+
+    def signal(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` [B * rows, S, ...] with the padding's tokens zeroed (a change signal reads the rows' own tokens)."""
+        if self.valid is None:
+            return x
+        return x * self.valid.view(*self.valid.shape, *([1] * (x.dim() - 2))).to(x.dtype)
+
+
+def fit(x: torch.Tensor, tokens: int) -> torch.Tensor:
+    """`x` [rows, S, ...] cut or zero-padded to `tokens` tokens (dim 1): a request's kept tensors at this step's
+    padded length."""
+    if x.dim() < 2 or x.shape[1] == tokens:
+        return x
+    if x.shape[1] > tokens:
+        return x[:, :tokens]
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, tokens - x.shape[1]))
 
 
 @dataclass
@@ -318,7 +341,7 @@ def _every_block(
     for i in reusing:
         mine = slice(i * rows, (i + 1) * rows)
         cache = states[i].cache
-        ran.h[mine] = h[mine] + cache.rest
+        ran.h[mine] = h[mine] + fit(cache.rest, h.shape[1])
         cache.reused += 1
     return ran.h, residuals
 
@@ -381,7 +404,7 @@ def _dbcache(method: Method, blocks: Sequence[Any], batch: Batch) -> torch.Tenso
     front = _run_blocks(blocks[: method.fn], h, batch.enc, batch, every)
     hf, ef = front.hc, front.ec
     assert hf is not None
-    first = hf - h
+    first = batch.signal(hf - h)
     computing: list[int] = []  # requests whose rows run the middle blocks
     reusing: list[int] = []
     for i, (state, change) in enumerate(zip(states, changes(first, rows, _signals(states)), strict=True)):
@@ -403,10 +426,11 @@ def _dbcache(method: Method, blocks: Sequence[Any], batch: Batch) -> torch.Tenso
         mine = slice(i * rows, (i + 1) * rows)
         state = states[i]
         cache = state.cache
-        out[mine] = hf[mine] + _forecast(cache.rest, cache.rest_diffs, state.step_index - cache.at)
+        out[mine] = hf[mine] + _forecast(cache.rest, cache.rest_diffs, state.step_index - cache.at, hf.shape[1])
         if text_rest:
             assert text is not None and cache.rest_text is not None
-            text[mine] = ef[mine] + _forecast(cache.rest_text, cache.text_diffs, state.step_index - cache.at)
+            gap = state.step_index - cache.at
+            text[mine] = ef[mine] + _forecast(cache.rest_text, cache.text_diffs, gap, ef.shape[1])
         cache.reused += 1
     if not back:
         return out
@@ -438,28 +462,29 @@ def _differences(
     differences were `old_diffs`): the k-th is the change of the (k-1)-th per step, up to `order` (fewer while the
     history is shorter)."""
     diffs: list[torch.Tensor] = []
-    current, previous = new, old
+    tokens = new.shape[1]
+    current, previous = new, fit(old, tokens)
     for k in range(order):
         diffs.append((current - previous) / gap)
         if k >= len(old_diffs):
             break
-        current, previous = diffs[-1], old_diffs[k]
+        current, previous = diffs[-1], fit(old_diffs[k], tokens)
     return diffs
 
 
-def _forecast(value: torch.Tensor, diffs: list[torch.Tensor], gap: int) -> torch.Tensor:
+def _forecast(value: torch.Tensor, diffs: list[torch.Tensor], gap: int, tokens: int) -> torch.Tensor:
     """TaylorSeer's forecast `gap` steps after `value` was computed: value + sum_k diffs[k-1] * gap^k / k!
-    (plain reuse without differences)."""
-    out, factor = value, 1.0
+    (plain reuse without differences), at `tokens` tokens."""
+    out, factor = fit(value, tokens), 1.0
     for k, diff in enumerate(diffs, start=1):
         factor *= gap / k
-        out = out + factor * diff
+        out = out + factor * fit(diff, tokens)
     return out
 
 
 def _teacache(method: Method, blocks: Sequence[Any], batch: Batch, modulate: Any) -> torch.Tensor:
     h, rows, states = batch.h, batch.rows, batch.states
-    modulated = modulate(blocks[0], h, batch.temb)
+    modulated = batch.signal(modulate(blocks[0], h, batch.temb))
     raw = changes(modulated, rows, _signals(states))
     computing: list[int] = []
     reusing: list[int] = []

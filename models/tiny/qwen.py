@@ -104,8 +104,9 @@ def make_qwen_tokenizer(words: tuple[str, ...] = WORDS, special: tuple[str, ...]
 # --------------------------------------------------------------------------------------------------- pipelines
 
 
-def build_zimage() -> Any:
-    """A tiny `ZImagePipeline`: Qwen3 text encoder, single-stream DiT, FLUX-style 16-channel VAE."""
+def build_zimage(n_layers: int = 2) -> Any:
+    """A tiny `ZImagePipeline`: Qwen3 text encoder, single-stream DiT (`n_layers` main layers), FLUX-style
+    16-channel VAE."""
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
@@ -129,7 +130,7 @@ def build_zimage() -> Any:
         all_f_patch_size=(1,),
         in_channels=16,
         dim=32,
-        n_layers=2,
+        n_layers=n_layers,
         n_refiner_layers=1,
         n_heads=2,
         n_kv_heads=2,
@@ -147,8 +148,9 @@ def build_zimage() -> Any:
     )
 
 
-def build_qwenimage() -> Any:
-    """A tiny `QwenImagePipeline`: Qwen2.5-VL text encoder (with a tiny vision tower), MMDiT, Qwen-Image VAE."""
+def build_qwenimage(num_layers: int = 2) -> Any:
+    """A tiny `QwenImagePipeline`: Qwen2.5-VL text encoder (with a tiny vision tower), MMDiT (`num_layers` blocks),
+    Qwen-Image VAE."""
     import torch
     from diffusers import (
         AutoencoderKLQwenImage,
@@ -188,7 +190,7 @@ def build_qwenimage() -> Any:
         patch_size=2,
         in_channels=64,  # 16 latent channels packed 2x2
         out_channels=16,
-        num_layers=2,
+        num_layers=num_layers,
         attention_head_dim=16,
         num_attention_heads=2,
         joint_attention_dim=32,  # == text hidden_size

@@ -336,9 +336,28 @@ def test_step_cache_decisions_agree_across_ranks(family, strategy, method, reque
     sums all-reduced over the ranks. Every rank makes the same decisions, some requests do reuse, and the images are
     the ones one rank gives with the same thresholds. DBCache on the deeper tiny checkpoints (its last blocks
     refine what the reused span's residuals give; under Ulysses each rank holds its shard's)."""
+    model = request.getfixturevalue(f"tiny_{family}" + ("_deep" if method == DBCACHE else ""))
+    _caches_agree_across_ranks(family, model, strategy, method, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("family", "fixture", "method"),
+    [
+        ("z-image", "tiny_zimage", "fbcache"),
+        ("z-image", "tiny_zimage_deep", DBCACHE),
+        ("flux2-klein", "tiny_flux2klein", "teacache"),
+    ],
+)
+def test_step_caches_of_issue_52_agree_across_ranks(family, fixture, method, request, tmp_path):
+    """The families whose step-cache menu came with issue 52, on CFG-parallel (their caches refuse Ulysses at
+    start): Z-Image's joint sequence (its rows' captions padded to a batch's longest; DBCache with its text-free
+    span on 4 layers), FLUX.2 klein's modulations narrowed with the rows."""
+    _caches_agree_across_ranks(family, request.getfixturevalue(fixture), "cfg", method, tmp_path)
+
+
+def _caches_agree_across_ranks(family: str, model: str, strategy: str, method: str, tmp_path) -> None:
     import msgspec.structs
 
-    model = request.getfixturevalue(f"tiny_{family}" + ("_deep" if method == DBCACHE else ""))
     thresholds = [0.0, 10.0, 0.5, 10.0, 0.0, 10.0, 10.0]
     # x0cache reuses once two steps have computed (its rate of change), DBCache here after its warm-up of 2, never at
     # the last: 2 more steps each. Wan 2.2's requests switch experts at their first or second step and start over

@@ -12,16 +12,24 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import numpy as np
 import pytest
-from caching import ATOL, count_reuse, params, run
+from caching import ATOL, count_reuse, params, run, run_joining
 
 from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import ParamError
 from diffusiond.models.stepcache import methods as stepcache
 from diffusiond.models.stepcache import settings
 
-FIXTURES = {"sd3": "tiny_sd3", "flux": "tiny_flux", "qwen-image": "tiny_qwenimage"}
+FIXTURES = {
+    "sd3": "tiny_sd3",
+    "flux": "tiny_flux",
+    "qwen-image": "tiny_qwenimage",
+    "z-image": "tiny_zimage",
+    "flux2-klein": "tiny_flux2klein",
+    "flux2": "tiny_flux2",
+}
 
 
 @pytest.fixture(scope="module", params=list(FIXTURES))
@@ -73,6 +81,48 @@ def test_each_request_decides_alone(cached, plain, monkeypatch):
     assert np.abs(together[1] - exact[1]).max() > 1e-3
 
 
+def test_a_request_measures_its_change_as_alone(cached, monkeypatch):
+    """The signal each decision reads is the request's own: in a batch whose rows are padded to the longest text
+    (Qwen-Image's texts, Z-Image's joint sequence), a request's measured change equals the one it measures alone.
+    (A signal that read the padding's tokens fails here.)"""
+    seen: dict[tuple[int, int], float] = {}
+    original = stepcache.reuse
+
+    def recording(state, change):
+        if change is not None:
+            seen[(state.params.seed, state.step_index)] = change
+        return original(state, change)
+
+    monkeypatch.setattr(stepcache, "reuse", recording)
+    # Prompts of two lengths (Z-Image pads a caption to a multiple of 32 tokens: one past 32); nothing reused.
+    long = msgspec.structs.replace(params(2, threshold=0.0), prompt="a shape on a blue background, " * 8)
+    mix = [params(1, threshold=0.0), long]
+    asyncio.run(run(cached, mix, together=True))
+    together, seen = seen, {}
+    asyncio.run(run(cached, mix, together=False))
+    assert together.keys() == seen.keys()
+    assert together or cached.cache.name == "magcache", "no change was measured: the test would not show anything"
+    for key, change in seen.items():
+        assert together[key] == pytest.approx(change, rel=1e-3, abs=1e-6), key
+
+
+@pytest.mark.parametrize("family", ["qwen-image", "z-image"])
+def test_a_request_keeps_its_cache_when_the_batch_pads_to_another_length(family, request, monkeypatch):
+    """A request reusing DBCache's span (with the text tokens' residual kept: bn=1; TaylorSeer's differences) whose
+    batch is joined by a request with a longer text: its rows are padded to another length from then on, and what
+    it keeps is fitted to it (before: a shape error at the join). Each gets the image it gets alone."""
+    adapter = load_adapter(request.getfixturevalue(FIXTURES[family].replace("-", "") + "_deep"))
+    adapter.enable_step_cache("dbcache", 0.0, {"fn": 1, "bn": 1, "taylorseer": True, "taylorseer_order": 2})
+    reused = count_reuse(monkeypatch)
+    first = params(1, steps=12, threshold=10.0)
+    later = msgspec.structs.replace(params(2, steps=8, threshold=10.0), prompt="a shape on a blue background, " * 8)
+    joined = asyncio.run(run_joining(adapter, first, later, after=4))
+    assert sum(reused) > 0
+    alone = asyncio.run(run(adapter, [first, later], together=False))
+    for i, (a, b) in enumerate(zip(joined, alone, strict=True)):
+        np.testing.assert_allclose(a, b, atol=ATOL, err_msg=f"request {i}: the join changed its image")
+
+
 def test_a_batch_wide_decision_would_fail(cached, monkeypatch):
     """Break the feature on purpose: one decision for the batch (the first request's). The mixed batch then no
     longer reproduces the images its requests get alone."""
@@ -106,9 +156,13 @@ def test_teacache_skips_every_block_and_accumulates(family, request, monkeypatch
     estimate is the rescaled input change summed over the steps since its last computed one, reset when it computes."""
     adapter = load_adapter(request.getfixturevalue(FIXTURES[family]))
     adapter.enable_step_cache("teacache", 0.0)
-    first_block = adapter.transformer.transformer_blocks[0]
+    t = adapter.transformer
+    first_block = (t.layers if family == "z-image" else t.transformer_blocks)[0]
     rows_through: list[int] = []  # rows through the first block, per forward
-    first_block.register_forward_hook(lambda m, a, k, out: rows_through.append(out[1].shape[0]), with_kwargs=True)
+    first_block.register_forward_hook(
+        lambda m, a, k, out: rows_through.append((out[1] if isinstance(out, tuple) else out).shape[0]),
+        with_kwargs=True,
+    )
     raw: list[float | None] = []  # each request's measured input change, in the order `reuse` sees them
     seen: list[tuple[str, float | None, bool]] = []
     original_changes, original_reuse = stepcache.changes, stepcache.reuse
@@ -130,7 +184,7 @@ def test_teacache_skips_every_block_and_accumulates(family, request, monkeypatch
     # 8 forwards of 2 requests (SD3 runs CFG: 2 rows each; FLUX and Qwen-Image without a negative prompt: 1;
     # Qwen-Image's prompts differ in length, so its text mask is sub-batched with the rows). Each reused
     # request-step takes its rows out of the first block too.
-    rows = 2 if family == "sd3" else 1
+    rows = 2 if family in ("sd3", "z-image", "flux2-klein") else 1  # CFG by default
     assert len(rows_through) == 8 and sum(rows_through) == rows * (2 * 8 - reused), (rows_through, reused)
     accumulated: dict[str, float] = {}
     for change, (request_id, estimate, decision) in zip(raw, seen, strict=True):

@@ -117,7 +117,7 @@ Z_IMAGE = Family(
     "z-image",
     "families.zimage:ZImageAdapter",
     guidance_styles=("cfg",),
-    parallel=("cfg-parallel", "ulysses", "shard-weights", "vae-parallel"),
+    parallel=("cfg-parallel", "ulysses", "tp", "shard-weights", "vae-parallel"),
     cache_methods=FLUX.cache_methods,
     # Its Ulysses hooks shard around the layers its cached forward stands in for: refused together at start.
     cache_with_ulysses=False,
@@ -146,7 +146,7 @@ QWEN_IMAGE_EDIT_PLUS = Family(
     "qwen-image-edit-plus",
     "families.qwenimage_edit:QwenImageEditPlusAdapter",
     guidance_styles=("true-cfg", "distilled"),
-    parallel=("cfg-parallel", "ulysses"),
+    parallel=("cfg-parallel", "ulysses", "tp"),
     cache_methods=QWEN_IMAGE.cache_methods,
     cache_with_ulysses=False,
     image_inputs=("edit", "references"),

@@ -38,6 +38,28 @@ class ZImageAdapter(FlowMatchAdapter):
     def _default_size(self) -> tuple[int, int]:
         return 1024, 1024
 
+    def _tp_plan(self) -> dict[str, str]:
+        """diffusers 0.42 has none for Z-Image: every layer's attention projections (column-wise: whole heads, each
+        with its q/k norm) and its SwiGLU feed-forward (w1, w3 column-wise, w2 row-wise), in the refiners and the
+        main layers alike. The modulations, embedders and final layer stay whole."""
+        plan = {}
+        for stack in ("noise_refiner", "context_refiner", "layers"):
+            for i, _ in enumerate(getattr(self.transformer, stack)):
+                for linear in ("to_q", "to_k", "to_v"):
+                    plan[f"{stack}.{i}.attention.{linear}"] = "colwise"
+                plan[f"{stack}.{i}.attention.to_out.0"] = "rowwise"
+                plan[f"{stack}.{i}.feed_forward.w1"] = "colwise"
+                plan[f"{stack}.{i}.feed_forward.w3"] = "colwise"
+                plan[f"{stack}.{i}.feed_forward.w2"] = "rowwise"
+        return plan
+
+    def _after_tp(self, degree: int) -> None:
+        from diffusers.models.attention_processor import Attention
+
+        for module in self.transformer.modules():
+            if isinstance(module, Attention):  # its processor splits heads by `attn.heads`
+                module.heads //= degree
+
     def _step_cache(self) -> StepCache:
         # Its cached forward runs the transformer's own with the main layers stood in for (forwards.zimage_forward);
         # its Ulysses hooks shard around those layers: --cache with --ulysses is refused at start.

@@ -129,13 +129,13 @@ def build_zimage(n_layers: int = 2) -> Any:
         all_patch_size=(2,),
         all_f_patch_size=(1,),
         in_channels=16,
-        dim=32,
+        dim=48,  # its feed-forward's hidden size, int(dim / 3 * 8) = 128, splits over --tp 2 (32's, 85, would not)
         n_layers=n_layers,
         n_refiner_layers=1,
         n_heads=2,
         n_kv_heads=2,
         cap_feat_dim=32,  # == text encoder hidden_size
-        axes_dims=[4, 6, 6],  # sums to the head dim, dim / n_heads
+        axes_dims=[8, 8, 8],  # sums to the head dim, dim / n_heads
         axes_lens=[1024, 512, 512],
     )
     vae = sd_vae(scaling_factor=0.3611, shift_factor=0.1159)  # the real Z-Image VAE is FLUX's

@@ -196,7 +196,17 @@ def test_ring_attention_matches_one_rank(family, ulysses, ring, request, tmp_pat
 
 @pytest.mark.parametrize(
     ("family", "cfg"),
-    [("sd3", 1), ("sd35", 1), ("flux", 1), ("flux2-klein", 1), ("flux2", 1), ("qwen-image", 1), ("flux", 2)],
+    [
+        ("sd3", 1),
+        ("sd35", 1),
+        ("flux", 1),
+        ("flux2-klein", 1),
+        ("flux2", 1),
+        ("qwen-image", 1),
+        ("flux", 2),
+        ("z-image", 1),
+        ("qwen-image-edit-2511", 1),  # the Qwen-Image-Edit family's transformer is Qwen-Image's, with 2511's index
+    ],
 )
 def test_tensor_parallel_matches_one_rank(family, cfg, request, tmp_path):
     """--tp 2 (and --cfg-parallel 2 x --tp 2 on 4 ranks): one rank's images, while each rank holds its shard of the

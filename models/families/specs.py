@@ -26,7 +26,8 @@ class Family:
     # "ulysses" (sequence parallel attention; its degree must divide the transformer's heads), "ring" (ring attention
     # over the sharded sequence, alone or with Ulysses; families whose attention takes no mask), "tp" (tensor
     # parallel linears, by the family's plan), "shard-weights" (FSDP2: weights gathered block by block),
-    # "vae-parallel" (one image decoded in strips by several ranks: 2D VAEs).
+    # "vae-parallel" (one image decoded in strips by several ranks: 2D VAEs, and the causal video VAEs of Wan and
+    # Qwen-Image, frame by frame).
     parallel: tuple[str, ...] = ("cfg-parallel",)
     # Step caches it implements (models/stepcache/methods.py), besides "none", and whether they run with Ulysses.
     cache_methods: tuple[str, ...] = ()
@@ -130,7 +131,7 @@ QWEN_IMAGE = Family(
     "qwen-image",
     "families.qwenimage:QwenImageAdapter",
     guidance_styles=("true-cfg", "distilled"),
-    parallel=("cfg-parallel", "ulysses", "tp", "shard-weights"),
+    parallel=("cfg-parallel", "ulysses", "tp", "shard-weights", "vae-parallel"),
     cache_methods=("fbcache", "dbcache", "teacache", "x0cache", "magcache"),
     # Its cached forward does not shard tokens yet: --cache with --ulysses is refused at start.
     cache_with_ulysses=False,
@@ -186,7 +187,7 @@ WAN = Family(
     "wan",
     "families.wan.adapter:WanAdapter",
     guidance_styles=("cfg",),
-    parallel=("cfg-parallel", "ulysses", "ring", "shard-weights"),
+    parallel=("cfg-parallel", "ulysses", "ring", "shard-weights", "vae-parallel"),
     cache_methods=("fbcache", "dbcache", "teacache", "x0cache", "magcache"),
     modality="video",
     lora=True,

@@ -228,21 +228,18 @@ class FlowMatchAdapter(ModelAdapter):
         return self.ranks.use_kept(kept, now)
 
     def enable_vae_parallel(self, group: Any) -> None:
-        """Decode one image in horizontal strips across `group`'s ranks (a 2D VAE decoder: AutoencoderKL's)."""
-        from diffusers.models.autoencoders.vae import Decoder
-
-        if "vae-parallel" not in self.parallel or not isinstance(getattr(self.vae, "decoder", None), Decoder):
+        """Decode one image in horizontal strips across `group`'s ranks (models/flowmatch/ranks.py `vae_strips`)."""
+        if "vae-parallel" not in self.parallel:
             raise ValueError(f"the {self.family} family's VAE does not decode in strips")
-        self.vae_strips = self.ranks.vae_strips(group)
+        self.vae_strips = self.ranks.vae_strips(group, self.family)
 
     @torch.inference_mode()
     def decode_strips(self, states: Sequence[RequestState]) -> list[np.ndarray]:
-        """`decode`, every rank of the strip group decoding its strip of each image (all of them call it together);
-        every rank gets the images."""
+        """`decode`, each rank of the strip group decoding its strip of each image (all call it); all get them."""
         from diffusiond.kernels.patch_vae import active
 
         self._stage("vae")
-        latents = self._unpack(torch.cat([s.latents for s in states]), states[0].params)  # [B, C, h, w]
+        latents = self._final_latents(states)  # [B, C, h, w] (a clip's [B, C, T, h, w])
         with active(self.vae_strips, latents.shape[-2]):
             return self.postprocess(self._decode(latents))
 
@@ -454,8 +451,11 @@ class FlowMatchAdapter(ModelAdapter):
     def decode_latents(self, states: Sequence[RequestState]) -> torch.Tensor:
         self._stage("vae")
         p = states[0].params  # one batch key: one size
-        latents = self._unpack(torch.cat([s.latents for s in states]), p)
-        return self._decode_within(latents, p.width * p.height * (p.num_frames or 1))
+        return self._decode_within(self._final_latents(states), p.width * p.height * (p.num_frames or 1))
+
+    def _final_latents(self, states: Sequence[RequestState]) -> torch.Tensor:
+        """What the VAE decodes for `states` (one batch key), in model space, VAE-shaped."""
+        return self._unpack(torch.cat([s.latents for s in states]), states[0].params)
 
     def _decode_within(self, latents: torch.Tensor, pixels_each: int) -> torch.Tensor:
         """`_decode` of a batch, in calls of bounded size (models/flowmatch/decoding.py)."""

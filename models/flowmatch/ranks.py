@@ -106,12 +106,19 @@ class RankWiring:
                     plan[f"{name}.{path}.linear"] = GATHERED
         return plan
 
-    def vae_strips(self, group: Any) -> Any:
-        """One image decoded in horizontal strips across `group`'s ranks (a 2D VAE decoder: AutoencoderKL's); the
-        strip group."""
-        from diffusiond.kernels.patch_vae import make_strip_aware
+    def vae_strips(self, group: Any, family: str) -> Any:
+        """One image decoded in horizontal strips across `group`'s ranks (a 2D VAE decoder: AutoencoderKL's; or a
+        causal video decoder, Wan's and Qwen-Image's, frame by frame); the strip group. ValueError for another."""
+        from diffusers.models.autoencoders.vae import Decoder
 
-        make_strip_aware(self.vae.decoder, group)
+        from diffusiond.kernels.patch_vae import make_strip_aware, make_video_strip_aware
+
+        if type(getattr(self.vae, "decoder", None)).__name__ in ("WanDecoder3d", "QwenImageDecoder3d"):
+            make_video_strip_aware(self.vae.decoder, group)
+        elif isinstance(getattr(self.vae, "decoder", None), Decoder):
+            make_strip_aware(self.vae.decoder, group)
+        else:
+            raise ValueError(f"the {family} family's VAE does not decode in strips")
         return group
 
     # ---- a transformer call's rows ----

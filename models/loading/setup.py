@@ -229,7 +229,7 @@ def _check_family(setup: ModelSetup, family: Family, heads: int | None) -> None:
     if vae > 1 and "vae-parallel" not in family.parallel:
         raise SetupError(
             f"--vae-parallel {vae}: the {family.family} family's VAE ({family.pipeline_class}) does not decode in "
-            "strips (a video VAE)"
+            "strips (a video VAE other than Wan's and Qwen-Image's causal ones)"
         )
     if layout.shard_weights:
         if "shard-weights" not in family.parallel:

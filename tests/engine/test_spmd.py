@@ -241,6 +241,9 @@ def test_tensor_parallel_matches_one_rank(family, cfg, request, tmp_path):
         ("z-image", "cfg"),
         ("flux2-klein", "cfg"),
         ("flux2", "cfg"),
+        ("qwen-image", "cfg"),  # a causal video VAE's one frame
+        ("wan", "ulysses"),  # its clips, a latent frame at a time
+        ("wan22-ti2v", "cfg"),  # Wan 2.2's VAE: residual up blocks, a patchified output
     ],
 )
 def test_vae_parallel_matches_one_rank(family, strategy, request, tmp_path):

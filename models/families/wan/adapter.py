@@ -398,13 +398,6 @@ class WanAdapter(FlowMatchAdapter):
         x0 = state.sampler.predicted_x0(state.latents, model_output)
         return (self._pinned(x0, state.cond) if self.expand_timesteps else x0)[0]  # [C, T, h, w]
 
-    @torch.inference_mode()
-    def decode_latents(self, states: Sequence[RequestState]) -> torch.Tensor:
-        self._stage("vae")
-        p = states[0].params
-        assert p.num_frames is not None and p.width is not None and p.height is not None
-        return self._decode_within(self._final_latents(states), p.width * p.height * p.num_frames)
-
     def _final_latents(self, states: Sequence[RequestState]) -> torch.Tensor:
         """What the VAE decodes, in model space [B, C, T, h, w]: TI2V's given first frame pinned, as the pipelines
         end."""

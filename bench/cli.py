@@ -3,6 +3,7 @@
     diffusiond bench spmd      plan broadcast cost with 2 ranks; 1 rank vs 2 ranks CFG-parallel
     diffusiond bench serve     drive a running daemon over HTTP: latency percentiles, images/s, time to first preview
     diffusiond bench compare   a daemon over HTTP vs a clean diffusers process on the same checkpoint
+    diffusiond bench cache     a step cache's speed-up over HTTP against an uncached daemon, rounds alternated
 
 The entry point (diffusiond/__main__.py) hands `bench` commands here; nothing the daemon runs imports this package.
 """
@@ -13,7 +14,7 @@ import argparse
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from diffusiond.bench import compare, load, serve
+    from diffusiond.bench import caches, compare, load, serve
     from diffusiond.daemon.cli import parse_size
     from diffusiond.daemon.serve_flags import add_log_args
 
@@ -50,6 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_args(side_by_side)
     side_by_side.set_defaults(func=compare.bench_compare)
+
+    cached = kinds.add_parser(
+        "cache",
+        help="a step cache's speed-up over HTTP against an uncached daemon, rounds alternated; agreement (PSNR)",
+        description=caches.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    caches.add_args(cached)
+    cached.set_defaults(func=caches.bench_cache)
 
     loading = kinds.add_parser(
         "load",

@@ -256,12 +256,12 @@ class GpuCheck:
         more = counters["stats"]["unique_graphs"] - graphs
         return f"{blocks} blocks, warm-up {warm:.1f} s; new graphs for batch sizes 2-4: {more}"
 
-    def quantized(self, choice: str) -> str:
+    def quantized(self, choice: str, family: str = "flux") -> str:
         from diffusiond.kernels.quantize import check
         from diffusiond.models.loading.loader import load_adapter
 
         check(choice, self.device)
-        adapter = load_adapter(self.model("flux"), device=self.device, dtype=self.dtype, quantize=choice)
+        adapter = load_adapter(self.model(family), device=self.device, dtype=self.dtype, quantize=choice)
         self._generate(adapter, steps=2)
         return f"{adapter.quantized[1]} linears in {choice}, two steps ran"
 
@@ -376,6 +376,8 @@ class GpuCheck:
         self.row("--compile: warm-up, recompiles", self.compiled, cuda=True)
         self.row("--quantize int8", lambda: self.quantized("int8"), cuda=True)
         self.row("--quantize fp8", lambda: self.quantized("fp8"), cuda=True)
+        for family in ("qwen-image", "z-image"):  # the reference design's quantized rows
+            self.row(f"--quantize fp8 {family}", lambda f=family: self.quantized("fp8", f), cuda=True)
         self.row("--offload model", lambda: self.offloaded("model"), cuda=True)
         self.row("--offload group", lambda: self.offloaded("group"), cuda=True)
         self.row("decode 8 x 1024x1024 (SD3 VAE)", lambda: self.decode_peak("image"), cuda=True)

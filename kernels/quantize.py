@@ -10,8 +10,9 @@ owns torch.
 
 Only `nn.Linear` layers of the transformer are quantized, and not those whose qualified names match a skip pattern
 (fnmatch): by default the embedders (patch, timestep, text), the final norm's modulation and the output
-projection, the layers most sensitive to rounding and a small part of the weights. The text encoders and the VAE
-stay as loaded. Parity is approximate: tests/kernels/test_quantize.py states the tolerance.
+projection (`norm_out`, `proj_out`; a final layer holding both, `*final_layer*`), the layers most sensitive to
+rounding and a small part of the weights. The text encoders and the VAE stay as loaded. Parity is approximate:
+tests/kernels/test_quantize.py states the tolerance.
 
 torchao is an optional dependency (`pip install 'diffusiond[quant]'`); a choice that cannot run here is refused at
 start with the reason (`check`), before anything loads.
@@ -25,7 +26,7 @@ from importlib.util import find_spec
 from typing import Any
 
 CHOICES = ("none", "int8", "int8-dynamic", "fp8")
-DEFAULT_SKIP = ("*embed*", "norm_out.*", "proj_out")
+DEFAULT_SKIP = ("*embed*", "norm_out.*", "proj_out", "*final_layer*")
 FP8_CAPABILITY = (8, 9)
 
 

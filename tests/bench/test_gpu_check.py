@@ -18,6 +18,8 @@ CUDA_ONLY = {
     "--compile: warm-up, recompiles",
     "--quantize int8",
     "--quantize fp8",
+    "--quantize fp8 qwen-image",
+    "--quantize fp8 z-image",
     "--offload model",
     "--offload group",
     "decode 8 x 1024x1024 (SD3 VAE)",

@@ -56,4 +56,4 @@ def test_the_gpu_check_runs_on_a_cpu_and_says_what_it_skipped(tmp_path):
             assert row["status"] == "ok", row
     assert "vs sdpa: math 0.000" in rows["two steps qwen-image, every kernel"]["found"]
     assert "8 of 8 completed" in rows["served: 8 streams with previews"]["found"]
-    assert "| " not in proc.stdout and "33 rows: 0 failed" in proc.stdout
+    assert "| " not in proc.stdout and "35 rows: 0 failed" in proc.stdout

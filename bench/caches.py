@@ -15,8 +15,8 @@ Each daemon runs one unmeasured round first (a daemon that sat idle is cold). Th
         --scheduler-config '{"stochastic_sampling": false}'                               # sampled deterministically
 
 A configuration is METHOD:THRESHOLD, optionally :JSON (its `--cache-config`). Several configurations run one after
-another, each against an uncached daemon of its own. Prompts: the bundled model's held-out captions (the judge's), or
-"a photo number i" for another checkpoint.
+another, each against an uncached daemon of its own. Prompts: captions of the bundled model's kind (a coloured shape,
+its place, a background), or "a photo number i" for another checkpoint.
 """
 
 from __future__ import annotations
@@ -72,12 +72,21 @@ def parse_config(text: str) -> tuple[str, float, dict]:
     return method, float(threshold), json.loads(config) if config else {}
 
 
-def prompts(model: str | None, n: int) -> list[str]:
-    if model is None:
-        from diffusiond.tools.demo.evaluate import eval_scenes
+COLOURS = ("red", "green", "blue", "yellow", "white", "black")
+SHAPES = ("circle", "square", "triangle")
+PLACES = ("at the top left", "in the middle", "at the bottom right", "at the top", "on the left")
 
-        return [s.caption for s in eval_scenes(n)]
-    return [f"a photo number {i}" for i in range(n)]
+
+def prompts(model: str | None, n: int) -> list[str]:
+    """The bundled model's kind of caption (a shape, its colour and place, a background), varied; "a photo number
+    i" for another checkpoint."""
+    if model is not None:
+        return [f"a photo number {i}" for i in range(n)]
+    out = []
+    for i in range(n):
+        colour, shape, place = COLOURS[i % 6], SHAPES[(i // 6) % 3], PLACES[(i // 2) % 5]
+        out.append(f"a {colour} {shape} {place} on a {COLOURS[(i + 3) % 6]} background")
+    return out
 
 
 def _counter(base_url: str, name: str) -> float:
@@ -121,7 +130,7 @@ def _serve_args(args: argparse.Namespace) -> list[str]:
 
 
 def measure(args: argparse.Namespace, config: str, log_dir: Path) -> CacheReport:
-    from diffusiond.tools.cache import psnr, ssim
+    from diffusiond.bench.quality import psnr, ssim
 
     method, threshold, settings = parse_config(config)
     model = args.model

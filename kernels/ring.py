@@ -16,19 +16,28 @@ import torch.distributed as dist
 from diffusiond.kernels.collectives import collective
 
 
-def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q [B, H, Sq, d] over k, v [B, H, Sk, d]: (out [B, H, Sq, d] in q's dtype, log-sum-exp of
-    the scaled scores [B, H, Sq], float32). SDPA kernels that return the log-sum-exp where the device has one (CPU:
-    the flash kernel; CUDA: the memory-efficient kernel), else the math."""
+    the scaled scores [B, H, Sq], float32). `bias`: [B, 1, 1, Sk] added to the scores (-inf: a key masked out; every
+    query keeps at least one key). SDPA kernels that return the log-sum-exp where the device has one (CPU: the flash
+    kernel; CUDA: the memory-efficient kernel), else the math."""
     if k.shape[2] == 0:
         return torch.zeros_like(q), q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
+    if bias is not None:
+        bias = bias.to(q.dtype)
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)
         return out, lse.float()
     if q.device.type == "cuda":
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True)
+        if bias is not None:
+            bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True)
         return out, lse[..., : q.shape[2]].float()  # lse may be padded along the queries
     scores = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) * q.shape[-1] ** -0.5
+    if bias is not None:
+        scores = scores + bias.float()
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.einsum("bhqk,bhkd->bhqd", torch.exp(scores - lse[..., None]), v.float())
     return out.to(q.dtype), lse
@@ -67,11 +76,18 @@ def ring_attention(
     blocks: list[int],
     replicated: int,
     replicated_first: bool,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k, v [B, H, T + S_r, d]: `replicated` tokens (identical on every ring rank) before or after this rank's
     block of the sharded sequence; `blocks` the sharded tokens each ring rank holds. Returns attention over all
-    T + sum(blocks) keys for this rank's queries, in q's layout and dtype."""
+    T + sum(blocks) keys for this rank's queries, in q's layout and dtype. `key_mask`: [B, T], the replicated keys
+    attended to (False: a text's padding, masked out wherever those keys join); the sharded keys all are."""
     t = replicated
+    bias = None
+    if key_mask is not None:  # [B, 1, 1, T + S_r]: the replicated keys' mask, then this block's keys, all kept
+        masked = torch.zeros(key_mask.shape, dtype=torch.float32, device=q.device).masked_fill(~key_mask, -torch.inf)
+        own = masked.new_zeros((key_mask.shape[0], q.shape[2] - t))
+        bias = torch.cat([masked, own], dim=1)[:, None, None, :]
 
     def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if replicated_first:
@@ -80,7 +96,7 @@ def ring_attention(
 
     (q_rep, q_own), (k_rep, k_own), (v_rep, v_own) = split(q), split(k), split(v)
     # This rank's queries: its own block with the replicated keys, then every other block as it comes round.
-    out, lse = attention_lse(q_own, torch.cat([k_rep, k_own], dim=2), torch.cat([v_rep, v_own], dim=2))
+    out, lse = attention_lse(q_own, torch.cat([k_rep, k_own], dim=2), torch.cat([v_rep, v_own], dim=2), bias)
     travelling = torch.stack([k_own, v_own])  # [2, B, H, S_r, d]
     for step in range(1, size):
         travelling = _exchange(travelling, blocks[(rank - step) % size], group, rank, size)
@@ -92,7 +108,7 @@ def ring_attention(
     # partial results are gathered and merged in ring order, the same order on every rank.
     keys = torch.cat([k_rep, k_own], dim=2) if rank == 0 else k_own
     values = torch.cat([v_rep, v_own], dim=2) if rank == 0 else v_own
-    part, part_lse = attention_lse(q_rep, keys, values)
+    part, part_lse = attention_lse(q_rep, keys, values, bias if rank == 0 else None)
     packed = torch.cat([part.float(), part_lse[..., None]], dim=-1).contiguous()  # [B, H, T, d + 1]
     parts = [torch.empty_like(packed) for _ in range(size)]
     with collective("ring all_gather"):

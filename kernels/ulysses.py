@@ -164,12 +164,12 @@ def ulysses_sdpa(
         return torch.cat([rep, img] if replicated_first else [img, rep], dim=2)  # [B, H/N, T + S, d]
 
     if g.ring_size > 1:
-        if attn_mask is not None or attend is not None:
-            raise ValueError("ring attention takes no attention mask")
+        if attend is not None:
+            raise ValueError("ring attention takes no block-causal segments")
         out = ring_attention(
             full(q), full(k), full(v), group=g.ring, rank=g.ring_rank, size=g.ring_size,
             blocks=[sum(g.block(r)) for r in range(g.ring_size)], replicated=replicated,
-            replicated_first=replicated_first,
+            replicated_first=replicated_first, key_mask=_replicated_mask(attn_mask, replicated, replicated_first),
         )  # fmt: skip
     elif attend is not None:
         out = attend(full(q), full(k), full(v))
@@ -189,6 +189,19 @@ def ulysses_sdpa(
             dist.all_gather(gathered, rep.contiguous(), group=g.ulysses_group)
         rep = torch.cat(gathered, dim=1)  # [B, H, T, d]
     return torch.cat([rep, img] if replicated_first else [img, rep], dim=2)
+
+
+def _replicated_mask(attn_mask: torch.Tensor | None, replicated: int, first: bool) -> torch.Tensor | None:
+    """A key-padding mask over the joint sequence ([B, 1, 1, T + S], bool) as ring attention takes it: the replicated
+    tokens' part [B, T]. Ring attention masks those only (a text's padding); a masked sharded key is refused."""
+    if attn_mask is None:
+        return None
+    keys = attn_mask.reshape(attn_mask.shape[0], -1).bool()
+    rep = keys[:, :replicated] if first else keys[:, keys.shape[1] - replicated :]
+    rest = keys[:, replicated:] if first else keys[:, : keys.shape[1] - replicated]
+    if not bool(rest.all()):
+        raise ValueError("ring attention masks the replicated tokens only (a text's padding)")
+    return rep
 
 
 def ulysses_cross(

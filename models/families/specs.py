@@ -24,7 +24,7 @@ class Family:
     guidance_styles: tuple[str, ...]
     # Parallel strategies over several ranks: "cfg-parallel" (the two CFG rows, or halves of a batch without CFG),
     # "ulysses" (sequence parallel attention; its degree must divide the transformer's heads), "ring" (ring attention
-    # over the sharded sequence, alone or with Ulysses; families whose attention takes no mask), "tp" (tensor
+    # over the sharded sequence, alone or with Ulysses; a mask only over the replicated text: its padding), "tp" (tensor
     # parallel linears, by the family's plan), "shard-weights" (FSDP2: weights gathered block by block),
     # "vae-parallel" (one image decoded in strips by several ranks: 2D VAEs, and the causal video VAEs of Wan and
     # Qwen-Image, frame by frame).
@@ -131,7 +131,7 @@ QWEN_IMAGE = Family(
     "qwen-image",
     "families.qwenimage:QwenImageAdapter",
     guidance_styles=("true-cfg", "distilled"),
-    parallel=("cfg-parallel", "ulysses", "tp", "shard-weights", "vae-parallel"),
+    parallel=("cfg-parallel", "ulysses", "ring", "tp", "shard-weights", "vae-parallel"),
     cache_methods=("fbcache", "dbcache", "teacache", "x0cache", "magcache"),
     # Its cached forward does not shard tokens yet: --cache with --ulysses is refused at start.
     cache_with_ulysses=False,
@@ -147,7 +147,7 @@ QWEN_IMAGE_EDIT_PLUS = Family(
     "qwen-image-edit-plus",
     "families.qwenimage_edit:QwenImageEditPlusAdapter",
     guidance_styles=("true-cfg", "distilled"),
-    parallel=("cfg-parallel", "ulysses", "tp"),
+    parallel=("cfg-parallel", "ulysses", "ring", "tp"),
     cache_methods=QWEN_IMAGE.cache_methods,
     cache_with_ulysses=False,
     image_inputs=("edit", "references"),

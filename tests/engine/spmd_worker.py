@@ -147,9 +147,9 @@ def record_ring_keys() -> list[list[int]]:
     whole = [0]
     real_kernel, real_ring = ring.attention_lse, ulysses.ring_attention
 
-    def counted(q, k, v):
+    def counted(q, k, v, bias=None):
         calls.append([k.shape[2], whole[0]])
-        return real_kernel(q, k, v)
+        return real_kernel(q, k, v, bias)
 
     def ringed(q, k, v, **kwargs):
         whole[0] = kwargs["replicated"] + sum(kwargs["blocks"])

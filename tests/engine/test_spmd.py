@@ -172,7 +172,16 @@ def test_qwen_image_21_ulysses_shards_the_target_image(tiny_qwenimage21, tmp_pat
 
 @pytest.mark.parametrize(
     ("family", "ulysses", "ring"),
-    [("sd3", 1, 2), ("flux", 1, 2), ("wan", 1, 2), ("flux2-klein", 1, 2), ("flux2", 1, 2), ("flux", 2, 2)],
+    [
+        ("sd3", 1, 2),
+        ("flux", 1, 2),
+        ("wan", 1, 2),
+        ("flux2-klein", 1, 2),
+        ("flux2", 1, 2),
+        ("flux", 2, 2),
+        ("qwen-image", 1, 2),  # texts of several lengths in a batch: their padding masked on the replicated keys
+        ("qwen-image-edit-2511", 1, 2),
+    ],
 )
 def test_ring_attention_matches_one_rank(family, ulysses, ring, request, tmp_path):
     """Ring attention (and Ulysses x ring on 4 ranks): the images of one rank, the sequence sharded over every rank,

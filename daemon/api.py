@@ -38,7 +38,6 @@ Compression = Annotated[int, msgspec.Meta(ge=0, le=100)]
 Short = Annotated[str, msgspec.Meta(max_length=256)]
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 T = TypeVar("T")
-QUALITIES = ("auto", "low", "medium", "high", "standard", "hd")
 
 
 class ApiError(Exception):
@@ -352,7 +351,6 @@ def validate_openai(req: ImageGenerationRequest, max_n: int = MAX_N) -> None:
             param="response_format",
         )
     check_choice("output_format", req.output_format, OUTPUT_FORMATS)
-    check_choice("quality", req.quality, QUALITIES)
     check_choice("moderation", req.moderation, ("auto", "low"))
     check_choice("style", req.style, ("vivid", "natural"))
     if req.background == "transparent":

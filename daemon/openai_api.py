@@ -69,6 +69,13 @@ def parse_image_generation(data: bytes, max_n: int) -> tuple[ImageGenerationRequ
     return body, _params(body)
 
 
+def _honoured(asked: str | None, applied: str | None) -> bool:
+    """Whether OpenAI's `quality` (low, medium, high) was the preset the request ran."""
+    from diffusiond.models.stepcache.settings import quality_level
+
+    return asked in ("low", "medium", "high") and applied == quality_level(asked)
+
+
 def _params(body: ImageGenerationRequest, **files: Any) -> SamplingParams:
     """The body's parameters (its fields of the same names), its `size` as width and height, and an edit's files."""
     width, height = parse_size(body.size)
@@ -190,7 +197,8 @@ async def _images(
     fmt = body.output_format or "png"
     meta = {
         "size": f"{resolved.width}x{resolved.height}",
-        "quality": body.quality if body.quality in ("low", "medium", "high") else "auto",
+        # Echoed only where honoured: a step cache ran the preset it names (models/stepcache/settings.py).
+        "quality": body.quality if _honoured(body.quality, resolved.quality) else "auto",
         "background": "opaque",
         "output_format": fmt,
     }

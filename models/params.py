@@ -46,6 +46,7 @@ PreviewMode = Literal["fast", "vae"]
 # nearest the image's aspect (about 1 Mpx, as `FluxKontextPipeline`); "output", that resolution scaled to the output's
 # area (fewer tokens below 1 Mpx: cheaper, and not the pipeline's image).
 EditContext = Literal["preferred", "output"]
+Quality = Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
 CacheThreshold = Annotated[float, msgspec.Meta(ge=0, le=10)]
 # SCM step masks (models/stepcache/methods.py `scm_steps`): a preset, or the steps that always compute (0 is the first).
 ScmPreset = Literal["fast", "medium", "slow", "off"]
@@ -139,6 +140,12 @@ class RequestFields(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     # block's residual changes by less than this (relative L1). 0: every step computes (exact). Resolved from the
     # server's --cache-threshold when the client sends none.
     cache_threshold: CacheThreshold | None = None
+    # How much speed a request trades for agreement with its exact image, where the server runs a step cache
+    # (models/stepcache/settings.py `quality_level`): "lossless" (no reuse), "high", "balanced" (the server's
+    # threshold), "fast"; OpenAI's "high", "medium", "low", "auto" (and "hd", "standard") as those; an unknown word is
+    # mapped, not refused (one that says more than high, "xhigh", is lossless). A `cache_threshold` sent with it wins.
+    # Resolved to the preset applied; without a step cache every preset is exact.
+    quality: Quality | None = None
     # The steps that compute whatever the cache's signal (SCM): "fast", "medium", "slow" (Cache-DiT's masks, stretched
     # to the request's steps), "off", or the step indices; the others reuse while the signal allows. Resolved to the
     # indices, from the server's --cache-config "scm" when the client sends none.

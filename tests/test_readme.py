@@ -54,6 +54,7 @@ ELSEWHERE: list[tuple[str, str]] = [
     (r"diffusiond serve --nproc 2 --cfg-parallel 2 --vae-parallel 2", "tests/engine/test_spmd.py"),
     (r"torchrun --nproc-per-node 2 -m diffusiond serve", "tests/spmd/test_serve_ranks.py"),
     (r"diffusiond bench compare", "tests/bench/test_compare.py"),
+    (r"diffusiond bench cache", "tests/bench/test_caches.py"),
     (r"python -m diffusiond\.bench\.gpu_check --device cpu", "tests/bench/test_gpu_check.py"),
     (r"diffusiond bench serve", "tests/bench/test_serve.py"),
     (r"python -m diffusiond\.bench\.priorities", "tests/bench/test_priorities.py"),

@@ -138,7 +138,9 @@ class GenericAdapter(ModelAdapter):
             value = getattr(params, name)
             if value is not None and not (math.isfinite(value) and 0 <= value <= MAX_GUIDANCE):
                 raise ParamError(name, f"{name} must be between 0 and {MAX_GUIDANCE:g}, got {value}")
-        resolved = msgspec.structs.replace(params, seed=seed, num_inference_steps=steps, start_step=0)
+        # No step cache here: every quality preset is the exact image.
+        quality = None if params.quality is None else "lossless"
+        resolved = msgspec.structs.replace(params, seed=seed, num_inference_steps=steps, start_step=0, quality=quality)
         caps = self.capabilities
         from_image = params.image is not None and call.default("width") is None  # its call sizes it as the image
         if (

@@ -13,7 +13,7 @@ from typing import Any
 # Request fields the call takes by another name.
 RENAMES = {"mask": "mask_image", "fps": "frame_rate"}
 # Request fields that are the server's, not the call's.
-OURS = frozenset({"seed", "preview_every", "stream_latents", "preview"})
+OURS = frozenset({"seed", "preview_every", "stream_latents", "preview", "quality"})
 # Call parameters a request never sets: the server passes them (or their tensor forms cannot come over HTTP).
 RESERVED = frozenset(
     {

@@ -17,7 +17,14 @@ import torch
 
 from diffusiond.models.params import ParamError, SamplingParams
 from diffusiond.models.stepcache import methods
-from diffusiond.models.stepcache.settings import IDENTITY, METHODS, load_calibration, scm_steps
+from diffusiond.models.stepcache.settings import (
+    IDENTITY,
+    METHODS,
+    QUALITY_PRESETS,
+    load_calibration,
+    quality_level,
+    scm_steps,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +94,18 @@ class StepCache:
         self.steps = (config or {}).get("scm")
 
     def request_fields(self, params: SamplingParams, steps: int) -> dict[str, Any]:
-        """A request's resolved `cache_threshold` and `cache_steps` (ParamError naming one this server cannot use)."""
-        return {"cache_threshold": self._threshold(params), "cache_steps": self._steps(params, steps)}
+        """A request's resolved `cache_threshold`, `cache_steps` and `quality` (the preset applied) (ParamError naming
+        one this server cannot use)."""
+        level = None if params.quality is None else quality_level(params.quality)
+        threshold = self._threshold(params, level)
+        if level is not None and (not self.on or params.cache_threshold is not None):
+            level = "lossless" if threshold == 0 else None  # what was applied: no preset (exact, or its threshold)
+        return {"cache_threshold": threshold, "cache_steps": self._steps(params, steps), "quality": level}
 
-    def _threshold(self, params: SamplingParams) -> float:
+    def _threshold(self, params: SamplingParams, level: str | None) -> float:
         if params.cache_threshold is None:
+            if level is not None:  # a preset: a multiple of the server's threshold (0 without a step cache)
+                return min(10.0, self.threshold * QUALITY_PRESETS[level])
             return self.threshold
         if params.cache_threshold > 0 and not self.on:
             raise ParamError("cache_threshold", "this server runs without step caching (start it with --cache)")

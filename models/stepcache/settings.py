@@ -44,6 +44,29 @@ CACHE_SETTINGS: dict[str, dict[str, tuple[int | float, int, int | None]]] = {
 DEFAULT_CACHE_THRESHOLD = 0.1
 CACHE_THRESHOLDS = {"x0cache": 0.5}
 
+# Per-request quality presets, as multiples of the threshold of requests that send none (the server's: "balanced").
+QUALITY_PRESETS = {"lossless": 0.0, "high": 0.25, "balanced": 1.0, "fast": 2.0}
+QUALITY_ALIASES = {"auto": "balanced", "medium": "balanced", "standard": "balanced", "hd": "high", "low": "fast"}
+
+
+def quality_level(word: str) -> str:
+    """A request's `quality` as one of QUALITY_PRESETS: its own name, OpenAI's (`QUALITY_ALIASES`), or for a word
+    neither knows (a later API's), the nearest by what it says: more than high ("xhigh", "ultra", "max", "best") is
+    lossless, anything high "high", anything low or fast "fast", the rest balanced."""
+    word = word.strip().lower()
+    if word in QUALITY_PRESETS:
+        return word
+    if word in QUALITY_ALIASES:
+        return QUALITY_ALIASES[word]
+    if word.endswith("high"):
+        return "lossless"  # xhigh, ultrahigh, ...: more than high
+    if any(w in word for w in ("low", "fast", "draft", "min", "cheap")):
+        return "fast"
+    if any(w in word for w in ("ultra", "max", "best", "lossless", "exact")):
+        return "lossless"
+    return "balanced"
+
+
 # TeaCache's polynomial and MagCache's ratios fitted for a checkpoint (tools/calibrate.py), beside its weights.
 CACHE_FILE = "diffusiond_cache.json"
 # TeaCache's published rescaling polynomial for FLUX.1 (highest degree first): a fact of those weights.

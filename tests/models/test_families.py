@@ -82,6 +82,19 @@ def test_serve_refuses_what_the_family_cannot_do_at_start(fixture, flags, messag
     assert message in stderr, stderr
 
 
+def test_the_reference_table_is_generated_from_the_declarations():
+    """docs/families.md's table against the reference design's, from our declarations (issue 52)."""
+    from diffusiond.models.families.reference import reference_table
+
+    page = (ROOT / "docs" / "families.md").read_text()
+    table = re.search(r"<!-- reference:start -->\n(.*?)<!-- reference:end -->", page, re.S)
+    assert table is not None, "docs/families.md has no reference table"
+    assert table.group(1) == reference_table(), "docs/families.md's reference table drifted: paste reference_table()"
+    cells, notes = table.group(1).split("\n\n")
+    for number in set(re.findall(r"no \((\d+)\)", cells)):
+        assert f"\n({number}) " in f"\n{notes}", f"no ({number}) has no reason"
+
+
 def test_readme_table_is_generated_from_the_declarations():
     readme = (ROOT / "README.md").read_text()
     table = re.search(r"<!-- families:start -->\n(.*?)<!-- families:end -->", readme, re.S)

@@ -130,6 +130,20 @@ def tiny_qwenimage_deep(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwenimage_other_layout(tmp_path_factory) -> str:
+    """A `QwenImagePipeline` checkpoint laid out otherwise than the suite's (as Qwen-Image-2512 is a checkpoint of the
+    same class): 3 blocks, other rotary axes, another scheduler shift."""
+    from diffusiond.models.tiny import qwen
+
+    def build():
+        pipe = qwen.build_qwenimage(num_layers=3, axes_dims_rope=(2, 8, 6))
+        pipe.scheduler.register_to_config(base_shift=0.7, max_shift=1.1)
+        return pipe
+
+    return _deep(build, tmp_path_factory.mktemp("tiny") / "qwen-image-other")
+
+
+@pytest.fixture(scope="session")
 def tiny_zimage_deep(tmp_path_factory) -> str:
     """Tiny Z-Image with 4 main layers (DBCache's first, middle and last over the joint sequence)."""
     from diffusiond.models.tiny import qwen

@@ -148,9 +148,9 @@ def build_zimage(n_layers: int = 2) -> Any:
     )
 
 
-def build_qwenimage(num_layers: int = 2) -> Any:
-    """A tiny `QwenImagePipeline`: Qwen2.5-VL text encoder (with a tiny vision tower), MMDiT (`num_layers` blocks),
-    Qwen-Image VAE."""
+def build_qwenimage(num_layers: int = 2, axes_dims_rope: tuple[int, int, int] = (4, 6, 6)) -> Any:
+    """A tiny `QwenImagePipeline`: Qwen2.5-VL text encoder (with a tiny vision tower), MMDiT (`num_layers` blocks;
+    its rotary axes summing to its head dim, 16), Qwen-Image VAE."""
     import torch
     from diffusers import (
         AutoencoderKLQwenImage,
@@ -194,7 +194,7 @@ def build_qwenimage(num_layers: int = 2) -> Any:
         attention_head_dim=16,
         num_attention_heads=2,
         joint_attention_dim=32,  # == text hidden_size
-        axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
+        axes_dims_rope=axes_dims_rope,  # sums to attention_head_dim
     )
     # Three downsamples, so vae_scale_factor = 8; latents_mean/std keep the real model's (the defaults).
     vae = AutoencoderKLQwenImage(

@@ -277,6 +277,8 @@ REQUESTS = {
 # A stochastic flow-matching scheduler (`stochastic_sampling`, as the bundled model ships): fresh noise at every
 # step, drawn from each request's own generator.
 REQUESTS["sd3-stochastic"] = REQUESTS["sd3"]
+# A checkpoint of a served class with another config (issue 52: a Qwen-Image-2512 layout is Qwen-Image's family's).
+REQUESTS["qwen-image-other-layout"] = REQUESTS["qwen-image"]
 
 
 FIXTURES = {
@@ -289,6 +291,7 @@ FIXTURES = {
     "flux2": "tiny_flux2",
     "z-image": "tiny_zimage",
     "qwen-image": "tiny_qwenimage",
+    "qwen-image-other-layout": "tiny_qwenimage_other_layout",
     "qwen-image-21": "tiny_qwenimage21",
 }
 
@@ -299,7 +302,11 @@ def test_engine_matches_diffusers_pipeline(family, request):
     adapter = load_adapter(checkpoint)
     handles, results, plans = asyncio.run(run_staggered(adapter, REQUESTS[family]))
     # SD3.5's layout is SD3's pipeline, and so is a stochastic scheduler's checkpoint.
-    name, family = family, {"sd35": "sd3", "sd3-stochastic": "sd3"}.get(family, family)
+    name, family = (
+        family,
+        {"sd35": "sd3", "sd3-stochastic": "sd3", "qwen-image-other-layout": "qwen-image"}.get(family, family),
+    )
+    assert adapter.family == family and type(adapter).__name__ != "GenericAdapter"  # its class's family serves it
 
     # Requests really joined running batches, and batches really mixed requests at different steps.
     joined = [p for p in plans if p.new and set(p.advance) - {n.request_id for n in p.new}]

@@ -88,8 +88,8 @@ def edge_middleware(config: ServeConfig):
             )
         if request.method == "OPTIONS" and listed and "Access-Control-Request-Method" in request.headers:
             return web.Response(status=204, headers=_cors_headers(origin, preflight=True))
-        if request.method in BODY_METHODS:
-            check_content_type(request)
+        if request.method in BODY_METHODS and request.match_info.http_exception is None:
+            check_content_type(request)  # a route not served answers 404 (405) whatever its body
         response = await handler(request)
         if listed and not response.prepared:
             response.headers.update(_cors_headers(origin))

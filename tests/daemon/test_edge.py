@@ -70,6 +70,21 @@ async def test_a_body_that_is_not_json_is_refused_before_any_work(server, conten
     server.wait_idle()
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("content_type", ["multipart/form-data; boundary=x", "text/plain", "application/json"])
+async def test_a_route_not_served_is_a_404_in_openai_s_shape_whatever_its_body(server, content_type):
+    """OpenAI routes this server does not serve (`/v1/images/variations`) answer 404 in OpenAI's error shape, not a
+    415 about the body's type (the edge's check ran before routing: issue 54)."""
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        for route in ("/v1/images/variations", "/v1/no-such-route"):
+            async with session.post(
+                f"{server.base_url}{route}", data=b"--x--", headers={"Content-Type": content_type}
+            ) as resp:
+                assert resp.status == 404, (route, content_type, await resp.text())
+                error = (await resp.json())["error"]
+                assert error["message"] and error["type"], error
+
+
 def test_host_rules():
     assert host_allowed("127.0.0.1:8000", ()) and host_allowed("[::1]:8000", ()) and host_allowed("10.1.2.3", ())
     assert host_allowed("localhost:8000", ()) and host_allowed("app.localhost", ()) and host_allowed(None, ())

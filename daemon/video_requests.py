@@ -97,11 +97,13 @@ def resolve_video(engine: Engine, body: VideoCreateRequest, reference: bytes | N
     caps = engine.adapter.capabilities
     computed: dict = {"width": width, "height": height, "image": reference}
     renames = {"width": "size", "height": "size", "image": "input_reference"}
+    fps = body.fps or caps.default_fps  # the model's default unless the client chose one
     if seconds is not None:
-        fps = body.fps or caps.default_fps  # the model's default unless the client chose one
         assert fps is not None
         computed["num_frames"] = frames_for(seconds, fps, caps)
         renames["num_frames"] = "seconds"
+    elif body.num_frames is None and (frames := default_frames(fps, caps)) is not None:
+        computed["num_frames"] = frames  # OpenAI's default length, where the model makes it
     params = params_from(msgspec.structs.asdict(body), **computed)
     try:
         return engine.check(params)
@@ -109,6 +111,31 @@ def resolve_video(engine: Engine, body: VideoCreateRequest, reference: bytes | N
         if exc.param in renames:
             raise ParamError(renames[exc.param], str(exc)) from None
         raise
+
+
+# OpenAI's Videos API: a request without `seconds` is this long.
+DEFAULT_SECONDS = 4.0
+
+
+def default_frames(fps: int | None, caps: Capabilities) -> int | None:
+    """The frames of OpenAI's default length at `fps`, or None where the model makes no clip that long (its own
+    default length then)."""
+    if fps is None:
+        return None
+    try:
+        return frames_for(DEFAULT_SECONDS, fps, caps)
+    except ApiError:
+        return None
+
+
+def reported_seconds(body_seconds: str | float | None, num_frames: int, fps: int, defaulted: bool) -> str:
+    """A job's `seconds`: what the request asked (OpenAI's default where it asked none and the model made that
+    length), its frames rounded up to the family's form beside it; else the clip's own length."""
+    if body_seconds is not None:
+        return f"{parse_seconds(body_seconds):g}"
+    if defaulted:
+        return f"{DEFAULT_SECONDS:g}"
+    return f"{num_frames / fps:g}"
 
 
 def parse_seconds(value: str | float | None) -> float | None:

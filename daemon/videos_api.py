@@ -10,7 +10,8 @@ completed, failed or cancelled.
 
 `seconds` becomes frames at the request's fps (the model's by default): the shortest clip of the family's form
 (1 + frame_step * k frames) that plays for at least that long, refused when it has more frames than the model makes;
-the job's `seconds` is the clip's real length (65 frames at 16 fps: "4.0625").
+without it, OpenAI's 4 seconds (where the model makes a clip that long; else its own default). The job's `seconds` is
+what the request asked ("4"), its `num_frames` the clip's real count beside it (65 at 16 fps).
 """
 
 from __future__ import annotations
@@ -47,7 +48,12 @@ from diffusiond.daemon.job_leases import keep_leases
 from diffusiond.daemon.state import ENCODERS, STATE, Record
 from diffusiond.daemon.streaming import check_images, run_encoder
 from diffusiond.daemon.video_encoding import encode_video
-from diffusiond.daemon.video_requests import read_video_create, resolve_video
+from diffusiond.daemon.video_requests import (
+    default_frames,
+    read_video_create,
+    reported_seconds,
+    resolve_video,
+)
 from diffusiond.daemon.video_store import (
     MIN_FREE_BYTES,
     DiskFull,
@@ -398,13 +404,22 @@ async def _new_job(request: web.Request, resolved: SamplingParams, rid: str, bod
         model=request.app[STATE].model_id,
         prompt=resolved.prompt,
         size=f"{resolved.width}x{resolved.height}",
-        seconds=f"{resolved.num_frames / resolved.fps:g}",
+        seconds=reported_seconds(body.seconds, resolved.num_frames, resolved.fps, _defaulted(request, body, resolved)),
         num_frames=resolved.num_frames,
         fps=resolved.fps,
         seed=resolved.seed,
     )
     return await admit_job(request, job, resolved, body.priority, cacheable=body.seed is not None,
                            deadline_ms=body.deadline_ms)  # fmt: skip
+
+
+def _defaulted(request: web.Request, body: VideoCreateRequest, resolved: SamplingParams) -> bool:
+    """Whether the request took OpenAI's default length (it sent neither seconds nor frames, and the model makes
+    it)."""
+    if body.seconds is not None or body.num_frames is not None:
+        return False
+    caps = request.app[STATE].require_engine().adapter.capabilities
+    return resolved.num_frames == default_frames(resolved.fps, caps)
 
 
 async def admit_job(

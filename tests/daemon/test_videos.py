@@ -126,7 +126,7 @@ def test_openai_client_creates_polls_downloads_and_deletes(video_server, client)
     )
     assert job.object == "video" and job.id.startswith("video_")
     assert (job.status, job.progress, job.model, job.prompt, job.size) == ("completed", 100, model, PROMPT, SIZE)
-    assert job.seconds == "1.0625" and job.error is None
+    assert job.seconds == "1" and job.error is None  # what it asked; its 17 frames play 1.0625 s
     assert job.completed_at >= job.created_at and job.expires_at == job.completed_at + 3600
     extra = job.model_extra
     assert (extra["num_frames"], extra["fps"], extra["seed"], extra["format"]) == (FRAMES, FPS, 3, "mp4")
@@ -577,7 +577,7 @@ def test_readme_video_examples(video_server, tmp_path):
         return result.stdout.decode()
 
     job = json.loads(run(create))
-    assert job["status"] == "queued" and job["num_frames"] == 65 and job["seconds"] == "4.0625", job
+    assert job["status"] == "queued" and job["num_frames"] == 65 and job["seconds"] == "4", job
     video_server.wait_until(
         lambda: json.loads(run(status.replace("VIDEO_ID", job["id"])))["status"] == "completed", 60, "the job"
     )
@@ -594,7 +594,7 @@ def test_readme_video_examples(video_server, tmp_path):
         timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr.decode()[-2000:]
-    assert result.stdout.decode().split() == ["completed", "4.0625", "65"]
+    assert result.stdout.decode().split() == ["completed", "4", "65"]
     frames, fps = decode_video((tmp_path / "clip.mp4").read_bytes())
     assert len(frames) == 65 and fps == 16
 
@@ -681,3 +681,17 @@ async def test_a_store_on_a_full_disk_refuses_clearly_and_recovers(serve, tiny_w
         assert sorted(os.listdir(tmpfs / "videos")) == sorted(f"{done['id']}.{ext}" for ext in ("mp4", "json"))
         async with session.get(f"{server.base_url}/v1/videos/{done['id']}/content") as resp:
             assert resp.status == 200 and len(await resp.read()) > 0
+
+
+@pytest.mark.asyncio
+async def test_a_job_without_seconds_is_openai_s_four_and_says_what_was_asked(video_server):
+    """OpenAI's default length where no `seconds` is sent (issue 54): 4 s at the tiny model's 16 fps is 65 frames
+    (the shortest 1 + 4k clip that long); the job says "4", the seconds asked, beside its real frame count (it said
+    "5.0625", its 81 default frames, before). Sent seconds come back as sent."""
+    async with aiohttp.ClientSession(headers=AUTH) as session:
+        job = await create(session, video_server, size=SIZE, num_inference_steps=2)
+        assert (job["seconds"], job["num_frames"]) == ("4", 65), job
+        job = await create(session, video_server, size=SIZE, num_inference_steps=2, seconds="2")
+        assert (job["seconds"], job["num_frames"]) == ("2", 33), job
+        job = await create(session, video_server, size=SIZE, num_inference_steps=2, num_frames=9)
+        assert (job["seconds"], job["num_frames"]) == ("0.5625", 9), job

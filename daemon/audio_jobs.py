@@ -18,7 +18,7 @@ from diffusiond.daemon.edge import read_body
 from diffusiond.daemon.idempotency import KEYS, fingerprint
 from diffusiond.daemon.state import STATE
 from diffusiond.daemon.video_store import VideoJob
-from diffusiond.daemon.videos_api import admit_job, admit_once
+from diffusiond.daemon.videos_api import admit_job, admit_once, check_job_model
 from diffusiond.engine.engine import Engine
 from diffusiond.models.params import SamplingParams
 
@@ -36,22 +36,7 @@ async def create_audio(request: web.Request) -> web.StreamResponse:
 async def _create(request: web.Request, body: AudioCreateRequest, digest: str) -> web.Response:
     state = request.app[STATE]
     engine = state.require_engine()
-    modality = engine.adapter.capabilities.modality
-    if modality != "audio":
-        route = "/v1/videos" if modality == "video" else "/v1/images/generations"
-        raise ApiError(
-            400,
-            f"the model served here ({state.model_id}) makes {modality}: use POST {route}",
-            param="model",
-            code="unsupported_model",
-        )
-    if body.model is not None and body.model != state.model_id:
-        raise ApiError(
-            404,
-            f"model {body.model!r} not found; this server serves {state.model_id!r}",
-            param="model",
-            code="model_not_found",
-        )
+    check_job_model(request, "audio", body.model)
     resolved = resolve_audio(engine, body)
     rid = uuid.uuid4().hex
     assert resolved.seed is not None

@@ -128,14 +128,15 @@ def default_frames(fps: int | None, caps: Capabilities) -> int | None:
         return None
 
 
-def reported_seconds(body_seconds: str | float | None, num_frames: int, fps: int, defaulted: bool) -> str:
-    """A job's `seconds`: what the request asked (OpenAI's default where it asked none and the model made that
-    length), its frames rounded up to the family's form beside it; else the clip's own length."""
-    if body_seconds is not None:
-        return f"{parse_seconds(body_seconds):g}"
-    if defaulted:
+def reported_seconds(body: VideoCreateRequest, resolved: SamplingParams, caps: Capabilities) -> str:
+    """A job's `seconds`: what the request asked (OpenAI's default where it sent neither seconds nor frames and the
+    model made that length), its frames rounded up to the family's form beside it; else the clip's own length."""
+    assert resolved.num_frames is not None and resolved.fps is not None
+    if body.seconds is not None:
+        return f"{parse_seconds(body.seconds):g}"
+    if body.num_frames is None and resolved.num_frames == default_frames(resolved.fps, caps):
         return f"{DEFAULT_SECONDS:g}"
-    return f"{num_frames / fps:g}"
+    return f"{resolved.num_frames / resolved.fps:g}"
 
 
 def parse_seconds(value: str | float | None) -> float | None:

@@ -48,12 +48,7 @@ from diffusiond.daemon.job_leases import keep_leases
 from diffusiond.daemon.state import ENCODERS, STATE, Record
 from diffusiond.daemon.streaming import check_images, run_encoder
 from diffusiond.daemon.video_encoding import encode_video
-from diffusiond.daemon.video_requests import (
-    default_frames,
-    read_video_create,
-    reported_seconds,
-    resolve_video,
-)
+from diffusiond.daemon.video_requests import read_video_create, reported_seconds, resolve_video
 from diffusiond.daemon.video_store import (
     MIN_FREE_BYTES,
     DiskFull,
@@ -349,21 +344,7 @@ async def _create_video(
     state = request.app[STATE]
     engine = state.require_engine()
     caps = engine.adapter.capabilities
-    if caps.modality != "video":
-        route = "/v1/audio/generations" if caps.modality == "audio" else "/v1/images/generations"
-        raise ApiError(
-            400,
-            f"the model served here ({state.model_id}) makes {caps.modality}: use POST {route}",
-            param="model",
-            code="unsupported_model",
-        )
-    if body.model is not None and body.model != state.model_id:
-        raise ApiError(
-            404,
-            f"model {body.model!r} not found; this server serves {state.model_id!r}",
-            param="model",
-            code="model_not_found",
-        )
+    check_job_model(request, "video", body.model)
     if reference is not None:
         if FIRST_FRAME not in caps.image_inputs:
             raise ApiError(
@@ -404,7 +385,7 @@ async def _new_job(request: web.Request, resolved: SamplingParams, rid: str, bod
         model=request.app[STATE].model_id,
         prompt=resolved.prompt,
         size=f"{resolved.width}x{resolved.height}",
-        seconds=reported_seconds(body.seconds, resolved.num_frames, resolved.fps, _defaulted(request, body, resolved)),
+        seconds=reported_seconds(body, resolved, request.app[STATE].require_engine().adapter.capabilities),
         num_frames=resolved.num_frames,
         fps=resolved.fps,
         seed=resolved.seed,
@@ -413,13 +394,25 @@ async def _new_job(request: web.Request, resolved: SamplingParams, rid: str, bod
                            deadline_ms=body.deadline_ms)  # fmt: skip
 
 
-def _defaulted(request: web.Request, body: VideoCreateRequest, resolved: SamplingParams) -> bool:
-    """Whether the request took OpenAI's default length (it sent neither seconds nor frames, and the model makes
-    it)."""
-    if body.seconds is not None or body.num_frames is not None:
-        return False
-    caps = request.app[STATE].require_engine().adapter.capabilities
-    return resolved.num_frames == default_frames(resolved.fps, caps)
+def check_job_model(request: web.Request, modality: str, model: str | None) -> None:
+    """A job route's model: the one served here, making what the route makes (ApiError naming `model`: 400 with the
+    route for what it makes, 404 for another name)."""
+    state = request.app[STATE]
+    made = state.require_engine().adapter.capabilities.modality
+    if made != modality:
+        routes = {"video": "/v1/videos", "audio": "/v1/audio/generations"}
+        raise ApiError(
+            400,
+            f"the model served here ({state.model_id}) makes {made}: use POST "
+            f"{routes.get(made, '/v1/images/generations')}",
+            param="model",
+            code="unsupported_model",
+        )
+    if model is not None and model != state.model_id:
+        raise ApiError(
+            404, f"model {model!r} not found; this server serves {state.model_id!r}", param="model",
+            code="model_not_found",
+        )  # fmt: skip
 
 
 async def admit_job(

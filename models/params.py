@@ -200,6 +200,16 @@ class SamplingParams(RequestFields, frozen=True, kw_only=True, array_like=True):
         return (self.num_inference_steps or 0) - self.start_step
 
 
+def check_prompts(params: SamplingParams) -> None:
+    """A request's prompt is a non-empty string and its prompts within MAX_PROMPT_CHARS (ParamError naming which)."""
+    if not isinstance(params.prompt, str) or not params.prompt.strip():
+        raise ParamError("prompt", "prompt must be a non-empty string")
+    for name in ("prompt", "negative_prompt"):
+        text = getattr(params, name)
+        if text is not None and len(text) > MAX_PROMPT_CHARS:
+            raise ParamError(name, f"{name} is {len(text)} characters long; the limit is {MAX_PROMPT_CHARS}")
+
+
 # The fields a client may set (`start_step` is the adapter's to set).
 CLIENT_FIELDS: frozenset[str] = frozenset(RequestFields.__struct_fields__)
 

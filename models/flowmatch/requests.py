@@ -19,7 +19,14 @@ from typing import Any, ClassVar
 from diffusiond.models.base import Capabilities
 from diffusiond.models.declared import Declared, check_declared
 from diffusiond.models.inputs import image_size
-from diffusiond.models.params import MAX_GUIDANCE, MAX_PROMPT_CHARS, MAX_SEED, MAX_STEPS, ParamError, SamplingParams
+from diffusiond.models.params import (
+    MAX_GUIDANCE,
+    MAX_SEED,
+    MAX_STEPS,
+    ParamError,
+    SamplingParams,
+    check_prompts,
+)
 
 
 class RequestRules:
@@ -71,12 +78,7 @@ class RequestRules:
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         caps = self.caps
-        if not isinstance(params.prompt, str) or not params.prompt.strip():
-            raise ParamError("prompt", "prompt must be a non-empty string")
-        for name in ("prompt", "negative_prompt"):
-            text = getattr(params, name)
-            if text is not None and len(text) > MAX_PROMPT_CHARS:
-                raise ParamError(name, f"{name} is {len(text)} characters long; the limit is {MAX_PROMPT_CHARS}")
+        check_prompts(params)
         check_declared(self.declared, params)
         for name in ("arguments", "images"):
             if getattr(params, name):

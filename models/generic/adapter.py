@@ -33,7 +33,7 @@ from diffusiond.models.generic.capabilities import capabilities_of, preview_map
 from diffusiond.models.generic.outputs import output_row, to_numpy
 from diffusiond.models.generic.signature import OURS, PER_PROMPT, CallSpec
 from diffusiond.models.inputs import open_mask, open_rgb
-from diffusiond.models.params import MAX_GUIDANCE, MAX_PROMPT_CHARS, MAX_SEED, ParamError, SamplingParams
+from diffusiond.models.params import MAX_GUIDANCE, MAX_SEED, ParamError, SamplingParams, check_prompts
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +102,7 @@ class GenericAdapter(ModelAdapter):
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         call = self.call
-        if not isinstance(params.prompt, str) or not params.prompt.strip():
-            raise ParamError("prompt", "prompt must be a non-empty string")
-        for name in ("prompt", "negative_prompt"):
-            text = getattr(params, name)
-            if text is not None and len(text) > MAX_PROMPT_CHARS:
-                raise ParamError(name, f"{name} is {len(text)} characters long; the limit is {MAX_PROMPT_CHARS}")
+        check_prompts(params)
         check_declared(self.declared, params)
         given = {name: value for name, value in msgspec.structs.asdict(params).items() if value is not None}
         for name, value in given.items():

@@ -18,7 +18,6 @@ from diffusiond.daemon.edge import read_body
 from diffusiond.daemon.files import store_result
 from diffusiond.daemon.handover import carried_ids, hand_over
 from diffusiond.daemon.idempotency import KEYS, fingerprint, started
-from diffusiond.daemon.image_encoding import encode_image
 from diffusiond.daemon.state import IN_FLIGHT, STATE, Record
 from diffusiond.daemon.streaming import (
     BLOB,
@@ -157,7 +156,7 @@ async def _render(
             payload["url"] = await store_result(request, clip.data, clip.format)
         return "completed", {"seed": event.seed, "video": payload, **cached, **told}, None if by_url else clip.data
     if isinstance(event, Completed):
-        data = await encode_off_loop(request, encode_image, event.image, body.output_format)
+        data = await encode_small(request, event.image, body.output_format)
         if by_url:
             images = [{"format": body.output_format, "url": await store_result(request, data, body.output_format)}]
             return "completed", {"seed": event.seed, "images": images, **cached, **told}, None

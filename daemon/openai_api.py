@@ -31,7 +31,7 @@ from diffusiond.daemon.edge import read_body, read_form
 from diffusiond.daemon.files import store_result
 from diffusiond.daemon.handover import carried_ids, hand_over
 from diffusiond.daemon.idempotency import KEYS, fingerprint, started
-from diffusiond.daemon.image_encoding import encode_image, encode_preview
+from diffusiond.daemon.image_encoding import encode_preview
 from diffusiond.daemon.state import STATE, ServerState
 from diffusiond.daemon.streaming import (
     BLOB,
@@ -40,6 +40,7 @@ from diffusiond.daemon.streaming import (
     UNKNOWN_WORDS_HEADER,
     check_images,
     encode_off_loop,
+    encode_small,
     finish,
     last_event,
     send,
@@ -215,7 +216,7 @@ async def _images(
     if unfinished:
         # Not started at all (each a retry): NotStarted, which the next rank 0 may serve (daemon/handover.py).
         raise terminal_error(min(unfinished, key=lambda r: isinstance(r, Failed) and r.retry))
-    images = [await encode_off_loop(request, encode_image, r.image, fmt, body.output_compression) for r in results]
+    images = [await encode_small(request, r.image, fmt, body.output_compression) for r in results]
     if all(r.cached for r in results):  # every image from the result cache (engine/result_cache.py)
         headers[CACHE_HEADER] = "hit"
     if body.response_format == "url":
@@ -296,7 +297,7 @@ async def _openai_stream(request, state, handles, fmt, compression, partial, met
                 await send(response, sse_event(name, payload), ids)
                 sent[i] += 1
             elif isinstance(event, Completed):
-                data = await encode_off_loop(request, encode_image, event.image, fmt, compression)
+                data = await encode_small(request, event.image, fmt, compression)
                 name = f"{kind}.completed"
                 payload = {"type": name, "b64_json": BLOB, "created_at": int(time.time()), **meta, "usage": _usage()}
                 item = event = None  # the image is let go before its file waits on the client

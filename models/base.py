@@ -132,7 +132,7 @@ class RequestState:
     inpaint: Any = None
     # Its LoRA adapters and scales, resident while it lives (kernels/lora_rows.Selection; () for none).
     lora: tuple = ()
-    # Step cache reuses of histories it left (`stepcache.restart`: a two-expert checkpoint's switch).
+    # Step cache reuses of histories it left (`models/stepcache/core.py restart`: a two-expert checkpoint's switch).
     reused_before: int = 0
     # Its steps where they are not its parameters' (`steps_to_run`): a generic call's, once its pipeline set its
     # timesteps (models/generic/); the executor reports them to the scheduler.

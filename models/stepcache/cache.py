@@ -4,7 +4,7 @@ request that sends no `cache_threshold` or `cache_steps` gets, and the forward t
 A family's adapter holds one (`FlowMatchAdapter.cache`) and hands it what differs per family: its plain transformer
 call and, where it implements step caching, its cached forward (models/stepcache/forwards.py). Request resolution
 asks it for a request's fields (`request_fields`); the parallel wiring runs each transformer call through it
-(`forward`): a request's threshold walks from its parameters to `methods.reuse` in one direction.
+(`forward`): a request's threshold walks from its parameters to `core.reuse` in one direction.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from diffusiond.models.params import ParamError, SamplingParams
-from diffusiond.models.stepcache import methods
+from diffusiond.models.stepcache import core, methods
 from diffusiond.models.stepcache.settings import (
     IDENTITY,
     METHODS,
@@ -88,7 +88,7 @@ class StepCache:
             )
         coefficients, ratios = load_calibration(source) if source is not None else (None, None)
         coefficients = coefficients or self.teacache
-        self.method = methods.method_of(name, config or {}, blocks, coefficients, ratios or self.magcache)
+        self.method = core.method_of(name, config or {}, blocks, coefficients, ratios or self.magcache)
         self.name = name
         self.threshold = threshold if name != "none" else 0.0
         self.steps = (config or {}).get("scm")

@@ -23,6 +23,7 @@ from caching import ATOL, count_reuse, params, run
 
 from diffusiond.daemon.config import ConfigError, cache_settings
 from diffusiond.models.loading.loader import load_adapter
+from diffusiond.models.stepcache import core as stepcore
 from diffusiond.models.stepcache import methods as stepcache
 
 CONFIG = {"fn": 2, "bn": 1, "warmup": 2}
@@ -126,7 +127,7 @@ def test_a_reused_span_adds_its_image_and_text_residuals():
     """The same input twice: the second step reuses the middle blocks, and its output equals the computed one only
     if both residuals of the span were added (the last block reads the text tokens the span made)."""
     shifts = [Shift(1.0), Shift(2.0), Shift(3.0), Shift(4.0)]
-    method = stepcache.method_of("dbcache", {"fn": 1, "bn": 1}, len(shifts))
+    method = stepcore.method_of("dbcache", {"fn": 1, "bn": 1}, len(shifts))
     torch.manual_seed(0)
     h, enc, temb = torch.randn(2, 3, 4), torch.randn(2, 5, 4), torch.zeros(2, 4)
     state = SimpleNamespace(
@@ -158,4 +159,4 @@ def test_settings_are_checked():
     with pytest.raises(ConfigError, match="'fn' unknown to --cache teacache"):
         cache_settings("teacache", '{"fn": 2}')
     with pytest.raises(ValueError, match="leaves none of the transformer's 4 blocks"):
-        stepcache.method_of("dbcache", {"fn": 3, "bn": 1}, 4)
+        stepcore.method_of("dbcache", {"fn": 3, "bn": 1}, 4)

@@ -19,6 +19,7 @@ import torch
 
 from diffusiond.daemon.config import ConfigError, cache_settings
 from diffusiond.models.loading.loader import load_adapter
+from diffusiond.models.stepcache import core as stepcore
 from diffusiond.models.stepcache import methods as stepcache
 from diffusiond.models.stepcache import settings
 
@@ -30,7 +31,7 @@ class Add(torch.nn.Module):
 
 def decisions(config: dict, steps: int = 10, threshold: float = 0.1) -> list[int]:
     """The steps one request reuses, and checks that a reused step adds its last computed residual."""
-    method = stepcache.method_of("magcache", config, 2)
+    method = stepcore.method_of("magcache", config, 2)
     state = SimpleNamespace(
         request_id="a",
         params=SimpleNamespace(cache_threshold=threshold, cache_steps=None),
@@ -66,7 +67,7 @@ def test_the_rule():
 
 
 def test_ratios_follow_the_schedule():
-    method = stepcache.method_of("magcache", {"ratios": [1.0, 2.0, 3.0]}, 2)
+    method = stepcore.method_of("magcache", {"ratios": [1.0, 2.0, 3.0]}, 2)
     # (halves round to even, as torch.round in diffusers' nearest_interp)
     assert [stepcache.magnitude_ratio(method, s, 5) for s in range(5)] == [1.0, 1.0, 2.0, 3.0, 3.0]
     assert [stepcache.magnitude_ratio(method, s, 3) for s in range(3)] == [1.0, 2.0, 3.0]

@@ -20,6 +20,7 @@ from caching import ATOL, count_reuse, params, run
 
 from diffusiond.daemon.config import ConfigError, cache_settings
 from diffusiond.models.loading.loader import load_adapter
+from diffusiond.models.stepcache import core as stepcore
 from diffusiond.models.stepcache import methods as stepcache
 
 CONFIG = {"fn": 2, "bn": 1, "warmup": 2, "taylorseer": True, "taylorseer_order": 2}
@@ -40,7 +41,7 @@ class Ramp(torch.nn.Module):
 def _outputs(config: dict, curve, steps: int, threshold: float) -> list[torch.Tensor]:
     """The blocks' output at each step of one request whose residuals follow `curve(step)`."""
     blocks = [Ramp(1.0), Ramp(2.0), Ramp(3.0)]
-    method = stepcache.method_of("dbcache", config, len(blocks))
+    method = stepcore.method_of("dbcache", config, len(blocks))
     torch.manual_seed(0)
     h, enc = torch.randn(2, 3, 4), torch.randn(2, 5, 4)
     state = SimpleNamespace(

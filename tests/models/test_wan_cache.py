@@ -1,6 +1,6 @@
 """Step caching on Wan (models/stepcache/forwards.py `wan_forward`): every method decides per request inside a batch,
 on the layouts Wan ships (2.1 text-to-video, 2.1 image-to-video with image cross-attention, 2.2 A14B's two experts,
-2.2 TI2V-5B's timestep per token), and nothing crosses Wan 2.2's expert switch (`stepcache.restart`).
+2.2 TI2V-5B's timestep per token), and nothing crosses Wan 2.2's expert switch (`stepcore.restart`).
 
 - Threshold 0 equals the uncached engine's clip (which tests/models/test_wan.py holds to diffusers' pipelines).
 - A batch that mixes thresholds 0, mid and high and different step counts gives every request the clip it gets
@@ -22,6 +22,7 @@ from pictures import picture
 from diffusiond.models.base import RequestState
 from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import SamplingParams
+from diffusiond.models.stepcache import core as stepcore
 from diffusiond.models.stepcache import methods as stepcache
 
 FIXTURES = {"wan": "tiny_wan", "wan-i2v": "tiny_wan_i2v", "wan22": "tiny_wan22", "wan22-ti2v": "tiny_wan22_ti2v"}
@@ -116,5 +117,5 @@ def test_a_restart_keeps_the_reuse_count():
     must not make it go down."""
     state = RequestState("r", SamplingParams(prompt="p"), latents=None, sampler=None)
     state.cache = stepcache.RequestCache(signal=None, rest=None, reused=3)
-    stepcache.restart(state)
+    stepcore.restart(state)
     assert state.cache is None and state.cache_reuses == 3

@@ -42,8 +42,8 @@ from diffusiond.models.flowmatch.sampler import SchedulerSampler, request_genera
 from diffusiond.models.inputs import open_rgb
 from diffusiond.models.lora.rows import ExpertLoraRows
 from diffusiond.models.params import MAX_FRAMES, SamplingParams
+from diffusiond.models.stepcache import core as stepcore
 from diffusiond.models.stepcache import forwards
-from diffusiond.models.stepcache import methods as stepcache
 from diffusiond.models.stepcache.cache import StepCache
 
 TWO_EXPERTS_NOT_YET = "not with a two-expert checkpoint (Wan 2.2 A14B) yet"
@@ -330,7 +330,7 @@ class WanAdapter(FlowMatchAdapter):
         self.expert = self.loras.expert = expert
         for state in states:  # a request's first step on the low-noise expert: the high-noise one's history is void
             if state.cache is not None and state.cache.denoiser != expert:
-                stepcache.restart(state)
+                stepcore.restart(state)
         cond = self._batched_cond(states)
         rows = cond["embeds"].shape[0] // len(states)  # 2 with CFG: (negative, positive) per request
         latents = torch.cat([s.latents for s in states])  # [B, C, T, h, w]

@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -96,6 +97,7 @@ def create_app(config: ServeConfig, *, load: Loader | None = None, healing: bool
     app.router.add_post("/v1/loras", loras_api.create_lora)
     app.router.add_delete("/v1/loras/{name}", loras_api.delete_lora)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
@@ -153,7 +155,8 @@ async def _load(app: web.Application) -> None:
         await engine.start()
         adapter = engine.adapter
         caps = adapter.capabilities
-        state.model_id = config.served_model_name or caps.name or _model_id(config.model or adapter.source)
+        names = config.served_model_name or (caps.name or _model_id(config.model or adapter.source),)
+        state.model_id, state.model_names = names[0], tuple(dict.fromkeys(names))
         engine.limits = request_limits(config, caps)
         app[METRICS].lora.source = lambda: adapter.lora_registry
         app[METRICS].result_cache.source = lambda: engine.result_cache
@@ -355,20 +358,27 @@ async def playground(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    data = []
-    if state.model_id:
-        entry = {"id": state.model_id, "object": "model", "created": 0, "owned_by": "diffusiond"}
-        if state.engine is not None:
-            # Our extension (OpenAI clients ignore unknown fields): what a UI needs to offer sensible controls.
-            # Requests outside these are refused with a 400 naming the field, before any work starts.
-            caps = state.engine.adapter.capabilities
-            entry["diffusiond"] = {
-                **caps.public(),
-                "default_width": caps.default_width,
-                "default_height": caps.default_height,
-                "default_guidance": caps.default_guidance,
-                "max_steps": state.engine.limits.max_steps if state.engine.limits else None,
-                "max_pixels": state.engine.limits.max_pixels if state.engine.limits else None,
-            }
-        data.append(entry)
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response({"object": "list", "data": [_model_entry(state, name) for name in state.model_names]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """OpenAI's model retrieval (`client.models.retrieve`): one of the names served, 404 for another."""
+    state = request.app[STATE]
+    return web.json_response(_model_entry(state, state.model_named(request.match_info["model"])))
+
+
+def _model_entry(state: ServerState, name: str) -> dict[str, Any]:
+    entry: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "diffusiond"}
+    if state.engine is not None:
+        # Our extension (OpenAI clients ignore unknown fields): what a UI needs to offer sensible controls.
+        # Requests outside these are refused with a 400 naming the field, before any work starts.
+        caps = state.engine.adapter.capabilities
+        entry["diffusiond"] = {
+            **caps.public(),
+            "default_width": caps.default_width,
+            "default_height": caps.default_height,
+            "default_guidance": caps.default_guidance,
+            "max_steps": state.engine.limits.max_steps if state.engine.limits else None,
+            "max_pixels": state.engine.limits.max_pixels if state.engine.limits else None,
+        }
+    return entry

@@ -41,7 +41,8 @@ async def _create(request: web.Request, body: AudioCreateRequest, digest: str) -
     rid = uuid.uuid4().hex
     assert resolved.seed is not None
     job = VideoJob(
-        id=f"audio_{rid}", request_id=rid, created_at=0, model=state.model_id, prompt=resolved.prompt, size="",
+        id=f"audio_{rid}", request_id=rid, created_at=0, model=state.model_named(body.model), prompt=resolved.prompt,
+        size="",
         seconds="" if body.seconds is None else f"{body.seconds:g}", num_frames=0, fps=0, seed=resolved.seed,
         audio_format=body.format,
     )  # fmt: skip

@@ -28,6 +28,8 @@ MAX_N = 10
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 ShardMesh = Annotated[str, msgspec.Meta(pattern=r"^[1-9][0-9]{0,3}x[1-9][0-9]{0,3}$")]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+# A name the model is served under: what a client writes in `model` (no spaces, no commas: lists are comma-separated).
+ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[^\s,]+$")]
 
 
 # kernels/attention.py CHOICES (a test keeps them equal; that module imports torch, this one must not).
@@ -39,9 +41,11 @@ QUANTIZE_CHOICES: tuple[str, ...] = get_args(QuantizeChoice)
 
 class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
-    # The name clients see (`/v1/models`, `model` in requests). Default: the name the checkpoint declares
-    # (diffusiond.json; the bundled model is "diffusiond-shapes"), else its folder name or hub id.
-    served_model_name: str | None = None
+    # The names clients see (`/v1/models`, `model` in requests): the first is the model's own in answers that name
+    # no request's, the others aliases (`gpt-image-1` for applications written for OpenAI). Default: the name the
+    # checkpoint declares (diffusiond.json; the bundled model is "diffusiond-shapes"), else its folder name or hub
+    # id. The TOML key takes a name or a list of names, DIFFUSIOND_SERVED_MODEL_NAME comma-separated names.
+    served_model_name: tuple[ModelName, ...] = ()
     host: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     api_key: str | None = None
@@ -213,7 +217,7 @@ CONFIG_ENV = "DIFFUSIOND_CONFIG"
 # Variables with the prefix that are not fields: the config file path, and the model cache (models/default.py).
 ENV_NOT_FIELDS = frozenset({CONFIG_ENV, "DIFFUSIOND_CACHE"})
 SECRET_FIELDS = frozenset({"api_key", "url_secret", "state_url"})
-LIST_FIELDS = frozenset({"lora", "allowed_hosts", "cors_origins", "class_deadlines"})
+LIST_FIELDS = frozenset({"lora", "allowed_hosts", "cors_origins", "class_deadlines", "served_model_name"})
 HIDDEN = "<hidden>"
 
 
@@ -284,6 +288,8 @@ def _decode(layer: dict[str, Any], describe, *, strict: bool) -> dict[str, Any]:
     """Type-checks one layer alone (fields it lacks take defaults) and returns its typed values."""
     if isinstance(layer.get("log_level"), str):
         layer = {**layer, "log_level": layer["log_level"].upper()}
+    if isinstance(layer.get("served_model_name"), str):  # the TOML file's one name
+        layer = {**layer, "served_model_name": [layer["served_model_name"]]}
     shard = layer.get("shard_weights")
     if isinstance(shard, str) and shard.lower() in ("true", "false", "1", "0"):  # (an environment variable's)
         layer = {**layer, "shard_weights": shard.lower() in ("true", "1")}
@@ -291,7 +297,7 @@ def _decode(layer: dict[str, Any], describe, *, strict: bool) -> dict[str, Any]:
         config = msgspec.convert(layer, ServeConfig, strict=strict)
     except msgspec.ValidationError as exc:
         message = str(exc)
-        match = re.search(r" - at `\$\.(\w+)`", message)
+        match = re.search(r" - at `\$\.(\w+)(?:\[\d+\])?`", message)  # a list's item: its key
         if match is None:
             raise ConfigError(message) from None
         key = match.group(1)

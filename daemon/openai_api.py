@@ -179,13 +179,7 @@ async def _images(
     `{kind}.completed` events."""
     engine = state.require_engine()
     refuse_video(engine)
-    if body.model is not None and body.model != state.model_id:
-        raise ApiError(
-            404,
-            f"model {body.model!r} not found; this server serves {state.model_id!r}",
-            param="model",
-            code="model_not_found",
-        )
+    state.model_named(body.model)
     many = expand(engine, body, base)  # before anything is queued
     resolved = many[0]
     partial = body.partial_images or 0

@@ -225,9 +225,16 @@ def document() -> dict:
         },
         "/v1/models": {
             "get": {
-                "summary": "The served model",
+                "summary": "The served model, under each of its names (--served-model-name: the first its own)",
                 "responses": _responses(_ok("models", {JSON: _list(_obj({"id": STR}))})),
             }
+        },
+        "/v1/models/{model}": {
+            "parameters": _id_param("model"),
+            "get": {
+                "summary": "The served model under one of its names",
+                "responses": _responses(_ok("model", {JSON: _obj({"id": STR})}), "404 not a name served here"),
+            },
         },
         "/health": {"get": {"summary": "Liveness", "responses": _probe("alive")}},
         "/ready": {"get": {"summary": "Readiness", "responses": _probe("ready (503: loading, draining or failed)")}},

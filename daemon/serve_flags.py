@@ -21,8 +21,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--model", help="diffusers checkpoint folder or hub id (default: the bundled default model)")
     add(
         "--served-model-name",
+        nargs="+",
+        action="extend",
         metavar="NAME",
-        help="the model's name in the API (default: the name the checkpoint declares, else its folder name)",
+        help="the model's names in the API: the first its own, the others aliases a request may name as well (e.g. "
+        "gpt-image-1 for applications written for OpenAI) (default: the name the checkpoint declares, else its "
+        "folder name)",
     )
     add("--device", help=f"torch device: cpu, cuda, cuda:1 ... (default: {d.device})")
     add(

@@ -57,6 +57,8 @@ class Record:
 class ServerState:
     config: ServeConfig
     model_id: str = ""
+    # Every name a request may give in `model`: `model_id` first, then the aliases (`--served-model-name A B`).
+    model_names: tuple[str, ...] = ()
     engine: Engine | None = None
     ready: bool = False
     # A restart of an SPMD group (the elastic agent's; daemon/launch.py): what the heal may skip.
@@ -100,6 +102,18 @@ class ServerState:
         if not self.engine.alive:
             raise NotStarted("the engine stopped; the server is restarting")
         return self.engine
+
+    def model_named(self, model: str | None) -> str:
+        """The name a request gave in `model` when it is one the model is served under (what its answer echoes),
+        `model_id` when it gave none; ApiError 404 `model_not_found` naming `model` for another."""
+        if model is None:
+            return self.model_id
+        if model not in self.model_names:
+            served = ", ".join(repr(name) for name in self.model_names)
+            raise ApiError(
+                404, f"model {model!r} not found; this server serves {served}", param="model", code="model_not_found"
+            )
+        return model
 
     def attach(self, engine: Engine) -> None:
         """Status records follow the engine's events as it delivers them, not as clients read them: a slow reader

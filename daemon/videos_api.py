@@ -382,7 +382,7 @@ async def _new_job(request: web.Request, resolved: SamplingParams, rid: str, bod
         id=f"video_{rid}",
         request_id=rid,
         created_at=0,
-        model=request.app[STATE].model_id,
+        model=request.app[STATE].model_named(body.model),
         prompt=resolved.prompt,
         size=f"{resolved.width}x{resolved.height}",
         seconds=reported_seconds(body, resolved, request.app[STATE].require_engine().adapter.capabilities),
@@ -408,11 +408,7 @@ def check_job_model(request: web.Request, modality: str, model: str | None) -> N
             param="model",
             code="unsupported_model",
         )
-    if model is not None and model != state.model_id:
-        raise ApiError(
-            404, f"model {model!r} not found; this server serves {state.model_id!r}", param="model",
-            code="model_not_found",
-        )  # fmt: skip
+    state.model_named(model)
 
 
 async def admit_job(

@@ -73,6 +73,7 @@ ELSEWHERE: list[tuple[str, str]] = [
     (r"python -m diffusiond\.bench\.projections", "tests/test_readme.py"),
     (r"python -m diffusiond\.bench\.strategies", "tests/test_readme.py"),
     (r"diffusiond serve --attention math", "tests/kernels/test_attention.py"),
+    (r"diffusiond serve --served-model-name", "tests/daemon/test_capabilities.py"),
     (r"diffusiond serve --compile", "tests/kernels/test_compile.py"),
 ]
 # Commands this file runs: a pattern, and the test below that runs it.

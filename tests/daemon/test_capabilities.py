@@ -120,9 +120,33 @@ def test_warm_up_runs_the_shape_requests_will_have(demo, server):
     assert warm_up_params(demo.state.engine.adapter.capabilities).num_inference_steps == 4  # its declared least
 
 
-def test_served_model_name_overrides(serve):
-    server = serve(model=default_model(), max_steps=None, served_model_name="shapes")
+def test_served_model_names_are_aliases(serve):
+    """`--served-model-name shapes gpt-image-1 dall-e-3`: an application written for OpenAI (the official SDK, its
+    model "gpt-image-1") gets images; each name is listed and retrievable, answers echo the name asked; another name
+    is a 404 model_not_found naming `model`."""
+    import base64
+
+    import openai
+
+    server = serve(model=default_model(), max_steps=None, served_model_name=("shapes", "gpt-image-1", "dall-e-3"))
     assert server.state.model_id == "shapes"
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        assert [m.id for m in client.models.list()] == ["shapes", "gpt-image-1", "dall-e-3"]
+        assert client.models.retrieve("dall-e-3").id == "dall-e-3"
+        pictures = {}
+        for name in ("gpt-image-1", "dall-e-3", "shapes"):
+            result = client.images.generate(model=name, prompt="a red circle", n=1, extra_body={"seed": 3})
+            pictures[name] = base64.b64decode(result.data[0].b64_json)
+            assert pictures[name].startswith(b"\x89PNG")
+        assert len(set(pictures.values())) == 1  # one model under three names
+        for call in (
+            lambda: client.images.generate(model="gpt-image-2", prompt="a red circle"),
+            lambda: client.models.retrieve("gpt-image-2"),
+        ):
+            with pytest.raises(openai.NotFoundError) as err:
+                call()
+            assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+            assert "'gpt-image-1'" in err.value.body["message"]
 
 
 def test_generate_refuses_before_loading(monkeypatch, capsys, tmp_path):

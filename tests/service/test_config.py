@@ -109,7 +109,7 @@ def test_every_serve_flag_maps_to_its_field():
         max_image_bytes=2048, log_level="DEBUG", log_format="json", allow_unauthenticated=True, max_pixels=4096,
         max_steps=20, max_n=2,
         sse_keepalive=0.5, batch_wait_ms=0.0, unready_delay=2.0, nnodes=2, rdzv_endpoint="head:29400", rdzv_id="g1",
-        rdzv_timeout=60.0, node_addr="10.0.0.2", served_model_name="shapes",
+        rdzv_timeout=60.0, node_addr="10.0.0.2", served_model_name=("shapes",),
         cache="dbcache", cache_config='{"fn": 2}', cache_threshold=0.3,
         attention="math", compile=True, compile_cache="/var/cache/inductor",
         quantize="int8", quantize_skip="proj_out", offload="group", video_dir="/var/lib/videos",
@@ -150,6 +150,22 @@ def test_environment_values_are_converted():
         assert config.shard_weights == expected, value
 
 
+def test_served_model_names_from_each_layer(tmp_path):
+    """A name or several: the flag takes them after it (and again), the file a string or a list, the environment
+    comma-separated names."""
+    names = ("shapes", "gpt-image-1", "dall-e-3")
+    assert load_config(cli("--served-model-name", *names), {})[0].served_model_name == names
+    argv = cli("--served-model-name", "shapes", "--served-model-name", "gpt-image-1", "dall-e-3")
+    assert load_config(argv, {})[0].served_model_name == names
+    one = write(tmp_path / "one.toml", 'served_model_name = "shapes"\n')
+    many = write(tmp_path / "many.toml", 'served_model_name = ["shapes", "gpt-image-1", "dall-e-3"]\n')
+    assert load_config({}, {}, one)[0].served_model_name == ("shapes",)
+    assert load_config({}, {}, many)[0].served_model_name == names
+    env = {"DIFFUSIOND_SERVED_MODEL_NAME": "shapes, gpt-image-1,dall-e-3"}
+    assert load_config({}, env)[0].served_model_name == names
+    assert load_config({}, {})[0].served_model_name == ()
+
+
 def test_config_file_from_the_environment_and_the_flag(tmp_path):
     from_env = write(tmp_path / "env.toml", "max_batch = 5\n")
     from_flag = write(tmp_path / "flag.toml", "max_batch = 6\n")
@@ -171,6 +187,8 @@ def test_config_file_from_the_environment_and_the_flag(tmp_path):
         ("port = 70000\n", "bad value for port in {path}: expected `int` <= 65535"),
         ('dtype = "float8"\n', "bad value for dtype in {path}: invalid enum value 'float8'"),
         ("max_batch = \n", "{path} is not valid TOML"),
+        ('served_model_name = ["a b"]\n', "bad value for served_model_name in {path}: expected `str` matching"),
+        ('served_model_name = ""\n', "bad value for served_model_name in {path}: expected `str` of length >= 1"),
     ],
 )
 def test_file_errors_name_the_key_and_file(tmp_path, capsys, toml, message):

@@ -351,11 +351,16 @@ def validate_openai(req: ImageGenerationRequest, max_n: int = MAX_N) -> None:
             param="response_format",
         )
     check_choice("output_format", req.output_format, OUTPUT_FORMATS)
+    # Accepted without effect (docs/http-api.md): nothing here moderates, so both levels are what is served.
     check_choice("moderation", req.moderation, ("auto", "low"))
-    check_choice("style", req.style, ("vivid", "natural"))
-    if req.background == "transparent":
-        raise ApiError(400, "background 'transparent' is not supported by diffusion models here", param="background")
-    check_choice("background", req.background, ("auto", "opaque"))
+    if req.style is not None:
+        raise ApiError(
+            400,
+            "style is DALL-E 3's (vivid, natural); the models served here have no styles: describe the style in the "
+            "prompt",
+            param="style",
+        )
+    check_choice("background", req.background, ("auto", "opaque", "transparent"))  # what it does: openai_api.py
     # Ranges (n, output_compression, partial_images) are checked by the struct's annotated types.
     if req.output_compression is not None and (req.output_format or "png") == "png":
         raise ApiError(400, "output_compression applies to jpeg and webp only", param="output_compression")

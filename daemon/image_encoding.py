@@ -21,11 +21,11 @@ def to_uint8(image: np.ndarray) -> np.ndarray:
     return (np.clip(image, 0.0, 1.0) * 255).round().astype(np.uint8)
 
 
-def encode_image(image: np.ndarray, fmt: str = "png", quality: int | None = None) -> bytes:
-    """float or uint8 [H, W, 3] (or RGBA [H, W, 4]: Qwen-Image 2.1) -> `fmt` bytes; JPEG, which has no alpha, gets
-    an RGBA image composited over white."""
+def encode_image(image: np.ndarray, fmt: str = "png", quality: int | None = None, opaque: bool = False) -> bytes:
+    """float or uint8 [H, W, 3] (or RGBA [H, W, 4]: Qwen-Image 2.1) -> `fmt` bytes; an RGBA image asked `opaque`
+    (OpenAI's `background`), or as JPEG, which has no alpha, is composited over white."""
     pil = Image.fromarray(to_uint8(image))
-    if pil.mode == "RGBA" and fmt in ("jpeg", "jpg"):
+    if pil.mode == "RGBA" and (opaque or fmt in ("jpeg", "jpg")):
         white = Image.new("RGB", pil.size, (255, 255, 255))
         white.paste(pil, mask=pil.getchannel("A"))
         pil = white

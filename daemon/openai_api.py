@@ -19,7 +19,6 @@ from diffusiond.daemon.api import (
     ImageEditRequest,
     ImageGenerationRequest,
     Loras,
-    check_choice,
     convert_fields,
     decode_body,
     json_fields,
@@ -53,6 +52,7 @@ from diffusiond.daemon.streaming import (
 )
 from diffusiond.engine.engine import Engine, RequestHandle
 from diffusiond.engine.outputs import Cancelled, Completed, Event, Failed, Preview
+from diffusiond.models.base import Capabilities
 from diffusiond.models.params import MAX_REFERENCES, MAX_SEED, ParamError, SamplingParams, params_from
 
 Files = dict[str, list[bytes]]
@@ -103,7 +103,13 @@ async def read_image_edit(request: web.Request, max_n: int, max_image_bytes: int
         raise ApiError(400, "image is required: the file to edit", param="image")
     body = convert_fields(json_fields(fields, {"lora": Loras}), ImageEditRequest)
     validate_openai(body, max_n)
-    check_choice("input_fidelity", body.input_fidelity, ("high", "low"))
+    if body.input_fidelity is not None:
+        raise ApiError(
+            400,
+            "input_fidelity is not served: how much of the image an edit keeps is `strength` (0-1, lower keeps more; "
+            "image-to-image families), and instruction edits keep what the prompt does not change",
+            param="input_fidelity",
+        )
     return body, files
 
 
@@ -190,19 +196,21 @@ async def _images(
         cacheable=body.seed is not None, deadline_ms=body.deadline_ms,
     )  # fmt: skip
     fmt = body.output_format or "png"
+    background = _background(body, fmt, engine.adapter.capabilities)
     meta = {
         "size": f"{resolved.width}x{resolved.height}",
         # Echoed only where honoured: a step cache ran the preset it names (models/stepcache/settings.py).
         "quality": body.quality if _honoured(body.quality, resolved.quality) else "auto",
-        "background": "opaque",
+        "background": background,
         "output_format": fmt,
     }
+    out = (fmt, body.output_compression, background == "opaque")
     headers = {"X-Request-Id": ",".join(h.request_id for h in handles)}
     if unknown := unknown_words(engine, resolved.prompt):
         headers[UNKNOWN_WORDS_HEADER] = ", ".join(unknown)
     if body.stream:
         started(request, [h.request_id for h in handles])
-        return await _openai_stream(request, state, handles, fmt, body.output_compression, partial, meta, headers, kind)
+        return await _openai_stream(request, state, handles, out, partial, meta, headers, kind)
     # Non-streaming: nothing to write until the end, so a client that hangs up is noticed through handler
     # cancellation (aiohttp), which cancels the requests through `track`.
     results = await asyncio.gather(*(last_event(state.track(h)) for h in handles))
@@ -210,7 +218,7 @@ async def _images(
     if unfinished:
         # Not started at all (each a retry): NotStarted, which the next rank 0 may serve (daemon/handover.py).
         raise terminal_error(min(unfinished, key=lambda r: isinstance(r, Failed) and r.retry))
-    images = [await encode_small(request, r.image, fmt, body.output_compression) for r in results]
+    images = [await encode_small(request, r.image, *out) for r in results]
     if all(r.cached for r in results):  # every image from the result cache (engine/result_cache.py)
         headers[CACHE_HEADER] = "hit"
     if body.response_format == "url":
@@ -263,7 +271,34 @@ async def _merged(state: ServerState, handles: list[RequestHandle]) -> AsyncIter
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _openai_stream(request, state, handles, fmt, compression, partial, meta, headers, kind) -> web.StreamResponse:
+def _background(body: ImageGenerationRequest, fmt: str, caps: Capabilities) -> str:
+    """What the images' background is (the answer's `background`): "transparent" where the model's images have an
+    alpha channel (Qwen-Image 2.1's VAE decodes RGBA) and the request leaves it (`auto`) or asks for it, in a format
+    that keeps it; else "opaque" (an RGBA image then composited over white). `transparent` from a model without
+    alpha, or as JPEG: a 400 naming the field."""
+    asked = body.background or "auto"
+    if asked == "transparent":
+        if not caps.alpha:
+            raise ApiError(
+                400,
+                f"background 'transparent': this model's images have no alpha channel ({caps.family} makes RGB "
+                "images); use 'auto' or 'opaque'",
+                param="background",
+            )
+        if fmt == "jpeg":
+            raise ApiError(
+                400,
+                "background 'transparent' needs output_format png or webp: jpeg has no alpha",
+                param="output_format",
+            )
+    if asked == "opaque" or not caps.alpha or fmt == "jpeg":
+        return "opaque"
+    return "transparent"
+
+
+async def _openai_stream(request, state, handles, out, partial, meta, headers, kind) -> web.StreamResponse:
+    """`out`: the images' format, compression and whether they are made opaque (`_background`)."""
+    fmt, compression, _ = out
     response = await start_sse(request, headers)
     width, height = (int(v) for v in meta["size"].split("x"))
     sent = [0] * len(handles)
@@ -291,7 +326,7 @@ async def _openai_stream(request, state, handles, fmt, compression, partial, met
                 await send(response, sse_event(name, payload), ids)
                 sent[i] += 1
             elif isinstance(event, Completed):
-                data = await encode_small(request, event.image, fmt, compression)
+                data = await encode_small(request, event.image, *out)
                 name = f"{kind}.completed"
                 payload = {"type": name, "b64_json": BLOB, "created_at": int(time.time()), **meta, "usage": _usage()}
                 item = event = None  # the image is let go before its file waits on the client

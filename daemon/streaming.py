@@ -126,7 +126,9 @@ async def encode_off_loop(request: web.Request, fn: Callable[..., T], *args) -> 
     return await run_encoder(request.app, fn, *args)
 
 
-async def encode_small(request: web.Request, image: np.ndarray, fmt: str, quality: int | None = None) -> bytes:
+async def encode_small(
+    request: web.Request, image: np.ndarray, fmt: str, quality: int | None = None, opaque: bool = False
+) -> bytes:
     """An image (a native preview at latent resolution, or a small result) encoded in place on the event loop when it
     is small enough that the hop to the encoder pool and back costs more than the work; larger ones go to the pool
     (`encode_off_loop`). Measured on 2 cores, tiny SD3 at 256x256 (its previews 32x32, 0.05 ms each to encode): the
@@ -134,9 +136,9 @@ async def encode_small(request: web.Request, image: np.ndarray, fmt: str, qualit
     GIL that the step thread and the loop pass between them; tiny SD 1.5's 64x64 results, 8 finishing together:
     4.5 ms each through the pool (encode_response), 0.35 ms in place."""
     if image.shape[0] * image.shape[1] > INLINE_PIXELS:
-        return await encode_off_loop(request, encode_image, image, fmt, quality)
+        return await encode_off_loop(request, encode_image, image, fmt, quality, opaque)
     t0 = time.perf_counter()
-    data = encode_image(image, fmt, quality)
+    data = encode_image(image, fmt, quality, opaque)
     request.app[METRICS].stage_seconds.labels("encode_response").observe(time.perf_counter() - t0)
     return data
 

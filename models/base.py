@@ -68,6 +68,8 @@ class Capabilities:
     # `fields` lists what a request may add to the call (`arguments`, `images`).
     mode: str = "dedicated"
     fields: tuple[str, ...] = ()
+    # Its images have an alpha channel (its VAE decodes RGBA: Qwen-Image 2.1): OpenAI's `background` keeps it.
+    alpha: bool = False
 
     def public(self) -> dict:
         """What `/v1/models` and the playground show (not the vocabulary's every word: its size)."""
@@ -93,6 +95,7 @@ class Capabilities:
             "modality": self.modality,
             "lora": self.lora,
             "mode": self.mode,
+            "alpha": self.alpha,
             **({"fields": list(self.fields)} if self.mode == "generic" else {}),
             **(
                 {
@@ -339,3 +342,8 @@ class ModelAdapter(abc.ABC):
     def enable_compile(self) -> int:
         """torch.compile the denoiser's repeated blocks; how many."""
         raise ValueError(f"--compile: the {self.family} family has no compiled blocks")
+
+
+def decodes_alpha(vae: Any) -> bool:
+    """Whether a VAE decodes RGBA (its config's `out_channels` is 4: Qwen-Image 2.1's)."""
+    return getattr(getattr(vae, "config", None), "out_channels", 3) == 4

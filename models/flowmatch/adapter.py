@@ -26,7 +26,7 @@ from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 from diffusiond.kernels import attention
 from diffusiond.kernels.lora_rows import Lora, LoraLayers
 from diffusiond.models import preview as preview_maps
-from diffusiond.models.base import Capabilities, ModelAdapter, RequestState, UnsupportedLayout
+from diffusiond.models.base import Capabilities, ModelAdapter, RequestState, UnsupportedLayout, decodes_alpha
 from diffusiond.models.declared import read_declared
 from diffusiond.models.flowmatch.clips import VideoClips
 from diffusiond.models.flowmatch.decoding import decode_within
@@ -325,6 +325,7 @@ class FlowMatchAdapter(ModelAdapter):
             cache_methods=self.cache_methods,
             image_inputs=self.image_inputs,
             lora=self.lora,
+            alpha=decodes_alpha(self.vae),
         )
         return self.clips.capabilities(caps) if self.clips is not None else caps
 

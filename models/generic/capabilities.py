@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from diffusiond.models import preview as preview_maps
-from diffusiond.models.base import Capabilities
+from diffusiond.models.base import Capabilities, decodes_alpha
 from diffusiond.models.declared import Declared
 from diffusiond.models.generic.outputs import sample_rate
 from diffusiond.models.generic.signature import CallSpec
@@ -46,6 +46,7 @@ def capabilities_of(
         modality=call.modality,
         mode="generic",
         fields=tuple(call.settable()),
+        alpha=call.modality == "image" and decodes_alpha(getattr(pipe, "vae", None)),
     )
     if call.modality == "video":
         fps = call.default("frame_rate") or call.default("fps") or 16

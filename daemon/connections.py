@@ -19,8 +19,10 @@ import resource
 import socket
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 
-from diffusiond.daemon.api import retry_later
+from diffusiond.daemon.api import ApiError, retry_later
 from diffusiond.daemon.config import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -112,7 +114,7 @@ class ConnectionGuard:
             if self.open >= self.limit + PROBE_SLOTS:
                 self.refused += 1
                 return _Refusal()
-        return self.server()
+        return _answer_malformed(self.server())
 
     def _evict(self, count: int) -> None:
         assert self.server is not None
@@ -183,6 +185,32 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+class _Handler(RequestHandler):
+    """aiohttp's handler, but a request its parser refuses (a NUL byte or a space in a header, a bad Content-Length,
+    a request line past its limits) is answered in OpenAI's error shape, as any other 400 here, and logged as one
+    INFO line: aiohttp answered it in plain text and logged its traceback at ERROR, so any client could fill the log
+    with tracebacks. Other errors keep aiohttp's handling."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
+        if not isinstance(exc, HttpProcessingError):
+            return super().handle_error(request, status, exc, message)
+        lines = (exc.message or "").strip().splitlines()
+        reason = (lines[0].rstrip(":. ") if lines else type(exc).__name__)[:120]  # not the client's bytes after it
+        log.info("malformed request from %s refused (%d): %s", request.remote, exc.code, reason)
+        error = ApiError(exc.code or 400, f"malformed request: {reason}", code="malformed_request", close=True)
+        return error.response()
+
+
+def _answer_malformed(handler: RequestHandler) -> RequestHandler:
+    """`handler` (made by aiohttp's server, with its settings) as a `_Handler`."""
+    handler.__class__ = _Handler
+    return handler
 
 
 class GuardedSite(web.BaseSite):

@@ -8,9 +8,11 @@ the Host check off `Host: evil.example` was served; with `request.read()` back i
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
+import urllib.request
 
 import aiohttp
 import pytest
@@ -83,6 +85,35 @@ async def test_a_route_not_served_is_a_404_in_openai_s_shape_whatever_its_body(s
                 assert resp.status == 404, (route, content_type, await resp.text())
                 error = (await resp.json())["error"]
                 assert error["message"] and error["type"], error
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Trace: a\x00b\r\n",  # a NUL byte in a header
+        b"GET /v1/mo\x00dels HTTP/1.1\r\nHost: 127.0.0.1\r\n",  # ... in the path
+        b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX Trace: ab\r\n",  # a space in a header's name
+        b"POST /v1/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1x\r\n",
+        b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n",  # past the request line's limit
+    ],
+)
+def test_a_request_the_parser_refuses_is_an_openai_400_without_a_traceback(server, head, caplog):
+    """aiohttp's parser refused these with a plain-text 400 and logged a traceback at ERROR for each."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.sendall(head + b"\r\n")
+    data = b""
+    while chunk := sock.recv(65536):  # the connection closes after the answer
+        data += chunk
+    sock.close()
+    status, _, body = data.partition(b"\r\n\r\n")
+    assert status.split()[1] == b"400" and b"application/json" in status, data
+    error = json.loads(body)["error"]
+    assert error["code"] == "malformed_request" and error["type"] == "invalid_request_error", error
+    assert error["message"].startswith("malformed request: ") and len(error["message"]) < 160, error
+    time.sleep(0.05)  # the log record of the server's thread
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info], caplog.records
+    with urllib.request.urlopen(f"{server.base_url}/v1/models", timeout=10) as resp:  # and it serves on
+        assert resp.status == 200
 
 
 def test_host_rules():

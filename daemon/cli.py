@@ -284,6 +284,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from diffusiond.daemon.auth import exposure_warning
     from diffusiond.daemon.config import ConfigError, check_serving
     from diffusiond.daemon.launch import worker_config
+    from diffusiond.daemon.state_lock import StateDirBusy
     from diffusiond.models.loading.setup import SetupError, check_kernels
 
     config = worker_config(loaded[0])  # a worker of our launch runs the launcher's configuration
@@ -295,7 +296,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from diffusiond.daemon.config import in_launched_group
 
         check_kernels(setup, ranks_here=1 if in_launched_group() else config.nproc)
-    except (ConfigError, SetupError) as exc:
+        _lock_state_dir(config)
+    except (ConfigError, SetupError, StateDirBusy) as exc:
         print(f"diffusiond serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     from diffusiond.daemon.logs import configure_logging
@@ -313,6 +315,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         leave(code)
     return code
+
+
+def _lock_state_dir(config) -> None:
+    """One daemon per --state-dir (daemon/state_lock.py), unless replicas share jobs through --state-url: taken by
+    the process that lives as long as the daemon (not by the ranks of our own launcher, whose parent holds it)."""
+    import os
+
+    from diffusiond.daemon.config import in_launched_group
+    from diffusiond.daemon.launch import RANK_CONFIG_ENV
+    from diffusiond.daemon.state_lock import lock_state_dir
+
+    if config.state_dir is None or config.state_url is not None:
+        return
+    if in_launched_group() and (RANK_CONFIG_ENV in os.environ or os.environ.get("RANK") != "0"):
+        return
+    lock_state_dir(config.state_dir)
 
 
 def _serve(config) -> int:

@@ -124,7 +124,10 @@ def connect(target: Path | str) -> tuple[Any, Dialect]:
             raise JobDBError(f"cannot connect to the job database: {exc}") from None
     conn = sqlite3.connect(target, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")  # a crash of the process loses nothing; a power cut the last
+    # "Durable once this returns": every commit reaches the disk before it returns (FULL: the WAL is synced at each
+    # commit; NORMAL, before, only at checkpoints, so a power cut could lose a job whose id its client held).
+    # Measured here: 0.16-0.18 ms a write against 0.015-0.017 ms, on the database's own thread.
+    conn.execute("PRAGMA synchronous=FULL")
     return conn, Dialect("sqlite")
 
 

@@ -20,9 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from jobs import call, content, frames, job, wait_all
-from procs import free_port, kill_tree, wait_ready
+from procs import free_port, kill_tree, ready, wait_ready
 
 from diffusiond.daemon.job_db import MIGRATIONS, JobDB, JobDBError, migrate
+from diffusiond.models.default import default_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 
@@ -34,6 +35,37 @@ def start(model: str, state: str, port: int, log) -> subprocess.Popen:
     env.update(OMP_NUM_THREADS="1", DIFFUSIOND_CACHE=os.environ.get("DIFFUSIOND_CACHE", ""))
     env = {k: v for k, v in env.items() if v}
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def test_a_second_daemon_on_one_state_dir_refuses_to_start(tmp_path):
+    """Two daemons on one --state-dir both called themselves `local` and took each other's jobs: the second now
+    exits 2 naming the first's pid, before it loads anything; once the first is killed (-9: no clean-up), the
+    folder is free again."""
+    state = str(tmp_path / "state")
+    model = str(default_model())
+    logs = [open(tmp_path / f"daemon{i}.log", "w+") for i in range(3)]  # noqa: SIM115 - closed below
+    first = start(model, state, free_port(), logs[0])
+    try:
+        base = f"http://127.0.0.1:{first.args[first.args.index('--port') + 1]}"
+        wait_ready(base, first)
+        t0 = time.monotonic()
+        second = start(model, state, free_port(), logs[1])
+        assert second.wait(60) == 2
+        assert time.monotonic() - t0 < 30
+        logs[1].seek(0)
+        said = logs[1].read()
+        assert f"in use by another daemon (pid {first.pid})" in said and "Traceback" not in said, said
+        assert ready(base)  # the first serves on
+    finally:
+        kill_tree(first)
+    port = free_port()
+    third = start(model, state, port, logs[2])
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", third)
+    finally:
+        kill_tree(third)
+        for log in logs:
+            log.close()
 
 
 def recorded(db: Path, request_id: str, timeout: float = 10.0) -> None:
@@ -139,3 +171,15 @@ def test_the_schema_is_versioned_and_a_newer_one_refused(tmp_path):
     conn.close()
     with pytest.raises(JobDBError, match="written by a newer diffusiond"):
         JobDB(tmp_path / "a.db")
+
+
+@pytest.mark.asyncio
+async def test_every_commit_is_synced_before_it_returns(tmp_path):
+    """ "Durable once this returns": the daemon's own connection syncs each commit (synchronous FULL, 2); NORMAL (1),
+    as before, synced the WAL only at checkpoints, so a power cut could lose a job whose id its client held."""
+    db = JobDB(tmp_path / "a.db")
+    try:
+        assert await db._run("PRAGMA synchronous") == [(2,)]
+        assert await db._run("PRAGMA journal_mode") == [("wal",)]
+    finally:
+        db.close()

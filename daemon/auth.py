@@ -17,8 +17,9 @@ TENANT = web.RequestKey("tenant", str)
 TENANTS = web.AppKey("tenants", TenantBook)
 
 # Liveness, readiness, scraping and the API document stay open when an API key is set (probes and scrapers carry
-# no key).
+# no key); scraping asks an admin tenant's key when a tenants file names several (`require_admin`).
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/", "/openapi.json"})
+ADMIN_PATHS = frozenset({"/metrics"})
 FILES_PREFIX = "/v1/files/"
 
 
@@ -34,8 +35,9 @@ def tenant_middleware(book: TenantBook):
     @web.middleware
     async def check_key(request: web.Request, handler) -> web.StreamResponse:
         tenants = book.current
+        admin_only = tenants.several and request.path in ADMIN_PATHS
         # A file's URL carries its own key: a signature (daemon/files.py).
-        if tenants.open or request.path in OPEN_PATHS or request.path.startswith(FILES_PREFIX):
+        if tenants.open or (request.path in OPEN_PATHS and not admin_only) or request.path.startswith(FILES_PREFIX):
             request[TENANT] = DEFAULT
             return await handler(request)
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
@@ -49,9 +51,23 @@ def tenant_middleware(book: TenantBook):
                 code="invalid_api_key",
             )
         request[TENANT] = name
+        if admin_only:
+            require_admin(request, "read /metrics (it names every tenant)")
         return await handler(request)
 
     return check_key
+
+
+def require_admin(request: web.Request, what: str) -> None:
+    """ApiError 403 unless the request's tenant is an admin (daemon/tenants.py): `what` it may not do."""
+    tenants = request.app[TENANTS].current
+    if not tenants.is_admin(request[TENANT]):
+        raise ApiError(
+            403,
+            f"only an admin tenant may {what}: this key's tenant is not one (admin = true in the tenants file)",
+            type="invalid_request_error",
+            code="admin_only",
+        )
 
 
 def is_loopback(host: str) -> bool:

@@ -12,6 +12,7 @@ import msgspec
 from aiohttp import web
 
 from diffusiond.daemon.api import ApiError, decode_body
+from diffusiond.daemon.auth import require_admin
 from diffusiond.daemon.config import ServeConfig, model_setup
 from diffusiond.daemon.edge import read_body
 from diffusiond.daemon.state import STATE
@@ -37,6 +38,7 @@ async def list_loras(request: web.Request) -> web.Response:
 
 
 async def create_lora(request: web.Request) -> web.Response:
+    require_admin(request, "register LoRA adapters (every tenant's requests may name them)")
     state = request.app[STATE]
     data = await read_body(request, state.config.max_body_bytes)
     body = decode_body(data, LoraCreateRequest)
@@ -64,6 +66,7 @@ async def create_lora(request: web.Request) -> web.Response:
 
 
 async def delete_lora(request: web.Request) -> web.Response:
+    require_admin(request, "delete LoRA adapters (every tenant's requests may name them)")
     engine = request.app[STATE].require_engine()
     name = request.match_info["name"]
     try:

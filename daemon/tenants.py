@@ -10,9 +10,12 @@
     max_stored_bytes = 1073741824   # bytes of finished videos on disk
     priority = [0, 5]               # the range of `priority` (0-9) the tenant may ask for (default: all)
     weight = 1.0                    # its share under fair scheduling (default 1)
+    admin = true                    # may read /metrics and register or delete the shared LoRA adapters
 
 Every quota is optional (none: the daemon's own bounds only). `--api-key KEY` is the one-tenant shorthand (tenant
-"default"); with neither, every request is tenant "default". A tenant sees, cancels and downloads only what it
+"default"); with neither, every request is tenant "default". With a file, `/metrics` (it names every tenant) and
+the shared LoRA adapters' registration and removal are an admin tenant's alone (401 without a key, 403 for another
+tenant); with `--api-key`, or no key, its one tenant is the admin. A tenant sees, cancels and downloads only what it
 created: another tenant's ids answer 404, as ids that do not exist. The file is read again on SIGHUP
 (`TenantBook.reload`): keys added and revoked take effect for the next request; requests already admitted run on.
 """
@@ -48,6 +51,8 @@ class Tenant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The classes it may ask for (engine/scheduler.py; default: all of them).
     priority: tuple[Annotated[int, msgspec.Meta(ge=0, le=9)], Annotated[int, msgspec.Meta(ge=0, le=9)]] = (0, 9)
     weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    # May read /metrics and change the shared LoRA adapters (a file's tenants; the one tenant of --api-key is).
+    admin: bool = False
 
     def hashes(self) -> tuple[str, ...]:
         return tuple(h.lower() for h in (*((self.key_sha256,) if self.key_sha256 else ()), *self.keys_sha256))
@@ -60,10 +65,12 @@ class TenantsError(ValueError):
 class Tenants:
     """The tenants of one reading of the file (or of `--api-key`), and who a bearer token is."""
 
-    def __init__(self, tenants: dict[str, Tenant], open_: bool = False) -> None:
+    def __init__(self, tenants: dict[str, Tenant], open_: bool = False, several: bool = False) -> None:
         self.tenants = tenants
         # No key anywhere: every request is the default tenant.
         self.open = open_
+        # Read from a file: tenants that must not see each other (else the one tenant is its own admin).
+        self.several = several
         self._by_hash = {h: name for name, t in tenants.items() for h in t.hashes()}
 
     @classmethod
@@ -103,11 +110,16 @@ class Tenants:
                     raise TenantsError(f"{path}: tenants.{name}: a key of tenants.{owners[h]} too")
                 owners[h] = name
             tenants[name] = tenant
-        return cls(tenants)
+        return cls(tenants, several=True)
 
     def who(self, token: bytes) -> str | None:
         """The tenant a bearer token names (None: no tenant has it)."""
         return self._by_hash.get(hashlib.sha256(token).hexdigest())
+
+    def is_admin(self, name: str) -> bool:
+        """Whether tenant `name` may read /metrics and change the shared LoRA adapters."""
+        tenant = self.tenants.get(name)  # (gone, after a reload, while its request runs: not an admin)
+        return not self.several or (tenant is not None and tenant.admin)
 
     def names(self) -> list[str]:
         return sorted(self.tenants)

@@ -103,12 +103,40 @@ def test_keys_are_hashes_and_one_file_or_one_key(tmp_path):
 
 @pytest.fixture(scope="module")
 def keys_file(tmp_path_factory) -> Path:
-    return write_tenants(tmp_path_factory.mktemp("tenants") / "keys.toml", {"alice": {"max_in_flight": 1}, "bob": {}})
+    tenants = {"alice": {"max_in_flight": 1}, "bob": {"admin": True}}
+    return write_tenants(tmp_path_factory.mktemp("tenants") / "keys.toml", tenants)
 
 
 @pytest.fixture(scope="module")
 def tenants_server(serve, keys_file):
     return serve(api_keys_file=str(keys_file))
+
+
+def test_the_shared_lora_adapters_and_metrics_are_the_admin_s(tenants_server):
+    """Every tenant's requests may name the shared adapters: registering or deleting one is an admin tenant's (bob),
+    403 for another (alice; before, any tenant could delete another's adapters). /metrics: 401 without a key."""
+    base = tenants_server.base_url
+
+    def call(method: str, path: str, name: str | None, body: dict | None = None) -> int:
+        headers = {**(auth(name) if name else {}), "Content-Type": "application/json"}
+        data = json.dumps(body).encode() if body is not None else None
+        try:
+            with urllib.request.urlopen(
+                urllib.request.Request(f"{base}{path}", data=data, method=method, headers=headers), timeout=10
+            ) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    adapter = {"name": "ink", "path": "/nonexistent/ink.safetensors"}
+    assert call("POST", "/v1/loras", "alice", adapter) == 403
+    assert call("DELETE", "/v1/loras/ink", "alice") == 403
+    assert call("POST", "/v1/loras", "bob", adapter) in (400, 404)  # past the check: the file is not there
+    assert call("DELETE", "/v1/loras/ink", "bob") == 404
+    assert call("GET", "/v1/loras", "alice") == 200  # listing them is anyone's
+    assert (call("GET", "/metrics", None), call("GET", "/metrics", "alice"), call("GET", "/metrics", "bob")) == (
+        401, 403, 200
+    )  # fmt: skip
 
 
 async def first_event(resp: aiohttp.ClientResponse) -> str:
@@ -143,7 +171,7 @@ async def test_a_tenant_sees_and_cancels_only_its_own_requests(tenants_server, k
                 assert resp.status == 200, await resp.text()
 
             # A reload revokes bob and adds carol; alice's request runs on.
-            write_tenants(keys_file, {"alice": {"max_in_flight": 1}, "carol": {}})
+            write_tenants(keys_file, {"alice": {"max_in_flight": 1}, "carol": {"admin": True}})
             tenants_server.loop.call_soon_threadsafe(reload_tenants, tenants_server.app)
             deadline = time.monotonic() + 10
             while True:
@@ -160,7 +188,11 @@ async def test_a_tenant_sees_and_cancels_only_its_own_requests(tenants_server, k
                 assert resp.status == 202, await resp.text()
             events = [line async for line in stream.content if line.startswith(b"event:")]
             assert events[-1].split(b":", 1)[1].strip() == b"cancelled", events[-3:]
-        async with session.get(f"{base}/metrics") as resp:
+        # /metrics names every tenant: an admin tenant's alone (carol's, added by the reload).
+        for headers, status in (({}, 401), (auth("alice"), 403)):
+            async with session.get(f"{base}/metrics", headers=headers) as resp:
+                assert resp.status == status, await resp.text()
+        async with session.get(f"{base}/metrics", headers=auth("carol")) as resp:
             metrics = samples(await resp.text())
     assert metrics['diffusiond_tenant_quota_refusals_total{quota="max_in_flight",tenant="alice"}'] == 1
     assert metrics['diffusiond_tenant_requests_total{outcome="completed",tenant="bob"}'] >= 1

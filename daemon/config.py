@@ -129,7 +129,8 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     video_ttl: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
     # Images answered by URL (daemon/files.py): the key their URLs are signed with (default: random per start),
     # and the address clients reach the daemon at, when a proxy is in front (default: the request's own).
-    url_secret: str | None = None
+    # At least 32 characters (`openssl rand -hex 32`): a key anyone could guess signs URLs for anyone's images.
+    url_secret: Annotated[str, msgspec.Meta(min_length=32)] | None = None
     public_base_url: str | None = None
     video_max_jobs: Positive = 1024
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import resource
 import socket
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_log import AccessLogger
 from aiohttp.web_protocol import RequestHandler
 
 from diffusiond.daemon.api import ApiError, retry_later
@@ -81,8 +83,28 @@ def connection_limit(config: ServeConfig, open_files: int) -> int:
 
 
 def runner_options(config: ServeConfig) -> dict:
-    """aiohttp's per-connection settings: the idle timeout (from accept, so it covers a slow request head too)."""
-    return {"keepalive_timeout": config.keepalive_timeout, "lingering_time": LINGER_S}
+    """aiohttp's per-connection settings: the idle timeout (from accept, so it covers a slow request head too), and
+    the access log without URL signatures."""
+    return {
+        "keepalive_timeout": config.keepalive_timeout,
+        "lingering_time": LINGER_S,
+        "access_log_class": RedactingAccessLogger,
+    }
+
+
+# A signed URL's signature (daemon/files.py): whoever reads the log could fetch the file with it until it expires.
+_SIGNATURE = re.compile(r"(signature=)[^&\s\"]+", re.IGNORECASE)
+
+
+class RedactingAccessLogger(AccessLogger):
+    """aiohttp's access log line, with every `signature=` value (the request line's, a Referer's) written as
+    `signature=REDACTED`."""
+
+    def _format_line(self, request, response, time):  # type: ignore[override]
+        return [
+            (key, _SIGNATURE.sub(r"\1REDACTED", value) if isinstance(value, str) else value)
+            for key, value in super()._format_line(request, response, time)
+        ]
 
 
 class ConnectionGuard:

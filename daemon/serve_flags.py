@@ -54,7 +54,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help=f"seconds a replica's claim on a video job lasts unrenewed (default: {d.job_lease:g})",
     )
-    add("--url-secret", help="the key image URLs are signed with (response_format url; default: random per start)")
+    add(
+        "--url-secret",
+        help="the key image URLs are signed with, at least 32 characters, e.g. `openssl rand -hex 32` (response_format "
+        "url; default: random per start)",
+    )
     add("--public-base-url", metavar="URL", help="the daemon's address as clients reach it, for image URLs")
     add(
         "--api-keys-file",

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
+import time
 import urllib.error
 import urllib.request
 
@@ -25,7 +27,8 @@ def fetch(url: str) -> tuple[int, bytes, str]:
         return exc.code, exc.read(), exc.headers["Content-Type"]
 
 
-def test_the_openai_client_gets_a_url_that_serves_the_png(auth_server):
+def test_the_openai_client_gets_a_url_that_serves_the_png(auth_server, caplog):
+    caplog.set_level(logging.INFO, logger="aiohttp.access")
     with openai.OpenAI(base_url=f"{auth_server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as client:
         model = client.models.list().data[0].id
         args = {"model": model, "prompt": "a red circle", "size": "64x64", "extra_body": {"num_inference_steps": 2,
@@ -50,6 +53,11 @@ def test_the_openai_client_gets_a_url_that_serves_the_png(auth_server):
     for bad in forged:
         status, body, _ = fetch(bad)
         assert status == 404, (bad, status, body[:200])
+    # The access log never holds a signature (whoever reads the log could fetch the file until it expires).
+    time.sleep(0.05)  # the server thread's last records
+    lines = [r.getMessage() for r in caplog.records if r.name == "aiohttp.access"]
+    assert any("/v1/files/file_" in line and "signature=REDACTED" in line for line in lines), lines[-3:]
+    assert not any(signature in line or signature[:-1] in line for line in lines), lines
 
 
 def sse(body: bytes) -> list[tuple[str, dict]]:

@@ -70,7 +70,7 @@ def test_flags_not_given_do_not_override(tmp_path):
 def test_every_serve_flag_maps_to_its_field():
     argv = [
         "--model", "m", "--host", "0.0.0.0", "--port", "9", "--api-key", "k", "--api-keys-file", "t.toml",
-        "--state-dir", "/var/lib/d", "--url-secret", "s", "--public-base-url", "https://d.example",
+        "--state-dir", "/var/lib/d", "--url-secret", "s" * 32, "--public-base-url", "https://d.example",
         "--state-url", "postgresql://db/d", "--replica-id", "r1", "--job-lease", "9",
         "--max-batch", "2", "--max-queue", "3", "--default-priority", "4", "--priority-aging-steps", "7",
         "--result-cache-bytes", "1024",
@@ -99,7 +99,7 @@ def test_every_serve_flag_maps_to_its_field():
     config, sources = load_config(cli(*argv), {})
     assert config == ServeConfig(
         model="m", host="0.0.0.0", port=9, api_key="k", api_keys_file="t.toml",
-        state_dir="/var/lib/d", url_secret="s", public_base_url="https://d.example",
+        state_dir="/var/lib/d", url_secret="s" * 32, public_base_url="https://d.example",
         state_url="postgresql://db/d", replica_id="r1", job_lease=9.0, max_batch=2, max_queue=3, device="cuda:1",
         default_priority=4, priority_aging_steps=7, result_cache_bytes=1024, preemption=False, paused_bytes=4096,
         class_window_ms=500, class_deadlines=("9=5000", "5=60000"),
@@ -187,6 +187,7 @@ def test_config_file_from_the_environment_and_the_flag(tmp_path):
         ("port = 70000\n", "bad value for port in {path}: expected `int` <= 65535"),
         ('dtype = "float8"\n', "bad value for dtype in {path}: invalid enum value 'float8'"),
         ("max_batch = \n", "{path} is not valid TOML"),
+        ('url_secret = "guessable"\n', "bad value for url_secret in {path}: expected `str` of length >= 32"),
         ('served_model_name = ["a b"]\n', "bad value for served_model_name in {path}: expected `str` matching"),
         ('served_model_name = ""\n', "bad value for served_model_name in {path}: expected `str` of length >= 1"),
     ],

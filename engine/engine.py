@@ -251,7 +251,7 @@ class Engine:
         mailbox = Mailbox()
         self._mailboxes[request_id] = mailbox
         if self.result_cache is not None and cacheable and not internal:
-            key = self.result_cache.key(self.adapter.source, resolved, self.adapter)
+            key = self.result_cache.key(self.adapter.source, resolved, self.adapter, tenant)
             kept = self.result_cache.get(key)
             if kept is not None:  # delivered once the caller has its handle (and has recorded it)
                 asyncio.get_running_loop().call_soon(self._deliver, [self.result_cache.answer(request_id, kept)])

@@ -6,7 +6,7 @@ guidance, seed, input images, ...), and the LoRA adapters it names, each by its 
 an adapter registered again under the same name is another adapter) and scale, plus an adapter fused into the
 weights (`--lora-fuse`). Only requests whose client chose the seed are cached: a request without one asks for a
 new image each time. Results are kept under a byte budget (`--result-cache-bytes`; 0, the default: off), the least
-recently used forgotten first. Event-loop thread only.
+recently used forgotten first. Each tenant's results answer its own requests only. Event-loop thread only.
 """
 
 from __future__ import annotations
@@ -42,8 +42,10 @@ class ResultCache:
         self.hits = 0
         self.misses = 0
 
-    def key(self, model: str, params: SamplingParams, adapter: Any) -> str:
-        """What decides a request's output, hashed. `adapter`: the model adapter (its LoRA registry)."""
+    def key(self, model: str, params: SamplingParams, adapter: Any, tenant: str = "") -> str:
+        """What decides a request's output, hashed, and whose it is. `adapter`: the model adapter (its LoRA
+        registry). `tenant`: one tenant's results answer its own requests only (a hit takes milliseconds, a miss a
+        whole generation: shared, the difference told one tenant what another had asked for)."""
         registry = getattr(adapter, "lora_registry", None)
         loras: list[Any] = []
         for lora in params.lora or ():
@@ -51,7 +53,7 @@ class ResultCache:
             version = None if entry is None else (entry.path, entry.nbytes, entry.sha256, id(entry))
             loras.append((lora.name, lora.scale, version))
         fused = registry.fused[:2] if registry is not None and registry.fused is not None else None
-        h = hashlib.sha256(msgspec.json.encode([model, loras, fused]))
+        h = hashlib.sha256(msgspec.json.encode([tenant, model, loras, fused]))
         h.update(msgspec.msgpack.encode(params))
         return h.hexdigest()
 

@@ -80,3 +80,34 @@ def test_every_form_of_a_cached_result_says_so(cached, serve, tiny_wan):
     first, again = completed(video.base_url, clip), completed(video.base_url, clip)
     assert again.get("cached") is True and "cached" not in first
     assert again["video"]["num_frames"] == first["video"]["num_frames"] == 5
+
+
+def test_one_tenant_s_results_never_answer_another(serve, tmp_path_factory):
+    """A hit takes milliseconds and a miss a whole generation: with one cache for all, bob could time a request
+    to learn whether alice had asked for it. Each tenant's results answer its own requests only (red with the
+    tenant left out of the key: bob's first request was a hit)."""
+    import hashlib
+
+    keys = tmp_path_factory.mktemp("cache-tenants") / "keys.toml"
+    keys.write_text(
+        "".join(f'[tenants.{n}]\nkey_sha256 = "{hashlib.sha256(n.encode()).hexdigest()}"\n' for n in ("alice", "bob"))
+    )
+    base = serve(result_cache_bytes=16 << 20, api_keys_file=str(keys)).base_url
+    image = {"prompt": "a green triangle", "size": "64x64", "num_inference_steps": 2, "seed": 7}
+
+    def ask(name: str) -> tuple[bytes, str | None]:
+        request = urllib.request.Request(
+            f"{base}/v1/images/generations", data=json.dumps(image).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {name}"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return base64.b64decode(json.loads(resp.read())["data"][0]["b64_json"]), resp.headers.get(
+                "X-Diffusiond-Cache"
+            )
+
+    alice, hit = ask("alice")
+    assert hit is None
+    assert ask("alice") == (alice, "hit")
+    bob, hit = ask("bob")
+    assert hit is None and bob == alice  # computed again for bob: the same image, not alice's kept one
+    assert ask("bob") == (bob, "hit")

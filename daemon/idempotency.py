@@ -8,9 +8,11 @@ same key with another body is 422. An answer that is an error (a full queue, a b
 try runs again. A streamed answer (SSE) cannot be sent twice: a repeat gets 409 naming the first's request ids
 (its status: `GET /v1/generations/{id}`).
 
-Answers are kept in memory, at most MAX_BYTES of them (the oldest forgotten first, after which a repeat runs
-again) and MAX_ENTRIES keys; a restart forgets them, except the keys of `POST /v1/videos` under a job database,
-which daemon/job_db.py keeps with the jobs (`remember_key`: a retry after a restart, or through another replica).
+Answers are kept in memory, at most MAX_BYTES of them and MAX_ENTRIES keys (past either, the tenant that holds the
+most forgets its oldest first, after which a repeat of it runs again: one tenant's traffic never pushes out another's
+keys while it holds more than that one); a restart forgets them, except the keys of `POST /v1/videos` under a job
+database, which daemon/job_db.py keeps with the jobs (`remember_key`: a retry after a restart, or through another
+replica).
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class IdempotencyKeys:
         self.window, self.max_entries, self.max_bytes = window, max_entries, max_bytes
         self.entries: OrderedDict[tuple[str, ...], Entry] = OrderedDict()
         self.bytes = 0
+        # What each tenant holds: its keys and their answers' bytes (`_bound` takes from the largest first).
+        self.held: dict[str, list[int]] = {}
         self.clock = time.monotonic
 
     async def once(
@@ -103,12 +107,13 @@ class IdempotencyKeys:
         entry = Entry(digest, self.clock())
         entry.done.add_done_callback(_retrieved)
         self.entries[ident] = entry
+        self.held.setdefault(tenant, [0, 0])[0] += 1
         request[ENTRY] = entry
         try:
             response = await make()
         except BaseException as exc:
             if self.entries.get(ident) is entry:
-                del self.entries[ident]  # an error is not an answer to keep: the next try runs
+                self._forget(ident)  # an error is not an answer to keep: the next try runs
             if not entry.done.done():
                 error = exc if isinstance(exc, ApiError) else _gone(key)
                 entry.done.set_exception(error)
@@ -118,11 +123,12 @@ class IdempotencyKeys:
             entry.size = len(response.body)
             entry.done.set_result(Stored(response.status, response.body, response.content_type, kept))
             self.bytes += entry.size
+            self.held[tenant][1] += entry.size
             self._bound()
         else:  # streamed (or an error answered as a response): not kept
             entry.done.set_exception(self._streamed(key, entry))
             if response.status >= 400 and self.entries.get(ident) is entry:
-                del self.entries[ident]
+                self._forget(ident)
         return response
 
     def _streamed(self, key: str, entry: Entry) -> ApiError:
@@ -144,15 +150,24 @@ class IdempotencyKeys:
             self._forget(ident)
 
     def _bound(self) -> None:
-        while len(self.entries) > self.max_entries or self.bytes > self.max_bytes:
-            ident = next((i for i, e in self.entries.items() if e.done.done()), None)
-            if ident is None:
-                return
-            self._forget(ident)
+        while (over_entries := len(self.entries) > self.max_entries) or self.bytes > self.max_bytes:
+            measure = 0 if over_entries else 1
+            for tenant in sorted(self.held, key=lambda t: -self.held[t][measure]):  # the largest holder first
+                ident = next((i for i, e in self.entries.items() if i[0] == tenant and e.done.done()), None)
+                if ident is not None:
+                    self._forget(ident)
+                    break
+            else:
+                return  # nothing finished to forget
 
     def _forget(self, ident: tuple[str, ...]) -> None:
         entry = self.entries.pop(ident)
         self.bytes -= entry.size
+        held = self.held[ident[0]]
+        held[0] -= 1
+        held[1] -= entry.size
+        if held[0] == 0:
+            del self.held[ident[0]]
 
 
 def started(request: web.Request, request_ids: list[str]) -> None:

@@ -126,3 +126,39 @@ async def test_errors_are_not_kept_and_tenants_keys_are_their_own():
     assert calls == ["fail", "ok", "ok"]
     assert json.loads(first.body) == json.loads(again.body) == {"n": 2} and json.loads(bob.body) == {"n": 3}
     assert again.headers["Idempotent-Replayed"] == "true"
+
+
+@pytest.mark.asyncio
+async def test_one_tenant_s_traffic_never_pushes_out_another_s_keys():
+    """Past the bound, the tenant that holds the most forgets its own oldest first: bob's flood of keys leaves
+    alice's two (with one LRU for all, they went first: red)."""
+    from aiohttp import web
+
+    keys = IdempotencyKeys(max_entries=6)
+    runs: list[str] = []
+
+    class Request(dict):
+        method, path = "POST", "/v1/images/generations"
+
+        def __init__(self, key: str) -> None:
+            super().__init__()
+            self.headers = {"Idempotency-Key": key}
+
+    async def run(tenant: str, key: str):
+        async def make():
+            runs.append(f"{tenant}:{key}")
+            return web.json_response({"key": key})
+
+        return await keys.once(Request(key), tenant, fingerprint(key), make)
+
+    for key in ("a1", "a2"):
+        await run("alice", key)
+    for n in range(20):
+        await run("bob", f"b{n}")
+    assert len(keys.entries) == 6 and {t: n for t, (n, _) in keys.held.items()} == {"alice": 2, "bob": 4}
+    before = list(runs)
+    for key in ("a1", "a2"):
+        assert (await run("alice", key)).headers["Idempotent-Replayed"] == "true"
+    assert runs == before  # alice's answers were kept: nothing ran again
+    await run("bob", "b0")  # bob's oldest went: it runs again
+    assert runs == [*before, "bob:b0"]

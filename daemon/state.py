@@ -137,7 +137,12 @@ class ServerState:
         if self.metrics is not None:
             self.metrics.tenant_in_flight.labels(owner).inc()
         while len(self.records) > MAX_RECORDS:
-            self.records.popitem(last=False)
+            # The oldest finished goes; one in flight stays (its quota counts it, its owner may cancel it): those
+            # are bounded by the engine's capacity and the video jobs' own bound, and each goes once it ends.
+            old = next((i for i, r in self.records.items() if r.status not in IN_FLIGHT), None)
+            if old is None:
+                break
+            del self.records[old]
         if self.journal is not None:
             self.journal(rec, handle.params)
         return rec

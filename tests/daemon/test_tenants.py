@@ -305,3 +305,26 @@ def test_queued_and_in_flight_quotas_count_the_tenant_s_own_requests():
     with pytest.raises(Exception, match="quota max_in_flight") as info:
         check_quotas(state, Tenant(name="alice", key_sha256=sha("a"), max_in_flight=2), 1)
     check_quotas(state, Tenant(name="carol", key_sha256=sha("c"), max_in_flight=1, max_queued=1), 1)
+
+
+def test_a_record_in_flight_is_never_dropped(monkeypatch):
+    """Records are bounded (MAX_RECORDS): the oldest finished go. Dropping the oldest whatever it was forgot a long
+    request still running: its tenant's quota stopped counting it and its owner could no longer see or cancel it
+    (red before)."""
+    from types import SimpleNamespace
+
+    from diffusiond.daemon import state as state_module
+    from diffusiond.engine.outputs import Completed
+
+    monkeypatch.setattr(state_module, "MAX_RECORDS", 4)
+    state = state_module.ServerState(ServeConfig())
+
+    def handle(rid: str):
+        return SimpleNamespace(request_id=rid, params=SimpleNamespace(steps_to_run=10))
+
+    state.record(handle("long"), "alice")  # still running at the end
+    for n in range(10):
+        state.record(handle(f"short{n}"), "bob")
+        state._on_event(Completed(f"short{n}", image=None, seed=0))
+    assert state.owned("long", "alice") is not None and state.usage("alice") == (1, 1)
+    assert len(state.records) == 4 and list(state.records)[1:] == ["short7", "short8", "short9"]

@@ -82,10 +82,11 @@ def _no_video_folders_left():
 @pytest.fixture(scope="session")
 def postgres():
     """A PostgreSQL server of the session's own (tests/pg.py); `postgres.database()` makes a database per test."""
+    from needs import missing
     from pg import Postgres, binaries
 
     if binaries() is None:
-        pytest.skip("needs Debian's postgresql (.ci/run installs it)")
+        missing("needs Debian's postgresql (.ci/run installs it)")
     server = Postgres()
     yield server
     server.stop()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -18,16 +17,14 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import pytest
+from needs import missing
 
 
 def need(tool: str) -> str:
     """CI installs Debian's prometheus package (.ci/run); on a developer machine without it, skip."""
     path = shutil.which(tool)
     if path is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{tool} is not installed; .ci/run should have installed Debian's prometheus package")
-        pytest.skip(f"{tool} not installed (apt-get install prometheus)")
+        missing(f"needs {tool} (apt-get install prometheus; .ci/run installs it)")
     return path
 
 

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from needs import missing
 
 from diffusiond.models.default import default_model
 
@@ -27,9 +28,7 @@ FLAGS = [
 @pytest.fixture(scope="module")
 def browser():
     if not os.path.exists(CHROMIUM) or shutil.which("chromium") is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed; .ci/run should install Debian's chromium package")
-        pytest.skip("chromium not installed (apt-get install chromium)")
+        missing("needs chromium (apt-get install chromium; .ci/run installs it)")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:

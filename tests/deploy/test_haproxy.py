@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from balancer import HAPROXY, Replicas, running
+from needs import missing
 from procs import get, wait_ready
 
 pytestmark = pytest.mark.slow
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def replicas(tiny_sd3, tmp_path):
     if HAPROXY is None:
-        pytest.skip("needs Debian's haproxy (.ci/run installs it)")
+        missing("needs Debian's haproxy (.ci/run installs it)")
     replicas = Replicas(tiny_sd3, tmp_path)
     with running(replicas):
         yield replicas

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from balancer import HAPROXY, Replicas, running
 from jobs import call, content, frames, job, wait_all
+from needs import missing
 from procs import wait_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
@@ -29,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:The Sora API:
 @pytest.fixture
 def shared(tiny_wan, tmp_path, postgres):
     if HAPROXY is None:
-        pytest.skip("needs Debian's haproxy (.ci/run installs it)")
+        missing("needs Debian's haproxy (.ci/run installs it)")
     url = postgres.database()
     args = ["--state-url", url, "--state-dir", str(tmp_path / "shared"), "--replica-id", "replica{i}",
             "--job-lease", "3", "--max-batch", "2", "--max-pixels", str(64 * 64), "--max-steps", "1000"]  # fmt: skip

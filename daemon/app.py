@@ -79,7 +79,7 @@ def create_app(config: ServeConfig, *, load: Loader | None = None, healing: bool
     app[METRICS] = Metrics()
     app[METRICS].add_tenants(tenants.current.names())
     app[STATE] = ServerState(config, healing=healing, metrics=app[METRICS])
-    app[READ_BUDGET] = ReadBudget(config.max_reading_bytes)
+    app[READ_BUDGET] = ReadBudget(config.max_reading_bytes, config.min_body_rate)
     app[LOAD] = load or _default_loader(config)
     app.cleanup_ctx.append(engine_ctx)
     app.cleanup_ctx.append(videos_api.videos_ctx)  # after the engine's: it ends first, while the engine runs

@@ -95,8 +95,10 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # The HTTP edge (daemon/edge.py, daemon/connections.py). keepalive_timeout: seconds a connection may go without a
     # whole request head (idle between requests, or sending its head slowly) before it is closed. max_connections:
     # open connections (also kept below the open-file limit); past it the longest idle are closed, and when none is
-    # idle a new one reaches only /health, /ready and /metrics. max_reading_bytes: request body bytes being read at
-    # once over all requests (a body past it waits for none: 503). write_timeout: seconds one write may wait for a
+    # idle a new one reaches only /health, /ready and /metrics. max_reading_bytes: request body bytes held while
+    # being read, over all requests (what has arrived, not what a body declares; past it, 503). min_body_rate: bytes
+    # a second a body must arrive at, on average, after its first 5 s (0: no deadline); a slower one is cut (408) and
+    # its share of the budget returned. write_timeout: seconds one write may wait for a
     # client to read before its stream is cut and its request cancelled. send_buffer_bytes: the kernel's send buffer
     # of each connection (SO_SNDBUF; 0: the kernel's own, which grows to tcp_wmem's largest, 4 MiB on most Linux):
     # what a client that reads nothing pins in kernel memory (charged to the container under cgroup v2) and how much
@@ -104,6 +106,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     keepalive_timeout: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 15.0
     max_connections: Annotated[int, msgspec.Meta(ge=16)] = 1000
     max_reading_bytes: Positive = 256 << 20
+    min_body_rate: NonNegative = 32 << 10
     write_timeout: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     send_buffer_bytes: Annotated[int, msgspec.Meta(ge=0, le=64 << 20)] = 0
     # Browsers: the host names clients call this server by, besides IP addresses and localhost ("*": any;

@@ -9,10 +9,11 @@ an `Origin` other than the daemon's own must be listed in `--cors-origins`.
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import ipaddress
-from collections.abc import Iterator
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -30,6 +31,7 @@ BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 CORS_HEADERS = "Authorization, Content-Type"
 CHUNK = 1 << 16
+T = TypeVar("T")
 
 
 def host_allowed(host: str | None, allowed: tuple[str, ...]) -> bool:
@@ -135,11 +137,16 @@ def check_content_type(request: web.Request) -> None:
 
 
 class ReadBudget:
-    """Bytes of request bodies being read at once, over all requests. Beyond it a new body is refused (503,
-    Retry-After) instead of read: 64 clients sending their largest body together must not take the memory."""
+    """Bytes of request bodies held while they are read, over all requests: what has arrived, not what a body
+    declares. Beyond it the body that would pass it is refused (503, Retry-After) instead of read: 64 clients sending
+    their largest body together must not take the memory. And each body must arrive at `min_rate` bytes a second on
+    average after its first BODY_GRACE_S (byte k by then + k / min_rate), or it is cut (408): counted by declared
+    lengths and with no deadline, a dozen clients declaring 22 MiB and sending a byte a second held the whole
+    budget for as long as they liked, and every other body that needed it got 503."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, min_rate: int = 0) -> None:
         self.limit = limit
+        self.min_rate = min_rate
         self.reading = 0
 
     def take(self, size: int) -> None:
@@ -153,16 +160,48 @@ class ReadBudget:
     def release(self, size: int) -> None:
         self.reading -= size
 
-    @contextlib.contextmanager
-    def hold(self, size: int) -> Iterator[None]:
-        self.take(size)
-        try:
-            yield
-        finally:
-            self.release(size)
-
 
 READ_BUDGET = web.AppKey("read_budget", ReadBudget)
+# Seconds a body may take before its average rate is held to `ReadBudget.min_rate`.
+BODY_GRACE_S = 5.0
+
+
+class BodyReading:
+    """One body being read: each wait for more of it has its deadline (`ReadBudget`), and what has arrived is
+    counted against the budget as it arrives, returned at `release`."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.content = request.content
+        self.budget = request.app[READ_BUDGET]
+        self.start = asyncio.get_running_loop().time()
+        self.counted = 0
+
+    async def wait(self, read: Awaitable[T]) -> T:
+        """`read` (a read of the body) within the body's deadline; then what has arrived is counted."""
+        rate = self.budget.min_rate
+        if rate > 0:
+            due = self.start + BODY_GRACE_S + (self.content.total_bytes + 1) / rate
+            try:
+                async with asyncio.timeout_at(due):
+                    result = await read
+            except TimeoutError:
+                raise ApiError(
+                    408,
+                    f"the request body arrived slower than {rate} bytes a second (--min-body-rate): "
+                    f"{self.content.total_bytes} bytes in {asyncio.get_running_loop().time() - self.start:.0f} s",
+                    code="body_too_slow",
+                    close=True,
+                ) from None
+        else:
+            result = await read
+        if (arrived := self.content.total_bytes) > self.counted:
+            self.budget.take(arrived - self.counted)
+            self.counted = arrived
+        return result
+
+    def release(self) -> None:
+        self.budget.release(self.counted)
+        self.counted = 0
 
 
 @dataclass(frozen=True)
@@ -180,24 +219,20 @@ SENT = web.RequestKey("sent_body", SentBody)
 
 async def read_body(request: web.Request, limit: int) -> bytes:
     """The body, read as it arrives: 413 as soon as its declared length or the bytes so far pass `limit`, without
-    reading the rest; held against the app's read budget while it is read."""
+    reading the rest; held against the app's read budget, and within its deadline, while it is read
+    (`BodyReading`)."""
     declared = request.content_length
     if declared is not None and declared > limit:
         raise too_large(limit)
-    budget = request.app[READ_BUDGET]
+    reading = BodyReading(request)
     data = bytearray()
-    counted = declared or 0
-    budget.take(counted)
     try:
-        async for chunk in request.content.iter_chunked(CHUNK):
+        while chunk := await reading.wait(request.content.read(CHUNK)):
             data += chunk
             if len(data) > limit:
                 raise too_large(limit)
-            if len(data) > counted:  # a chunked body (or one longer than declared): counted as it grows
-                budget.take(len(data) - counted)
-                counted = len(data)
     finally:
-        budget.release(counted)
+        reading.release()
     body = bytes(data)
     request[SENT] = SentBody(data=body)
     return body
@@ -217,19 +252,22 @@ async def read_form(
     """A multipart/form-data body, part by part: its text fields, and its files by name (at most `files[name]` of
     each, of at most `file_bytes` all together; `aliases` maps other part names onto them, as `image[]` onto `image`).
     ApiError (400) names the part that breaks a limit; 413 for a body declared larger than its parts may be. Held
-    against the read budget (its declared size, else the most it may hold) while it is read."""
+    against the read budget, and within its deadline, while it is read (`BodyReading`)."""
     limit = file_bytes + MAX_FORM_PARTS * (MAX_FIELD_BYTES + FORM_OVERHEAD)
     declared = request.content_length
     if declared is not None and declared > limit:
         raise too_large(limit)
-    with request.app[READ_BUDGET].hold(limit if declared is None else declared):
-        fields, found = await _read_parts(request, files, file_bytes, aliases or {})
+    reading = BodyReading(request)
+    try:
+        fields, found = await _read_parts(request, reading, files, file_bytes, aliases or {})
+    finally:
+        reading.release()
     request[SENT] = SentBody(fields=fields, files=found)
     return fields, found
 
 
 async def _read_parts(
-    request: web.Request, files: dict[str, int], file_bytes: int, aliases: dict[str, str]
+    request: web.Request, reading: BodyReading, files: dict[str, int], file_bytes: int, aliases: dict[str, str]
 ) -> tuple[dict[str, str], dict[str, list[bytes]]]:
     fields: dict[str, str] = {}
     found: dict[str, list[bytes]] = {name: [] for name in files}
@@ -237,14 +275,16 @@ async def _read_parts(
     try:
         reader = await request.multipart()
         for _ in range(MAX_FORM_PARTS + 1):
-            part = await reader.next()
+            part = await reading.wait(reader.next())
             if part is None:
                 break
             if not isinstance(part, BodyPartReader) or not part.name:
                 raise ApiError(400, "every multipart part must be a named field", code="invalid_multipart")
             name = aliases.get(part.name, part.name)
             if name in found:
-                found[name].append(await _read_part(part, name, left, "all files together (--max-image-bytes)"))
+                found[name].append(
+                    await _read_part(reading, part, name, left, "all files together (--max-image-bytes)")
+                )
                 left -= len(found[name][-1])
                 if len(found[name]) > files[name]:
                     raise ApiError(400, f"send at most {files[name]} {name} file(s) per request", param=name)
@@ -252,7 +292,7 @@ async def _read_parts(
                 raise ApiError(400, f"{name} is sent twice", param=name)
             else:
                 try:
-                    fields[name] = (await _read_part(part, name, MAX_FIELD_BYTES)).decode()
+                    fields[name] = (await _read_part(reading, part, name, MAX_FIELD_BYTES)).decode()
                 except UnicodeDecodeError:
                     raise ApiError(400, f"{name} is not UTF-8 text", param=name) from None
         else:
@@ -262,9 +302,9 @@ async def _read_parts(
     return fields, found
 
 
-async def _read_part(part: BodyPartReader, name: str, limit: int, what: str = "") -> bytes:
+async def _read_part(reading: BodyReading, part: BodyPartReader, name: str, limit: int, what: str = "") -> bytes:
     data = bytearray()
-    while chunk := await part.read_chunk(1 << 16):
+    while chunk := await reading.wait(part.read_chunk(1 << 16)):
         data += chunk
         if len(data) > limit:
             what = f" ({what})" if what else ""

@@ -91,7 +91,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add(
         "--max-reading-bytes",
         type=int,
-        help=f"body bytes read at once over all requests; past it 503 (default: {d.max_reading_bytes})",
+        help=f"body bytes held while being read, over all requests; past it 503 (default: {d.max_reading_bytes})",
+    )
+    add(
+        "--min-body-rate",
+        type=int,
+        metavar="BYTES",
+        help="bytes a second a request body must arrive at on average after its first 5 s, else it is cut with 408 "
+        f"(default: {d.min_body_rate}; 0: no deadline)",
     )
     add(
         "--write-timeout",

@@ -7,6 +7,7 @@ the Host check off `Host: evil.example` was served; with `request.read()` back i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -240,16 +241,16 @@ def test_a_chunked_body_is_cut_at_the_route_limit(server):
 
 
 def test_bodies_past_the_read_budget_wait_for_none(serve):
-    """Budget 1 MiB: one slow client holds 900 KB of it; a second body that would pass it is a 503 with
-    Retry-After, and is served once the first is read."""
+    """Budget 1 MiB, counted as bodies arrive: one client has sent 900 KB of a body and waits; a second body that
+    would pass the budget is a 503 with Retry-After, and is served once the first is read."""
     server = serve(max_reading_bytes=1 << 20)
     body = json.dumps({"prompt": "a red circle", "size": "64x64"}).encode()
     slow = socket.create_connection(("127.0.0.1", server.port), timeout=10)
     slow.sendall(
         b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        b"Content-Length: 900000\r\nConnection: close\r\n\r\n" + b" " * 1000
+        b"Content-Length: 1000000\r\nConnection: close\r\n\r\n" + b" " * 900_000
     )
-    server.wait_until(lambda: server.call(lambda: server.app[READ_BUDGET].reading) == 900000, 5, "the slow body")
+    server.wait_until(lambda: server.call(lambda: server.app[READ_BUDGET].reading) == 900_000, 5, "the slow body")
     second = b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     padded = body + b" " * 200_000
     status, headers, rest = head(
@@ -257,7 +258,7 @@ def test_bodies_past_the_read_budget_wait_for_none(serve):
         second + b"Content-Length: " + str(len(padded)).encode() + b"\r\nConnection: close\r\n\r\n" + padded,
     )
     assert status == 503 and headers["retry-after"] == "1" and b"server_busy" in rest, rest
-    slow.sendall(body.ljust(900000 - 1000))  # the slow body ends: its request runs
+    slow.sendall(body.ljust(100_000))  # the slow body ends: its request runs
     data = b""
     while chunk := slow.recv(65536):
         data += chunk
@@ -269,3 +270,98 @@ def test_bodies_past_the_read_budget_wait_for_none(serve):
     )
     assert status == 200
     server.wait_idle()
+
+
+def test_bodies_that_trickle_are_cut_and_hold_nobody_up(serve, tmp_path):
+    """40 connections declare 22 MiB bodies and send a byte a second. Counted by declared lengths and with no
+    deadline, a dozen of them held the whole read budget for as long as they liked and every other large body got
+    503. Now: a generation and an edit with a 15 MiB image from another client are answered meanwhile within
+    twice their idle latency, every trickler is cut with 408 once its body falls behind --min-body-rate (after
+    5 s: byte k due by 5 + k / rate), and the budget is back to zero."""
+    import numpy as np
+    from PIL import Image
+
+    server = serve(min_body_rate=32 << 10)
+    rng = np.random.default_rng(0)
+    big = tmp_path / "big.png"
+    Image.fromarray(rng.integers(0, 256, (1980, 1980, 4), dtype=np.uint8)).save(big, compress_level=0)
+    image = big.read_bytes()
+    assert 14 << 20 < len(image) < 16 << 20
+
+    def generation() -> float:
+        t0 = time.monotonic()
+        status, _, rest = head(
+            server.port,
+            b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: 56\r\n\r\n"
+            + json.dumps({"prompt": "a red circle", "size": "64x64", "seed": 1}).encode().ljust(56),
+        )
+        assert status == 200, rest
+        return time.monotonic() - t0
+
+    def edit() -> float:
+        boundary = b"xYz"
+        form = b"".join(
+            b"--" + boundary + b"\r\nContent-Disposition: form-data; name=\"" + name + b"\"" + extra + b"\r\n\r\n"
+            + value + b"\r\n"
+            for name, extra, value in (
+                (b"prompt", b"", b"a red circle"), (b"size", b"", b"64x64"), (b"strength", b"", b"0.5"),
+                (b"image", b"; filename=\"big.png\"\r\nContent-Type: image/png", image),
+            )
+        ) + b"--" + boundary + b"--\r\n"  # fmt: skip
+        t0 = time.monotonic()
+        status, _, rest = head(
+            server.port,
+            b"POST /v1/images/edits HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+            b"Content-Type: multipart/form-data; boundary=" + boundary + b"\r\n"
+            b"Content-Length: " + str(len(form)).encode() + b"\r\n\r\n" + form,
+        )
+        assert status == 200, rest
+        return time.monotonic() - t0
+
+    idle = (min(generation() for _ in range(3)), min(edit() for _ in range(3)))
+    tricklers = []
+    for n in range(40):
+        # The largest bodies the routes take: the native stream's JSON with base64 images (22 MiB), an edit's form.
+        route, kind, declared = (
+            (b"/v1/images/edits", b"multipart/form-data; boundary=xYz", 20 << 20) if n % 2
+            else (b"/v1/generations", b"application/json", 22 << 20)
+        )  # fmt: skip
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        sock.sendall(b"POST " + route + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: " + kind
+                     + b"\r\nContent-Length: " + str(declared).encode() + b"\r\n\r\n")  # fmt: skip
+        tricklers.append(sock)
+    t0 = time.monotonic()
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.is_set():
+            for sock in tricklers:
+                with contextlib.suppress(OSError):
+                    sock.send(b"-" if sock.fileno() != -1 else b"")
+            stop.wait(1.0)
+
+    feeder = threading.Thread(target=trickle, daemon=True)
+    feeder.start()
+    try:
+        time.sleep(1.0)
+        meanwhile = (generation(), edit())
+        answers = []  # (status, seconds until it came): the connection closes 2 s later (aiohttp's lingering)
+        deadline = t0 + 15  # all of them: a server that never cuts them fails the test in 15 s, not 40 x 30
+        for sock in tricklers:
+            data = b""
+            sock.settimeout(max(0.05, deadline - time.monotonic()))
+            with contextlib.suppress(OSError):
+                while b"\r\n\r\n" not in data and (chunk := sock.recv(65536)):
+                    data += chunk
+            answers.append((data.split(b" ", 2)[1] if data.startswith(b"HTTP") else b"", time.monotonic() - t0))
+    finally:
+        stop.set()
+        feeder.join(5)
+        for sock in tricklers:
+            sock.close()
+    print(f"idle {idle}, beside 40 tricklers {meanwhile}; tricklers cut within {max(t for _, t in answers):.1f} s")
+    assert meanwhile[0] < 2 * idle[0] + 0.05 and meanwhile[1] < 2 * idle[1] + 0.05, (idle, meanwhile)
+    assert [status for status, _ in answers] == [b"408"] * 40, answers
+    assert max(t for _, t in answers) < 5.0 + 1.5, answers  # the grace, and a trickle's second
+    server.wait_until(lambda: server.call(lambda: server.app[READ_BUDGET].reading) == 0, 5, "the budget back")

@@ -50,7 +50,11 @@ def test_a_second_daemon_on_one_state_dir_refuses_to_start(tmp_path):
         wait_ready(base, first)
         t0 = time.monotonic()
         second = start(model, state, free_port(), logs[1])
-        assert second.wait(60) == 2
+        try:
+            assert second.wait(60) == 2
+        finally:
+            if second.poll() is None:  # it started after all: not left behind
+                kill_tree(second)
         assert time.monotonic() - t0 < 30
         logs[1].seek(0)
         said = logs[1].read()

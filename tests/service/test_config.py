@@ -91,7 +91,8 @@ def test_every_serve_flag_maps_to_its_field():
         "--lora-dir", "/var/lib/loras", "--lora-cache-bytes", "1000", "--lora-fuse",
         "--scheduler-config", '{"shift": 3.0}', "--adapter", "generic", "--keepalive-timeout", "5",
         "--max-connections", "100",
-        "--max-reading-bytes", "4096", "--write-timeout", "7", "--allowed-hosts", "a.example", "--allowed-hosts",
+        "--max-reading-bytes", "4096", "--min-body-rate", "1024",
+        "--write-timeout", "7", "--allowed-hosts", "a.example", "--allowed-hosts",
         ".b.example", "--cors-origins", "https://ui.example", "--send-buffer-bytes", "65536", "--no-preemption",
         "--class-window-ms", "500", "--paused-bytes", "4096", "--class-deadline", "9=5000",
         "--class-deadline", "5=60000",
@@ -117,7 +118,8 @@ def test_every_serve_flag_maps_to_its_field():
         lora=("style=/loras/style.safetensors", "ink=ink.safetensors"), lora_dir="/var/lib/loras",
         lora_cache_bytes=1000, lora_fuse=1.0, scheduler_config='{"shift": 3.0}', adapter="generic",
         keepalive_timeout=5.0,
-        max_connections=100, max_reading_bytes=4096, write_timeout=7.0, allowed_hosts=("a.example", ".b.example"),
+        max_connections=100, max_reading_bytes=4096, min_body_rate=1024,
+        write_timeout=7.0, allowed_hosts=("a.example", ".b.example"),
         cors_origins=("https://ui.example",), send_buffer_bytes=65536,
     )  # fmt: skip
     assert all(source.startswith("--") for source in sources.values()), sources

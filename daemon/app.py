@@ -32,6 +32,7 @@ from diffusiond.daemon.edge import READ_BUDGET, ReadBudget, edge_middleware
 from diffusiond.daemon.handover import CARRIED, carry_over
 from diffusiond.daemon.idempotency import KEYS, IdempotencyKeys
 from diffusiond.daemon.image_encoding import encoder_pool
+from diffusiond.daemon.job_db import DatabaseAway
 from diffusiond.daemon.jobs_api import add_job_routes
 from diffusiond.daemon.listener import served_marker
 from diffusiond.daemon.native_api import native_limit
@@ -281,6 +282,8 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         return ApiError(400, str(exc), param=exc.param, code="invalid_value").response()
     except QueueFullError as exc:
         return retry_later(f"too many requests in flight: {exc}", "queue_full", status=429).response()
+    except DatabaseAway as exc:  # the shared job database restarts or fails over: the writer connects again
+        return retry_later(f"{exc}; try again", "database_unavailable", after=2).response()
     except web.HTTPException as exc:
         if exc.status == 413:
             return too_large(native_limit(request.app[STATE].config)).response()
@@ -322,6 +325,9 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    db = request.app.get(videos_api.JOB_DB)
+    if db is not None and db.away is not None:  # jobs could be neither taken nor kept: balancers send them elsewhere
+        return web.json_response({"status": "database_unavailable", "reason": db.away}, status=503)
     if state.ready and not state.leaving and not state.draining and state.engine is not None and state.engine.alive:
         return web.json_response({"status": "ready", "model": state.model_id})
     status = "draining" if state.leaving or state.draining else ("failed" if state.load_error else "loading")

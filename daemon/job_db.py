@@ -95,6 +95,16 @@ class JobDBError(RuntimeError):
     """A database that cannot be used (written by a newer diffusiond, not a database, or not reachable)."""
 
 
+class DatabaseAway(JobDBError):
+    """The shared database cannot be reached now (a restart, a failover): answered 503 with Retry-After, and the
+    writer connects again (RECONNECT_S between tries) at the next work."""
+
+
+# Seconds between tries to connect again to a database that went away, and the connection timeout of each try.
+RECONNECT_S = 1.0
+RECONNECT_TIMEOUT_S = 2
+
+
 class Dialect:
     """What SQLite and PostgreSQL spell differently. Queries are written with `?` and `{now}` (seconds since the
     epoch on the database's clock, so that replicas' clocks need not agree)."""
@@ -111,7 +121,7 @@ class Dialect:
         return query.replace("?", self._param).replace("{now}", self._now)
 
 
-def connect(target: Path | str) -> tuple[Any, Dialect]:
+def connect(target: Path | str, timeout: int = 10) -> tuple[Any, Dialect]:
     """A connection in autocommit mode (each statement its own transaction) and its dialect."""
     if isinstance(target, str) and target.startswith(("postgresql://", "postgres://")):
         try:
@@ -119,7 +129,7 @@ def connect(target: Path | str) -> tuple[Any, Dialect]:
         except ImportError:
             raise JobDBError("--state-url postgresql://... needs psycopg: pip install 'diffusiond[postgres]'") from None
         try:
-            return psycopg.connect(target, autocommit=True, connect_timeout=10), Dialect("postgresql")
+            return psycopg.connect(target, autocommit=True, connect_timeout=timeout), Dialect("postgresql")
         except psycopg.Error as exc:
             raise JobDBError(f"cannot connect to the job database: {exc}") from None
     conn = sqlite3.connect(target, isolation_level=None)
@@ -131,8 +141,14 @@ def connect(target: Path | str) -> tuple[Any, Dialect]:
     return conn, Dialect("sqlite")
 
 
+def _broken(conn: Any) -> bool:
+    """Whether a PostgreSQL connection is lost (psycopg's `broken`: the server went away), not just a failed
+    statement."""
+    return bool(getattr(conn, "broken", False) or getattr(conn, "closed", False))
+
+
 def database_errors() -> tuple[type[BaseException], ...]:
-    errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
+    errors: tuple[type[BaseException], ...] = (sqlite3.Error, DatabaseAway)
     try:
         import psycopg
     except ImportError:
@@ -152,6 +168,9 @@ class JobDB:
         self.dialect = Dialect("postgresql" if self.shared else "sqlite")
         self._queue: queue.SimpleQueue[tuple[Callable[[Any], Any], Any] | None] = queue.SimpleQueue()
         self._ready: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+        # Why the shared database cannot be reached (None: it can), and when the writer may try it again.
+        self.away: str | None = None
+        self._next_try = 0.0
         self._thread = threading.Thread(target=self._main, name="diffusiond-job-db", daemon=True)
         self._thread.start()
         if (error := self._ready.get()) is not None:
@@ -176,14 +195,45 @@ class JobDB:
         try:
             while (item := self._queue.get()) is not None:
                 work, done = item
+                if conn is None and (conn := self._reconnect()) is None:
+                    done(None, DatabaseAway(f"the job database cannot be reached: {self.away}"))
+                    continue
                 try:
                     result = work(conn)
                 except BaseException as exc:  # to the caller, which decides
+                    if self.shared and _broken(conn):
+                        conn = self._lost(conn, exc)
+                        exc = DatabaseAway(f"the job database went away: {exc}")
                     done(None, exc)
                 else:
                     done(result, None)
         finally:
+            if conn is not None:
+                conn.close()
+
+    def _lost(self, conn: Any, exc: BaseException) -> None:
+        """The shared database went away: its connection closed, the next work connects again."""
+        log.warning("job database: the connection is lost (%s); connecting again", exc)
+        with contextlib.suppress(Exception):
             conn.close()
+        self.away, self._next_try = str(exc).strip() or type(exc).__name__, 0.0
+        return None
+
+    def _reconnect(self) -> Any:
+        """A new connection to the shared database, or None (at most a try per RECONNECT_S: work meanwhile fails
+        at once, not after a connection timeout each)."""
+        now = time.monotonic()
+        if now < self._next_try:
+            return None
+        self._next_try = now + RECONNECT_S
+        try:
+            conn, _ = connect(self.target, timeout=RECONNECT_TIMEOUT_S)
+        except (*database_errors(), JobDBError) as exc:
+            self.away = str(exc).strip() or type(exc).__name__
+            return None
+        log.info("job database: connected again")
+        self.away = None
+        return conn
 
     def _submit(self, work: Callable[[Any], T]) -> asyncio.Future[T]:
         loop = asyncio.get_running_loop()
@@ -460,4 +510,5 @@ def _transaction(conn: Any, postgres: bool) -> Iterator[None]:
 
 def _logged(future: asyncio.Future) -> None:
     if not future.cancelled() and (exc := future.exception()) is not None:
-        log.error("job database: a write failed: %s", exc)
+        # Away: written again once it is back (videos_api.py VideoJobs.unwritten).
+        (log.warning if isinstance(exc, DatabaseAway) else log.error)("job database: a write failed: %s", exc)

@@ -51,6 +51,10 @@ async def keep_leases(app: web.Application, db: JobDB, jobs: VideoJobs) -> None:
             held = {i: raw for i, raw in held.items() if i not in jobs.lost}
             for job_id in held.keys() - await db.renew(held):
                 jobs.lose(app, job_id)
+            for job_id, job in list(jobs.unwritten.items()):  # before any claim: see VideoJobs.unwritten
+                await db.update(job.id, job.status, msgspec.json.encode(job), job.expires_at)
+                if jobs.unwritten.get(job_id) is job:
+                    del jobs.unwritten[job_id]
             await _claim(app, db, jobs, first)
             first = False
             if time.monotonic() - keys_swept > 60:

@@ -43,7 +43,7 @@ from diffusiond.daemon.audio_encoding import completed_sound, encode_sound
 from diffusiond.daemon.auth import TENANT, TENANTS, tenant_of
 from diffusiond.daemon.files import FILES, MEDIA, FileStore, base_url
 from diffusiond.daemon.idempotency import HEADER, KEYS, REPLAYED, WINDOW_S, fingerprint
-from diffusiond.daemon.job_db import JobDB, database_errors
+from diffusiond.daemon.job_db import DatabaseAway, JobDB, database_errors
 from diffusiond.daemon.job_leases import keep_leases
 from diffusiond.daemon.state import ENCODERS, STATE, Record
 from diffusiond.daemon.streaming import check_images, run_encoder
@@ -89,6 +89,19 @@ class VideoJobs:
         self.storing: set[str] = set()
         # Jobs this replica ran whose lease went to another (daemon/job_db.py): cancelled here, not ended.
         self.lost: set[str] = set()
+        # Jobs whose last change of status could not be written (the shared database was away): written again by
+        # the lease keeper once it is back, before it claims anything (job_leases.py), or a job that completed
+        # during the outage would look unfinished, and run again once its lease ran out.
+        self.unwritten: dict[str, VideoJob] = {}
+
+    def written(self, job: VideoJob, future: asyncio.Future) -> None:
+        """A status write of `job` ended: kept for writing again if the database was away, else done with."""
+        if future.cancelled():
+            return
+        if isinstance(future.exception(), DatabaseAway):
+            self.unwritten[job.id] = job
+        else:
+            self.unwritten.pop(job.id, None)
 
     def start(self, app: web.Application, job: VideoJob, handle: RequestHandle) -> None:
         task = asyncio.create_task(self._run(app, job, handle), name=f"diffusiond-{job.id}")
@@ -116,7 +129,8 @@ class VideoJobs:
                 return  # cancelled by the drain's deadline, not by its client: the next start runs it again
             if db is not None and job.status != written:
                 written = job.status
-                db.update(job.id, job.status, msgspec.json.encode(job), job.expires_at)
+                future = db.update(job.id, job.status, msgspec.json.encode(job), job.expires_at)
+                future.add_done_callback(functools.partial(self.written, job))
 
         try:
             async for event in app[STATE].track(handle):

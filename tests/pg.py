@@ -55,6 +55,11 @@ class Postgres:
             preexec_fn=run_as,
         )
         self.log = open(self.folder / "server.log", "w")  # noqa: SIM115 - closed in stop()
+        self.bin_dir = bin_dir
+        self._start()
+
+    def _start(self) -> None:
+        bin_dir, run_as = self.bin_dir, self._preexec
         self.proc = subprocess.Popen(
             [bin_dir / "postgres", "-D", self.data, "-p", str(self.port), "-h", "127.0.0.1",
              "-k", self.folder, "-c", "fsync=off", "-c", "max_connections=50"],
@@ -88,6 +93,15 @@ class Postgres:
         with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
             conn.execute(f"CREATE DATABASE {name}")
         return self.url(name)
+
+    def halt(self) -> None:
+        """Stops the server (a restart's first half, or a failover): clients' connections break."""
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(20)
+
+    def resume(self) -> None:
+        """Starts it again on the same data, port and folder."""
+        self._start()
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGINT)  # fast shutdown: SIGTERM's smart one waits for every client to leave

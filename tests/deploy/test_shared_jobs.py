@@ -80,8 +80,9 @@ def test_replicas_share_jobs_and_rerun_a_dead_ones(shared):
     print(f"replica 1 killed: its job completed on replica 2 {time.monotonic() - killed_at:.1f} s later")
     rerun = frames(content(lb, running))
 
-    # An uninterrupted run of the same request: the same video; and, beside it in the same batch, the control that
-    # makes the bound mean something: the same request with another seed is another video, far outside it.
+    # An uninterrupted run of the same request: the same video, up to what batch composition moves (the runs share
+    # batches with what else runs then); and, beside it, the control that makes the bound mean something: the same
+    # request with another seed is another video, outside it.
     status, body = call("POST", f"{two}/v1/videos", long)
     again = json.loads(body)["id"]
     status, body = call("POST", f"{two}/v1/videos", {**long, "seed": 8})
@@ -90,9 +91,9 @@ def test_replicas_share_jobs_and_rerun_a_dead_ones(shared):
     diff = float(np.abs(rerun.astype(int) - frames(content(two, again)).astype(int)).mean())
     other = float(np.abs(rerun.astype(int) - frames(content(two, control)).astype(int)).mean())
     print(f"rerun vs uninterrupted: mean abs diff {diff:.3f}; vs another seed {other:.3f}")
-    # Measured: 0.000 and 3.356 (a tiny random Wan: seeds change its clips little), so the old bound of 1.0 told a
-    # rerun from another video by a factor of 3 only; 0.1 leaves room for a rounding flip between batch sizes.
-    assert diff <= 0.1 and other > 10 * 0.1, (diff, other)
+    # Measured over five runs: the rerun 0.000-0.437, another seed 3.355-3.356 (a tiny random Wan: seeds change its
+    # clips little). The bound of 1.0 lies between, with the control's margin checked, not assumed.
+    assert diff <= 1.0 and other > 2 * 1.0, (diff, other)
 
     # Deleted through replica 2: gone (its file too) on replica 2, and on replica 1 once it is back.
     assert call("DELETE", f"{two}/v1/videos/{short}")[0] == 200

@@ -290,6 +290,15 @@ class JobDB:
         future.add_done_callback(_logged)
         return future
 
+    async def holds(self, job_id: str) -> bool:
+        """Whether this replica holds the lease of unfinished job `job_id` (it may publish the job's video): a fenced
+        write that changes nothing but `updated_at`."""
+        changed = await self._run(
+            "UPDATE jobs SET updated_at = ? WHERE id = ? AND lease_owner = ? AND status IN (?, ?)",
+            (time.time(), job_id, self.replica, *UNFINISHED),
+        )
+        return changed > 0
+
     def delete(self, job_id: str) -> asyncio.Future[list[tuple]]:
         """Forgets a job; the `(job,)` it had, if any."""
         future = self._run("DELETE FROM jobs WHERE id = ? RETURNING job", (job_id,))

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import re
+import secrets
 import shutil
 import time
 from collections.abc import Callable
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 FINISHED = ("completed", "failed", "cancelled")
 # The files of a job: its video (or sound: daemon/audio_jobs.py), the JSON beside it, and a file being written.
-_OURS = re.compile(r"(video|audio)_[0-9a-f]{32}\.(mp4|webp|wav|flac|json|tmp)|diffusiond-\w+\.mp4")
+_OURS = re.compile(r"(video|audio)_[0-9a-f]{32}(\.[0-9a-f]{8})?\.(mp4|webp|wav|flac|json|tmp)|diffusiond-\w+\.mp4")
 JobId = Annotated[str, msgspec.Meta(pattern=r"^(video|audio)_[0-9a-f]{32}$")]
 # What a video's JSON file takes on disk, counted in the budget beside the video.
 SIDECAR_BYTES = 4096
@@ -102,6 +103,8 @@ class VideoJob(msgspec.Struct, kw_only=True):
     # A sound job: the file it makes ("wav" or "flac"), and the rate of its samples once done.
     audio_format: Literal["wav", "flac"] | None = None
     sample_rate: int | None = None
+    # The replica whose run made its file (--replica-id; replicas sharing a job database): one run is published.
+    finished_by: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -137,6 +140,8 @@ class VideoJob(msgspec.Struct, kw_only=True):
             out["format"] = self.format
         if self.fallback is not None:
             out["format_fallback"] = self.fallback
+        if self.finished_by is not None:
+            out["finished_by"] = self.finished_by
         return out
 
     def _public_audio(self) -> dict:
@@ -349,7 +354,7 @@ class VideoStore:
         """The job's file is written: it takes `done`'s state (from `completion`)."""
         for field in (
             "status", "progress", "format", "fallback", "finished_at", "completed_at", "expires_at", "seconds",
-            "sample_rate",
+            "sample_rate", "finished_by",
         ):  # fmt: skip
             setattr(job, field, getattr(done, field))
 
@@ -396,23 +401,48 @@ class VideoStore:
         return len(self.jobs)
 
 
+Staged = list[tuple[Path, str]]
+
+
 def write_video(directory: Path, job: VideoJob, data: bytes) -> None:
-    """A completed job's file and the JSON beside it (`job` from `VideoStore.completion`). Blocking file I/O: in the
-    encoder pool. Each is written to a temporary name, synced and renamed, so that no reader sees half a file and a
-    completed job's file survives a power cut; DiskFull before anything is written when the disk has no room."""
+    """A completed job's file and the JSON beside it (`job` from `VideoStore.completion`): `stage_video`, then
+    `publish_video`. Blocking file I/O: in the encoder pool."""
+    publish_video(directory, stage_video(directory, job, data))
+
+
+def stage_video(directory: Path, job: VideoJob, data: bytes) -> Staged:
+    """A completed job's file and its JSON, each written under a temporary name of this writer's own and synced:
+    [(temporary path, final name)] for `publish_video` (or `discard_staged`). Own names, since two replicas may
+    finish one job (a stale one past its lease, and the lease's holder): neither writes into the other's file, and
+    only the holder publishes (daemon/videos_api.py). DiskFull before anything is written when the disk has no room;
+    on any error nothing is left."""
     name = job.file_name
     assert name is not None
     sidecar = msgspec.json.encode(job)
     free = free_bytes(directory)
     if free < len(data) + len(sidecar) + MIN_FREE_BYTES:
         raise DiskFull(f"{free} bytes free on the video store's disk; the video needs {len(data) + len(sidecar)}")
-    tmp = directory / f"{job.id}.tmp"
+    staged: Staged = []
     try:
         for target, content in ((name, data), (f"{job.id}.json", sidecar)):
+            tmp = directory / f"{job.id}.{secrets.token_hex(4)}.tmp"
+            staged.append((tmp, target))
             with open(tmp, "wb") as f:
                 f.write(content)
                 f.flush()
                 os.fsync(f.fileno())
+    except BaseException:
+        discard_staged(staged)
+        raise
+    return staged
+
+
+def publish_video(directory: Path, staged: Staged) -> None:
+    """The staged files renamed to their names (the video first, its JSON last: a restart loads only a video whose
+    JSON is there), and the folder synced, so that no reader sees half a file and a completed job's file survives
+    a power cut."""
+    try:
+        for tmp, target in staged:
             os.replace(tmp, directory / target)
         fd = os.open(directory, os.O_RDONLY)
         try:
@@ -420,6 +450,11 @@ def write_video(directory: Path, job: VideoJob, data: bytes) -> None:
         finally:
             os.close(fd)
     finally:
+        discard_staged(staged)
+
+
+def discard_staged(staged: Staged) -> None:
+    for tmp, _ in staged:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
 

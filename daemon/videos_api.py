@@ -57,10 +57,12 @@ from diffusiond.daemon.video_store import (
     VideoJob,
     VideoStore,
     VideoTooLarge,
+    discard_staged,
     free_bytes,
+    publish_video,
     remove_dead_folders,
+    stage_video,
     temporary_folder,
-    write_video,
 )
 from diffusiond.engine.engine import RequestHandle
 from diffusiond.engine.outputs import Cancelled, Completed, Failed, Progress
@@ -197,9 +199,20 @@ class VideoJobs:
             store.end(job, "failed", exc.quota, f"tenant {job.owner}: quota {exc.quota} reached ({exc})")
             return
         done = store.completion(job, clip.format, getattr(clip, "fallback", None), **file)
+        db = app.get(JOB_DB)
+        if db is not None and db.shared:
+            done.finished_by = db.replica
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(app[ENCODERS], write_video, store.directory, done, clip.data)
+            staged = await loop.run_in_executor(app[ENCODERS], stage_video, store.directory, done, clip.data)
+            if db is not None and not await _still_ours(db, job):
+                # Past its lease (the replica stalled) another replica took the job and runs it again: that run
+                # publishes its video, this one's is discarded (the same names, written once).
+                log.warning("video job %s: another replica's now (or deleted); this run's video is discarded", job.id)
+                self.lost.add(job.id)
+                await loop.run_in_executor(app[ENCODERS], discard_staged, staged)
+                return
+            await loop.run_in_executor(app[ENCODERS], publish_video, store.directory, staged)
         except DiskFull as exc:
             log.error("video job %s: %s", job.id, exc)
             store.end(job, "failed", "storage_full", f"the server's video store is full: {exc}; retry later")
@@ -214,6 +227,15 @@ class VideoJobs:
             store.discard_files(done)
             return
         store.complete(job, done)
+
+
+async def _still_ours(db: JobDB, job: VideoJob) -> bool:
+    """Whether this replica holds `job`'s lease, checked just before its video is published (the fence on files:
+    the database's writes are fenced by `update`). With the database away nobody can take the job over: ours."""
+    try:
+        return await db.holds(job.id)
+    except DatabaseAway:
+        return True
 
 
 VIDEOS = web.AppKey("videos", VideoJobs)

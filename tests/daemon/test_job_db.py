@@ -23,6 +23,7 @@ from jobs import call, content, frames, job, wait_all
 from procs import free_port, kill_tree, ready, wait_ready
 
 from diffusiond.daemon.job_db import MIGRATIONS, JobDB, JobDBError, migrate
+from diffusiond.daemon.videos_api import VIDEOS
 from diffusiond.models.default import default_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
@@ -187,3 +188,36 @@ async def test_every_commit_is_synced_before_it_returns(tmp_path):
         assert await db._run("PRAGMA journal_mode") == [("wal",)]
     finally:
         db.close()
+
+
+def test_a_run_past_its_lease_publishes_nothing(serve, tiny_wan, tmp_path, caplog):
+    """A replica that stalls past its lease and finishes its job anyway must not publish: another replica took the
+    job over and publishes its own run under the same names. Here the takeover is written into the job database
+    while the job runs (as a claim by another replica would), with leases so long that this daemon's renewal, which
+    would cancel the job, does not come first: the run finishes, its video is staged under names of its own and
+    discarded at the fence (`holds`), the job's row stays the other replica's, and no file is left (red without the
+    fence: the MP4 was published and the job said completed)."""
+    state = tmp_path / "state"
+    server = serve(model=tiny_wan, state_dir=str(state), job_lease=3600.0, max_pixels=64 * 64)
+    base = server.base_url
+    status, body = call("POST", f"{base}/v1/videos", {"prompt": "a clip", "size": "64x64", "num_frames": 5,
+                                                       "num_inference_steps": 400, "seed": 3})  # fmt: skip
+    assert status == 200, body
+    job_id = json.loads(body)["id"]
+    conn = sqlite3.connect(state / "diffusiond.db", timeout=10)
+    try:
+        changed = conn.execute(
+            "UPDATE jobs SET lease_owner = 'replica-b' WHERE id = ? AND status IN ('queued', 'in_progress')", (job_id,)
+        ).rowcount
+        conn.commit()
+        assert changed == 1, "the job finished before the takeover: give it more steps"
+        deadline = time.monotonic() + 60
+        while server.call(lambda: job_id in server.app[VIDEOS].tasks):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        row = conn.execute("SELECT status, lease_owner FROM jobs WHERE id = ?", (job_id,)).fetchone()
+    finally:
+        conn.close()
+    assert row[1] == "replica-b" and row[0] in ("queued", "in_progress"), row  # (its writes fenced since)
+    assert any("this run's video is discarded" in r.getMessage() for r in caplog.records)
+    assert [p.name for p in (state / "videos").iterdir() if p.name.startswith(job_id)] == []

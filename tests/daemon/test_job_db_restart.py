@@ -27,11 +27,13 @@ def ready(base: str) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
-def test_the_daemon_comes_back_with_its_database(serve, tiny_wan, tmp_path):
+def test_the_daemon_comes_back_with_its_database(tiny_wan, tmp_path):
     import psycopg
+    from conftest import ServerThread
     from needs import missing
     from pg import Postgres, binaries
 
+    from diffusiond.daemon.config import ServeConfig
     from diffusiond.daemon.videos_api import VIDEOS
 
     if binaries() is None:
@@ -39,10 +41,13 @@ def test_the_daemon_comes_back_with_its_database(serve, tiny_wan, tmp_path):
     pg = Postgres()
     try:
         url = pg.database()
-        server = serve(
-            model=tiny_wan, state_url=url, state_dir=str(tmp_path / "shared"), job_lease=3.0,
+        config = ServeConfig(
+            port=0, model=tiny_wan, state_url=url, state_dir=str(tmp_path / "shared"), job_lease=1.0,
             max_pixels=64 * 64, max_steps=2000,
         )  # fmt: skip
+        # A server of this test's own, stopped with its database (the session's are kept to the end).
+        thread = ServerThread(config, tiny_wan)
+        server = thread.start()
         base = server.base_url
         status, body = call("POST", f"{base}/v1/videos", {**CLIP, "seed": 1})
         assert status == 200, body
@@ -71,7 +76,7 @@ def test_the_daemon_comes_back_with_its_database(serve, tiny_wan, tmp_path):
         while server.call(lambda: store.jobs[long].status) != "completed":
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        time.sleep(3.5)  # past its lease (3 s)
+        time.sleep(1.5)  # past its lease (1 s)
 
         pg.resume()
         t0 = time.monotonic()
@@ -83,12 +88,13 @@ def test_the_daemon_comes_back_with_its_database(serve, tiny_wan, tmp_path):
         after = json.loads(status[1])["id"]
         assert ready(base) == (200, ready(base)[1])
         wait_all(base, [after, long], "completed", 120)
-        time.sleep(4.0)  # a lease and a claim or two later
+        time.sleep(2.0)  # a lease and a few claims later
         assert job(base, long)["status"] == "completed"
         with psycopg.connect(url) as conn:
             assert conn.execute("SELECT status FROM jobs WHERE id = %s", (long,)).fetchone() == ("completed",)
         # Run once: the engine stepped its 1000 steps once (the 2-step jobs rode along), none again from the start.
         steps = server.call(lambda: server.state.engine.steps) - completed_before
         assert steps < 1000 + 100, steps
+        thread.stop()
     finally:
         pg.stop()

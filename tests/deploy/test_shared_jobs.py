@@ -79,6 +79,7 @@ def test_replicas_share_jobs_and_rerun_a_dead_ones(shared):
         time.sleep(0.2)
     print(f"replica 1 killed: its job completed on replica 2 {time.monotonic() - killed_at:.1f} s later")
     rerun = frames(content(lb, running))
+    assert job(lb, running)["finished_by"] == "replica2"  # the record says whose run it published (the survivor)
 
     # An uninterrupted run of the same request: the same video, up to what batch composition moves (the runs share
     # batches with what else runs then); and, beside it, the control that makes the bound mean something: the same

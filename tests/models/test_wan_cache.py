@@ -107,7 +107,7 @@ def test_nothing_crosses_the_expert_switch(method, tiny_wan22, monkeypatch):
     assert switch not in reused and switch - 1 in reused and switch + 1 in reused, (switch, reused)
 
     # Broken on purpose: the high-noise expert's history carried over; the switch step reuses it.
-    monkeypatch.setattr(stepcache, "restart", lambda state: None)
+    monkeypatch.setattr(stepcore, "restart", lambda state: None)
     _, carried = decisions_at_the_switch(adapter, monkeypatch)
     assert switch in carried, (switch, carried)
 

@@ -71,14 +71,21 @@ class FileStore:
             stale.unlink(missing_ok=True)
 
     def reserve(self, owner: str, fmt: str, size: int) -> StoredFile:
-        """An entry for a file of `size` bytes, room made by forgetting the oldest (ValueError if it can never fit)."""
+        """An entry for a file of `size` bytes of tenant `owner`, room made by forgetting the oldest file of the
+        tenant that holds the most (its new file counted): one tenant's images push out its own first, never
+        another's while it holds more than that one (ValueError if it can never fit)."""
         self.sweep()
         if size > self.max_bytes:
             raise ValueError(
                 f"the image is {size} bytes; this server keeps at most {self.max_bytes} (--video-store-bytes)"
             )
         while self.used + size > self.max_bytes:
-            self.remove(next(iter(self.files)))
+            held = {owner: size}
+            for entry in self.files.values():
+                held[entry.owner] = held.get(entry.owner, 0) + entry.bytes
+            largest = max(held, key=lambda name: held[name])
+            oldest = next((f.id for f in self.files.values() if f.owner == largest), None)
+            self.remove(oldest if oldest is not None else next(iter(self.files)))
         self.directory.mkdir(parents=True, exist_ok=True)  # at the first image: a video server has none
         entry = StoredFile(f"file_{secrets.token_hex(16)}", owner, fmt, size, int(self.clock() + self.ttl))
         self.files[entry.id] = entry

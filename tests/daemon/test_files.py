@@ -116,6 +116,22 @@ def test_room_is_made_by_forgetting_the_oldest(tmp_path):
         store.reserve("a", "png", 30)
 
 
+def test_one_tenant_s_images_push_out_its_own_first(tmp_path):
+    """The store's room is shared: past it, the tenant holding the most forgets its own oldest, so bob's stream of
+    images leaves alice's URL working (the globally oldest went first: alice's, red)."""
+    store = FileStore(tmp_path, max_bytes=40, ttl=60, secret=b"k")
+    alice = store.reserve("alice", "png", 10)
+    bobs = [store.reserve("bob", "png", 10) for _ in range(6)]
+    assert alice.id in store.files and store.used == 40
+    assert [b.id in store.files for b in bobs] == [False, False, False, True, True, True]
+    # Her next one: bob still holds more (30 against her 20 with it), his oldest goes.
+    store.reserve("alice", "png", 10)
+    assert alice.id in store.files and sum(f.owner == "bob" for f in store.files.values()) == 2
+    # And the next: now she would hold the most (30 against 20), her own oldest goes, none of bob's.
+    store.reserve("alice", "png", 10)
+    assert alice.id not in store.files and sum(f.owner == "bob" for f in store.files.values()) == 2
+
+
 @pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # as tests/daemon/test_videos.py
 def test_a_completed_video_has_a_url_too(serve, tiny_wan):
     server = serve(model=tiny_wan, api_key=API_KEY, max_pixels=64 * 64)  # test_videos.py's server

@@ -202,7 +202,8 @@ class JobDB:
                     result = work(conn)
                 except BaseException as exc:  # to the caller, which decides
                     if self.shared and _broken(conn):
-                        conn = self._lost(conn, exc)
+                        self._lost(conn, exc)
+                        conn = None
                         exc = DatabaseAway(f"the job database went away: {exc}")
                     done(None, exc)
                 else:
@@ -217,7 +218,6 @@ class JobDB:
         with contextlib.suppress(Exception):
             conn.close()
         self.away, self._next_try = str(exc).strip() or type(exc).__name__, 0.0
-        return None
 
     def _reconnect(self) -> Any:
         """A new connection to the shared database, or None (at most a try per RECONNECT_S: work meanwhile fails

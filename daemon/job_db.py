@@ -519,5 +519,5 @@ def _transaction(conn: Any, postgres: bool) -> Iterator[None]:
 
 def _logged(future: asyncio.Future) -> None:
     if not future.cancelled() and (exc := future.exception()) is not None:
-        # Away: written again once it is back (videos_api.py VideoJobs.unwritten).
+        # Away: written again once it is back (video_jobs.py VideoJobs.unwritten).
         (log.warning if isinstance(exc, DatabaseAway) else log.error)("job database: a write failed: %s", exc)

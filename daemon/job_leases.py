@@ -1,7 +1,7 @@
 """Keeping the job database's leases (daemon/job_db.py) while the daemon runs: every third of a lease, renew those
 of the jobs running here, stop those that went to another replica, claim the orphans, and expire what is due.
 
-Split from videos_api.py, which owns the jobs (`VideoJobs`) and starts this loop in its context.
+Split from videos_api.py, which starts this loop in its context; the jobs it keeps are video_jobs.py's (`VideoJobs`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from diffusiond.engine.engine import QueueFullError
 from diffusiond.models.params import SamplingParams
 
 if TYPE_CHECKING:
-    from diffusiond.daemon.videos_api import VideoJobs
+    from diffusiond.daemon.video_jobs import VideoJobs
 
 log = logging.getLogger(__name__)
 

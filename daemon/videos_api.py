@@ -3,10 +3,9 @@
 `DELETE /v1/videos/{id}` cancels one and removes its file (daemon/jobs_api.py, for both kinds of job: a sound
 model's are daemon/audio_jobs.py's).
 
-Each job is a task of its own (a strong reference in `VideoJobs.tasks`, cancelled at shutdown) that reads the engine
-request's events: its progress follows the steps (to 95; the encoding takes the rest), and once the clip is done it
-is encoded in the encoder pool and written to the store (`video_store.py`). Every admitted job ends in one of
-completed, failed or cancelled.
+Each job runs as a task of its own (daemon/video_jobs.py): its progress follows the steps, and once the clip is done
+it is encoded and written to the store (`video_store.py`). Every admitted job ends in one of completed, failed or
+cancelled.
 
 `seconds` becomes frames at the request's fps (the model's by default): the shortest clip of the family's form
 (1 + frame_step * k frames) that plays for at least that long, refused when it has more frames than the model makes;
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import functools
 import logging
 import re
@@ -39,207 +37,34 @@ from diffusiond.daemon.api import (
     VideoCreateRequest,
     retry_later,
 )
-from diffusiond.daemon.audio_encoding import completed_sound, encode_sound
-from diffusiond.daemon.auth import TENANT, TENANTS, tenant_of
+from diffusiond.daemon.auth import TENANT, tenant_of
 from diffusiond.daemon.files import FILES, MEDIA, FileStore, base_url
 from diffusiond.daemon.idempotency import HEADER, KEYS, REPLAYED, WINDOW_S, fingerprint
-from diffusiond.daemon.job_db import DatabaseAway, JobDB, database_errors
+from diffusiond.daemon.job_db import JobDB, database_errors
 from diffusiond.daemon.job_leases import keep_leases
-from diffusiond.daemon.state import ENCODERS, STATE, Record
-from diffusiond.daemon.streaming import check_images, run_encoder
-from diffusiond.daemon.video_encoding import encode_video
+from diffusiond.daemon.state import STATE, Record
+from diffusiond.daemon.streaming import check_images
+from diffusiond.daemon.video_jobs import JOB_DB, VIDEOS, VideoJobs
 from diffusiond.daemon.video_requests import read_video_create, reported_seconds, resolve_video
 from diffusiond.daemon.video_store import (
     MIN_FREE_BYTES,
-    DiskFull,
     QuotaFull,
     StoreFull,
     VideoJob,
     VideoStore,
-    VideoTooLarge,
-    discard_staged,
     free_bytes,
-    publish_video,
     remove_dead_folders,
-    stage_video,
     temporary_folder,
 )
-from diffusiond.engine.engine import RequestHandle
-from diffusiond.engine.outputs import Cancelled, Completed, Failed, Progress
 from diffusiond.models.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# Progress the denoising steps take; encoding and writing the file take the rest.
-STEPS_SHARE = 95
-# At shutdown, jobs whose clip is done get this long to write their file before they are cancelled.
-STORE_GRACE_S = 10.0
 # How long a repeated POST waits for the job its Idempotency-Key names to be recorded (by another replica).
 REPLAY_WAIT_S = 5.0
 ABANDONED = "the server stopped before the request finished (a restart or a crash); send it again"
 # Which `image_inputs` a family declares when its videos may start from an image (`input_reference`).
 FIRST_FRAME = "first-frame"
-
-
-class VideoJobs:
-    """The store and the tasks of the jobs still running."""
-
-    def __init__(self, store: VideoStore) -> None:
-        self.store = store
-        self.tasks: dict[str, asyncio.Task] = {}
-        # Jobs whose clip is done and is being encoded and written.
-        self.storing: set[str] = set()
-        # Jobs this replica ran whose lease went to another (daemon/job_db.py): cancelled here, not ended.
-        self.lost: set[str] = set()
-        # Jobs whose last change of status could not be written (the shared database was away): written again by
-        # the lease keeper once it is back, before it claims anything (job_leases.py), or a job that completed
-        # during the outage would look unfinished, and run again once its lease ran out.
-        self.unwritten: dict[str, VideoJob] = {}
-
-    def written(self, job: VideoJob, future: asyncio.Future) -> None:
-        """A status write of `job` ended: kept for writing again if the database was away, else done with."""
-        if future.cancelled():
-            return
-        if isinstance(future.exception(), DatabaseAway):
-            self.unwritten[job.id] = job
-        else:
-            self.unwritten.pop(job.id, None)
-
-    def start(self, app: web.Application, job: VideoJob, handle: RequestHandle) -> None:
-        task = asyncio.create_task(self._run(app, job, handle), name=f"diffusiond-{job.id}")
-        self.tasks[job.id] = task
-        task.add_done_callback(lambda _: self.tasks.pop(job.id, None))
-
-    async def close(self) -> None:
-        """Shutdown: jobs whose clip is done get a moment to write it; the others are cancelled (which cancels
-        their engine requests)."""
-        storing = [self.tasks[i] for i in self.storing if i in self.tasks]
-        if storing:
-            await asyncio.wait(storing, timeout=STORE_GRACE_S)
-        tasks = list(self.tasks.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _run(self, app: web.Application, job: VideoJob, handle: RequestHandle) -> None:
-        store, db = self.store, app.get(JOB_DB)
-        written = job.status
-
-        def write() -> None:  # each change of status, in order (one writer thread)
-            nonlocal written
-            if job.status == "cancelled" and app[STATE].draining:
-                return  # cancelled by the drain's deadline, not by its client: the next start runs it again
-            if db is not None and job.status != written:
-                written = job.status
-                future = db.update(job.id, job.status, msgspec.json.encode(job), job.expires_at)
-                future.add_done_callback(functools.partial(self.written, job))
-
-        try:
-            async for event in app[STATE].track(handle):
-                if isinstance(event, Progress):
-                    job.status = "in_progress"
-                    job.progress = max(job.progress, STEPS_SHARE * event.step // max(1, event.total))
-                elif isinstance(event, Completed):
-                    job.status, job.progress = "in_progress", max(job.progress, STEPS_SHARE)
-                    self.storing.add(job.id)
-                    await self._store(app, job, event)
-                elif isinstance(event, Cancelled):
-                    store.end(job, "cancelled", "cancelled", f"cancelled: {event.reason}")
-                elif isinstance(event, Failed):
-                    store.end(job, "failed", "generation_failed", event.error)
-                write()
-        except asyncio.CancelledError:
-            # Its row stays unfinished: the next start runs it again (daemon/job_db.py).
-            store.end(job, "cancelled", "cancelled", "the server shut down before the video was done")
-            raise
-        except Exception:
-            log.exception("video job %s failed", job.id)
-            message = "internal error while storing the video; details are in the server log"
-            store.end(job, "failed", "internal_error", message)
-            write()
-        finally:
-            self.storing.discard(job.id)
-            if job.id in self.lost:  # its record and files are the other replica's
-                self.lost.discard(job.id)
-                store.drop(job.id)
-
-    def lose(self, app: web.Application, job_id: str) -> None:
-        """A job this replica runs is no longer its own (its lease ran out while it stalled, or another replica
-        deleted it): cancelled at its next step, its end written nowhere (`update` is fenced by the lease)."""
-        job = self.store.jobs.get(job_id)
-        if job is None or job.finished or job_id not in self.tasks:  # ended here after the renewal's snapshot
-            return
-        log.warning("video job %s: its lease is another replica's now (or it was deleted); stopping it here", job_id)
-        self.lost.add(job_id)
-        if (engine := app[STATE].engine) is not None:
-            engine.cancel(job.request_id)
-
-    async def _store(self, app: web.Application, job: VideoJob, event: Completed) -> None:
-        store = self.store
-        file: dict = {}
-        try:
-            if job.audio_format is not None:  # a sound job (daemon/audio_jobs.py)
-                clip = await run_encoder(app, encode_sound, completed_sound(event), job.audio_format)
-                file = {"seconds": f"{clip.samples / clip.sample_rate:g}", "sample_rate": clip.sample_rate}
-            else:
-                clip = await run_encoder(app, encode_video, event.image, job.fps, "mp4", store.directory, event.audio)
-        except OSError as exc:  # its staging file (in the store's folder) found no room
-            log.error("video job %s: cannot encode into %s: %s", job.id, store.directory, exc)
-            code = "storage_full" if exc.errno == errno.ENOSPC else "storage_error"
-            store.end(job, "failed", code, f"the server could not store the video ({exc.strerror or exc}); retry later")
-            return
-        if store.jobs.get(job.id) is not job:  # deleted meanwhile
-            return
-        try:
-            store.reserve(job, len(clip.data), app[TENANTS].tenant(job.owner).max_stored_bytes)
-        except VideoTooLarge as exc:
-            store.end(job, "failed", "video_too_large", str(exc))
-            return
-        except QuotaFull as exc:
-            store.end(job, "failed", exc.quota, f"tenant {job.owner}: quota {exc.quota} reached ({exc})")
-            return
-        done = store.completion(job, clip.format, getattr(clip, "fallback", None), **file)
-        db = app.get(JOB_DB)
-        if db is not None and db.shared:
-            done.finished_by = db.replica
-        loop = asyncio.get_running_loop()
-        try:
-            staged = await loop.run_in_executor(app[ENCODERS], stage_video, store.directory, done, clip.data)
-            if db is not None and not await _still_ours(db, job):
-                # Past its lease (the replica stalled) another replica took the job and runs it again: that run
-                # publishes its video, this one's is discarded (the same names, written once).
-                log.warning("video job %s: another replica's now (or deleted); this run's video is discarded", job.id)
-                self.lost.add(job.id)
-                await loop.run_in_executor(app[ENCODERS], discard_staged, staged)
-                return
-            await loop.run_in_executor(app[ENCODERS], publish_video, store.directory, staged)
-        except DiskFull as exc:
-            log.error("video job %s: %s", job.id, exc)
-            store.end(job, "failed", "storage_full", f"the server's video store is full: {exc}; retry later")
-            store.discard_files(done)
-            return
-        except OSError as exc:
-            log.error("video job %s: cannot write its file to %s: %s", job.id, store.directory, exc)
-            store.end(job, "failed", "storage_error", "the server could not store the video")
-            store.discard_files(done)
-            return
-        if store.jobs.get(job.id) is not job:  # deleted while it was written
-            store.discard_files(done)
-            return
-        store.complete(job, done)
-
-
-async def _still_ours(db: JobDB, job: VideoJob) -> bool:
-    """Whether this replica holds `job`'s lease, checked just before its video is published (the fence on files:
-    the database's writes are fenced by `update`). With the database away nobody can take the job over: ours."""
-    try:
-        return await db.holds(job.id)
-    except DatabaseAway:
-        return True
-
-
-VIDEOS = web.AppKey("videos", VideoJobs)
-JOB_DB = web.AppKey("job_db", JobDB)
 
 
 async def videos_ctx(app: web.Application) -> AsyncIterator[None]:

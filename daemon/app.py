@@ -40,6 +40,7 @@ from diffusiond.daemon.openapi import document
 from diffusiond.daemon.state import ENCODERS, LOAD, METRICS, STATE, ServerState
 from diffusiond.daemon.streaming import ClientGone
 from diffusiond.daemon.tenants import TenantBook
+from diffusiond.daemon.webhooks import webhooks_ctx
 from diffusiond.engine.engine import Engine, Loader, QueueFullError
 from diffusiond.engine.outputs import Completed
 from diffusiond.engine.step_loop import CONFIG_ERRORS
@@ -82,6 +83,7 @@ def create_app(config: ServeConfig, *, load: Loader | None = None, healing: bool
     app[STATE] = ServerState(config, healing=healing, metrics=app[METRICS])
     app[READ_BUDGET] = ReadBudget(config.max_reading_bytes, config.min_body_rate)
     app[LOAD] = load or _default_loader(config)
+    app.cleanup_ctx.append(webhooks_ctx)  # first: it ends last, after the jobs that send its events
     app.cleanup_ctx.append(engine_ctx)
     app.cleanup_ctx.append(videos_api.videos_ctx)  # after the engine's: it ends first, while the engine runs
     app.router.add_post("/v1/images/generations", openai_api.images_generations)

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
+from diffusiond.daemon.webhooks import WEBHOOK_SECRET, WEBHOOK_URL
 from diffusiond.kernels.layout import ParallelLayout
 from diffusiond.models.loading.setup import ModelSetup
 from diffusiond.models.params import MAX_IMAGE_BYTES, MAX_STEPS
@@ -136,6 +137,10 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     url_secret: Annotated[str, msgspec.Meta(min_length=32)] | None = None
     public_base_url: str | None = None
     video_max_jobs: Positive = 1024
+    # Jobs' webhooks (daemon/webhooks.py): where a tenant without its own (its `webhook_url` in the tenants file)
+    # is told that its jobs ended, and the Standard Webhooks secret they are signed with (whsec_ + base64).
+    webhook_url: Annotated[str, msgspec.Meta(pattern=WEBHOOK_URL)] | None = None
+    webhook_secret: Annotated[str, msgspec.Meta(pattern=WEBHOOK_SECRET)] | None = None
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     log_format: Literal["text", "json"] = "text"
     # Seconds that running requests get to finish after SIGTERM/SIGINT before they are cancelled.
@@ -220,7 +225,7 @@ ENV_PREFIX = "DIFFUSIOND_"
 CONFIG_ENV = "DIFFUSIOND_CONFIG"
 # Variables with the prefix that are not fields: the config file path, and the model cache (models/default.py).
 ENV_NOT_FIELDS = frozenset({CONFIG_ENV, "DIFFUSIOND_CACHE"})
-SECRET_FIELDS = frozenset({"api_key", "url_secret", "state_url"})
+SECRET_FIELDS = frozenset({"api_key", "url_secret", "state_url", "webhook_secret"})
 LIST_FIELDS = frozenset({"lora", "allowed_hosts", "cors_origins", "class_deadlines", "served_model_name"})
 HIDDEN = "<hidden>"
 
@@ -480,6 +485,8 @@ def check_serving(config: ServeConfig) -> ModelSetup:
 
     check_exposure(config)
     class_deadlines(config)
+    if (config.webhook_url is None) != (config.webhook_secret is None):
+        raise ConfigError("--webhook-url and --webhook-secret go together: events are always signed")
     if config.nnodes > 1 and not config.rdzv_endpoint:
         raise ConfigError(f"--nnodes {config.nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node")
     from diffusiond.daemon.video_store import folder_problem

@@ -128,6 +128,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "(DIFFUSIOND_CORS_ORIGINS: comma-separated)",
     )
     add(
+        "--webhook-url",
+        metavar="URL",
+        help="told (POST, signed) when a video or sound job ends completed or failed, for tenants without a "
+        "webhook_url of their own (docs/http-api.md, Webhooks)",
+    )
+    add(
+        "--webhook-secret",
+        metavar="whsec_...",
+        help="the Standard Webhooks secret the events are signed with (DIFFUSIOND_WEBHOOK_SECRET keeps it out of ps)",
+    )
+    add(
         "--sse-keepalive",
         type=float,
         metavar="S",

@@ -11,6 +11,8 @@
     priority = [0, 5]               # the range of `priority` (0-9) the tenant may ask for (default: all)
     weight = 1.0                    # its share under fair scheduling (default 1)
     admin = true                    # may read /metrics and register or delete the shared LoRA adapters
+    webhook_url = "https://alice.example/hooks"   # told when its jobs end (daemon/webhooks.py; else --webhook-url)
+    webhook_secret = "whsec_..."    # the Standard Webhooks secret they are signed with (with webhook_url)
 
 Every quota is optional (none: the daemon's own bounds only). `--api-key KEY` is the one-tenant shorthand (tenant
 "default"); with neither, every request is tenant "default". With a file, `/metrics` (it names every tenant) and
@@ -30,6 +32,8 @@ from pathlib import Path
 from typing import Annotated
 
 import msgspec
+
+from diffusiond.daemon.webhooks import WEBHOOK_SECRET, WEBHOOK_URL
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,9 @@ class Tenant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     # May read /metrics and change the shared LoRA adapters (a file's tenants; the one tenant of --api-key is).
     admin: bool = False
+    # Told when its jobs end (daemon/webhooks.py), and the secret the events are signed with; both or neither.
+    webhook_url: Annotated[str, msgspec.Meta(pattern=WEBHOOK_URL)] | None = None
+    webhook_secret: Annotated[str, msgspec.Meta(pattern=WEBHOOK_SECRET)] | None = None
 
     def hashes(self) -> tuple[str, ...]:
         return tuple(h.lower() for h in (*((self.key_sha256,) if self.key_sha256 else ()), *self.keys_sha256))
@@ -102,6 +109,8 @@ class Tenants:
                 raise TenantsError(f"{path}: tenants.{name}: {exc}") from None
             if not tenant.hashes():
                 raise TenantsError(f"{path}: tenants.{name}: key_sha256 (or keys_sha256) is required")
+            if (tenant.webhook_url is None) != (tenant.webhook_secret is None):
+                raise TenantsError(f"{path}: tenants.{name}: webhook_url and webhook_secret go together")
             low, high = tenant.priority
             if low > high:
                 raise TenantsError(f"{path}: tenants.{name}.priority: [{low}, {high}] is empty")

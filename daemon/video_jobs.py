@@ -30,6 +30,7 @@ from diffusiond.daemon.video_store import (
     publish_video,
     stage_video,
 )
+from diffusiond.daemon.webhooks import notify
 from diffusiond.engine.engine import RequestHandle
 from diffusiond.engine.outputs import Cancelled, Completed, Failed, Progress
 
@@ -83,16 +84,19 @@ class VideoJobs:
 
     async def _run(self, app: web.Application, job: VideoJob, handle: RequestHandle) -> None:
         store, db = self.store, app.get(JOB_DB)
-        written = job.status
+        written, told = job.status, False
 
         def write() -> None:  # each change of status, in order (one writer thread)
-            nonlocal written
+            nonlocal written, told
             if job.status == "cancelled" and app[STATE].draining:
                 return  # cancelled by the drain's deadline, not by its client: the next start runs it again
             if db is not None and job.status != written:
                 written = job.status
                 future = db.update(job.id, job.status, msgspec.json.encode(job), job.expires_at)
                 future.add_done_callback(functools.partial(self.written, job))
+            if job.status in ("completed", "failed") and not told:
+                told = True  # once: its webhook (a job another replica took over never gets here)
+                notify(app, job.owner, f"{'video' if job.audio_format is None else 'audio'}.{job.status}", job.id)
 
         try:
             async for event in app[STATE].track(handle):

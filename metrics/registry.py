@@ -108,6 +108,12 @@ class Metrics:
             "Requests a failed group had not started, served by this rank 0 on their clients' connections.",
             registry=r,
         )
+        self.webhooks = Counter(
+            "diffusiond_webhooks",
+            "Webhook deliveries of finished jobs (daemon/webhooks.py), by the result of each try.",
+            ["result"],
+            registry=r,
+        )
         self.steps = Counter("diffusiond_steps", "Denoising steps advanced, summed over requests.", registry=r)
         self.cache_reused = Counter(
             "diffusiond_step_cache_reused",

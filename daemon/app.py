@@ -37,6 +37,7 @@ from diffusiond.daemon.jobs_api import add_job_routes
 from diffusiond.daemon.listener import served_marker
 from diffusiond.daemon.native_api import native_limit
 from diffusiond.daemon.openapi import document
+from diffusiond.daemon.replay import replays_ctx
 from diffusiond.daemon.state import ENCODERS, LOAD, METRICS, STATE, ServerState
 from diffusiond.daemon.streaming import ClientGone
 from diffusiond.daemon.tenants import TenantBook
@@ -84,12 +85,14 @@ def create_app(config: ServeConfig, *, load: Loader | None = None, healing: bool
     app[READ_BUDGET] = ReadBudget(config.max_reading_bytes, config.min_body_rate)
     app[LOAD] = load or _default_loader(config)
     app.cleanup_ctx.append(webhooks_ctx)  # first: it ends last, after the jobs that send its events
+    app.cleanup_ctx.append(replays_ctx)  # before the engine's: it ends after, once the engine ended its requests
     app.cleanup_ctx.append(engine_ctx)
     app.cleanup_ctx.append(videos_api.videos_ctx)  # after the engine's: it ends first, while the engine runs
     app.router.add_post("/v1/images/generations", openai_api.images_generations)
     app.router.add_post("/v1/images/edits", openai_api.images_edits)
     app.router.add_post("/v1/generations", native_api.generations)
     app.router.add_get("/v1/generations/{id}", native_api.generation_status)
+    app.router.add_get("/v1/generations/{id}/events", native_api.generation_events)
     app.router.add_delete("/v1/generations/{id}", native_api.generation_cancel)
     app.router.add_post("/v1/videos", videos_api.create_video)
     add_job_routes(app.router, "/v1/videos", "video")
@@ -277,7 +280,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except ApiError as exc:
         return exc.response()
     except ClientGone as exc:
-        # `track` logged it and cancelled the request; aiohttp finishes the response it already started, quietly.
+        # `track` or the stream's replay (daemon/replay.py) logged it; aiohttp finishes the response it started.
         log.debug("write failed, client gone: %s %s (request %s)", request.method, request.path, exc)
         return exc.response
     except ParamError as exc:

@@ -88,6 +88,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     max_n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 10
     # Seconds without an event after which an SSE stream gets a comment line, so proxies keep it open.
     sse_keepalive: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    # Seconds a native stream's events are kept for its client to come back with Last-Event-ID (daemon/replay.py):
+    # after it goes away (past them the request is cancelled; 0: at once) and after the stream ends.
+    reconnect_window: Annotated[float, msgspec.Meta(ge=0, le=600)] = 5.0
     device: str = "cpu"
     # auto: bfloat16 on a CUDA device, float32 elsewhere (models/loading/setup.py resolve_dtype).
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"

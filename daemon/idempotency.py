@@ -112,6 +112,10 @@ class IdempotencyKeys:
         try:
             response = await make()
         except BaseException as exc:
+            if entry.request_ids:  # a stream that started (its client went away): it runs; a repeat goes on with it
+                if not entry.done.done():
+                    entry.done.set_exception(self._streamed(key, entry))
+                raise
             if self.entries.get(ident) is entry:
                 self._forget(ident)  # an error is not an answer to keep: the next try runs
             if not entry.done.done():
@@ -130,6 +134,13 @@ class IdempotencyKeys:
             if response.status >= 400 and self.entries.get(ident) is entry:
                 self._forget(ident)
         return response
+
+    def stream_of(self, request: web.Request, tenant: str, digest: str) -> list[str]:
+        """The request ids of the stream the first request with this Idempotency-Key and body started (none: not
+        a repeat of a stream); a repeat may go on with it while its events are kept (daemon/replay.py)."""
+        key = request.headers.get(HEADER)
+        entry = self.entries.get((tenant, request.method, request.path, key)) if key is not None else None
+        return list(entry.request_ids) if entry is not None and entry.fingerprint == digest else []
 
     def _streamed(self, key: str, entry: Entry) -> ApiError:
         ids = ", ".join(entry.request_ids) or "unknown"

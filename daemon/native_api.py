@@ -3,8 +3,10 @@ status and cancellation by id."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
+import logging
 
 import msgspec
 from aiohttp import web
@@ -18,21 +20,18 @@ from diffusiond.daemon.edge import read_body
 from diffusiond.daemon.files import store_result
 from diffusiond.daemon.handover import carried_ids, hand_over
 from diffusiond.daemon.idempotency import KEYS, fingerprint, started
+from diffusiond.daemon.replay import REPLAYS, Frame, Replay, last_event_id
 from diffusiond.daemon.state import IN_FLIGHT, STATE, Record
 from diffusiond.daemon.streaming import (
     BLOB,
-    KEEPALIVE,
     UNKNOWN_WORDS_HEADER,
     check_images,
     encode_off_loop,
     encode_small,
     finish,
-    send,
-    send_event,
     sse_event,
     start_sse,
     unknown_words,
-    with_keepalive,
 )
 from diffusiond.daemon.video_encoding import EncodedVideo, encode_video
 from diffusiond.daemon.videos_api import stored_record
@@ -50,6 +49,8 @@ from diffusiond.engine.outputs import (
     Resumed,
 )
 from diffusiond.models.params import SamplingParams, params_from
+
+log = logging.getLogger(__name__)
 
 
 def native_limit(config: ServeConfig) -> int:
@@ -76,7 +77,38 @@ async def generations(request: web.Request) -> web.StreamResponse:
     data = await read_body(request, native_limit(state.config))
     body, params = parse_generation(data)
     digest = fingerprint(request.path, data)
+    # The same POST again (its Idempotency-Key) while its stream is kept: it goes on from Last-Event-ID.
+    for rid in request.app[KEYS].stream_of(request, request[TENANT], digest):
+        if (replay := request.app[REPLAYS].get(rid, request[TENANT])) is not None:
+            return await _follow(request, replay)
     return await request.app[KEYS].once(request, request[TENANT], digest, lambda: _generate(request, body, params))
+
+
+async def generation_events(request: web.Request) -> web.StreamResponse:
+    """`GET /v1/generations/{id}/events`: a native stream's events, to a client that comes back with `Last-Event-ID`
+    (or any other client of its tenant), within the window (daemon/replay.py)."""
+    rid = request.match_info["id"]
+    replay = request.app[REPLAYS].get(rid, request[TENANT])
+    if replay is None:
+        rec = await _get_record(request)  # 404 for an id this tenant never made
+        window = request.app[STATE].config.reconnect_window
+        raise ApiError(
+            404,
+            f"generation {rid} ({rec.status}) has no events kept: they are kept for native streams "
+            f"(POST /v1/generations), up to {window:g} s after the stream ends or its client leaves "
+            f"(--reconnect-window); GET /v1/generations/{rid} reports its status",
+            param="id",
+            code="events_not_kept",
+        )
+    return await _follow(request, replay)
+
+
+async def _follow(request: web.Request, replay: Replay) -> web.StreamResponse:
+    after = last_event_id(request)
+    response = await start_sse(request, {"X-Request-Id": replay.request_id})
+    if await replay.follow(response, after, request.app[STATE].config.sse_keepalive):
+        await finish(response, [replay.request_id])
+    return response
 
 
 async def _generate(request: web.Request, body: GenerationRequest, params: SamplingParams) -> web.StreamResponse:
@@ -100,22 +132,39 @@ async def _generate(request: web.Request, body: GenerationRequest, params: Sampl
     if unknown:
         headers[UNKNOWN_WORDS_HEADER] = ", ".join(unknown)
     told = {"unknown_words": unknown} if unknown else {}
-    response = await start_sse(request, headers)
     rid = handle.request_id
-    async with contextlib.aclosing(with_keepalive(state.track(handle), state.config.sse_keepalive)) as events:
-        async for event in events:
-            if event is None:
-                await send(response, KEEPALIVE, [rid])
-                continue
-            name, data, blob = await _render(request, body, handle, event, told, modality)
-            data = {"type": name, "id": rid, **data}
-            retry = isinstance(event, Failed) and event.retry
-            event = None  # a finished image or clip is let go before its file waits on the client
-            if retry and await hand_over(request, sse_event(name, data), [rid], response):
-                return response  # the next rank 0 goes on with this stream
-            await send_event(response, name, data, [rid], blob)
-    await finish(response, [rid])
+    response = await start_sse(request, headers)
+    replay = Replay(rid, request[TENANT], state.config.reconnect_window)
+    request.app[REPLAYS].start(replay, _pump(request, body, handle, told, modality, replay))
+
+    async def hand_on(frame: Frame) -> bool:  # a request not started by a failing group: the next rank 0's
+        return await hand_over(request, sse_event(frame.name, frame.data), [rid], response)
+
+    if await replay.follow(response, 0, state.config.sse_keepalive, hand_on):
+        await finish(response, [rid])
     return response
+
+
+async def _pump(
+    request: web.Request, body: GenerationRequest, handle: RequestHandle, told: dict, modality: str, replay: Replay
+) -> None:
+    """The request's events, rendered and kept for its clients (`Replay.follow`), whether or not one is connected."""
+    rid = handle.request_id
+    try:
+        async with contextlib.aclosing(request.app[STATE].track(handle)) as events:
+            async for event in events:
+                name, data, blob = await _render(request, body, handle, event, told, modality)
+                event = None  # a finished image or clip is let go once encoded (streaming.py: `handed_on`)
+                replay.add(name, {"type": name, "id": rid, **data}, blob)
+    except asyncio.CancelledError:  # no client came back within the window (track cancels it), or a shutdown
+        if not replay.ended:
+            replay.add("cancelled", {"type": "cancelled", "id": rid, "reason": "its client went away"})
+        raise
+    except Exception:
+        log.exception("request %s: its stream failed", rid)
+        if not replay.ended:
+            error = "internal error while sending its events; details are in the server log"
+            replay.add("failed", {"type": "failed", "id": rid, "error": error})
 
 
 async def _render(

@@ -156,6 +156,23 @@ def document() -> dict:
                 "responses": _responses(_ok("an SSE stream", {SSE: STR})),
             }
         },
+        "/v1/generations/{id}/events": {
+            "parameters": [
+                *_id_param("id"),
+                {
+                    "name": "Last-Event-ID",
+                    "in": "header",
+                    "required": False,
+                    "schema": {"type": "string", "pattern": "^[0-9]{1,12}$"},
+                },
+            ],
+            "get": {
+                "summary": "A native stream's events after Last-Event-ID, then the live ones (within the window)",
+                "responses": _responses(
+                    _ok("an SSE stream", {SSE: STR}), "404 no such request, or its events are no longer kept"
+                ),
+            },
+        },
         "/v1/generations/{id}": {
             "parameters": _id_param("id"),
             "get": {

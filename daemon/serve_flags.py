@@ -139,6 +139,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="the Standard Webhooks secret the events are signed with (DIFFUSIOND_WEBHOOK_SECRET keeps it out of ps)",
     )
     add(
+        "--reconnect-window",
+        type=float,
+        metavar="S",
+        help="seconds a native stream waits for its client to come back (Last-Event-ID) before its request is "
+        f"cancelled, and keeps its events after it ends (default: {d.reconnect_window:g}; 0: cancel at once)",
+    )
+    add(
         "--sse-keepalive",
         type=float,
         metavar="S",

@@ -60,12 +60,17 @@ BLOB_PIECE = WRITE_PIECE // 4 * 3
 
 
 async def send_event(
-    response: web.StreamResponse, name: str, data: dict, request_ids: list[str], blob: bytes | None = None
+    response: web.StreamResponse,
+    name: str,
+    data: dict,
+    request_ids: list[str],
+    blob: bytes | None = None,
+    event_id: int | None = None,
 ) -> None:
-    """One SSE event. With `blob` (an image or a video file), `data` holds BLOB once, where the file goes in base64,
-    encoded a piece at a time as it is written: a client that reads slowly makes its handler hold the file and one
-    piece, never the file's base64 whole."""
-    encoded = sse_event(name, data)
+    """One SSE event (with `event_id`, its `id:` line). With `blob` (an image or a video file), `data` holds BLOB
+    once, where the file goes in base64, encoded a piece at a time as it is written: a client that reads slowly makes
+    its handler hold the file and one piece, never the file's base64 whole."""
+    encoded = sse_event(name, data, event_id)
     if blob is None:
         return await send(response, encoded, request_ids)
     head, mark, tail = encoded.partition(b'"' + BLOB.encode() + b'"')
@@ -204,8 +209,11 @@ def terminal_error(event: Event) -> ApiError:
     return ApiError(500, f"generation failed: {message}", type="server_error", code="generation_failed")
 
 
-def sse_event(event: str, data: dict) -> bytes:
-    return b"event: " + event.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
+def sse_event(event: str, data: dict, event_id: int | None = None) -> bytes:
+    """One event; its `id:` (daemon/replay.py) goes last, so that a parser that reads `event:` then `data:` (as the
+    native stream had them before it had ids) reads it as before."""
+    tail = b"\n\n" if event_id is None else b"\nid: %d\n\n" % event_id
+    return b"event: " + event.encode() + b"\ndata: " + msgspec.json.encode(data) + tail
 
 
 async def start_sse(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:

@@ -371,25 +371,26 @@ async def assert_stopped_early(server, rid: str) -> None:
 
 
 @pytest.mark.asyncio
-async def test_disconnect_cancels_a_native_stream(server):
+async def test_a_native_stream_left_without_a_client_is_cancelled_after_the_window(server):
+    """A native stream's request waits --reconnect-window for its client to come back (daemon/replay.py), runs on
+    meanwhile, then is cancelled, and its record says so."""
+    window = server.state.config.reconnect_window
     async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
         rid = await disconnect_native(server, session)
-    await assert_stopped_early(server, rid)
+        left = time.monotonic()
+        await asyncio.sleep(window / 2)
+        assert server.record(rid)["status"] == "running", server.record(rid)  # not at once: it may come back
+        await wait_until(lambda: server.num_in_flight() == 0, within=window + 3.0, what="the request to be cancelled")
+        assert time.monotonic() - left >= window * 0.9
+        record = await wait_for_status(session, server.base_url, rid, "cancelled", within=3.0)
+    assert record["step"] < LONG_STEPS
+    assert rid not in server.state.engine.executor.states
 
 
 @pytest.mark.asyncio
 async def test_disconnect_cancels_a_non_streaming_openai_request(server):
     rid = await time_out_openai(server)
     await assert_stopped_early(server, rid)
-
-
-@pytest.mark.asyncio
-async def test_disconnect_native_stream_status_says_cancelled(server):
-    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
-        rid = await disconnect_native(server, session)
-        await assert_stopped_early(server, rid)
-        record = await wait_for_status(session, server.base_url, rid, "cancelled", within=3.0)
-    assert record["step"] < LONG_STEPS
 
 
 @pytest.mark.asyncio

@@ -13,6 +13,7 @@ import pytest
 
 from diffusiond.daemon.api import ApiError
 from diffusiond.daemon.idempotency import IdempotencyKeys, fingerprint
+from diffusiond.daemon.replay import REPLAYS
 from diffusiond.daemon.videos_api import VIDEOS
 
 TIMEOUT = aiohttp.ClientTimeout(total=120)
@@ -54,6 +55,8 @@ async def test_five_concurrent_image_requests_with_one_key_run_once(server):
 
 @pytest.mark.asyncio
 async def test_a_streamed_answer_is_not_sent_twice(server):
+    """A repeat of a stream, while its events are kept (daemon/replay.py), follows that stream (its request, not a
+    second one); once they are not, 409 naming the first's request."""
     base = server.base_url
     body = {"prompt": "a stream, once", "width": 64, "height": 64, "num_inference_steps": 1000, "seed": 3}
     headers = {"Idempotency-Key": "stream-1"}
@@ -62,15 +65,21 @@ async def test_a_streamed_answer_is_not_sent_twice(server):
             assert stream.status == 200
             rid = stream.headers["X-Request-Id"]
             await stream.content.readline()
+            records = len(server.call(lambda: list(server.state.records)))
             async with session.post(f"{base}/v1/generations", json=body, headers=headers) as resp:
-                assert resp.status == 409, await resp.text()
-                error = (await resp.json())["error"]
-                assert error["code"] == "idempotency_key_streamed" and rid in error["message"]
-            async with session.delete(f"{base}/v1/generations/{rid}") as resp:
-                assert resp.status == 202
-            await stream.read()
+                assert resp.status == 200 and resp.headers["X-Request-Id"] == rid, await resp.text()
+                async with session.delete(f"{base}/v1/generations/{rid}") as cancel:
+                    assert cancel.status == 202
+                second = await resp.read()
+            first = await stream.read()
+        assert len(server.call(lambda: list(server.state.records))) == records  # one request
+        for copy in (first, second):
+            assert copy.rstrip().splitlines()[-1].startswith(b'data: {"type":"cancelled"'), copy[-200:]
+        server.call(lambda: server.app[REPLAYS].streams.pop(rid).close())  # its window passed
         async with session.post(f"{base}/v1/generations", json=body, headers=headers) as resp:
-            assert resp.status == 409 and rid in (await resp.json())["error"]["message"]
+            assert resp.status == 409, await resp.text()
+            error = (await resp.json())["error"]
+            assert error["code"] == "idempotency_key_streamed" and rid in error["message"]
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,8 @@ def completed(base: str, body: dict) -> dict:
     raw, _ = post(base, "/v1/generations", body)
     events = [block for block in raw.decode().split("\n\n") if block.startswith("event: completed")]
     assert len(events) == 1, raw[-500:]
-    return json.loads(events[0].split("data: ", 1)[1])
+    (data,) = [line for line in events[0].splitlines() if line.startswith("data: ")]
+    return json.loads(data.removeprefix("data: "))
 
 
 def metric(base: str, name: str) -> float:

@@ -155,9 +155,9 @@ async def test_a_tenant_sees_and_cancels_only_its_own_requests(tenants_server, k
             rid = stream.headers["X-Request-Id"]
             assert await first_event(stream) in ("queued", "progress")
             # bob: alice's request is unknown, to read and to cancel.
-            for method in ("GET", "DELETE"):
-                async with session.request(method, f"{base}/v1/generations/{rid}", headers=auth("bob")) as resp:
-                    assert resp.status == 404, (method, await resp.text())
+            for method, path in (("GET", rid), ("DELETE", rid), ("GET", f"{rid}/events")):
+                async with session.request(method, f"{base}/v1/generations/{path}", headers=auth("bob")) as resp:
+                    assert resp.status == 404, (method, path, await resp.text())
                     assert (await resp.json())["error"]["code"] == "not_found"
             async with session.get(f"{base}/v1/generations/{rid}", headers=auth("alice")) as resp:
                 assert resp.status == 200 and (await resp.json())["owner"] == "alice"

@@ -96,7 +96,7 @@ def test_every_serve_flag_maps_to_its_field():
         ".b.example", "--cors-origins", "https://ui.example", "--send-buffer-bytes", "65536", "--no-preemption",
         "--class-window-ms", "500", "--paused-bytes", "4096", "--class-deadline", "9=5000",
         "--class-deadline", "5=60000", "--webhook-url", "https://hooks.example/d",
-        "--webhook-secret", "whsec_" + "A" * 32,
+        "--webhook-secret", "whsec_" + "A" * 32, "--reconnect-window", "2.5",
     ]  # fmt: skip
     config, sources = load_config(cli(*argv), {})
     assert config == ServeConfig(
@@ -122,7 +122,7 @@ def test_every_serve_flag_maps_to_its_field():
         max_connections=100, max_reading_bytes=4096, min_body_rate=1024,
         write_timeout=7.0, allowed_hosts=("a.example", ".b.example"),
         cors_origins=("https://ui.example",), send_buffer_bytes=65536,
-        webhook_url="https://hooks.example/d", webhook_secret="whsec_" + "A" * 32,
+        webhook_url="https://hooks.example/d", webhook_secret="whsec_" + "A" * 32, reconnect_window=2.5,
     )  # fmt: skip
     assert all(source.startswith("--") for source in sources.values()), sources
     # The global logging flags, before the subcommand, still work.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import runpy
 import socket
@@ -49,6 +50,7 @@ PRELOAD = [
     "diffusiond.kernels.layout",
     "diffusiond.models.loading.loader",
     "diffusiond.models.loading.setup",
+    "spmd_preload",  # every family's pipeline and adapter modules, which diffusers and transformers import lazily
 ]
 _forks: multiprocessing.context.ForkServerContext | None = None
 
@@ -58,6 +60,18 @@ def _fork_server() -> multiprocessing.context.ForkServerContext:
     if _forks is None:
         _forks = multiprocessing.get_context("forkserver")
         _forks.set_forkserver_preload(PRELOAD)
+        # Python 3.11's fork server imports PRELOAD on its own sys.path, not this process's (it hands the caller's to
+        # each child only), and skips what it cannot import without a word: spmd_preload, in this folder, reaches it
+        # through PYTHONPATH for its start.
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), saved]))
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
     return _forks
 
 

@@ -36,7 +36,7 @@ from diffusiond.daemon.job_db import DatabaseAway
 from diffusiond.daemon.jobs_api import add_job_routes
 from diffusiond.daemon.listener import served_marker
 from diffusiond.daemon.native_api import native_limit
-from diffusiond.daemon.openapi import document
+from diffusiond.daemon.openapi import served_document
 from diffusiond.daemon.replay import replays_ctx
 from diffusiond.daemon.state import ENCODERS, LOAD, METRICS, STATE, ServerState
 from diffusiond.daemon.streaming import ClientGone
@@ -350,13 +350,17 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi_document(request: web.Request) -> web.Response:
-    return web.Response(body=_openapi(), content_type="application/json")
+    state = request.app[STATE]
+    engine = state.engine if state.ready else None
+    caps, limits = (engine.adapter.capabilities, engine.limits) if engine is not None else (None, None)
+    body = _openapi(caps, limits, state.config.max_n, state.config.lora_dir is not None)
+    return web.Response(body=body, content_type="application/json")
 
 
 @functools.cache
-def _openapi() -> bytes:
-    """Built on the first request (~10 ms), not at every start: it depends on nothing but the code."""
-    return msgspec.json.encode(document())
+def _openapi(caps: Capabilities | None, limits: RequestLimits | None, max_n: int, lora_dir: bool) -> bytes:
+    """Built on the first request (~10 ms), not at every start: the code's routes and bounds, and the model's."""
+    return msgspec.json.encode(served_document(caps, limits, max_n, lora_dir))
 
 
 PLAYGROUND = Path(__file__).parent / "static" / "index.html"

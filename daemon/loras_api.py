@@ -20,6 +20,7 @@ from diffusiond.engine.engine import Engine, EngineDeadError
 from diffusiond.models.loading.setup import lora_refusal
 from diffusiond.models.lora.files import LoraError, check_name, in_directory
 from diffusiond.models.lora.registry import LoraRegistry
+from diffusiond.models.params import LORA_NAME
 
 FilePath = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 
@@ -28,7 +29,8 @@ class LoraCreateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     """`POST /v1/loras`: the name requests will use, and a .safetensors file (relative to --lora-dir, or absolute
     inside it)."""
 
-    name: Annotated[str, msgspec.Meta(max_length=256)]
+    # Checked by models/lora/files.py `check_name` (its message); the schema says it.
+    name: Annotated[str, msgspec.Meta(max_length=256, extra_json_schema={"pattern": LORA_NAME})]
     path: FilePath
 
 

@@ -5,6 +5,7 @@ it: no 5xx, no status, content type or body outside what is documented here."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -17,7 +18,10 @@ from diffusiond.daemon.api import (
     ImageGenerationRequest,
     VideoCreateRequest,
 )
+from diffusiond.daemon.config import MAX_N
 from diffusiond.daemon.loras_api import LoraCreateRequest
+from diffusiond.models.base import Capabilities
+from diffusiond.models.params import RequestLimits
 
 REF = "#/components/schemas/{name}"
 JSON = "application/json"
@@ -46,6 +50,12 @@ def _obj(required: dict[str, Any], optional: dict[str, Any] | None = None) -> di
 
 
 STR, INT, NUM, BOOL = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+# One event of an SSE stream: its name, its JSON as text, and (native streams, daemon/replay.py) its number.
+SSE_EVENT = {
+    "type": "object",
+    "properties": {"event": STR, "data": {**STR, "contentMediaType": "application/json"}, "id": STR},
+    "required": ["event", "data"],
+}
 NULLABLE_STR = {"type": ["string", "null"]}
 ERROR = _obj(
     {
@@ -100,12 +110,27 @@ def _body(schema: dict, *, form: dict | None = None) -> dict:
     return {"required": True, "content": content}
 
 
+# A request's prompt: models/params.py `check_prompts` refuses an empty one, or one of spaces only (with a message of
+# its own, so the request structs do not check it: the document says it).
+PROMPT = {"minLength": 1, "pattern": r"\S", "description": "not empty, not only spaces"}
+
+
+# An input image's file part: its format names what is taken ("image": a PNG, JPEG, WEBP, GIF or BMP file that
+# decodes, models/inputs.py `admit_image`), not any bytes; tests/daemon/test_openapi.py generates such files for it.
+IMAGE_FILE = {
+    "type": "string",
+    "format": "image",
+    "contentMediaType": "image/*",
+    "description": "a PNG, JPEG, WEBP, GIF or BMP file",
+}
+
+
 def _edit_form(components: dict) -> dict:
     """The edit's multipart form: the struct's text fields (as a form sends them: text) and its image files."""
     fields = components["ImageEditRequest"]["properties"]
     properties: dict[str, Any] = {name: {"type": "string"} for name in fields}
-    binary = {"type": "string", "contentMediaType": "application/octet-stream"}
-    properties |= {"image": binary, "mask": binary}
+    properties["prompt"] = {"type": "string", **PROMPT}
+    properties |= {"image": IMAGE_FILE, "mask": IMAGE_FILE}
     return {"type": "object", "properties": properties, "required": ["image", "prompt"]}
 
 
@@ -113,8 +138,74 @@ def _id_param(name: str) -> list[dict]:
     return [{"name": name, "in": "path", "required": True, "schema": {"type": "string", "maxLength": 256}}]
 
 
+# The routes of one kind of model, by path prefix: a model of another kind answers them 400 naming the route to use
+# (daemon/openai_api.py `refuse_video`, videos_api.py `check_job_model`), so the document of a loaded model leaves
+# them out.
+KIND_ROUTES = {"image": "/v1/images/", "video": "/v1/videos", "audio": "/v1/audio/"}
+
+
+def served_document(
+    caps: Capabilities | None, limits: RequestLimits | None, max_n: int = MAX_N, lora_dir: bool = False
+) -> dict:
+    """The document of the model loaded (None before it is loaded: every route, the code's bounds): the routes of
+    the other kinds of model left out, and the LoRA routes of a model without LoRA (`POST /v1/loras` without
+    `--lora-dir`: adapters cannot be added); the server's limits on sizes, steps and images a request, as bounds a
+    client can check: sides at most the square that fits `--max-pixels`, multiples of the model's size multiple (what
+    is refused beyond it, a wide image within the pixel budget, is understated, never promised), and the size
+    required when the model's default does not fit."""
+    doc = document()
+    if caps is None or limits is None:
+        return doc
+    dropped = tuple(prefix for kind, prefix in KIND_ROUTES.items() if kind != caps.modality)
+    if not caps.lora:
+        dropped += ("/v1/loras",)
+    doc["paths"] = {path: item for path, item in doc["paths"].items() if not path.startswith(dropped)}
+    if caps.lora and not lora_dir:
+        doc["paths"]["/v1/loras"].pop("post")
+    m = caps.size_multiple
+    side = max(m, min(caps.max_side, math.isqrt(limits.max_pixels)) // m * m)
+    fits = caps.default_width * caps.default_height <= limits.max_pixels
+    sizes = [f"{s}x{s}" for s in range(m, side + 1, m)]
+    schemas = doc["components"]["schemas"]
+    for name, schema in schemas.items():
+        props = schema.get("properties", {})
+        if "num_inference_steps" in props:
+            props["num_inference_steps"] = _bounded(props["num_inference_steps"], maximum=limits.max_steps)
+        if "n" in props and name.startswith("Image"):
+            props["n"] = _bounded(props["n"], maximum=max_n)
+        if "size" in props and name.startswith("Image"):
+            props["size"] = {"type": "string", "enum": (["auto"] if fits else []) + sizes}
+            if not fits:
+                schema.setdefault("required", []).append("size")
+        if name == "GenerationRequest":
+            for key in ("width", "height"):
+                props[key] = {"type": "integer", "minimum": m, "maximum": side, "multipleOf": m}
+            if not fits:
+                schema.setdefault("required", []).extend(["width", "height"])
+        if "num_inference_steps" in props and caps.default_steps > limits.max_steps:
+            schema.setdefault("required", []).append("num_inference_steps")  # its default is above the limit
+    edits = doc["paths"].get("/v1/images/edits")
+    if edits is not None:  # the form's fields are text: the same bounds, as the words a form may send
+        form = edits["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+        form["properties"]["size"] = schemas["ImageEditRequest"]["properties"]["size"]
+        form["properties"]["n"] = {"type": "string", "enum": [str(i) for i in range(1, max_n + 1)]}
+        steps = range(1, min(limits.max_steps, 50) + 1)
+        form["properties"]["num_inference_steps"] = {"type": "string", "enum": [str(i) for i in steps]}
+        form["required"] += [
+            key for key in ("size", "num_inference_steps") if key in schemas["ImageEditRequest"].get("required", [])
+        ]
+    return doc
+
+
+def _bounded(schema: dict, maximum: int) -> dict:
+    """An integer (or null) field's schema with a lower `maximum`."""
+    if "anyOf" in schema:
+        return {"anyOf": [_bounded(s, maximum) if s.get("type") == "integer" else s for s in schema["anyOf"]]}
+    return {**schema, "maximum": min(schema.get("maximum", maximum), maximum)}
+
+
 def document() -> dict:
-    """The OpenAPI document (built once per process: it depends on nothing but the code)."""
+    """The OpenAPI document of every route (the code's; `served_document`: a loaded model's)."""
     _, components = msgspec.json.schema_components(
         [
             ImageGenerationRequest,
@@ -127,8 +218,11 @@ def document() -> dict:
         ref_template=REF,
     )
     components["Error"] = ERROR
+    for name in ("ImageGenerationRequest", "ImageEditRequest", "GenerationRequest", "VideoCreateRequest",
+                 "AudioCreateRequest"):  # fmt: skip
+        components[name]["properties"]["prompt"].update(PROMPT)
     images = _ok(
-        "images (or, with stream=true, an SSE stream of partial and completed images)", {JSON: IMAGES, SSE: STR}
+        "images (or, with stream=true, an SSE stream of partial and completed images)", {JSON: IMAGES, SSE: SSE_EVENT}
     )
     generated = ("404 `model` is not the served model", "500 the generation failed")
     paths = {
@@ -153,7 +247,7 @@ def document() -> dict:
             "post": {
                 "summary": "Native: one request's progress, previews, latents and result as Server-Sent Events",
                 "requestBody": _body(_ref("GenerationRequest")),
-                "responses": _responses(_ok("an SSE stream", {SSE: STR})),
+                "responses": _responses(_ok("an SSE stream", {SSE: SSE_EVENT})),
             }
         },
         "/v1/generations/{id}/events": {
@@ -169,7 +263,7 @@ def document() -> dict:
             "get": {
                 "summary": "A native stream's events after Last-Event-ID, then the live ones (within the window)",
                 "responses": _responses(
-                    _ok("an SSE stream", {SSE: STR}), "404 no such request, or its events are no longer kept"
+                    _ok("an SSE stream", {SSE: SSE_EVENT}), "404 no such request, or its events are no longer kept"
                 ),
             },
         },

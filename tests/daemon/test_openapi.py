@@ -6,23 +6,29 @@ undocumented status."""
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
+import math
+import urllib.error
 import urllib.request
 
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
+from PIL import Image
 from schemathesis import GenerationMode
 from schemathesis.checks import (
     content_type_conformance,
     not_a_server_error,
+    positive_data_acceptance,
     response_schema_conformance,
     status_code_conformance,
 )
 
-from diffusiond.daemon.openapi import document
+from diffusiond.daemon.openapi import document, served_document
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 EXAMPLES = 25
@@ -36,16 +42,71 @@ def api_server(serve):
 
 
 def test_the_document_names_every_route(server):
-    with urllib.request.urlopen(f"{server.base_url}/openapi.json", timeout=10) as resp:
-        served = json.loads(resp.read())
-    assert served == json.loads(json.dumps(document()))
+    """The code's document names every route; a loaded model's leaves out the routes of other kinds of model and
+    adding LoRA adapters without --lora-dir, each of which the server refuses (400 naming the route to use, or why),
+    and says the sizes and steps its limits allow."""
     routes = {
         (route.method.lower(), route.resource.canonical)
         for route in server.app.router.routes()
         if route.method not in ("HEAD", "*")
     }
+    every = document()
+    assert routes == {
+        (method, path) for path, item in every["paths"].items() for method in item if method != "parameters"
+    }
+    with urllib.request.urlopen(f"{server.base_url}/openapi.json", timeout=10) as resp:
+        served = json.loads(resp.read())
+    engine = server.state.engine
+    caps, config = engine.adapter.capabilities, server.state.config
+    assert served == json.loads(json.dumps(served_document(caps, engine.limits, config.max_n, False)))
     documented = {(method, path) for path, item in served["paths"].items() for method in item if method != "parameters"}
-    assert routes == documented
+    left_out = routes - documented
+    assert left_out == {
+        ("post", "/v1/videos"), ("get", "/v1/videos"), ("get", "/v1/videos/{id}"), ("delete", "/v1/videos/{id}"),
+        ("get", "/v1/videos/{id}/content"), ("post", "/v1/audio/generations"), ("get", "/v1/audio/generations"),
+        ("get", "/v1/audio/generations/{id}"), ("delete", "/v1/audio/generations/{id}"),
+        ("get", "/v1/audio/generations/{id}/content"), ("post", "/v1/loras"),
+    }, left_out  # fmt: skip
+    for route in ("/v1/videos", "/v1/audio/generations", "/v1/loras"):
+        request = urllib.request.Request(
+            f"{server.base_url}{route}", data=b'{"prompt": "x", "name": "a", "path": "a"}', method="POST",
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        with refused.value as error:
+            assert error.code == 400, (route, error.read())
+    # An image model's bounds: sizes the pixel limit allows, the prompt not blank.
+    generation = served["components"]["schemas"]["ImageGenerationRequest"]
+    assert generation["properties"]["prompt"]["minLength"] == 1
+    side = min(caps.max_side, math.isqrt(engine.limits.max_pixels)) // caps.size_multiple * caps.size_multiple
+    assert generation["properties"]["size"]["enum"][-1] == f"{side}x{side}"
+
+
+# Operations whose schema-valid requests the daemon may still refuse (issue 54, item 6, not done): an integer sent as
+# 2.0 (JSON Schema's integer; msgspec's strict decoding refuses it), the edit form's text fields without their enums.
+# Every other operation is also checked to accept what its document calls valid (`positive_data_acceptance`).
+LOOSE = {"POST /v1/images/generations", "POST /v1/images/edits", "POST /v1/generations"}
+
+
+def _png() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+# An input image's file ("format": "image", daemon/openapi.py IMAGE_FILE): an image, as the document says.
+schemathesis.openapi.format("image", st.just(_png()))
+
+
+def _property(operation, mode, checks, statuses):
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    def check(case) -> None:
+        response = case.call_and_validate(checks=checks, timeout=60)
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+
+    return check
 
 
 def test_every_route_answers_only_what_it_documents(api_server):
@@ -55,21 +116,18 @@ def test_every_route_answers_only_what_it_documents(api_server):
     failures = []
     statuses: dict[int, int] = {}
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 26  # every route of the app (the test above)
+    assert len(operations) == 15  # every route an image model serves (the test above)
     for operation, mode in itertools.product(operations, (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)):
-
-        @given(case=operation.as_strategy(generation_mode=mode))
-        @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-        def check(case) -> None:
-            response = case.call_and_validate(checks=CHECKS, timeout=60)
-            statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        label = f"{operation.method.upper()} {operation.path}"
+        checks = CHECKS + ([positive_data_acceptance] if label not in LOOSE else [])
+        check = _property(operation, mode, checks, statuses)
 
         try:
             check()
         except Unsatisfiable:  # nothing to make invalid (no parameters, no body)
             assert mode is GenerationMode.NEGATIVE
         except Exception as exc:
-            failures.append(f"{operation.method.upper()} {operation.path} ({mode.value}): {exc}"[:2000])
+            failures.append(f"{label} ({mode.value}): {exc}"[:2000])
     print(f"statuses: {dict(sorted(statuses.items()))}")
     assert not failures, "\n\n".join(failures)
     assert statuses.get(200, 0) >= 5 and statuses.get(400, 0) > 10, statuses  # served and refused, both

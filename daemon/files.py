@@ -33,9 +33,11 @@ from pathlib import Path
 
 from aiohttp import web
 
+from diffusiond.daemon.admission import quota_exceeded
 from diffusiond.daemon.api import ApiError
-from diffusiond.daemon.auth import TENANT
+from diffusiond.daemon.auth import tenant_of
 from diffusiond.daemon.state import ENCODERS, STATE
+from diffusiond.daemon.video_store import QuotaFull
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +69,36 @@ class FileStore:
         self._secret = secret
         self.files: OrderedDict[str, StoredFile] = OrderedDict()
         self.used = 0
+        # Bytes the video store holds (all of it, or one tenant's): the budget (--video-store-bytes) and a tenant's
+        # max_stored_bytes are shared by its videos and these files (videos_ctx wires it; none in tests of one store).
+        self.others_hold: Callable[[str | None], int] = lambda owner: 0
         for stale in directory.glob("file_*"):  # a previous run's: their URLs died with its secret
             stale.unlink(missing_ok=True)
 
-    def reserve(self, owner: str, fmt: str, size: int) -> StoredFile:
+    def held_by(self, owner: str) -> int:
+        return sum(f.bytes for f in self.files.values() if f.owner == owner)
+
+    def reserve(self, owner: str, fmt: str, size: int, quota: int | None = None) -> StoredFile:
         """An entry for a file of `size` bytes of tenant `owner`, room made by forgetting the oldest file of the
         tenant that holds the most (its new file counted): one tenant's images push out its own first, never
-        another's while it holds more than that one (ValueError if it can never fit)."""
+        another's while it holds more than that one (ValueError if it can never fit). `quota`: the tenant's
+        max_stored_bytes, its videos counted, made room in by forgetting its own oldest files (QuotaFull when its
+        videos leave no room)."""
         self.sweep()
-        if size > self.max_bytes:
+        budget = self.max_bytes - self.others_hold(None)
+        if size > budget:
             raise ValueError(
-                f"the image is {size} bytes; this server keeps at most {self.max_bytes} (--video-store-bytes)"
+                f"the image is {size} bytes; this server keeps at most {self.max_bytes} (--video-store-bytes), "
+                f"{self.max_bytes - budget} of them taken by videos"
             )
-        while self.used + size > self.max_bytes:
+        if quota is not None:
+            room = quota - self.others_hold(owner)
+            if size > room:
+                raise QuotaFull("max_stored_bytes", f"the file is {size} bytes; the tenant may keep {quota}, "
+                                f"{quota - room} of them in videos")  # fmt: skip
+            while self.held_by(owner) + size > room:
+                self.remove(next(f.id for f in self.files.values() if f.owner == owner))
+        while self.used + size > budget:
             held = {owner: size}
             for entry in self.files.values():
                 held[entry.owner] = held.get(entry.owner, 0) + entry.bytes
@@ -160,11 +179,13 @@ FILES = web.AppKey("files", FileStore)
 
 async def store_result(request: web.Request, data: bytes, fmt: str) -> str:
     """An image (or a native stream's clip) kept in the results folder; its signed URL."""
-    files = request.app[FILES]
+    files, tenant = request.app[FILES], tenant_of(request)
     try:
-        entry = files.reserve(request[TENANT], fmt, len(data))
+        entry = files.reserve(tenant.name, fmt, len(data), tenant.max_stored_bytes)
     except ValueError as exc:
         raise ApiError(507, str(exc), type="server_error", code="insufficient_storage") from None
+    except QuotaFull as exc:
+        raise quota_exceeded(request.app[STATE], tenant, exc.quota, str(exc)) from None
     try:
         await asyncio.get_running_loop().run_in_executor(
             request.app[ENCODERS], write_file, files.directory, entry, data

@@ -160,6 +160,10 @@ async def _pump(
         if not replay.ended:
             replay.add("cancelled", {"type": "cancelled", "id": rid, "reason": "its client went away"})
         raise
+    except ApiError as exc:  # its result could not be kept (a tenant's quota, a full store): the client is told why
+        log.info("request %s: %s", rid, exc)
+        if not replay.ended:
+            replay.add("failed", {"type": "failed", "id": rid, "error": str(exc), "code": exc.code})
     except Exception:
         log.exception("request %s: its stream failed", rid)
         if not replay.ended:

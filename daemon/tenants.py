@@ -7,7 +7,7 @@
     max_in_flight = 4               # requests admitted and not finished
     max_queued = 16                 # of those, waiting to start
     max_stored_jobs = 100           # video jobs remembered
-    max_stored_bytes = 1073741824   # bytes of finished videos on disk
+    max_stored_bytes = 1073741824   # bytes of finished videos and images by URL on disk
     priority = [0, 5]               # the range of `priority` (0-9) the tenant may ask for (default: all)
     weight = 1.0                    # its share under fair scheduling (default 1)
     admin = true                    # may read /metrics and register or delete the shared LoRA adapters

@@ -201,6 +201,12 @@ class VideoStore:
         self.used = 0
         # Called with the id of each job the store forgets (removed, expired, evicted): the job database's delete.
         self.forgotten: Callable[[str], object] | None = None
+        # Bytes the images kept by URL hold (all of them, or one tenant's; daemon/files.py): they share the budget
+        # and a tenant's max_stored_bytes with the videos (videos_ctx wires it).
+        self.others_hold: Callable[[str | None], int] = lambda owner: 0
+
+    def held_by(self, owner: str) -> int:
+        return sum(self.cost(j) for j in self.jobs.values() if j.owner == owner)
 
     def cost(self, job: VideoJob) -> int:
         """What a job's files take of the budget: its video and the JSON beside it."""
@@ -309,8 +315,10 @@ class VideoStore:
         by evicting its own videos first (QuotaFull when its video alone is larger)."""
         needed = size + self.sidecar_bytes
         if owner_bytes is not None:
+            owner_bytes -= self.others_hold(job.owner)  # its images kept by URL (daemon/files.py) share the quota
             if needed > owner_bytes:
-                raise QuotaFull("max_stored_bytes", f"the video is {size} bytes; the tenant may keep {owner_bytes}")
+                raise QuotaFull("max_stored_bytes", f"the video is {size} bytes; the tenant may keep {owner_bytes} "
+                                "more (its images kept by URL count)")  # fmt: skip
             mine = [j for j in self.jobs.values() if j.owner == job.owner and j is not job]
             if sum(self.cost(j) for j in mine if not (j.finished and j.file_name is not None)) + needed > owner_bytes:
                 raise QuotaFull("max_stored_bytes", f"no room for {size} more bytes while its other videos are written")
@@ -319,14 +327,16 @@ class VideoStore:
                 assert oldest is not None
                 log.info("video store: evicting %s (%d bytes) for its tenant's quota", oldest.id, oldest.bytes)
                 self.remove(oldest.id)
-        if needed > self.max_bytes:
+        budget = self.max_bytes - self.others_hold(None)  # images kept by URL share --video-store-bytes
+        if needed > budget:
             raise VideoTooLarge(
-                f"the video is {size} bytes; this server keeps at most {self.max_bytes} (--video-store-bytes)"
+                f"the video is {size} bytes; this server keeps at most {self.max_bytes} (--video-store-bytes), "
+                f"{self.max_bytes - budget} of them taken by images kept by URL"
             )
         evictable = sum(self.cost(j) for j in self.jobs.values() if j.finished and j.file_name is not None)
-        if self.used - evictable + needed > self.max_bytes:  # the rest is being written
+        if self.used - evictable + needed > budget:  # the rest is being written
             raise VideoTooLarge(f"no room for {size} more bytes while other videos are being written; retry")
-        while self.used + needed > self.max_bytes:
+        while self.used + needed > budget:
             oldest = self._first_finished(with_file=True)
             assert oldest is not None
             log.info("video store: evicting %s (%d bytes) to make room", oldest.id, oldest.bytes)

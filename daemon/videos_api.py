@@ -102,10 +102,13 @@ async def videos_ctx(app: web.Application) -> AsyncIterator[None]:
         app[STATE].journal = functools.partial(_journal, db)
     secret = config.url_secret.encode() if config.url_secret else secrets.token_bytes(32)
     # Replicas sharing the folder: each its own images, in a folder of its own (each removes its stale ones).
-    files = directory / "files" / re.sub(r"[^\w.-]", "_", db.replica) if db is not None and db.shared else None
-    app[FILES] = FileStore(
-        files or directory / "files", max_bytes=config.video_store_bytes, ttl=config.video_ttl, secret=secret
+    own = directory / "files" / re.sub(r"[^\w.-]", "_", db.replica) if db is not None and db.shared else None
+    files = app[FILES] = FileStore(
+        own or directory / "files", max_bytes=config.video_store_bytes, ttl=config.video_ttl, secret=secret
     )
+    # One budget (--video-store-bytes) and one max_stored_bytes per tenant for videos and images kept by URL.
+    store.others_hold = lambda owner: files.used if owner is None else files.held_by(owner)
+    files.others_hold = lambda owner: store.used if owner is None else store.held_by(owner)
     sweeper = asyncio.create_task(_sweep(store, min(60.0, max(1.0, config.video_ttl / 4))))
     leasing = asyncio.create_task(keep_leases(app, db, jobs)) if db is not None else None
     try:

@@ -207,7 +207,7 @@ async def test_a_tenant_sees_and_cancels_only_its_own_requests(tenants_server, k
 @pytest.fixture(scope="module")
 def video_tenants_server(serve, tiny_wan, tmp_path_factory):
     keys = tmp_path_factory.mktemp("video-tenants") / "keys.toml"
-    write_tenants(keys, {"alice": {"max_stored_jobs": 1}, "bob": {}})
+    write_tenants(keys, {"alice": {"max_stored_jobs": 1}, "bob": {}, "carol": {"max_stored_bytes": 2000}})
     return serve(model=tiny_wan, api_keys_file=str(keys), max_pixels=64 * 64)
 
 
@@ -252,6 +252,27 @@ async def test_a_tenant_sees_only_its_own_videos(video_tenants_server):
             assert resp.status == 200, await resp.text()  # bob's share is his own
         async with session.delete(f"{base}/v1/videos/{second['id']}", headers=auth("alice")) as resp:
             assert resp.status == 200
+
+
+@pytest.mark.asyncio
+async def test_clips_kept_by_url_count_against_the_tenant_s_stored_bytes(video_tenants_server):
+    """A native stream's clip kept by URL (daemon/files.py) is charged to its tenant's max_stored_bytes, as its videos
+    are (they share it): carol's 2000 bytes take no 64x64 clip (429 naming the quota: the answer says why), bob's
+    unbounded share takes it. Without the quota passed to the file store, carol's clip was kept (red)."""
+    base = video_tenants_server.base_url
+    clip = {"prompt": "a cat", "width": 64, "height": 64, "num_frames": 5, "num_inference_steps": 1, "seed": 1,
+            "response_format": "url", "video_format": "webp"}  # fmt: skip
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        for name in ("carol", "bob"):
+            async with session.post(f"{base}/v1/generations", json=clip, headers=auth(name)) as resp:
+                text = await resp.text()
+            assert resp.status == 200, text
+            last = [line for line in text.splitlines() if line.startswith("data: ")][-1]
+            event = json.loads(last.removeprefix("data: "))
+            if name == "carol":
+                assert event["type"] == "failed" and "quota max_stored_bytes" in event["error"], event
+            else:
+                assert event["type"] == "completed" and event["video"]["url"], event
 
 
 # ---- SIGHUP ----

@@ -329,3 +329,41 @@ def test_the_next_start_removes_the_temporary_folders_of_killed_daemons(tmp_path
     assert remove_dead_folders(tmp_path) == 1
     assert not killed.exists()
     assert mine.exists() and all(folder.exists() for folder in others)
+
+
+def test_videos_and_images_by_url_share_the_budget_and_a_tenant_s_quota(tmp_path, clock):
+    """One --video-store-bytes for both stores (each evicts its own kind; the other's bytes count as taken), and a
+    tenant's max_stored_bytes counts its videos and its images kept by URL together (daemon/files.py): apart, the
+    disk held twice the budget and URL images counted against no tenant (red without `others_hold`)."""
+    from diffusiond.daemon.files import FileStore
+    from diffusiond.daemon.video_store import QuotaFull, VideoTooLarge
+
+    (tmp_path / "videos").mkdir()
+    store = make_store(tmp_path / "videos", clock, max_bytes=100)
+    images = FileStore(tmp_path / "files", max_bytes=100, ttl=60, secret=b"k")
+    store.others_hold = lambda owner: images.used if owner is None else images.held_by(owner)
+    images.others_hold = lambda owner: store.used if owner is None else store.held_by(owner)
+    job = new_job(store, 1)
+    job.owner = "alice"
+    finish(store, job, 60)
+    with pytest.raises(ValueError, match="60 of them taken by videos"):
+        images.reserve("bob", "png", 50)  # 60 + 50 > 100: never past the one budget
+    images.reserve("bob", "png", 40)
+    second = new_job(store, 2)
+    with pytest.raises(VideoTooLarge, match="40 of them taken by images"):
+        store.reserve(second, 70)
+    # alice may keep 70 bytes: her 60 of video leave room for a 10-byte image, not for 20 ...
+    with pytest.raises(QuotaFull, match="may keep 70, 60 of them in videos") as full:
+        images.reserve("alice", "png", 20, quota=70)
+    assert full.value.quota == "max_stored_bytes"
+    first = images.reserve("alice", "png", 5, quota=70)
+    images.reserve("alice", "png", 5, quota=70)
+    images.reserve("alice", "png", 5, quota=70)  # ... and past it her own oldest image goes
+    assert first.id not in images.files and images.held_by("alice") == 10
+    # ... and her next video sees her images: 70 - 10 leaves 60, her first video goes to make room.
+    third = new_job(store, 3)
+    third.owner = "alice"
+    with pytest.raises(QuotaFull, match="may keep 60 more"):
+        store.reserve(third, 61, owner_bytes=70)
+    store.reserve(third, 60, owner_bytes=70)
+    assert job.id not in store.jobs

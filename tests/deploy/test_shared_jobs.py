@@ -109,3 +109,41 @@ def test_replicas_share_jobs_and_rerun_a_dead_ones(shared):
     rid = running.removeprefix("video_")
     assert logs[0].count(f"request {rid} completed") == 0 and logs[1].count(f"request {rid} completed") == 1
     assert "video jobs: 1 claimed, admitted again" in logs[1], logs[1][-3000:]
+
+
+def test_a_replica_frozen_past_its_lease_publishes_nothing(shared):
+    """Replica 1 frozen (SIGSTOP) while it runs a job, past its lease: replica 2 claims it and runs it to the end;
+    replica 1, resumed (SIGCONT), finds the job another's (its lease renewal, or the fence before it publishes:
+    daemon/video_jobs.py) and stops or discards its run: one video published, replica 2's, and the record says so.
+    Here the renewal wins every time (its timer is overdue when the process resumes, and fires first): "stopping it
+    here" in two runs of two; the fence's own path is tested where its timing can be set.
+    Without the lease's fence on files the stale run's video was published over the holder's (tested in
+    tests/daemon/test_job_db.py); here, real processes."""
+    one, two = shared.base(0), shared.base(1)
+    long = {"prompt": "a clip", "size": "64x64", "num_frames": 9, "num_inference_steps": 600, "seed": 7}
+    status, body = call("POST", f"{one}/v1/videos", long)
+    assert status == 200, body
+    frozen = json.loads(body)["id"]
+    deadline = time.monotonic() + 30
+    while job(two, frozen)["progress"] < 5:  # running on replica 1 (its renewals write its progress)
+        assert time.monotonic() < deadline, job(two, frozen)
+        time.sleep(0.1)
+    shared.procs[0].send_signal(signal.SIGSTOP)
+    try:
+        wait_all(two, [frozen], "completed", 90)  # claimed once the lease (3 s) ran out, and run again
+    finally:
+        shared.procs[0].send_signal(signal.SIGCONT)
+    record = job(two, frozen)
+    assert record["finished_by"] == "replica2", record
+    log_one = shared.tmp / "replica1.log"
+    deadline = time.monotonic() + 30
+    while not any(line in log_one.read_text() for line in ("stopping it here", "this run's video is discarded")):
+        assert time.monotonic() < deadline, log_one.read_text()[-3000:]
+        time.sleep(0.1)
+    time.sleep(1.0)  # (anything it would still write)
+    folder = shared.tmp / "shared" / "videos"
+    mine = sorted(p.name for p in folder.iterdir() if p.name.startswith(frozen))
+    assert mine == [f"{frozen}.json", f"{frozen}.mp4"], mine  # one video, no staged file of either run left
+    assert job(one, frozen)["finished_by"] == "replica2"  # replica 1 reads the record as replica 2 wrote it
+    rid = frozen.removeprefix("video_")
+    assert f"request {rid} completed" not in log_one.read_text()

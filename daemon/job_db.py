@@ -315,6 +315,13 @@ class JobDB:
         rows = await self._run("SELECT job FROM jobs WHERE tenant = ? ORDER BY created_at, id", (tenant,))
         return [bytes(r[0]) for r in rows]
 
+    async def finished_here(self) -> list[bytes]:
+        """The jobs this replica finished (their records), for the webhooks a restart sends again (video_jobs.py)."""
+        rows = await self._run(
+            "SELECT job FROM jobs WHERE lease_owner = ? AND status IN ('completed', 'failed')", (self.replica,)
+        )
+        return [bytes(r[0]) for r in rows]
+
     async def status(self, job_id: str) -> str | None:
         rows = await self._run("SELECT status FROM jobs WHERE id = ?", (job_id,))
         return rows[0][0] if rows else None

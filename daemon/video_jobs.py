@@ -10,6 +10,7 @@ import asyncio
 import errno
 import functools
 import logging
+import time
 
 import msgspec
 from aiohttp import web
@@ -30,7 +31,7 @@ from diffusiond.daemon.video_store import (
     publish_video,
     stage_video,
 )
-from diffusiond.daemon.webhooks import notify
+from diffusiond.daemon.webhooks import endpoint, new_event_id, notify
 from diffusiond.engine.engine import RequestHandle
 from diffusiond.engine.outputs import Cancelled, Completed, Failed, Progress
 
@@ -90,13 +91,16 @@ class VideoJobs:
             nonlocal written, told
             if job.status == "cancelled" and app[STATE].draining:
                 return  # cancelled by the drain's deadline, not by its client: the next start runs it again
+            ended = job.status in ("completed", "failed") and not told
+            if ended and endpoint(app, job.owner)[0] is not None:
+                job.webhook = new_event_id()  # written with its end: a restart sends it if it was not delivered
             if db is not None and job.status != written:
                 written = job.status
                 future = db.update(job.id, job.status, msgspec.json.encode(job), job.expires_at)
                 future.add_done_callback(functools.partial(self.written, job))
-            if job.status in ("completed", "failed") and not told:
+            if ended:
                 told = True  # once: its webhook (a job another replica took over never gets here)
-                notify(app, job.owner, f"{'video' if job.audio_format is None else 'audio'}.{job.status}", job.id)
+                tell(app, db, job)
 
         try:
             async for event in app[STATE].track(handle):
@@ -191,6 +195,27 @@ class VideoJobs:
             store.discard_files(done)
             return
         store.complete(job, done)
+
+
+def tell(app: web.Application, db: JobDB | None, job: VideoJob) -> None:
+    """A finished job's webhook (`job.webhook`, its event's id), sent; once delivered, the record says so (a job
+    database's: else a restart would send it again)."""
+    if job.webhook is None:
+        return
+
+    def delivered() -> None:
+        job.webhook = None
+        if db is not None:
+            db.update(job.id, job.status, msgspec.json.encode(job), job.expires_at).add_done_callback(_quiet)
+
+    created = job.completed_at or int(job.finished_at or time.time())
+    kind = "video" if job.audio_format is None else "audio"
+    notify(app, job.owner, f"{kind}.{job.status}", job.id, (job.webhook, created), delivered)
+
+
+def _quiet(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("a delivered webhook could not be marked in the job database: %s", future.exception())
 
 
 async def _still_ours(db: JobDB, job: VideoJob) -> bool:

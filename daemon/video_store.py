@@ -105,6 +105,8 @@ class VideoJob(msgspec.Struct, kw_only=True):
     sample_rate: int | None = None
     # The replica whose run made its file (--replica-id; replicas sharing a job database): one run is published.
     finished_by: str | None = None
+    # The id of its webhook event while it is not yet delivered (daemon/webhooks.py): sent again after a restart.
+    webhook: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -44,7 +44,7 @@ from diffusiond.daemon.job_db import JobDB, database_errors
 from diffusiond.daemon.job_leases import keep_leases
 from diffusiond.daemon.state import STATE, Record
 from diffusiond.daemon.streaming import check_images
-from diffusiond.daemon.video_jobs import JOB_DB, VIDEOS, VideoJobs
+from diffusiond.daemon.video_jobs import JOB_DB, VIDEOS, VideoJobs, tell
 from diffusiond.daemon.video_requests import read_video_create, reported_seconds, resolve_video
 from diffusiond.daemon.video_store import (
     MIN_FREE_BYTES,
@@ -100,6 +100,9 @@ async def videos_ctx(app: web.Application) -> AsyncIterator[None]:
         if abandoned:
             log.info("requests: %d left unfinished by the previous run of this replica, marked failed", abandoned)
         app[STATE].journal = functools.partial(_journal, db)
+        for raw in await db.finished_here():  # webhooks a previous run did not deliver, sent again (same event ids)
+            if (job := msgspec.json.decode(raw, type=VideoJob)).webhook is not None:
+                tell(app, db, job)
     secret = config.url_secret.encode() if config.url_secret else secrets.token_bytes(32)
     # Replicas sharing the folder: each its own images, in a folder of its own (each removes its stale ones).
     own = directory / "files" / re.sub(r"[^\w.-]", "_", db.replica) if db is not None and db.shared else None

@@ -8,10 +8,12 @@ seconds) and `webhook-signature` (`v1,` + base64 of HMAC-SHA256 over `{id}.{time
 `whsec_<base64>` decoded); OpenAI's SDK checks it (`client.webhooks.verify_signature(body, headers, secret=...)`).
 A job cancelled (by its client, or by a shutdown that leaves it to run again) sends nothing.
 
-Delivery is at least once while the daemon that finished the job runs: a 2xx answer ends it; anything else (another
+Delivery is at least once: a 2xx answer ends it; anything else (another
 status, no answer within TIMEOUT_S, a refused connection) is tried again after 1, 2, 4 ... seconds (doubling, at most
 MAX_DELAY_S apart), TRIES times in all; every try carries the same `webhook-id`, so a receiver drops repeats by it.
-What is still being retried at a restart is lost (the job's status stays at `GET /v1/videos/{id}`). Each try counts
+Under a job database (`--state-dir`, `--state-url`) the job's record keeps the event's id until it is delivered: the
+replica that finished the job sends it again, with the same id, when it starts (daemon/videos_api.py); without
+one, what is still being retried at a restart is lost (the job's status stays at `GET /v1/videos/{id}`). Each try counts
 in `diffusiond_webhooks_total{result}` (delivered, retried, dropped).
 """
 
@@ -24,7 +26,7 @@ import hmac
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import msgspec
@@ -65,26 +67,43 @@ class Webhooks:
         self.first_delay = first_delay
         self.tasks: set[asyncio.Task] = set()
 
-    def send(self, url: str | None, secret: str | None, event_type: str, object_id: str) -> str | None:
-        """Queues one event for `url` (nothing without one); returns its id."""
+    def send(
+        self,
+        url: str | None,
+        secret: str | None,
+        event_type: str,
+        object_id: str,
+        event: tuple[str, int] | None = None,
+        delivered: Callable[[], None] | None = None,
+    ) -> str | None:
+        """Queues one event for `url` (nothing without one); returns its id. `event`: (id, created_at) of one sent
+        before (a restart's), else a new one; `delivered`: called once a try is answered 2xx."""
         if url is None or secret is None:
             return None
         if len(self.tasks) >= MAX_PENDING:
-            log.error(
-                "webhook %s for %s dropped: %d deliveries are under way already", event_type, object_id, MAX_PENDING
-            )
+            message = "webhook %s for %s dropped: %d deliveries are under way already"
+            log.error(message, event_type, object_id, MAX_PENDING)
             self._count("dropped")
             return None
         if self.session is None:
             self.session = aiohttp.ClientSession()
-        event_id = "evt_" + secrets.token_hex(16)
-        body = event_body(event_type, object_id, event_id, int(time.time()))
-        task = asyncio.create_task(self._deliver(url, secret, event_id, body, event_type, object_id))
+        event_id, created = event or (new_event_id(), int(time.time()))
+        body = event_body(event_type, object_id, event_id, created)
+        task = asyncio.create_task(self._deliver(url, secret, event_id, body, event_type, object_id, delivered))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return event_id
 
-    async def _deliver(self, url: str, secret: str, event_id: str, body: bytes, event_type: str, object_id: str):
+    async def _deliver(
+        self,
+        url: str,
+        secret: str,
+        event_id: str,
+        body: bytes,
+        event_type: str,
+        object_id: str,
+        delivered: Callable[[], None] | None,
+    ) -> None:
         assert self.session is not None
         delay = self.first_delay
         for attempt in range(1, TRIES + 1):
@@ -102,6 +121,8 @@ class Webhooks:
                     if 200 <= response.status < 300:
                         log.info("webhook %s %s for %s delivered (try %d)", event_id, event_type, object_id, attempt)
                         self._count("delivered")
+                        if delivered is not None:
+                            delivered()
                         return
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 outcome = type(exc).__name__ if not str(exc) else f"{type(exc).__name__}: {exc}"
@@ -131,15 +152,32 @@ class Webhooks:
 WEBHOOKS = web.AppKey("webhooks", Webhooks)
 
 
-def notify(app: web.Application, owner: str, event_type: str, object_id: str) -> str | None:
-    """`event_type` for `object_id` to the endpoint of `owner` (its own, else `--webhook-url`), if there is one."""
+def endpoint(app: web.Application, owner: str) -> tuple[str | None, str | None]:
+    """(URL, secret) of the endpoint `owner`'s events go to: its own, else `--webhook-url`'s; (None, None): none."""
     from diffusiond.daemon.auth import TENANTS
     from diffusiond.daemon.state import STATE
 
     tenant, config = app[TENANTS].tenant(owner), app[STATE].config
     if tenant.webhook_url is not None:
-        return app[WEBHOOKS].send(tenant.webhook_url, tenant.webhook_secret, event_type, object_id)
-    return app[WEBHOOKS].send(config.webhook_url, config.webhook_secret, event_type, object_id)
+        return tenant.webhook_url, tenant.webhook_secret
+    return config.webhook_url, config.webhook_secret
+
+
+def new_event_id() -> str:
+    return "evt_" + secrets.token_hex(16)
+
+
+def notify(
+    app: web.Application,
+    owner: str,
+    event_type: str,
+    object_id: str,
+    event: tuple[str, int] | None = None,
+    delivered: Callable[[], None] | None = None,
+) -> str | None:
+    """`event_type` for `object_id` to `owner`'s endpoint, if there is one (`Webhooks.send`)."""
+    url, secret = endpoint(app, owner)
+    return app[WEBHOOKS].send(url, secret, event_type, object_id, event, delivered)
 
 
 async def webhooks_ctx(app: web.Application) -> AsyncIterator[None]:

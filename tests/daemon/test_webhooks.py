@@ -167,3 +167,44 @@ def test_webhook_settings_are_checked_at_start(tmp_path):
     path.write_text(f'[tenants.a]\nkey_sha256 = "{hashlib.sha256(b"k").hexdigest()}"\nwebhook_url = "http://h/x"\n')
     with pytest.raises(TenantsError, match="webhook_url and webhook_secret go together"):
         Tenants.read(path)
+
+
+def test_an_event_not_delivered_before_a_restart_is_sent_after_it(tiny_wan, receiver, tmp_path):
+    """Under --state-dir the job's record keeps its undelivered event: a restart sends it again with the same id
+    (receivers drop repeats by it), and once delivered the record says so: the next restart sends nothing. Red
+    without the resend at start (the receiver never got the event)."""
+    from conftest import ServerThread
+
+    secret = SECRETS["alice"]
+    config = {"model": tiny_wan, "state_dir": str(tmp_path / "state"), "max_pixels": 64 * 64,
+              "webhook_url": f"{receiver.url}/restart", "webhook_secret": secret}  # fmt: skip
+
+    def start() -> tuple[ServerThread, str]:
+        thread = ServerThread(ServeConfig(port=0, **config), tiny_wan)
+        return thread, thread.start().base_url
+
+    receiver.fail["/restart"] = 1000  # down: every try fails
+    first, base = start()
+    try:
+        with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+            job = c.videos.create_and_poll(
+                prompt=PROMPT, size="48x32", extra_body={"num_inference_steps": 2, "num_frames": 5}, poll_interval_ms=20
+            )
+        failed = receiver.wait(job.id, 1)  # tried, refused (the next try is 1 s later)
+    finally:
+        first.stop()
+    receiver.fail["/restart"] = 0  # back up
+    second, _ = start()
+    try:
+        tries = receiver.wait(job.id, len(failed) + 1)
+    finally:
+        second.stop()
+    event_ids = {headers["webhook-id"] for _, headers, _ in tries}
+    assert len(event_ids) == 1, event_ids  # the same event, before and after the restart
+    _, headers, body = tries[-1]
+    openai.OpenAI(api_key="unused").webhooks.verify_signature(body, headers, secret=secret)
+    assert json.loads(body)["type"] == "video.completed"
+    third, _ = start()
+    time.sleep(1.0)
+    third.stop()
+    assert len(receiver.for_object(job.id)) == len(tries)  # delivered: not sent again

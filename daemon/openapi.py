@@ -189,7 +189,7 @@ def served_document(
         form = edits["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
         form["properties"]["size"] = schemas["ImageEditRequest"]["properties"]["size"]
         form["properties"]["n"] = {"type": "string", "enum": [str(i) for i in range(1, max_n + 1)]}
-        steps = range(1, min(limits.max_steps, 50) + 1)
+        steps = range(1, min(limits.max_steps, 50) + 1)  # words, one each: at most 50 listed (understated above)
         form["properties"]["num_inference_steps"] = {"type": "string", "enum": [str(i) for i in steps]}
         form["required"] += [
             key for key in ("size", "num_inference_steps") if key in schemas["ImageEditRequest"].get("required", [])

@@ -1,14 +1,14 @@
 """Streams a client can come back to (issue 53, item 7): the native stream's events are kept, numbered, for
 `--reconnect-window` seconds after its client goes away and after the stream ends.
 
-The engine's events of a native request (`POST /v1/generations`) are read by a task of its own (`Replay.pump`), which
-renders each into an SSE event, numbers it (the SSE `id:` field: 1, 2, ...) and keeps it; every client of the stream
-follows the kept events (`Replay.follow`): the one that made it, and any that come back through
-`GET /v1/generations/{id}/events` (or by sending the POST again with its `Idempotency-Key`) with `Last-Event-ID: N`,
-which get every event after N once, then the live ones. Previews, latents and progress a returning client missed are
-coalesced to the latest of each (never those a client still connected has yet to read). A stream left without a
-client for the window is cancelled at its next step boundary, as a hang-up was before (a window of 0: at once); a
-finished stream's events are dropped the window after its terminal event.
+The engine's events of a native request (`POST /v1/generations`) are read by a task of its own (daemon/native_api.py
+`_pump`, `Replay.task`), which renders each into an SSE event and keeps it here, numbered (`Replay.add`: the SSE `id:`
+field, 1, 2, ...); every client of the stream follows the kept events (`Replay.follow`): the one that made it, and
+any that come back through `GET /v1/generations/{id}/events` (or by sending the POST again with its
+`Idempotency-Key`) with `Last-Event-ID: N`, which get every event after N once, then the live ones. Previews, latents
+and progress a returning client missed are coalesced to the latest of each (never those a client still connected
+has yet to read). A stream left without a client for the window is cancelled at its next step boundary, as a hang-up
+was before (a window of 0: at once); a finished stream's events are dropped the window after its terminal event.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from diffusiond.daemon.api import ApiError
 from diffusiond.daemon.streaming import KEEPALIVE, ClientGone, send, send_event
 
 log = logging.getLogger(__name__)
@@ -144,8 +145,7 @@ class Replay:
             self._forget()
 
     def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        self._disarm()
         if self.task is not None:
             self.task.cancel()
 
@@ -176,8 +176,6 @@ class Replays:
 
 def last_event_id(request: web.Request) -> int:
     """The `Last-Event-ID` a returning client sends (0 without one: from the first event)."""
-    from diffusiond.daemon.api import ApiError
-
     value = request.headers.get("Last-Event-ID", "").strip()
     if not value:
         return 0

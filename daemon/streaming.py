@@ -93,9 +93,10 @@ async def finish(response: web.StreamResponse, request_ids: list[str]) -> None:
 
 
 # `handed_on`: the generators that carry a request's events (Engine's mailbox -> ServerState.track -> with_keepalive
-# -> a route) yield each event without a name of their own left bound to it (`yield held.pop()`): a route that stalls
-# on a client that reads nothing has encoded the finished image or clip and dropped it, and only the encoded file
-# stays (a float32 clip of 81 x 832 x 480 is 390 MB).
+# -> a route, or -> a native stream's pump, daemon/native_api.py) yield each event without a name of their own left
+# bound to it (`yield held.pop()`): a route that stalls on a client that reads nothing has encoded the finished image
+# or clip and dropped it, and only the encoded file stays (a float32 clip of 81 x 832 x 480 is 390 MB; a native
+# stream keeps that file for its clients, daemon/replay.py).
 
 
 async def with_keepalive(events: AsyncIterator[T], every: float) -> AsyncIterator[T | None]:

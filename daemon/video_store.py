@@ -426,7 +426,7 @@ def stage_video(directory: Path, job: VideoJob, data: bytes) -> Staged:
     """A completed job's file and its JSON, each written under a temporary name of this writer's own and synced:
     [(temporary path, final name)] for `publish_video` (or `discard_staged`). Own names, since two replicas may
     finish one job (a stale one past its lease, and the lease's holder): neither writes into the other's file, and
-    only the holder publishes (daemon/videos_api.py). DiskFull before anything is written when the disk has no room;
+    only the holder publishes (daemon/video_jobs.py). DiskFull before anything is written when the disk has no room;
     on any error nothing is left."""
     name = job.file_name
     assert name is not None

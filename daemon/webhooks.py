@@ -73,26 +73,25 @@ class Webhooks:
         secret: str | None,
         event_type: str,
         object_id: str,
-        event: tuple[str, int] | None = None,
+        event: tuple[str, int],
         delivered: Callable[[], None] | None = None,
-    ) -> str | None:
-        """Queues one event for `url` (nothing without one); returns its id. `event`: (id, created_at) of one sent
-        before (a restart's), else a new one; `delivered`: called once a try is answered 2xx."""
+    ) -> None:
+        """Queues one event, `event` (its id and created_at: the same on every try and after a restart), for `url`
+        (nothing without one); `delivered`: called once a try is answered 2xx."""
         if url is None or secret is None:
-            return None
+            return
         if len(self.tasks) >= MAX_PENDING:
             message = "webhook %s for %s dropped: %d deliveries are under way already"
             log.error(message, event_type, object_id, MAX_PENDING)
             self._count("dropped")
-            return None
+            return
         if self.session is None:
             self.session = aiohttp.ClientSession()
-        event_id, created = event or (new_event_id(), int(time.time()))
+        event_id, created = event
         body = event_body(event_type, object_id, event_id, created)
         task = asyncio.create_task(self._deliver(url, secret, event_id, body, event_type, object_id, delivered))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
-        return event_id
 
     async def _deliver(
         self,
@@ -172,12 +171,12 @@ def notify(
     owner: str,
     event_type: str,
     object_id: str,
-    event: tuple[str, int] | None = None,
+    event: tuple[str, int],
     delivered: Callable[[], None] | None = None,
-) -> str | None:
+) -> None:
     """`event_type` for `object_id` to `owner`'s endpoint, if there is one (`Webhooks.send`)."""
     url, secret = endpoint(app, owner)
-    return app[WEBHOOKS].send(url, secret, event_type, object_id, event, delivered)
+    app[WEBHOOKS].send(url, secret, event_type, object_id, event, delivered)
 
 
 async def webhooks_ctx(app: web.Application) -> AsyncIterator[None]:

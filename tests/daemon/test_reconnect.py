@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import uuid
 
 import aiohttp
@@ -30,8 +31,6 @@ async def events(resp: aiohttp.ClientResponse, stop=None):
             first = False
         if not line:
             if data:
-                import json
-
                 yield eid, name, json.loads("\n".join(data))
             eid, name, data = None, None, []
         elif line.startswith("id:"):

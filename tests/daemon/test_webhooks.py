@@ -14,6 +14,7 @@ import urllib.request
 
 import openai
 import pytest
+from conftest import ServerThread
 
 from diffusiond.daemon.config import ConfigError, ServeConfig, check_serving, load_config
 from diffusiond.daemon.tenants import Tenants, TenantsError
@@ -173,8 +174,6 @@ def test_an_event_not_delivered_before_a_restart_is_sent_after_it(tiny_wan, rece
     """Under --state-dir the job's record keeps its undelivered event: a restart sends it again with the same id
     (receivers drop repeats by it), and once delivered the record says so: the next restart sends nothing. Red
     without the resend at start (the receiver never got the event)."""
-    from conftest import ServerThread
-
     secret = SECRETS["alice"]
     config = {"model": tiny_wan, "state_dir": str(tmp_path / "state"), "max_pixels": 64 * 64,
               "webhook_url": f"{receiver.url}/restart", "webhook_secret": secret}  # fmt: skip

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 
-from diffusiond.kernels import attention
 from diffusiond.kernels.lora_rows import Lora, LoraLayers
 from diffusiond.models import preview as preview_maps
 from diffusiond.models.base import Capabilities, ModelAdapter, RequestState, UnsupportedLayout, decodes_alpha
 from diffusiond.models.declared import read_declared
+from diffusiond.models.flowmatch import running
 from diffusiond.models.flowmatch.clips import VideoClips
 from diffusiond.models.flowmatch.decoding import decode_within
 from diffusiond.models.flowmatch.images import ImageStart
@@ -342,22 +342,8 @@ class FlowMatchAdapter(ModelAdapter):
         return self.guidance_styles
 
     def enable_offload(self, mode: str, device: str) -> None:
-        """Keep weights in CPU memory and bring them to `device` as they run (kernels/offload.py); the adapter was
-        loaded to CPU memory. `model`: one stage's components at a time (a two-expert checkpoint: the expert a step
-        runs); `group`: the transformer (every expert) streamed layer by layer, the rest on the device."""
-        from diffusiond.kernels import offload
-
-        if mode == "model":
-            self._stages = offload.StageOffload(self.pipe.components, device)
-        elif mode == "group":
-            experts = {id(expert) for expert in self.experts}
-            for module in self.pipe.components.values():
-                if isinstance(module, torch.nn.Module) and id(module) not in experts:
-                    module.to(device)
-            for expert in self.experts:  # never moved whole: each streamed layer by layer
-                offload.group_offload(expert, device)
-        elif mode != "none":
-            raise offload.OffloadUnavailable(f"unknown offload {mode!r}")
+        """Weights kept in CPU memory, brought to `device` as they run (models/flowmatch/running.py `offload`)."""
+        self._stages = running.offload(mode, device, self.pipe.components, self.experts)
         self.offload = mode
         self.device = torch.device(device)  # where inputs are made: the execution device, not the weights' home
         self.capabilities = self._capabilities()
@@ -369,28 +355,17 @@ class FlowMatchAdapter(ModelAdapter):
             self._stages.stage(names)
 
     def enable_compile(self) -> int:
-        """torch.compile the transformer's repeated blocks (kernels/compile.py); they compile at their first call,
-        which the warm-up makes. How many blocks."""
-        from diffusiond.kernels.compile import compile_blocks
-
-        count = sum(compile_blocks(expert, self.repeated_blocks) for expert in self.experts)
+        """The experts' repeated blocks compiled at their first call (the warm-up's); how many."""
+        count = running.compile_experts(self.experts, self.repeated_blocks)
         self.compiled = True
         return count
 
     def set_attention(self, choice: str) -> str:
-        """Route every attention layer (Ulysses ones included, so call it after the group is set up) to the backend
-        `choice` means on this device (kernels/attention.py); the resolved name. Python objects only, no torch work."""
-        backend = attention.resolve(choice, self.device, self.dtype)
-        routed = sum(attention.apply(expert, backend, masked=self.spec.attention_masks) for expert in self.experts)
-        if not routed and backend != "sdpa":
-            # No layer dispatches its attention (SDXL's UNet calls SDPA itself).
-            if choice != "auto":
-                from diffusiond.models.loading.setup import SetupError
-
-                raise SetupError(f"--attention {choice}: the {self.family} family's attention runs SDPA only")
-            backend = "sdpa"
-        self.attention_backend = backend
-        return backend
+        """Every attention layer routed to the backend `choice` means on this device; the resolved name."""
+        self.attention_backend = running.route_attention(
+            choice, self.experts, self.device, self.dtype, masked=self.spec.attention_masks, family=self.family
+        )
+        return self.attention_backend
 
     def _sampler(self, params: SamplingParams, generator: torch.Generator, **kwargs: Any) -> FlowMatchSampler:
         """The request's own copy of the scheduler, at the request's first step; a stochastic scheduler draws its

@@ -4,6 +4,7 @@ the rest of a served model on top."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 
 from diffusiond.models.base import ModelAdapter
 from diffusiond.models.loading.registry import adapter_class, family_of_checkpoint
-from diffusiond.models.loading.setup import resolve_dtype
+from diffusiond.models.loading.setup import SetupError, resolve_dtype
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -35,7 +36,9 @@ def load_adapter(
     `lazy_denoiser`: its denoiser built empty, for a layout that shards it (models/loading/lazy_weights.py).
     `adapter`: "auto" (the dedicated family, else the generic path) or "generic" (the generic path always)."""
     torch_dtype = DTYPES[resolve_dtype(dtype, device)] if isinstance(dtype, str) else dtype
-    cls = adapter_class(family_of_checkpoint(model, adapter))
+    family = family_of_checkpoint(model, adapter)
+    check_needs(family.family, family.needs)
+    cls = adapter_class(family)
     device = "cpu" if offload != "none" else device
     loaded = cls.from_pretrained(model, device=device, dtype=torch_dtype, lazy_denoiser=lazy_denoiser)
     if scheduler_config:
@@ -48,6 +51,23 @@ def load_adapter(
     if offload != "none":
         loaded.enable_offload(offload, device)
     return loaded
+
+
+# The extra that installs each package a family may need (pyproject.toml).
+EXTRA_OF = {"torchvision": "vision", "ftfy": "video", "torchsde": "audio"}
+
+
+def check_needs(family: str, needs: tuple[str, ...]) -> None:
+    """SetupError naming the packages a family's pipeline needs that are not installed (torchvision for the vision
+    processors: the `vision` extra, which an image built without it lacks), before loading fails deep inside it."""
+    missing = [name for name in needs if importlib.util.find_spec(name) is None]
+    if not missing:
+        return
+    extras = sorted({EXTRA_OF[name] for name in missing if name in EXTRA_OF})
+    how = f"pip install 'diffusiond[{','.join(extras)}]'" if extras else f"pip install {' '.join(missing)}"
+    if "torchvision" in missing:
+        how += " with the torchvision release made for your torch (PyPI's are CUDA builds)"
+    raise SetupError(f"the {family} family's pipeline needs {', '.join(missing)}, which is not installed: {how}")
 
 
 def change_scheduler(scheduler: Any, changes: Mapping[str, Any]) -> Any:

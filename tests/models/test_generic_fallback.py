@@ -148,3 +148,20 @@ def test_a_layout_the_family_does_not_read_goes_generic(fixture, pipeline, why, 
         output_type="np",
     ).images[0]  # fmt: skip
     assert float(np.abs(image - expected).max()) <= 1e-4
+
+
+def test_a_family_whose_package_is_missing_is_refused_naming_it(tmp_path, monkeypatch):
+    """An image built without the vision extra has no torchvision: a Qwen-Image-Edit checkpoint is refused at start
+    with the package and the extra named (a setup error: exit 2), not a traceback from deep inside its processor."""
+    import importlib.util
+
+    from diffusiond.models.loading import loader
+    from diffusiond.models.loading.setup import SetupError
+
+    (tmp_path / "model_index.json").write_text('{"_class_name": "QwenImageEditPipeline"}')
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchvision" else real(name, *a))
+    with pytest.raises(
+        SetupError, match=r"needs torchvision, which is not installed: pip install 'diffusiond\[vision\]'"
+    ):
+        loader.load_adapter(str(tmp_path))

@@ -112,10 +112,19 @@ def test_dockerfile_runs_diffusiond_serve_as_a_user_with_valid_settings():
     users = re.findall(r"^USER (\S+)", text, re.M)
     assert users and users[-1].split(":")[0] not in ("0", "root")
     assert re.search(r"^VOLUME ", text, re.M)
-    # Every DIFFUSIOND_* variable the image sets is a real setting; inside the container it listens on every interface.
-    env = dict(re.findall(r"\b(DIFFUSIOND_\w+)=(\S+)", text))
-    config, sources = load_config({}, env)
-    assert config.host == "0.0.0.0" and sources["host"] == "DIFFUSIOND_HOST"
+    # Every DIFFUSIOND_* variable the image sets is a real setting, with the arguments' defaults (the CUDA image) and
+    # with the CPU image's (the header's command); inside the container it listens on every interface.
+    defaults = dict(re.findall(r"^ARG (\w+)=(\S+)", text, re.M))
+    cpu = dict(re.findall(r"--build-arg (DEVICE|DTYPE)=(\S+)", text))
+    assert cpu == {"DEVICE": "cpu", "DTYPE": "float32"}, cpu
+    for args in (defaults, {**defaults, **cpu}):
+        env = {
+            k: re.sub(r"\$\{(\w+)\}", lambda m, args=args: args[m.group(1)], v)
+            for k, v in re.findall(r"\b(DIFFUSIOND_\w+)=(\S+)", text)
+        }
+        config, sources = load_config({}, env)
+        assert config.host == "0.0.0.0" and sources["host"] == "DIFFUSIOND_HOST"
+        assert config.device == args["DEVICE"] and config.dtype == args["DTYPE"]
 
 
 def test_the_wheel_ships_the_model_and_the_playground_without_warnings(tmp_path):
@@ -155,6 +164,26 @@ def test_the_test_extra_installs_what_the_quant_extra_does():
     the quantization tests run against what users install."""
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["quant"] and set(extras["quant"]) <= set(extras["test"])
+    assert extras["vision"] == ["torchvision"] and "torchvision" in extras["test"]
+
+
+def test_the_image_s_requirements_are_the_project_s_less_the_torch_pair():
+    """deploy/requirements.py, what the image's deps stage installs after its TORCH argument: every dependency and
+    the chosen extras' requirements, never torch or torchvision (PyPI's would replace the image's own build)."""
+    sys.path.insert(0, str(ROOT / "deploy"))
+    try:
+        from requirements import requirements
+    finally:
+        sys.path.pop(0)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = requirements(ROOT / "pyproject.toml", ["postgres", "vision", "gpu"])
+    assert not [r for r in wanted if r.split(">")[0].split("=")[0].strip() in ("torch", "torchvision")], wanted
+    assert set(wanted) == {r for r in project["dependencies"] if not r.startswith("torch")} | {
+        *project["optional-dependencies"]["postgres"],
+        *project["optional-dependencies"]["gpu"],
+    }
+    with pytest.raises(SystemExit, match="unknown extras cuda"):
+        requirements(ROOT / "pyproject.toml", ["cuda"])
 
 
 @pytest.mark.parametrize("entry", ["''", "ROOT"], ids=["python -c", "python -m"])

@@ -7,13 +7,15 @@ in flight and exits 0 with no traceback. What the CUDA image does not share with
 
 Cached between runs on one machine (the CI machine is this one): the debootstrap base (kept a week: Debian's
 packages, rebuilt after), and the build's layers (`--layers`): the deps stage (torch and the dependencies, which
-only pyproject.toml and the arguments change) and the runtime stage that copies them are tagged, so that a change
-of diffusiond's code rebuilds the small layers only; the image under test and every untagged layer are removed.
+only pyproject.toml and the arguments change) is tagged, and the image stays tagged until the next run, so that its
+runtime stage (which copies the deps) is the next build's cache too: a change of diffusiond's code rebuilds the
+small layers only. Layers no tag holds are removed after each run.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -33,9 +35,8 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = "localhost/diffusiond-ci/debian-base:bookworm"
-DEPS = "localhost/diffusiond-ci/deps:cpu"
-RUNTIME_DEPS = "localhost/diffusiond-ci/runtime-deps:cpu"
 IMAGE = "localhost/diffusiond-ci/image:cpu-test"
+DEPS = "localhost/diffusiond-ci/deps:cpu"
 BASE_MAX_AGE_S = 7 * 86400
 API_KEY = "image-test-key"
 # The image's Python is Debian bookworm's (3.11): a CPU build of torch for it, from a folder of wheels.
@@ -103,11 +104,12 @@ def _build(wheel: Path) -> None:
         "DEVICE": "cpu",
         "DTYPE": "float32",
     }
-    common = ["--layers", "--isolation", "chroot", "--format", "docker", "-v", f"{wheel.parent}:/wheels:ro"]
-    common += [f"--build-arg={k}={v}" for k, v in args.items()]
-    for target, tag in (("deps", DEPS), ("runtime-deps", RUNTIME_DEPS), (None, IMAGE)):
-        target_args = ["--target", target] if target else []
-        _run("buildah", "bud", *common, *target_args, "-t", tag, str(ROOT), timeout=1800)
+    flags = ["--layers", "--isolation", "chroot", "--format", "docker", "-v", f"{wheel.parent}:/wheels:ro"]
+    flags += [f"--build-arg={k}={v}" for k, v in args.items()]
+    # The deps stage is tagged on its own: it is not an ancestor of the image (a stage copied from), so no tag on
+    # the image keeps it. Built first, it is the image's build's cache.
+    _run("buildah", "bud", *flags, "--target", "deps", "-t", DEPS, str(ROOT), timeout=1800)
+    _run("buildah", "bud", *flags, "-t", IMAGE, str(ROOT), timeout=1800)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +125,8 @@ def image():
     _build(wheel)
     print(f"\nimage built in {time.monotonic() - t0:.0f} s")
     yield json.loads(_run("buildah", "inspect", "--type", "image", IMAGE).stdout)
-    _run("buildah", "rmi", IMAGE, check=False)
+    # The image stays tagged until the next run's replaces it: its layers (the deps, the runtime stage that copies
+    # them) are that run's cache. What no tag holds (the previous run's image, wheel stages) goes.
     _run("buildah", "rmi", "--prune", check=False, timeout=300)
 
 
@@ -135,18 +138,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _daemon_pids() -> list[int]:
-    """Processes of the container's daemon, seen from here: their command runs the image's own virtual environment."""
-    pids = []
+def _parents() -> dict[int, int]:
+    parents = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
                 continue
-            # Not buildah's own helper (buildah-chroot-exec), which execs the entrypoint and does not pass signals on.
-            if cmdline[0].startswith(b"/opt/diffusiond/bin/python") and b"serve" in cmdline:
-                pids.append(int(entry.name))
+    return parents
+
+
+def _descendants(root: int) -> list[int]:
+    parents = _parents()
+    found, frontier = [], [root]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def _daemon_pids(root: int) -> list[int]:
+    """The container's daemon processes (run by `buildah run`, pid `root`), first process first: their command runs
+    the image's own virtual environment (not buildah's helper, buildah-chroot-exec, which execs the entrypoint and
+    passes no signal on)."""
+    pids = []
+    for pid in _descendants(root):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmdline[0].startswith(b"/opt/diffusiond/bin/python") and b"serve" in cmdline:
+            pids.append(pid)
     return pids
 
 
@@ -197,7 +221,7 @@ def test_the_cpu_image_serves_the_bundled_model_as_a_user_and_drains_on_sigterm(
             assert time.monotonic() < deadline, "not ready within 240 s:\n" + _tail(log)
             time.sleep(0.5)
 
-        pids = _daemon_pids()
+        pids = _daemon_pids(proc.pid)
         assert pids and all(_uid(pid) == 10001 for pid in pids), [(pid, _uid(pid)) for pid in pids]
 
         status, body = _send(_post(base + "/v1/images/generations", {"prompt": "a red circle", "seed": 1}))
@@ -228,12 +252,15 @@ def test_the_cpu_image_serves_the_bundled_model_as_a_user_and_drains_on_sigterm(
         reader = threading.Thread(target=stream)
         reader.start()
         assert started.wait(60), events
-        os.kill(_root(pids), signal.SIGTERM)  # what `docker stop` sends the entrypoint's process
+        os.kill(pids[0], signal.SIGTERM)  # what `docker stop` sends the entrypoint's process
         reader.join(120)
         assert events[-1] == "completed", (events, _tail(log))
         assert proc.wait(90) == 0, _tail(log)
         assert b"Traceback" not in _read(log), _tail(log)
     finally:
+        for pid in _descendants(proc.pid) if proc.poll() is None else ():  # outlives buildah's own process
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
@@ -246,14 +273,6 @@ def _ready(base: str) -> bool:
         return _get(base + "/ready", 2)[0] == 200
     except OSError:
         return False
-
-
-def _root(pids: list[int]) -> int:
-    """The daemon's first process: the one whose parent is not one of them (ranks are its children)."""
-    (root,) = [
-        pid for pid in pids if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) not in pids
-    ]
-    return root
 
 
 def _send(request: urllib.request.Request) -> tuple[int, bytes]:

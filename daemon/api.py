@@ -240,13 +240,56 @@ _PARAM_PATTERNS = (
 
 
 def decode_body(data: bytes, type_: type[T]) -> T:
-    """Decode a JSON body into `type_`, or raise a 400 ApiError naming the offending field."""
+    """Decode a JSON body into `type_`, or raise a 400 ApiError naming the offending field. An integer field sent as a
+    number with no fraction (`2.0`: an integer to JSON Schema, and what Python's json writes for a float) is taken
+    as that integer; strings are never numbers here (decoding stays strict)."""
+    for _ in range(MAX_INTEGRAL_FIXES + 1):
+        try:
+            return msgspec.json.decode(data, type=type_)
+        except msgspec.ValidationError as exc:
+            fixed = _integral_floats(data, str(exc))
+            if fixed is None:
+                raise _invalid(exc) from None
+            data = fixed
+        except msgspec.DecodeError as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    raise ApiError(400, "invalid request: too many integers written as floats", code="invalid_value")
+
+
+# Integer fields a body may write as integral floats (each is one more decode of the body).
+MAX_INTEGRAL_FIXES = 16
+_INTEGRAL = re.compile(r"^Expected `(?:[^`]* \| )?int(?: \| [^`]*)?`, got `float` - at `\$(.*)`$")
+_SEGMENT = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+|\.\.\.)\]")
+
+
+def _integral_floats(data: bytes, error: str) -> bytes | None:
+    """`data` with the float at the path msgspec's "Expected `int`, got `float`" names made an int, where it has no
+    fraction (all of a map's values at `[...]`, a key msgspec does not name); None when there is none to fix."""
+    match = _INTEGRAL.match(error)
+    if match is None:
+        return None
     try:
-        return msgspec.json.decode(data, type=type_)
-    except msgspec.ValidationError as exc:
-        raise _invalid(exc) from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        root: Any = msgspec.json.decode(data)
+    except msgspec.DecodeError:  # not JSON after the field that failed (decoding stopped there): no fix
+        return None
+    parents: list[tuple[Any, Any]] = [({"": root}, "")]
+    for name, index in _SEGMENT.findall(match.group(1)):
+        nodes = [(c, k) for c, k in parents]
+        parents = []
+        for container, key in nodes:
+            value = container[key]
+            if name and isinstance(value, dict) and name in value:
+                parents.append((value, name))
+            elif index == "..." and isinstance(value, dict):
+                parents.extend((value, k) for k in value)
+            elif index.isdigit() and isinstance(value, list) and int(index) < len(value):
+                parents.append((value, int(index)))
+    changed = False
+    for container, key in parents:
+        value = container[key]
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+            container[key], changed = int(value), True
+    return msgspec.json.encode(root) if changed else None
 
 
 def convert_fields(fields: dict[str, str], type_: type[T]) -> T:

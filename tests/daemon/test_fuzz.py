@@ -295,3 +295,25 @@ async def test_a_thousand_malformed_requests_over_http(serve):
             assert resp.status == 200
     assert server.state.engine.alive
     assert sum(statuses.values()) == HTTP_INPUTS and statuses.get(400, 0) > HTTP_INPUTS // 2
+
+
+def test_an_integer_written_as_an_integral_float_is_that_integer():
+    """`2.0` is an integer to JSON Schema (the OpenAPI document says integer) and what Python's json writes for a float
+    2: taken as 2 wherever an integer is asked, nested ones too; a fraction, a string or a float past int64 is still
+    refused naming its field, and a float field keeps its float."""
+    from diffusiond.daemon.api import decode_body
+
+    body = {"prompt": "a", "num_inference_steps": 2.0, "seed": 7.0, "guidance_scale": 2.0, "width": 64.0}
+    native = decode_body(json.dumps(body).encode(), GenerationRequest)
+    assert (native.num_inference_steps, native.seed, native.width) == (2, 7, 64)
+    assert type(native.num_inference_steps) is int and type(native.guidance_scale) is float
+    openai = decode_body(b'{"prompt": "a", "n": 2.0}', ImageGenerationRequest)
+    assert openai.n == 2 and type(openai.n) is int
+    for field, value in (("num_inference_steps", 2.5), ("num_inference_steps", "2"), ("seed", 1e300)):
+        with pytest.raises(ApiError) as refused:
+            decode_body(json.dumps({"prompt": "a", field: value}).encode(), GenerationRequest)
+        assert refused.value.status == 400 and refused.value.param == field, (field, value)
+    # A body that is not JSON past the float (typed decoding stops at the float): refused, never a server error.
+    with pytest.raises(ApiError) as refused:
+        decode_body(b'{"prompt": "a", "num_inference_steps": 2.5, "seed": ', GenerationRequest)
+    assert refused.value.status == 400

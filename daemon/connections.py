@@ -121,6 +121,9 @@ class ConnectionGuard:
         self.refused = 0
         self.evicted = 0
         self.cut = 0
+        # The connections cut in the last pass (held until the next): their streams are not kept for a return
+        # (daemon/replay.py), since their clients read nothing.
+        self.just_cut: set[object] = set()
 
     @property
     def open(self) -> int:
@@ -155,16 +158,21 @@ class ConnectionGuard:
         while True:
             await asyncio.sleep(every)
             now = loop.time()
-            stalled = {}
+            stalled, cut = {}, set()
             for handler in self.server.connections if self.server is not None else ():
                 if not handler.writing_paused:
                     continue
                 since = stalled[handler] = self.stalled.get(handler, now)
                 if now - since >= self.write_timeout and handler.transport is not None:
                     log.info("cutting a client that read nothing for %gs (--write-timeout)", now - since)
+                    cut.add(handler)
                     handler.transport.abort()
                     self.cut += 1
-            self.stalled = stalled
+            self.stalled, self.just_cut = stalled, cut
+
+    def was_cut(self, request: web.BaseRequest) -> bool:
+        """Whether `request`'s connection was cut for reading nothing (not a client that went away itself)."""
+        return request.protocol in self.just_cut
 
     def middleware(self):
         @web.middleware

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import logging
 
 import msgspec
@@ -16,6 +17,7 @@ from diffusiond.daemon.api import ApiError, GenerationRequest, body_limit, decod
 from diffusiond.daemon.audio_encoding import completed_sound, encode_sound
 from diffusiond.daemon.auth import TENANT, tenant_of
 from diffusiond.daemon.config import ServeConfig
+from diffusiond.daemon.connections import CONNECTIONS
 from diffusiond.daemon.edge import read_body
 from diffusiond.daemon.files import store_result
 from diffusiond.daemon.handover import carried_ids, hand_over
@@ -106,7 +108,8 @@ async def generation_events(request: web.Request) -> web.StreamResponse:
 async def _follow(request: web.Request, replay: Replay) -> web.StreamResponse:
     after = last_event_id(request)
     response = await start_sse(request, {"X-Request-Id": replay.request_id})
-    if await replay.follow(response, after, request.app[STATE].config.sse_keepalive):
+    cut = functools.partial(request.app[CONNECTIONS].was_cut, request)
+    if await replay.follow(response, after, request.app[STATE].config.sse_keepalive, cut=cut):
         await finish(response, [replay.request_id])
     return response
 
@@ -140,7 +143,8 @@ async def _generate(request: web.Request, body: GenerationRequest, params: Sampl
     async def hand_on(frame: Frame) -> bool:  # a request not started by a failing group: the next rank 0's
         return await hand_over(request, sse_event(frame.name, frame.data), [rid], response)
 
-    if await replay.follow(response, 0, state.config.sse_keepalive, hand_on):
+    cut = functools.partial(request.app[CONNECTIONS].was_cut, request)
+    if await replay.follow(response, 0, state.config.sse_keepalive, hand_on, cut):
         await finish(response, [rid])
     return response
 

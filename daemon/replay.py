@@ -88,10 +88,13 @@ class Replay:
         after: int,
         keepalive: float,
         on_retry: Callable[[Frame], Awaitable[bool]] | None = None,
+        cut: Callable[[], bool] = lambda: False,
     ) -> bool:
         """Writes to `response` every event after `after`, then each new one, up to the terminal event (True), or
         until `on_retry` takes a failed event that may be retried elsewhere (False: the stream was handed over).
-        ClientGone when the client goes away; the stream then waits the window for another."""
+        ClientGone when the client goes away; the stream then waits the window for another, unless `cut()` says
+        the server cut the connection for reading nothing (daemon/connections.py): a client that reads nothing is
+        not waited for, and its request is cancelled at once, as with a window of 0."""
         rids = [self.request_id]
         cursor = Cursor(after)
         self.cursors.append(cursor)
@@ -115,14 +118,18 @@ class Replay:
                 await send_event(response, frame.name, frame.data, rids, frame.blob, event_id=frame.seq)
                 cursor.seq = frame.seq
         except ClientGone:
-            if not self.ended:
+            if not self.ended and not cut():
                 message = "request %s: the client went away after event %d; kept %gs for it to come back"
                 log.info(message, self.request_id, cursor.seq, self.window)
             raise
         finally:
             self.cursors.remove(cursor)
             if not self.cursors and not self.ended:
-                self._arm(self._abandon)
+                if cut():  # (its handler may also have been cancelled, not told ClientGone)
+                    self._disarm()
+                    self._abandon()
+                else:
+                    self._arm(self._abandon)
 
     def _arm(self, then: Callable[[], None]) -> None:
         self._disarm()

@@ -37,6 +37,15 @@ PartialImages = Annotated[int, msgspec.Meta(ge=0, le=MAX_PARTIAL_IMAGES)]
 Compression = Annotated[int, msgspec.Meta(ge=0, le=100)]
 Short = Annotated[str, msgspec.Meta(max_length=256)]
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
+# The OpenAI image fields that take one of a few words (`validate_openai`; the OpenAPI document lists them).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "response_format": ("b64_json", "url"),
+    "output_format": OUTPUT_FORMATS,
+    "moderation": ("auto", "low"),
+    "background": ("auto", "opaque", "transparent"),
+}
+# OpenAI fields always refused, naming them (DALL-E 3's style; input_fidelity: `strength` says it here).
+REFUSED_FIELDS = ("style", "input_fidelity")
 T = TypeVar("T")
 
 
@@ -385,7 +394,7 @@ def validate_openai(req: ImageGenerationRequest, max_n: int = MAX_N) -> None:
     """The OpenAI fields we check ourselves; size, steps and guidance limits come from the model adapter."""
     if req.n is not None and req.n > max_n:
         raise ApiError(400, f"n is {req.n}; this server allows at most {max_n} images per request (--max-n)", param="n")
-    check_choice("response_format", req.response_format, ("b64_json", "url"))
+    check_choice("response_format", req.response_format, CHOICES["response_format"])
     if req.response_format == "url" and req.stream:
         raise ApiError(
             400,
@@ -393,9 +402,9 @@ def validate_openai(req: ImageGenerationRequest, max_n: int = MAX_N) -> None:
             "answers that are not streamed",
             param="response_format",
         )
-    check_choice("output_format", req.output_format, OUTPUT_FORMATS)
+    check_choice("output_format", req.output_format, CHOICES["output_format"])
     # Accepted without effect (docs/http-api.md): nothing here moderates, so both levels are what is served.
-    check_choice("moderation", req.moderation, ("auto", "low"))
+    check_choice("moderation", req.moderation, CHOICES["moderation"])
     if req.style is not None:
         raise ApiError(
             400,
@@ -403,7 +412,7 @@ def validate_openai(req: ImageGenerationRequest, max_n: int = MAX_N) -> None:
             "prompt",
             param="style",
         )
-    check_choice("background", req.background, ("auto", "opaque", "transparent"))  # what it does: openai_api.py
+    check_choice("background", req.background, CHOICES["background"])  # what it does: openai_api.py
     # Ranges (n, output_compression, partial_images) are checked by the struct's annotated types.
     if req.output_compression is not None and (req.output_format or "png") == "png":
         raise ApiError(400, "output_compression applies to jpeg and webp only", param="output_compression")

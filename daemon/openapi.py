@@ -12,6 +12,8 @@ import msgspec
 
 from diffusiond import __version__
 from diffusiond.daemon.api import (
+    CHOICES,
+    REFUSED_FIELDS,
     AudioCreateRequest,
     GenerationRequest,
     ImageEditRequest,
@@ -125,10 +127,40 @@ IMAGE_FILE = {
 }
 
 
+def _openai_words(schema: dict) -> None:
+    """An OpenAI image request's schema says what `validate_openai` takes: the fields of a few words list them, the
+    fields always refused take nothing, and the pairs refused together are excluded (a streamed answer is never
+    `url`; `output_compression` is for jpeg and webp; `partial_images` needs `stream`)."""
+    props = schema["properties"]
+    for field, words in CHOICES.items():
+        props[field] = {"anyOf": [{"type": "string", "enum": list(words)}, {"type": "null"}]}
+    for field in REFUSED_FIELDS:
+        if field in props:
+            props[field] = {"not": {}, "description": "refused (400 naming it): see docs/http-api.md"}
+    present = {"not": {"type": "null"}}
+    schema["allOf"] = [
+        {
+            "if": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+            "then": {"properties": {"response_format": {"not": {"const": "url"}}}},
+        },
+        {
+            "if": {"properties": {"output_compression": present}, "required": ["output_compression"]},
+            "then": {"properties": {"output_format": {"enum": ["jpeg", "webp"]}}, "required": ["output_format"]},
+        },
+        {
+            "if": {"properties": {"partial_images": {"type": "integer", "minimum": 1}}, "required": ["partial_images"]},
+            "then": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+        },
+    ]
+
+
 def _edit_form(components: dict) -> dict:
-    """The edit's multipart form: the struct's text fields (as a form sends them: text) and its image files."""
+    """The edit's multipart form: the struct's text fields (as a form sends them: text; the fields of a few words
+    with their words, those always refused with none) and its image files."""
     fields = components["ImageEditRequest"]["properties"]
     properties: dict[str, Any] = {name: {"type": "string"} for name in fields}
+    properties |= {field: {"type": "string", "enum": list(words)} for field, words in CHOICES.items()}
+    properties |= {field: {"not": {}} for field in REFUSED_FIELDS if field in fields}
     properties["prompt"] = {"type": "string", **PROMPT}
     properties |= {"image": IMAGE_FILE, "mask": IMAGE_FILE}
     return {"type": "object", "properties": properties, "required": ["image", "prompt"]}
@@ -177,17 +209,25 @@ def served_document(
             props["size"] = {"type": "string", "enum": (["auto"] if fits else []) + sizes}
             if not fits:
                 schema.setdefault("required", []).append("size")
+        if "background" in props and not caps.alpha:  # transparent is refused where images have no alpha
+            props["background"] = {"anyOf": [{"type": "string", "enum": ["auto", "opaque"]}, {"type": "null"}]}
         if name == "GenerationRequest":
             for key in ("width", "height"):
                 props[key] = {"type": "integer", "minimum": m, "maximum": side, "multipleOf": m}
             if not fits:
                 schema.setdefault("required", []).extend(["width", "height"])
         if "num_inference_steps" in props and caps.default_steps > limits.max_steps:
-            schema.setdefault("required", []).append("num_inference_steps")  # its default is above the limit
+            # Its default is above the limit: a number is required (null would mean the default).
+            schema.setdefault("required", []).append("num_inference_steps")
+            steps = props["num_inference_steps"]
+            numbers = [s for s in steps.get("anyOf", []) if s.get("type") == "integer"]
+            props["num_inference_steps"] = numbers[0] if numbers else steps
     edits = doc["paths"].get("/v1/images/edits")
     if edits is not None:  # the form's fields are text: the same bounds, as the words a form may send
         form = edits["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
         form["properties"]["size"] = schemas["ImageEditRequest"]["properties"]["size"]
+        if not caps.alpha:
+            form["properties"]["background"] = {"type": "string", "enum": ["auto", "opaque"]}
         form["properties"]["n"] = {"type": "string", "enum": [str(i) for i in range(1, max_n + 1)]}
         steps = range(1, min(limits.max_steps, 50) + 1)  # words, one each: at most 50 listed (understated above)
         form["properties"]["num_inference_steps"] = {"type": "string", "enum": [str(i) for i in steps]}
@@ -221,6 +261,8 @@ def document() -> dict:
     for name in ("ImageGenerationRequest", "ImageEditRequest", "GenerationRequest", "VideoCreateRequest",
                  "AudioCreateRequest"):  # fmt: skip
         components[name]["properties"]["prompt"].update(PROMPT)
+    for name in ("ImageGenerationRequest", "ImageEditRequest"):
+        _openai_words(components[name])
     images = _ok(
         "images (or, with stream=true, an SSE stream of partial and completed images)", {JSON: IMAGES, SSE: SSE_EVENT}
     )

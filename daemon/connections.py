@@ -107,6 +107,10 @@ class RedactingAccessLogger(AccessLogger):
         ]
 
 
+# How long a cut connection is remembered (`ConnectionGuard.was_cut`).
+CUT_REMEMBERED_S = 30.0
+
+
 class ConnectionGuard:
     """The protocol factory in front of aiohttp's: counts connections, closes the longest idle past the cap, refuses
     past cap + PROBE_SLOTS. A connection is busy while one of its requests is handled (`connection_middleware`)."""
@@ -121,9 +125,9 @@ class ConnectionGuard:
         self.refused = 0
         self.evicted = 0
         self.cut = 0
-        # The connections cut in the last pass (held until the next): their streams are not kept for a return
-        # (daemon/replay.py), since their clients read nothing.
-        self.just_cut: set[object] = set()
+        # The connections cut lately, by id, and when (loop time): their streams are not kept for a return
+        # (daemon/replay.py), since their clients read nothing. Ids, not the handlers: a cut handler is let go.
+        self.cut_at: dict[int, float] = {}
 
     @property
     def open(self) -> int:
@@ -158,21 +162,23 @@ class ConnectionGuard:
         while True:
             await asyncio.sleep(every)
             now = loop.time()
-            stalled, cut = {}, set()
+            stalled = {}
+            # Kept long after the abort reaches its handler, however late a busy loop runs it.
+            self.cut_at = {key: at for key, at in self.cut_at.items() if now - at < CUT_REMEMBERED_S}
             for handler in self.server.connections if self.server is not None else ():
                 if not handler.writing_paused:
                     continue
                 since = stalled[handler] = self.stalled.get(handler, now)
                 if now - since >= self.write_timeout and handler.transport is not None:
                     log.info("cutting a client that read nothing for %gs (--write-timeout)", now - since)
-                    cut.add(handler)
+                    self.cut_at[id(handler)] = now
                     handler.transport.abort()
                     self.cut += 1
-            self.stalled, self.just_cut = stalled, cut
+            self.stalled = stalled
 
     def was_cut(self, request: web.BaseRequest) -> bool:
         """Whether `request`'s connection was cut for reading nothing (not a client that went away itself)."""
-        return request.protocol in self.just_cut
+        return id(request.protocol) in self.cut_at
 
     def middleware(self):
         @web.middleware

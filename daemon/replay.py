@@ -126,6 +126,7 @@ class Replay:
             self.cursors.remove(cursor)
             if not self.cursors and not self.ended:
                 if cut():  # (its handler may also have been cancelled, not told ClientGone)
+                    self.window = 0.0  # nobody comes back: its events are not kept after its end either
                     self._disarm()
                     self._abandon()
                 else:

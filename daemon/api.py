@@ -283,8 +283,7 @@ def _integral_floats(data: bytes, error: str) -> bytes | None:
         return None
     parents: list[tuple[Any, Any]] = [({"": root}, "")]
     for name, index in _SEGMENT.findall(match.group(1)):
-        nodes = [(c, k) for c, k in parents]
-        parents = []
+        nodes, parents = parents, []
         for container, key in nodes:
             value = container[key]
             if name and isinstance(value, dict) and name in value:

@@ -8,6 +8,7 @@ import base64
 import contextlib
 import functools
 import logging
+from collections.abc import Callable
 
 import msgspec
 from aiohttp import web
@@ -108,8 +109,7 @@ async def generation_events(request: web.Request) -> web.StreamResponse:
 async def _follow(request: web.Request, replay: Replay) -> web.StreamResponse:
     after = last_event_id(request)
     response = await start_sse(request, {"X-Request-Id": replay.request_id})
-    cut = functools.partial(request.app[CONNECTIONS].was_cut, request)
-    if await replay.follow(response, after, request.app[STATE].config.sse_keepalive, cut=cut):
+    if await replay.follow(response, after, request.app[STATE].config.sse_keepalive, cut=_was_cut(request)):
         await finish(response, [replay.request_id])
     return response
 
@@ -143,10 +143,14 @@ async def _generate(request: web.Request, body: GenerationRequest, params: Sampl
     async def hand_on(frame: Frame) -> bool:  # a request not started by a failing group: the next rank 0's
         return await hand_over(request, sse_event(frame.name, frame.data), [rid], response)
 
-    cut = functools.partial(request.app[CONNECTIONS].was_cut, request)
-    if await replay.follow(response, 0, state.config.sse_keepalive, hand_on, cut):
+    if await replay.follow(response, 0, state.config.sse_keepalive, hand_on, _was_cut(request)):
         await finish(response, [rid])
     return response
+
+
+def _was_cut(request: web.Request) -> Callable[[], bool]:
+    """Whether the server cut `request`'s connection for reading nothing (its stream is then not kept for a return)."""
+    return functools.partial(request.app[CONNECTIONS].was_cut, request)
 
 
 async def _pump(

@@ -127,13 +127,24 @@ IMAGE_FILE = {
 }
 
 
+# The output formats `output_compression` applies to; the backgrounds of images without alpha.
+COMPRESSED = [f for f in CHOICES["output_format"] if f != "png"]
+OPAQUE_BACKGROUNDS = [b for b in CHOICES["background"] if b != "transparent"]
+
+
+def _words(words, *, nullable: bool = False) -> dict:
+    """A field that takes one of `words` (or null)."""
+    one = {"type": "string", "enum": list(words)}
+    return {"anyOf": [one, {"type": "null"}]} if nullable else one
+
+
 def _openai_words(schema: dict) -> None:
     """An OpenAI image request's schema says what `validate_openai` takes: the fields of a few words list them, the
     fields always refused take nothing, and the pairs refused together are excluded (a streamed answer is never
     `url`; `output_compression` is for jpeg and webp; `partial_images` needs `stream`)."""
     props = schema["properties"]
     for field, words in CHOICES.items():
-        props[field] = {"anyOf": [{"type": "string", "enum": list(words)}, {"type": "null"}]}
+        props[field] = _words(words, nullable=True)
     for field in REFUSED_FIELDS:
         if field in props:
             props[field] = {"not": {}, "description": "refused (400 naming it): see docs/http-api.md"}
@@ -145,7 +156,7 @@ def _openai_words(schema: dict) -> None:
         },
         {
             "if": {"properties": {"output_compression": present}, "required": ["output_compression"]},
-            "then": {"properties": {"output_format": {"enum": ["jpeg", "webp"]}}, "required": ["output_format"]},
+            "then": {"properties": {"output_format": {"enum": COMPRESSED}}, "required": ["output_format"]},
         },
         {
             "if": {"properties": {"partial_images": {"type": "integer", "minimum": 1}}, "required": ["partial_images"]},
@@ -159,7 +170,7 @@ def _edit_form(components: dict) -> dict:
     with their words, those always refused with none) and its image files."""
     fields = components["ImageEditRequest"]["properties"]
     properties: dict[str, Any] = {name: {"type": "string"} for name in fields}
-    properties |= {field: {"type": "string", "enum": list(words)} for field, words in CHOICES.items()}
+    properties |= {field: _words(words) for field, words in CHOICES.items()}
     properties |= {field: {"not": {}} for field in REFUSED_FIELDS if field in fields}
     properties["prompt"] = {"type": "string", **PROMPT}
     properties |= {"image": IMAGE_FILE, "mask": IMAGE_FILE}
@@ -210,7 +221,7 @@ def served_document(
             if not fits:
                 schema.setdefault("required", []).append("size")
         if "background" in props and not caps.alpha:  # transparent is refused where images have no alpha
-            props["background"] = {"anyOf": [{"type": "string", "enum": ["auto", "opaque"]}, {"type": "null"}]}
+            props["background"] = _words(OPAQUE_BACKGROUNDS, nullable=True)
         if name == "GenerationRequest":
             for key in ("width", "height"):
                 props[key] = {"type": "integer", "minimum": m, "maximum": side, "multipleOf": m}
@@ -227,7 +238,7 @@ def served_document(
         form = edits["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
         form["properties"]["size"] = schemas["ImageEditRequest"]["properties"]["size"]
         if not caps.alpha:
-            form["properties"]["background"] = {"type": "string", "enum": ["auto", "opaque"]}
+            form["properties"]["background"] = _words(OPAQUE_BACKGROUNDS)
         form["properties"]["n"] = {"type": "string", "enum": [str(i) for i in range(1, max_n + 1)]}
         steps = range(1, min(limits.max_steps, 50) + 1)  # words, one each: at most 50 listed (understated above)
         form["properties"]["num_inference_steps"] = {"type": "string", "enum": [str(i) for i in steps]}

@@ -77,7 +77,8 @@ def rank_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
-def get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+def get(url: str | urllib.request.Request, timeout: float = 5.0) -> tuple[int, bytes]:
+    """(status, body) of a GET, or of any request given as a Request; an HTTP error's too."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             return resp.status, resp.read()
@@ -112,13 +113,13 @@ def wait_not_ready(base: str, within: float = 30.0) -> float:
     return time.monotonic() - t0
 
 
-def stream(base: str, body: dict, timeout: float = 60.0):
+def stream(base: str, body: dict, timeout: float = 60.0, headers: dict[str, str] | None = None):
     """Native SSE events as (name, data) pairs."""
     req = urllib.request.Request(
         f"{base}/v1/generations",
         data=json.dumps(body).encode(),
         method="POST",
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **(headers or {})},
     )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         name = None

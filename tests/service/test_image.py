@@ -15,7 +15,6 @@ small layers only. Layers no tag holds are removed after each run.
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
 import json
 import os
@@ -32,6 +31,7 @@ from pathlib import Path
 import pytest
 from needs import missing
 from PIL import Image
+from procs import children, free_port, get, kill_tree, stream, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = "localhost/diffusiond-ci/debian-base:bookworm"
@@ -130,41 +130,12 @@ def image():
     _run("buildah", "rmi", "--prune", check=False, timeout=300)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _parents() -> dict[int, int]:
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    return parents
-
-
-def _descendants(root: int) -> list[int]:
-    parents = _parents()
-    found, frontier = [], [root]
-    while frontier:
-        children = [pid for pid, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
-
-
 def _daemon_pids(root: int) -> list[int]:
     """The container's daemon processes (run by `buildah run`, pid `root`), first process first: their command runs
     the image's own virtual environment (not buildah's helper, buildah-chroot-exec, which execs the entrypoint and
     passes no signal on)."""
     pids = []
-    for pid in _descendants(root):
+    for pid in children(root):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
@@ -179,14 +150,6 @@ def _uid(pid: int) -> int:
         if line.startswith("Uid:"):
             return int(line.split()[1])
     raise AssertionError(f"no Uid line for {pid}")
-
-
-def _get(url: str, timeout: float = 5) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def _post(url: str, body: dict) -> urllib.request.Request:
@@ -205,7 +168,7 @@ def test_the_cpu_image_serves_the_bundled_model_as_a_user_and_drains_on_sigterm(
     health = config["Healthcheck"]["Test"]
     assert health[0] == "CMD" and "/health" in " ".join(health)
 
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     ctr = _run("buildah", "from", IMAGE).stdout.strip()
     run_env = ["--env", f"DIFFUSIOND_PORT={port}", "--env", f"DIFFUSIOND_API_KEY={API_KEY}"]
@@ -215,20 +178,19 @@ def test_the_cpu_image_serves_the_bundled_model_as_a_user_and_drains_on_sigterm(
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 240
-        while not _ready(base):
-            assert proc.poll() is None, _tail(log)
-            assert time.monotonic() < deadline, "not ready within 240 s:\n" + _tail(log)
-            time.sleep(0.5)
+        try:
+            wait_ready(base, proc, within=240)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}:\n{_tail(log)}") from None
 
         pids = _daemon_pids(proc.pid)
         assert pids and all(_uid(pid) == 10001 for pid in pids), [(pid, _uid(pid)) for pid in pids]
 
-        status, body = _send(_post(base + "/v1/images/generations", {"prompt": "a red circle", "seed": 1}))
+        status, body = get(_post(base + "/v1/images/generations", {"prompt": "a red circle", "seed": 1}), 60)
         assert status == 200, body[:500]
         png = base64.b64decode(json.loads(body)["data"][0]["b64_json"])
         assert png.startswith(b"\x89PNG") and Image.open(io.BytesIO(png)).size == (64, 64)
-        status, body = _send(urllib.request.Request(base + "/v1/models"))  # the key is asked for beyond loopback
+        status, body = get(base + "/v1/models")  # the key is asked for beyond loopback
         assert status == 401, body[:300]
 
         # The health check as the image declares it, inside the container.
@@ -239,17 +201,14 @@ def test_the_cpu_image_serves_the_bundled_model_as_a_user_and_drains_on_sigterm(
         events: list[str] = []
         started = threading.Event()
 
-        def stream() -> None:
-            request = _post(base + "/v1/generations", {"prompt": "a blue box", "num_inference_steps": 50, "seed": 2})
-            with urllib.request.urlopen(request, timeout=120) as resp:
-                for raw in resp:
-                    line = raw.decode().strip()
-                    if line.startswith("event: "):
-                        events.append(line.removeprefix("event: "))
-                        if line == "event: progress":
-                            started.set()
+        def read() -> None:
+            body = {"prompt": "a blue box", "num_inference_steps": 50, "seed": 2}
+            for name, _ in stream(base, body, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}):
+                events.append(name)
+                if name == "progress":
+                    started.set()
 
-        reader = threading.Thread(target=stream)
+        reader = threading.Thread(target=read)
         reader.start()
         assert started.wait(60), events
         os.kill(pids[0], signal.SIGTERM)  # what `docker stop` sends the entrypoint's process
@@ -258,29 +217,10 @@ def test_the_cpu_image_serves_the_bundled_model_as_a_user_and_drains_on_sigterm(
         assert proc.wait(90) == 0, _tail(log)
         assert b"Traceback" not in _read(log), _tail(log)
     finally:
-        for pid in _descendants(proc.pid) if proc.poll() is None else ():  # outlives buildah's own process
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+            kill_tree(proc)  # the container's processes outlive buildah's own
         _run("buildah", "rm", ctr, check=False)
         log.close()
-
-
-def _ready(base: str) -> bool:
-    try:
-        return _get(base + "/ready", 2)[0] == 200
-    except OSError:
-        return False
-
-
-def _send(request: urllib.request.Request) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(request, timeout=60) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def _read(log) -> bytes:

@@ -273,7 +273,8 @@ _SEGMENT = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+|\.\.\.)\]")
 
 def _integral_floats(data: bytes, error: str) -> bytes | None:
     """`data` with the float at the path msgspec's "Expected `int`, got `float`" names made an int, where it has no
-    fraction (all of a map's values at `[...]`, a key msgspec does not name); None when there is none to fix."""
+    fraction (all of a map's values at `[...]`, a key msgspec does not name; all of a list's items at `[i]`, so that
+    a list of 64 such floats is one fix, not 64); None when there is none to fix."""
     match = _INTEGRAL.match(error)
     if match is None:
         return None
@@ -290,8 +291,8 @@ def _integral_floats(data: bytes, error: str) -> bytes | None:
                 parents.append((value, name))
             elif index == "..." and isinstance(value, dict):
                 parents.extend((value, k) for k in value)
-            elif index.isdigit() and isinstance(value, list) and int(index) < len(value):
-                parents.append((value, int(index)))
+            elif index.isdigit() and isinstance(value, list):  # every item: a list of integers is fixed at once
+                parents.extend((value, i) for i in range(len(value)))
     changed = False
     for container, key in parents:
         value = container[key]

@@ -13,6 +13,7 @@ import io
 import logging
 import os
 import time
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from diffusiond.daemon.auth import TENANTS, tenant_middleware
 from diffusiond.daemon.config import ServeConfig, model_setup
 from diffusiond.daemon.connections import CONNECTIONS, PROBES, ConnectionGuard, connection_limit, open_files_limit
 from diffusiond.daemon.edge import READ_BUDGET, ReadBudget, edge_middleware
+from diffusiond.daemon.field_rules import field_rules
 from diffusiond.daemon.handover import CARRIED, carry_over
 from diffusiond.daemon.idempotency import KEYS, IdempotencyKeys
 from diffusiond.daemon.image_encoding import encoder_pool
@@ -352,15 +354,35 @@ async def metrics(request: web.Request) -> web.Response:
 async def openapi_document(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = state.engine if state.ready else None
-    caps, limits = (engine.adapter.capabilities, engine.limits) if engine is not None else (None, None)
-    body = _openapi(caps, limits, state.config.max_n, state.config.lora_dir is not None)
+    if engine is None:
+        body = _openapi(None, None, state.config.max_n, False, (), None)
+    else:
+        registry = engine.adapter.lora_registry
+        names = tuple(sorted(registry.entries)) if registry is not None else ()
+        rules = _RULES.get(engine)
+        if rules is None:
+            rules = _RULES[engine] = field_rules(engine)
+        caps, limits, lora_dir = engine.adapter.capabilities, engine.limits, state.config.lora_dir is not None
+        body = _openapi(caps, limits, state.config.max_n, lora_dir, rules, names)
     return web.Response(body=body, content_type="application/json")
 
 
-@functools.cache
-def _openapi(caps: Capabilities | None, limits: RequestLimits | None, max_n: int, lora_dir: bool) -> bytes:
-    """Built on the first request (~10 ms), not at every start: the code's routes and bounds, and the model's."""
-    return msgspec.json.encode(served_document(caps, limits, max_n, lora_dir))
+# The fields each loaded model takes (daemon/field_rules.py: asked of its rules once, ~100 resolutions).
+_RULES: weakref.WeakKeyDictionary[Engine, tuple] = weakref.WeakKeyDictionary()
+
+
+@functools.lru_cache(maxsize=16)
+def _openapi(
+    caps: Capabilities | None,
+    limits: RequestLimits | None,
+    max_n: int,
+    lora_dir: bool,
+    rules: tuple,
+    lora_names: tuple[str, ...] | None,
+) -> bytes:
+    """Built on the first request (~10 ms), not at every start: the code's routes and bounds, and the model's (again
+    when the registered LoRA adapters change)."""
+    return msgspec.json.encode(served_document(caps, limits, max_n, lora_dir, rules, lora_names))
 
 
 PLAYGROUND = Path(__file__).parent / "static" / "index.html"

@@ -21,6 +21,7 @@ from diffusiond.daemon.api import (
     VideoCreateRequest,
 )
 from diffusiond.daemon.config import MAX_N
+from diffusiond.daemon.field_rules import narrow, unserved_routes
 from diffusiond.daemon.loras_api import LoraCreateRequest
 from diffusiond.models.base import Capabilities
 from diffusiond.models.params import RequestLimits
@@ -127,6 +128,32 @@ IMAGE_FILE = {
 }
 
 
+# A native request's input image: base64 of an image file (format "base64-image": what models/inputs.py
+# `admit_image` decodes; tests/daemon/test_openapi.py generates such text for it), not any base64.
+BASE64_IMAGE = {"format": "base64-image", "description": "base64 of a PNG, JPEG, WEBP, GIF or BMP file"}
+
+
+def _base64_images(props: dict) -> None:
+    for name in ("image", "mask", "reference_images"):
+        for option in props[name].get("anyOf", [props[name]]):
+            if option.get("type") == "string":
+                option.update(BASE64_IMAGE)
+            elif option.get("type") == "array":
+                option["items"] = {**option["items"], **BASE64_IMAGE}
+
+
+# The least `strength` the document promises: 0 runs no step (refused, naming it), nor does a strength whose
+# product with the steps vanishes beside them in floats (1.4e-45); 1e-6 runs one step of any count allowed. (SDXL
+# rounds the kept steps down: there, a strength below 1/steps runs none either, which this bound does not say.)
+LEAST_STRENGTH = 1e-6
+
+
+def _least_strength(props: dict) -> None:
+    for option in props["strength"].get("anyOf", [props["strength"]]):
+        if option.get("type") == "number":
+            option["minimum"] = LEAST_STRENGTH
+
+
 # The output formats `output_compression` applies to; the backgrounds of images without alpha.
 COMPRESSED = [f for f in CHOICES["output_format"] if f != "png"]
 OPAQUE_BACKGROUNDS = [b for b in CHOICES["background"] if b != "transparent"]
@@ -165,16 +192,39 @@ def _openai_words(schema: dict) -> None:
     ]
 
 
-def _edit_form(components: dict) -> dict:
-    """The edit's multipart form: the struct's text fields (as a form sends them: text; the fields of a few words
-    with their words, those always refused with none) and its image files."""
-    fields = components["ImageEditRequest"]["properties"]
-    properties: dict[str, Any] = {name: {"type": "string"} for name in fields}
-    properties |= {field: _words(words) for field, words in CHOICES.items()}
-    properties |= {field: {"not": {}} for field in REFUSED_FIELDS if field in fields}
+def _edit_form(components: dict, lora_names: tuple[str, ...] | None = None) -> dict:
+    """The edit's multipart form, from its JSON schema (`ImageEditRequest`, as narrowed for the model served): each
+    field as a form sends it (text: a number or word as the JSON field takes it, no null; `lora` as JSON text; the
+    lists and objects only JSON bodies take, none), the pairs refused together, and its image files. `lora_names`:
+    the adapters registered now (None: any, the code's document)."""
+    edit = components["ImageEditRequest"]
+    properties: dict[str, Any] = {name: _form_field(name, schema) for name, schema in edit["properties"].items()}
     properties["prompt"] = {"type": "string", **PROMPT}
     properties |= {"image": IMAGE_FILE, "mask": IMAGE_FILE}
-    return {"type": "object", "properties": properties, "required": ["image", "prompt"]}
+    if lora_names is not None:  # JSON text naming one registered adapter, or none
+        properties["lora"] = {**FORM_LORA, "enum": ["[]", *(f'[{{"name": "{n}"}}]' for n in lora_names)]}
+    required = ["image", "prompt", *(key for key in edit.get("required", []) if key != "prompt")]
+    # Only these fields: the form refuses others by name, as the JSON bodies do.
+    form = {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+    if "allOf" in edit:
+        form["allOf"] = edit["allOf"]
+    return form
+
+
+# A form's `lora`: JSON text of the list (daemon/api.py `json_fields`).
+FORM_LORA = {"type": "string", "contentMediaType": "application/json", "description": 'JSON text: [{"name": ...}]'}
+
+
+def _form_field(name: str, schema: dict) -> dict:
+    """A JSON field's schema as a form field: its options without null (a form leaves a field out instead); a field
+    taken only as null, or only as a list or object (JSON bodies), takes nothing."""
+    options = [o for o in schema.get("anyOf", [schema]) if o.get("type") != "null"]
+    if name == "lora":
+        return FORM_LORA
+    options = [o for o in options if o.get("type") not in ("array", "object")]
+    if not options:
+        return {"not": {}, "description": schema.get("description", "taken in JSON bodies only")}
+    return options[0] if len(options) == 1 else {"anyOf": options}
 
 
 def _id_param(name: str) -> list[dict]:
@@ -188,20 +238,28 @@ KIND_ROUTES = {"image": "/v1/images/", "video": "/v1/videos", "audio": "/v1/audi
 
 
 def served_document(
-    caps: Capabilities | None, limits: RequestLimits | None, max_n: int = MAX_N, lora_dir: bool = False
+    caps: Capabilities | None,
+    limits: RequestLimits | None,
+    max_n: int = MAX_N,
+    lora_dir: bool = False,
+    rules: tuple[tuple[str, str | int], ...] = (),
+    lora_names: tuple[str, ...] | None = None,
 ) -> dict:
     """The document of the model loaded (None before it is loaded: every route, the code's bounds): the routes of
     the other kinds of model left out, and the LoRA routes of a model without LoRA (`POST /v1/loras` without
     `--lora-dir`: adapters cannot be added); the server's limits on sizes, steps and images a request, as bounds a
     client can check: sides at most the square that fits `--max-pixels`, multiples of the model's size multiple (what
     is refused beyond it, a wide image within the pixel budget, is understated, never promised), and the size
-    required when the model's default does not fit."""
+    required when the model's default does not fit; the fields the model takes as its own rules say (`rules`, from
+    daemon/field_rules.py) and the LoRA adapters registered now (`lora_names`)."""
     doc = document()
     if caps is None or limits is None:
         return doc
+    narrow(doc, rules, lora_names if caps.lora else None)
     dropped = tuple(prefix for kind, prefix in KIND_ROUTES.items() if kind != caps.modality)
     if not caps.lora:
         dropped += ("/v1/loras",)
+    dropped += unserved_routes(rules)
     doc["paths"] = {path: item for path, item in doc["paths"].items() if not path.startswith(dropped)}
     if caps.lora and not lora_dir:
         doc["paths"]["/v1/loras"].pop("post")
@@ -223,6 +281,9 @@ def served_document(
         if "background" in props and not caps.alpha:  # transparent is refused where images have no alpha
             props["background"] = _words(OPAQUE_BACKGROUNDS, nullable=True)
         if name == "GenerationRequest":
+            for key, kind in (("video_format", "video"), ("audio_format", "audio")):  # the model's kind of output
+                if caps.modality != kind:
+                    props[key] = {"type": "null", "description": f"for {kind} models"}
             for key in ("width", "height"):
                 props[key] = {"type": "integer", "minimum": m, "maximum": side, "multipleOf": m}
             if not fits:
@@ -234,17 +295,9 @@ def served_document(
             numbers = [s for s in steps.get("anyOf", []) if s.get("type") == "integer"]
             props["num_inference_steps"] = numbers[0] if numbers else steps
     edits = doc["paths"].get("/v1/images/edits")
-    if edits is not None:  # the form's fields are text: the same bounds, as the words a form may send
-        form = edits["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
-        form["properties"]["size"] = schemas["ImageEditRequest"]["properties"]["size"]
-        if not caps.alpha:
-            form["properties"]["background"] = _words(OPAQUE_BACKGROUNDS)
-        form["properties"]["n"] = {"type": "string", "enum": [str(i) for i in range(1, max_n + 1)]}
-        steps = range(1, min(limits.max_steps, 50) + 1)  # words, one each: at most 50 listed (understated above)
-        form["properties"]["num_inference_steps"] = {"type": "string", "enum": [str(i) for i in steps]}
-        form["required"] += [
-            key for key in ("size", "num_inference_steps") if key in schemas["ImageEditRequest"].get("required", [])
-        ]
+    if edits is not None:  # the form, from the JSON schema as narrowed above
+        form = _edit_form(schemas, lora_names if caps.lora else ())
+        edits["post"]["requestBody"]["content"]["multipart/form-data"]["schema"] = form
     return doc
 
 
@@ -274,6 +327,17 @@ def document() -> dict:
         components[name]["properties"]["prompt"].update(PROMPT)
     for name in ("ImageGenerationRequest", "ImageEditRequest"):
         _openai_words(components[name])
+    native = components["GenerationRequest"]["properties"]
+    _base64_images(native)
+    native["output_format"] = {**_words(CHOICES["output_format"]), "default": "png"}
+    components["GenerationRequest"]["allOf"] = [  # daemon/native_api.py `parse_generation`: latents ride previews
+        {
+            "if": {"properties": {"latents": {"const": True}}, "required": ["latents"]},
+            "then": {"properties": {"preview_every": {"minimum": 1}}, "required": ["preview_every"]},
+        }
+    ]
+    for name in ("GenerationRequest", "ImageEditRequest"):
+        _least_strength(components[name]["properties"])
     images = _ok(
         "images (or, with stream=true, an SSE stream of partial and completed images)", {JSON: IMAGES, SSE: SSE_EVENT}
     )

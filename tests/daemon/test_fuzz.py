@@ -317,3 +317,11 @@ def test_an_integer_written_as_an_integral_float_is_that_integer():
     with pytest.raises(ApiError) as refused:
         decode_body(b'{"prompt": "a", "num_inference_steps": 2.5, "seed": ', GenerationRequest)
     assert refused.value.status == 400
+    # A list of such floats is fixed at once (each fix decodes the body again, at most MAX_INTEGRAL_FIXES times):
+    # 64 layer indices and 8 adapters' experts, beside every scalar integer, are taken; schemathesis sent the list.
+    layers = [float(i) for i in range(64)]
+    loras = [{"name": f"a{i}", "expert": 1.0} for i in range(8)]
+    scalars = {"seed": 1.0, "num_inference_steps": 2.0, "width": 64.0, "height": 64.0, "preview_every": 1.0}
+    body = {"prompt": "a", "skip_guidance_layers": layers, "lora": loras, "stg_blocks": [0.0, 1.0], **scalars}
+    many = decode_body(json.dumps(body).encode(), GenerationRequest)
+    assert many.skip_guidance_layers == tuple(range(64)) and {c.expert for c in many.lora} == {1}

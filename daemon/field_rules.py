@@ -1,0 +1,241 @@
+"""Which request fields the loaded model takes, found by asking its own rules: each optional field is sent once, on
+its own and beside an input image, through `Engine.resolve` (the family's `RequestRules.resolve`, the generic path's,
+and the operator's limits), and what the model refuses naming that field is what the served OpenAPI document leaves
+out (daemon/openapi.py `served_document`). One source of truth: the document cannot promise a field the resolver
+refuses (a family's own guidance, step caching without `--cache`, video fields on an image model), whatever the
+family, and it needs no family named here.
+
+Run once a loaded model, on the event loop (resolving is arithmetic and a few header reads of a tiny image)."""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from msgspec.structs import replace
+
+from diffusiond.models.params import MAX_GUIDANCE, ParamError, SamplingParams
+
+if TYPE_CHECKING:
+    from diffusiond.engine.engine import Engine
+
+log = logging.getLogger("diffusiond.openapi")
+
+# What a field does beside an input image (`image`): taken with or without one, only with one, only without one,
+# or never (the document then allows it only as null, the same as leaving it out); the image itself may be required.
+ANY, WITH_IMAGE, WITHOUT_IMAGE, NEVER, REQUIRED = "any", "with image", "without image", "never", "required"
+
+# Fields whose values are checked against the model by size rather than taken or refused (their largest item).
+LISTS = ("skip_guidance_layers", "stg_blocks")
+
+
+def _png(side: int) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (side, side), (128, 128, 128)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def _probes(engine: Engine) -> dict[str, Any]:
+    """A value for each optional field that its type allows and that differs from the model's default."""
+    caps = engine.adapter.capabilities
+    image = _png(max(caps.size_multiple, 16))
+    frames = 1 + (caps.frame_step or 4)
+    return {
+        "negative_prompt": "a probe",
+        "guidance_scale": _other_guidance(caps),
+        "true_cfg_scale": 2.0,
+        "guidance_scale_2": 2.0,
+        "audio_guidance_scale": 2.0,
+        "stg_scale": 2.0,
+        "audio_stg_scale": 2.0,
+        "modality_scale": 2.0,
+        "audio_modality_scale": 2.0,
+        "guidance_rescale": 0.5,
+        "audio_guidance_rescale": 0.5,
+        "stg_blocks": (0,),
+        "cache_threshold": 0.1,
+        "cache_steps": (0,),
+        "skip_guidance_layers": (0,),
+        "image": image,
+        "strength": 0.5,
+        "mask": image,
+        "reference_images": (image,),
+        "edit_context": "auto",
+        "num_frames": frames,
+        "fps": caps.default_fps or 8,
+        "arguments": {"probe": 1},
+        "images": {"probe": image},
+    }
+
+
+def _other_guidance(caps: Any) -> float:
+    """A guidance scale other than the default, within what the checkpoint declares."""
+    low, high = caps.guidance or (0.0, MAX_GUIDANCE)
+    return caps.default_guidance + 1.0 if caps.default_guidance + 1.0 <= high else max(low, caps.default_guidance - 1.0)
+
+
+def _base(engine: Engine) -> SamplingParams:
+    """The smallest request the server takes: one step at the smallest size (and frame count) it allows."""
+    caps, limits = engine.adapter.capabilities, engine.limits
+    steps = caps.steps[0] if caps.steps else 1  # the fewest it declares (models/declared.py)
+    fields: dict[str, Any] = {"prompt": "a probe", "num_inference_steps": steps, "seed": 0}
+    m = caps.size_multiple
+    if caps.sizes:
+        fields["width"], fields["height"] = min(caps.sizes, key=lambda size: size[0] * size[1])
+    elif limits is not None and caps.default_width * caps.default_height > limits.max_pixels:
+        side = max(m, min(caps.max_side, math.isqrt(limits.max_pixels)) // m * m)
+        fields["width"] = fields["height"] = side
+    if caps.modality == "video" and caps.frame_step:
+        fields["num_frames"] = 1 + caps.frame_step
+    return SamplingParams(**fields)
+
+
+def _takes(engine: Engine, params: SamplingParams, name: str) -> bool | None:
+    """True when the model takes `params`, False when it refuses them naming `name`, None when it refuses them for
+    another reason (the probe says nothing about `name`)."""
+    try:
+        engine.resolve(params)
+    except ParamError as exc:
+        return False if exc.param == name else None
+    except (ValueError, TypeError, msgspec.ValidationError):
+        return None
+    return True
+
+
+def field_rules(engine: Engine) -> tuple[tuple[str, str | int], ...]:
+    """(field, what it does beside an image) for each optional field the model does not take everywhere, and (field,
+    largest item) for the list fields it bounds by size; () when not even the smallest request resolves (nothing is
+    left out of the document then: it stays the code's)."""
+    probes = _probes(engine)
+    image = probes["image"]
+    base = _base(engine)
+    rules: list[tuple[str, str | int]] = []
+    if _takes(engine, base, "image") is False and _takes(engine, replace(base, image=image), "image"):
+        base = replace(base, image=image)  # an instruction-edit model: every request edits an image
+        rules.append(("image", REQUIRED))
+    if _takes(engine, base, "prompt") is not True:
+        log.warning("the OpenAPI document lists every field: the smallest request does not resolve (%s)", base)
+        return ()
+    with_image = replace(base, image=image)
+    image_taken = _takes(engine, with_image, "image") is True
+    for name, value in probes.items():
+        alone = _takes(engine, replace(base, **{name: value}), name)
+        if not image_taken:  # no request has an image: what is taken alone is taken by any request
+            beside = bool(alone)
+        else:
+            beside = name == "image" or _takes(engine, replace(with_image, **{name: value}), name) is True
+        if name == "image":
+            if rules[:1] == [("image", REQUIRED)]:
+                continue
+            rule = ANY if alone else NEVER
+        elif alone and beside:
+            rule = ANY
+        elif alone:
+            rule = WITHOUT_IMAGE
+        elif beside:
+            rule = WITH_IMAGE
+        else:
+            rule = NEVER
+        if rule != ANY:
+            rules.append((name, rule))
+        if name in LISTS and rule in (ANY, WITHOUT_IMAGE):
+            rules.append((name, _largest(engine, base, name)))
+    return tuple(rules)
+
+
+def _largest(engine: Engine, base: SamplingParams, name: str, bound: int = 1000) -> int:
+    """The largest single item a list field takes (its items are block indices: 0 is taken, `bound` the type's)."""
+    low, high = 0, bound
+    while low < high:
+        middle = (low + high + 1) // 2
+        if _takes(engine, replace(base, **{name: (middle,)}), name):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+# The request schemas a model's rules narrow, and the field that carries each one's input image (None: it has none,
+# the OpenAI generation; "" it always has one, the OpenAI edit).
+IMAGE_FIELD = {
+    "ImageGenerationRequest": None,
+    "ImageEditRequest": "",
+    "GenerationRequest": "image",
+    "VideoCreateRequest": "input_reference",
+    "AudioCreateRequest": None,
+}
+PRESENT = {"not": {"type": "null"}}
+
+
+def _present(name: str) -> dict:
+    return {"properties": {name: PRESENT}, "required": [name]}
+
+
+def _absent(name: str) -> dict:
+    return {"properties": {name: {"type": "null"}}}
+
+
+def unserved_routes(rules: tuple[tuple[str, str | int], ...]) -> tuple[str, ...]:
+    """The OpenAI image routes the model cannot serve: generations without an image (a model that edits only), or
+    edits (a model that takes no input image)."""
+    image = dict(rules).get("image")
+    return {REQUIRED: ("/v1/images/generations",), NEVER: ("/v1/images/edits",)}.get(image, ())
+
+
+def narrow(doc: dict, rules: tuple[tuple[str, str | int], ...], lora_names: tuple[str, ...] | None) -> None:
+    """The document's request schemas as the loaded model takes them (`field_rules`): a field it never takes is
+    null only (the same as leaving it out), one it takes only beside an input image (or only without one) is tied to
+    the image by an if/then rule, or null only where the schema has no image (or always one); a list of block
+    indices has its largest; `lora` names the adapters registered now (`lora_names`; None: the model takes none)."""
+    schemas = doc["components"]["schemas"]
+    for schema_name, image in IMAGE_FIELD.items():
+        schema = schemas.get(schema_name)
+        if schema is None:
+            continue
+        props = schema["properties"]
+        for name, rule in rules:
+            if name not in props or name == image:
+                continue
+            if isinstance(rule, int):
+                _bound_items(props, name, rule)
+                continue
+            never = rule == NEVER or (rule == WITH_IMAGE and image is None) or (rule == WITHOUT_IMAGE and image == "")
+            if never:
+                props[name] = {"type": "null", "description": f"not taken by this model ({rule})"}
+            elif rule == WITH_IMAGE and image:
+                schema.setdefault("allOf", []).append({"if": _present(name), "then": _present(image)})
+            elif rule == WITHOUT_IMAGE and image:
+                schema.setdefault("allOf", []).append({"if": _present(image), "then": _absent(name)})
+        if image and dict(rules).get("image") == NEVER:
+            props[image] = {"type": "null", "description": "this model takes no input image"}
+        elif image and dict(rules).get("image") == REQUIRED:
+            props[image] = {k: v for k, v in props[image].items() if k != "default"}
+            if "anyOf" in props[image]:
+                props[image]["anyOf"] = [o for o in props[image]["anyOf"] if o.get("type") != "null"]
+            schema.setdefault("required", []).append(image)
+        if "lora" in props:
+            props["lora"] = _loras(props["lora"], lora_names)
+
+
+def _bound_items(props: dict, name: str, largest: int) -> None:
+    for option in props[name].get("anyOf", [props[name]]):
+        if option.get("type") == "array":
+            option["items"] = {**option["items"], "maximum": largest}
+
+
+def _loras(schema: dict, names: tuple[str, ...] | None) -> dict:
+    """`lora` naming only registered adapters (none registered, or a model without LoRA: null or empty only)."""
+    if not names:
+        return {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}], "description": "no adapter registered"}
+    return {"anyOf": [_named(option, names) for option in schema.get("anyOf", [schema])]}
+
+
+def _named(option: dict, names: tuple[str, ...]) -> dict:
+    if option.get("type") != "array":
+        return option
+    return {**option, "items": {"allOf": [option["items"], {"properties": {"name": {"enum": list(names)}}}]}}

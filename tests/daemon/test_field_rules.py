@@ -1,0 +1,94 @@
+"""The served OpenAPI document says which fields the loaded model takes (daemon/field_rules.py, issue 54 item 6):
+found by asking the model's own rules, so that what the document leaves out is what the daemon refuses, and what it
+keeps the daemon serves, on the server that serves it (step caching with --cache or not), on image-to-image,
+video and instruction-edit families alike. tests/daemon/test_openapi.py runs schemathesis against the document.
+
+Broken on purpose once: with `field_rules` returning no rules, the schemathesis test found cache_threshold (and
+skip-layer guidance beside an image) called valid and refused."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+from diffusiond.daemon.field_rules import NEVER, REQUIRED, WITH_IMAGE, WITHOUT_IMAGE, field_rules
+
+
+def _document(server) -> dict:
+    with urllib.request.urlopen(f"{server.base_url}/openapi.json", timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _post(server, body: dict) -> int:
+    request = urllib.request.Request(
+        f"{server.base_url}/v1/generations", data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            resp.read()
+            return resp.status
+    except urllib.error.HTTPError as error:
+        with error:
+            return error.code
+
+
+SMALL = {"prompt": "a red circle", "num_inference_steps": 1, "width": 64, "height": 64, "seed": 1}
+
+
+def test_step_caching_is_documented_where_the_server_caches(serve, server):
+    """cache_threshold: null only on a server without --cache (a threshold is refused there), a number with it (and
+    served)."""
+    plain, cached = server, serve(cache="teacache")
+    assert ("cache_threshold", NEVER) in field_rules(plain.state.engine)
+    assert "cache_threshold" not in dict(field_rules(cached.state.engine))
+    for server, documented, status in ((plain, False, 400), (cached, True, 200)):
+        props = _document(server)["components"]["schemas"]["GenerationRequest"]["properties"]
+        assert (props["cache_threshold"].get("type") != "null") is documented, props["cache_threshold"]
+        assert _post(server, {**SMALL, "cache_threshold": 0.1}) == status
+
+
+def test_an_image_to_image_family_ties_its_fields_to_the_image(server):
+    """SD3: strength and a mask only beside an image, skip-layer guidance only without one and only on blocks the
+    transformer has; no video or audio-video fields, no references."""
+    rules = field_rules(server.state.engine)
+    found = dict(rules)
+    assert found["strength"] == WITH_IMAGE and found["mask"] == WITH_IMAGE
+    assert ("skip_guidance_layers", WITHOUT_IMAGE) in rules
+    blocks = len(server.state.engine.adapter.pipe.transformer.transformer_blocks)
+    assert ("skip_guidance_layers", blocks - 1) in rules
+    for name in ("num_frames", "fps", "stg_scale", "reference_images", "guidance_scale_2", "arguments"):
+        assert found[name] == NEVER, name
+    schema = _document(server)["components"]["schemas"]["GenerationRequest"]
+    layers = [o for o in schema["properties"]["skip_guidance_layers"]["anyOf"] if o["type"] == "array"]
+    assert layers[0]["items"]["maximum"] == blocks - 1
+    present = {"not": {"type": "null"}}
+    tie = {"if": {"properties": {"strength": present}, "required": ["strength"]},
+           "then": {"properties": {"image": present}, "required": ["image"]}}  # fmt: skip
+    assert tie in schema["allOf"]
+    assert schema["properties"]["num_frames"]["type"] == "null"
+    # As the document says: a layer past the last block, and strength without an image, are refused.
+    assert _post(server, {**SMALL, "skip_guidance_layers": [blocks]}) == 400
+    assert _post(server, {**SMALL, "skip_guidance_layers": [blocks - 1]}) == 200
+    assert _post(server, {**SMALL, "strength": 0.5}) == 400
+
+
+def test_a_video_family_takes_its_clip_fields(serve, tiny_wan):
+    server = serve(model=tiny_wan, max_pixels=64 * 64)  # tests/daemon/test_videos.py's
+    found = dict(field_rules(server.state.engine))
+    assert "num_frames" not in found and "fps" not in found
+    props = _document(server)["components"]["schemas"]["GenerationRequest"]["properties"]
+    assert props["video_format"].get("type") != "null" and props["num_frames"].get("type") != "null"
+    assert props["audio_format"]["type"] == "null"
+
+
+def test_an_instruction_edit_family_requires_its_image(serve, tiny_qwenimage_edit_plus):
+    """Every request edits an image: the native body requires one, and OpenAI's generations route (no image) is
+    left out of the document (the daemon refuses it, naming image)."""
+    server = serve(model=tiny_qwenimage_edit_plus)  # tests/daemon/test_edits.py's
+    assert ("image", REQUIRED) in field_rules(server.state.engine)
+    doc = _document(server)
+    assert "image" in doc["components"]["schemas"]["GenerationRequest"]["required"]
+    assert "/v1/images/generations" not in doc["paths"] and "/v1/images/edits" in doc["paths"]
+    assert _post(server, SMALL) == 400

@@ -92,3 +92,21 @@ def test_an_instruction_edit_family_requires_its_image(serve, tiny_qwenimage_edi
     assert "image" in doc["components"]["schemas"]["GenerationRequest"]["required"]
     assert "/v1/images/generations" not in doc["paths"] and "/v1/images/edits" in doc["paths"]
     assert _post(server, SMALL) == 400
+
+
+def test_lora_names_only_the_registered_adapters(server):
+    """`lora` in the document: empty or null with no adapter registered (a name would be refused), and only the
+    registered names when there are some (the document is built again when they change: daemon/app.py)."""
+    from diffusiond.daemon.openapi import served_document
+
+    engine = server.state.engine
+    caps, limits = engine.adapter.capabilities, engine.limits
+    none = served_document(caps, limits, 2, True, (), ())["components"]["schemas"]["GenerationRequest"]
+    assert none["properties"]["lora"]["anyOf"][0] == {"type": "array", "maxItems": 0}
+    some = served_document(caps, limits, 2, True, (), ("style", "ink"))
+    (listed,) = [o for o in some["components"]["schemas"]["GenerationRequest"]["properties"]["lora"]["anyOf"]
+                 if o.get("type") == "array"]  # fmt: skip
+    assert listed["items"]["allOf"][1] == {"properties": {"name": {"enum": ["style", "ink"]}}}
+    form = some["paths"]["/v1/images/edits"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert form["properties"]["lora"]["enum"] == ["[]", '[{"name": "style"}]', '[{"name": "ink"}]']
+    assert _post(server, {**SMALL, "lora": [{"name": "unregistered"}]}) == 400

@@ -37,8 +37,8 @@ from diffusiond.daemon.image_encoding import encoder_pool
 from diffusiond.daemon.job_db import DatabaseAway
 from diffusiond.daemon.jobs_api import add_job_routes
 from diffusiond.daemon.listener import served_marker
+from diffusiond.daemon.model_document import served_document
 from diffusiond.daemon.native_api import native_limit
-from diffusiond.daemon.openapi import served_document
 from diffusiond.daemon.replay import replays_ctx
 from diffusiond.daemon.state import ENCODERS, LOAD, METRICS, STATE, ServerState
 from diffusiond.daemon.streaming import ClientGone

@@ -1,7 +1,7 @@
 """Which request fields the loaded model takes, found by asking its own rules: each optional field is sent once, on
 its own and beside an input image, through `Engine.resolve` (the family's `RequestRules.resolve`, the generic path's,
 and the operator's limits), and what the model refuses naming that field is what the served OpenAPI document leaves
-out (daemon/openapi.py `served_document`). One source of truth: the document cannot promise a field the resolver
+out (daemon/model_document.py `served_document`). One source of truth: the document cannot promise a field the resolver
 refuses (a family's own guidance, step caching without `--cache`, video fields on an image model), whatever the
 family, and it needs no family named here.
 
@@ -158,84 +158,3 @@ def _largest(engine: Engine, base: SamplingParams, name: str, bound: int = 1000)
         else:
             high = middle - 1
     return low
-
-
-# The request schemas a model's rules narrow, and the field that carries each one's input image (None: it has none,
-# the OpenAI generation; "" it always has one, the OpenAI edit).
-IMAGE_FIELD = {
-    "ImageGenerationRequest": None,
-    "ImageEditRequest": "",
-    "GenerationRequest": "image",
-    "VideoCreateRequest": "input_reference",
-    "AudioCreateRequest": None,
-}
-PRESENT = {"not": {"type": "null"}}
-
-
-def _present(name: str) -> dict:
-    return {"properties": {name: PRESENT}, "required": [name]}
-
-
-def _absent(name: str) -> dict:
-    return {"properties": {name: {"type": "null"}}}
-
-
-def unserved_routes(rules: tuple[tuple[str, str | int], ...]) -> tuple[str, ...]:
-    """The OpenAI image routes the model cannot serve: generations without an image (a model that edits only), or
-    edits (a model that takes no input image)."""
-    image = dict(rules).get("image")
-    return {REQUIRED: ("/v1/images/generations",), NEVER: ("/v1/images/edits",)}.get(image, ())
-
-
-def narrow(doc: dict, rules: tuple[tuple[str, str | int], ...], lora_names: tuple[str, ...] | None) -> None:
-    """The document's request schemas as the loaded model takes them (`field_rules`): a field it never takes is
-    null only (the same as leaving it out), one it takes only beside an input image (or only without one) is tied to
-    the image by an if/then rule, or null only where the schema has no image (or always one); a list of block
-    indices has its largest; `lora` names the adapters registered now (`lora_names`; None: the model takes none)."""
-    schemas = doc["components"]["schemas"]
-    for schema_name, image in IMAGE_FIELD.items():
-        schema = schemas.get(schema_name)
-        if schema is None:
-            continue
-        props = schema["properties"]
-        for name, rule in rules:
-            if name not in props or name == image:
-                continue
-            if isinstance(rule, int):
-                _bound_items(props, name, rule)
-                continue
-            never = rule == NEVER or (rule == WITH_IMAGE and image is None) or (rule == WITHOUT_IMAGE and image == "")
-            if never:
-                props[name] = {"type": "null", "description": f"not taken by this model ({rule})"}
-            elif rule == WITH_IMAGE and image:
-                schema.setdefault("allOf", []).append({"if": _present(name), "then": _present(image)})
-            elif rule == WITHOUT_IMAGE and image:
-                schema.setdefault("allOf", []).append({"if": _present(image), "then": _absent(name)})
-        if image and dict(rules).get("image") == NEVER:
-            props[image] = {"type": "null", "description": "this model takes no input image"}
-        elif image and dict(rules).get("image") == REQUIRED:
-            props[image] = {k: v for k, v in props[image].items() if k != "default"}
-            if "anyOf" in props[image]:
-                props[image]["anyOf"] = [o for o in props[image]["anyOf"] if o.get("type") != "null"]
-            schema.setdefault("required", []).append(image)
-        if "lora" in props:
-            props["lora"] = _loras(props["lora"], lora_names)
-
-
-def _bound_items(props: dict, name: str, largest: int) -> None:
-    for option in props[name].get("anyOf", [props[name]]):
-        if option.get("type") == "array":
-            option["items"] = {**option["items"], "maximum": largest}
-
-
-def _loras(schema: dict, names: tuple[str, ...] | None) -> dict:
-    """`lora` naming only registered adapters (none registered, or a model without LoRA: null or empty only)."""
-    if not names:
-        return {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}], "description": "no adapter registered"}
-    return {"anyOf": [_named(option, names) for option in schema.get("anyOf", [schema])]}
-
-
-def _named(option: dict, names: tuple[str, ...]) -> dict:
-    if option.get("type") != "array":
-        return option
-    return {**option, "items": {"allOf": [option["items"], {"properties": {"name": {"enum": list(names)}}}]}}

@@ -5,7 +5,6 @@ it: no 5xx, no status, content type or body outside what is documented here."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import msgspec
@@ -20,11 +19,7 @@ from diffusiond.daemon.api import (
     ImageGenerationRequest,
     VideoCreateRequest,
 )
-from diffusiond.daemon.config import MAX_N
-from diffusiond.daemon.field_rules import narrow, unserved_routes
 from diffusiond.daemon.loras_api import LoraCreateRequest
-from diffusiond.models.base import Capabilities
-from diffusiond.models.params import RequestLimits
 
 REF = "#/components/schemas/{name}"
 JSON = "application/json"
@@ -159,7 +154,7 @@ COMPRESSED = [f for f in CHOICES["output_format"] if f != "png"]
 OPAQUE_BACKGROUNDS = [b for b in CHOICES["background"] if b != "transparent"]
 
 
-def _words(words, *, nullable: bool = False) -> dict:
+def words_schema(words, *, nullable: bool = False) -> dict:
     """A field that takes one of `words` (or null)."""
     one = {"type": "string", "enum": list(words)}
     return {"anyOf": [one, {"type": "null"}]} if nullable else one
@@ -171,7 +166,7 @@ def _openai_words(schema: dict) -> None:
     `url`; `output_compression` is for jpeg and webp; `partial_images` needs `stream`)."""
     props = schema["properties"]
     for field, words in CHOICES.items():
-        props[field] = _words(words, nullable=True)
+        props[field] = words_schema(words, nullable=True)
     for field in REFUSED_FIELDS:
         if field in props:
             props[field] = {"not": {}, "description": "refused (400 naming it): see docs/http-api.md"}
@@ -192,7 +187,7 @@ def _openai_words(schema: dict) -> None:
     ]
 
 
-def _edit_form(components: dict, lora_names: tuple[str, ...] | None = None) -> dict:
+def edit_form(components: dict, lora_names: tuple[str, ...] | None = None) -> dict:
     """The edit's multipart form, from its JSON schema (`ImageEditRequest`, as narrowed for the model served): each
     field as a form sends it (text: a number or word as the JSON field takes it, no null; `lora` as JSON text; the
     lists and objects only JSON bodies take, none), the pairs refused together, and its image files. `lora_names`:
@@ -231,83 +226,6 @@ def _id_param(name: str) -> list[dict]:
     return [{"name": name, "in": "path", "required": True, "schema": {"type": "string", "maxLength": 256}}]
 
 
-# The routes of one kind of model, by path prefix: a model of another kind answers them 400 naming the route to use
-# (daemon/openai_api.py `refuse_video`, videos_api.py `check_job_model`), so the document of a loaded model leaves
-# them out.
-KIND_ROUTES = {"image": "/v1/images/", "video": "/v1/videos", "audio": "/v1/audio/"}
-
-
-def served_document(
-    caps: Capabilities | None,
-    limits: RequestLimits | None,
-    max_n: int = MAX_N,
-    lora_dir: bool = False,
-    rules: tuple[tuple[str, str | int], ...] = (),
-    lora_names: tuple[str, ...] | None = None,
-) -> dict:
-    """The document of the model loaded (None before it is loaded: every route, the code's bounds): the routes of
-    the other kinds of model left out, and the LoRA routes of a model without LoRA (`POST /v1/loras` without
-    `--lora-dir`: adapters cannot be added); the server's limits on sizes, steps and images a request, as bounds a
-    client can check: sides at most the square that fits `--max-pixels`, multiples of the model's size multiple (what
-    is refused beyond it, a wide image within the pixel budget, is understated, never promised), and the size
-    required when the model's default does not fit; the fields the model takes as its own rules say (`rules`, from
-    daemon/field_rules.py) and the LoRA adapters registered now (`lora_names`)."""
-    doc = document()
-    if caps is None or limits is None:
-        return doc
-    narrow(doc, rules, lora_names if caps.lora else None)
-    dropped = tuple(prefix for kind, prefix in KIND_ROUTES.items() if kind != caps.modality)
-    if not caps.lora:
-        dropped += ("/v1/loras",)
-    dropped += unserved_routes(rules)
-    doc["paths"] = {path: item for path, item in doc["paths"].items() if not path.startswith(dropped)}
-    if caps.lora and not lora_dir:
-        doc["paths"]["/v1/loras"].pop("post")
-    m = caps.size_multiple
-    side = max(m, min(caps.max_side, math.isqrt(limits.max_pixels)) // m * m)
-    fits = caps.default_width * caps.default_height <= limits.max_pixels
-    sizes = [f"{s}x{s}" for s in range(m, side + 1, m)]
-    schemas = doc["components"]["schemas"]
-    for name, schema in schemas.items():
-        props = schema.get("properties", {})
-        if "num_inference_steps" in props:
-            props["num_inference_steps"] = _bounded(props["num_inference_steps"], maximum=limits.max_steps)
-        if "n" in props and name.startswith("Image"):
-            props["n"] = _bounded(props["n"], maximum=max_n)
-        if "size" in props and name.startswith("Image"):
-            props["size"] = {"type": "string", "enum": (["auto"] if fits else []) + sizes}
-            if not fits:
-                schema.setdefault("required", []).append("size")
-        if "background" in props and not caps.alpha:  # transparent is refused where images have no alpha
-            props["background"] = _words(OPAQUE_BACKGROUNDS, nullable=True)
-        if name == "GenerationRequest":
-            for key, kind in (("video_format", "video"), ("audio_format", "audio")):  # the model's kind of output
-                if caps.modality != kind:
-                    props[key] = {"type": "null", "description": f"for {kind} models"}
-            for key in ("width", "height"):
-                props[key] = {"type": "integer", "minimum": m, "maximum": side, "multipleOf": m}
-            if not fits:
-                schema.setdefault("required", []).extend(["width", "height"])
-        if "num_inference_steps" in props and caps.default_steps > limits.max_steps:
-            # Its default is above the limit: a number is required (null would mean the default).
-            schema.setdefault("required", []).append("num_inference_steps")
-            steps = props["num_inference_steps"]
-            numbers = [s for s in steps.get("anyOf", []) if s.get("type") == "integer"]
-            props["num_inference_steps"] = numbers[0] if numbers else steps
-    edits = doc["paths"].get("/v1/images/edits")
-    if edits is not None:  # the form, from the JSON schema as narrowed above
-        form = _edit_form(schemas, lora_names if caps.lora else ())
-        edits["post"]["requestBody"]["content"]["multipart/form-data"]["schema"] = form
-    return doc
-
-
-def _bounded(schema: dict, maximum: int) -> dict:
-    """An integer (or null) field's schema with a lower `maximum`."""
-    if "anyOf" in schema:
-        return {"anyOf": [_bounded(s, maximum) if s.get("type") == "integer" else s for s in schema["anyOf"]]}
-    return {**schema, "maximum": min(schema.get("maximum", maximum), maximum)}
-
-
 def document() -> dict:
     """The OpenAPI document of every route (the code's; `served_document`: a loaded model's)."""
     _, components = msgspec.json.schema_components(
@@ -329,7 +247,7 @@ def document() -> dict:
         _openai_words(components[name])
     native = components["GenerationRequest"]["properties"]
     _base64_images(native)
-    native["output_format"] = {**_words(CHOICES["output_format"]), "default": "png"}
+    native["output_format"] = {**words_schema(CHOICES["output_format"]), "default": "png"}
     components["GenerationRequest"]["allOf"] = [  # daemon/native_api.py `parse_generation`: latents ride previews
         {
             "if": {"properties": {"latents": {"const": True}}, "required": ["latents"]},
@@ -355,7 +273,7 @@ def document() -> dict:
                 "summary": "OpenAI Images: edits (multipart)",
                 "requestBody": {
                     "required": True,
-                    "content": {"multipart/form-data": {"schema": _edit_form(components)}},
+                    "content": {"multipart/form-data": {"schema": edit_form(components)}},
                 },
                 "responses": _responses(images, *generated),
             }

@@ -97,7 +97,7 @@ def test_an_instruction_edit_family_requires_its_image(serve, tiny_qwenimage_edi
 def test_lora_names_only_the_registered_adapters(server):
     """`lora` in the document: empty or null with no adapter registered (a name would be refused), and only the
     registered names when there are some (the document is built again when they change: daemon/app.py)."""
-    from diffusiond.daemon.openapi import served_document
+    from diffusiond.daemon.model_document import served_document
 
     engine = server.state.engine
     caps, limits = engine.adapter.capabilities, engine.limits

@@ -31,7 +31,8 @@ from schemathesis.checks import (
 
 from diffusiond.daemon.api import CHOICES
 from diffusiond.daemon.field_rules import field_rules
-from diffusiond.daemon.openapi import document, served_document
+from diffusiond.daemon.model_document import served_document
+from diffusiond.daemon.openapi import document
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 EXAMPLES = 25

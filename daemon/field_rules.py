@@ -61,6 +61,9 @@ def _probes(engine: Engine) -> dict[str, Any]:
         "cache_threshold": 0.1,
         "cache_steps": (0,),
         "skip_guidance_layers": (0,),
+        "skip_layer_guidance_scale": 2.0,
+        "skip_layer_guidance_start": 0.05,
+        "skip_layer_guidance_stop": 0.3,
         "image": image,
         "strength": 0.5,
         "mask": image,
@@ -123,6 +126,7 @@ def field_rules(engine: Engine) -> tuple[tuple[str, str | int], ...]:
         return ()
     with_image = replace(base, image=image)
     image_taken = _takes(engine, with_image, "image") is True
+    taken: dict[str, Any] = {}  # the fields taken alone so far, with their probes
     for name, value in probes.items():
         alone = _takes(engine, replace(base, **{name: value}), name)
         if not image_taken:  # no request has an image: what is taken alone is taken by any request
@@ -141,11 +145,24 @@ def field_rules(engine: Engine) -> tuple[tuple[str, str | int], ...]:
             rule = WITH_IMAGE
         else:
             rule = NEVER
+        if rule == NEVER:
+            rule = _companion(engine, base, name, value, taken) or NEVER
         if rule != ANY:
             rules.append((name, rule))
+        if alone:
+            taken[name] = value
         if name in LISTS and rule in (ANY, WITHOUT_IMAGE):
             rules.append((name, _largest(engine, base, name)))
     return tuple(rules)
+
+
+def _companion(engine: Engine, base: SamplingParams, name: str, value: Any, taken: dict[str, Any]) -> str | None:
+    """ "with F" when `name` is refused alone but taken beside a field F that is taken alone (skip-layer guidance's
+    scale beside the layers it skips); None when no such field takes it."""
+    for other, probe in taken.items():
+        if _takes(engine, replace(base, **{other: probe, name: value}), name):
+            return f"with {other}"
+    return None
 
 
 def _largest(engine: Engine, base: SamplingParams, name: str, bound: int = 1000) -> int:

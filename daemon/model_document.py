@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from diffusiond.daemon.config import MAX_N
-from diffusiond.daemon.field_rules import NEVER, REQUIRED, WITH_IMAGE, WITHOUT_IMAGE
+from diffusiond.daemon.field_rules import NEVER, REQUIRED, WITHOUT_IMAGE
 from diffusiond.daemon.openapi import OPAQUE_BACKGROUNDS, document, edit_form, words_schema
 from diffusiond.models.base import Capabilities
 from diffusiond.models.params import RequestLimits
@@ -118,8 +118,9 @@ def unserved_routes(rules: tuple[tuple[str, str | int], ...]) -> tuple[str, ...]
 
 def narrow(doc: dict, rules: tuple[tuple[str, str | int], ...], lora_names: tuple[str, ...] | None) -> None:
     """The document's request schemas as the loaded model takes them (`field_rules`): a field it never takes is
-    null only (the same as leaving it out), one it takes only beside an input image (or only without one) is tied to
-    the image by an if/then rule, or null only where the schema has no image (or always one); a list of block
+    null only (the same as leaving it out), one it takes only beside an input image (or only without one), or beside
+    another field, is tied to it by an if/then rule, or null only where the schema has no such field (an image
+    always there: no rule); a list of block
     indices has its largest; `lora` names the adapters registered now (`lora_names`; None: the model takes none)."""
     schemas = doc["components"]["schemas"]
     for schema_name, image in IMAGE_FIELD.items():
@@ -133,11 +134,19 @@ def narrow(doc: dict, rules: tuple[tuple[str, str | int], ...], lora_names: tupl
             if isinstance(rule, int):
                 _bound_items(props, name, rule)
                 continue
-            never = rule == NEVER or (rule == WITH_IMAGE and image is None) or (rule == WITHOUT_IMAGE and image == "")
+            # "with F": taken only beside F (WITH_IMAGE is "with image"), which is this schema's image field
+            companion = rule.removeprefix("with ") if rule.startswith("with ") else None
+            other = image if companion == "image" else companion
+            never = (
+                rule == NEVER
+                or (companion is not None and other is None)
+                or (companion is not None and other != "" and other not in props)
+                or (rule == WITHOUT_IMAGE and image == "")
+            )
             if never:
                 props[name] = {"type": "null", "description": f"not taken by this model ({rule})"}
-            elif rule == WITH_IMAGE and image:
-                schema.setdefault("allOf", []).append({"if": _present(name), "then": _present(image)})
+            elif companion is not None and other:
+                schema.setdefault("allOf", []).append({"if": _present(name), "then": _present(other)})
             elif rule == WITHOUT_IMAGE and image:
                 schema.setdefault("allOf", []).append({"if": _present(image), "then": _absent(name)})
         if image and dict(rules).get("image") == NEVER:

@@ -110,7 +110,9 @@ def _body(schema: dict, *, form: dict | None = None) -> dict:
 
 # A request's prompt: models/params.py `check_prompts` refuses an empty one, or one of spaces only (with a message of
 # its own, so the request structs do not check it: the document says it).
-PROMPT = {"minLength": 1, "pattern": r"\S", "description": "not empty, not only spaces"}
+# Not only spaces: a character outside both ECMA-262's `\s` (JSON Schema's regex dialect) and the separators
+# Python's str.strip() also removes (\x1c-\x1f, \x85): "\x1c" alone matches ECMA's `\S` and strips to nothing.
+PROMPT = {"minLength": 1, "pattern": r"[^\s\x1c-\x1f\x85]", "description": "not empty, not only spaces"}
 
 
 # An input image's file part: its format names what is taken ("image": a PNG, JPEG, WEBP, GIF or BMP file that

@@ -278,6 +278,9 @@ class RequestRules:
         """The resolved skip-layer guidance fields: all set when the request skips layers, else none."""
         layers = params.skip_guidance_layers
         if layers is None:
+            for name in self.SKIP_LAYER_DEFAULTS:  # settings of a guidance not asked for: they would change nothing
+                if getattr(params, name) is not None:
+                    raise ParamError(name, f"{name} applies with skip_guidance_layers (the blocks to skip)")
             return {}
         if "skip-layer" not in self.caps.guidance_styles or self.blocks is None:
             raise ParamError("skip_guidance_layers", f"the {self.family} family has no skip-layer guidance")

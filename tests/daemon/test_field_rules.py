@@ -72,6 +72,13 @@ def test_an_image_to_image_family_ties_its_fields_to_the_image(server):
     assert _post(server, {**SMALL, "skip_guidance_layers": [blocks]}) == 400
     assert _post(server, {**SMALL, "skip_guidance_layers": [blocks - 1]}) == 200
     assert _post(server, {**SMALL, "strength": 0.5}) == 400
+    # Skip-layer guidance's settings only beside the layers it skips (alone they would change nothing: refused).
+    assert ("skip_layer_guidance_scale", "with skip_guidance_layers") in rules
+    assert _post(server, {**SMALL, "skip_layer_guidance_scale": 2.0}) == 400
+    assert _post(server, {**SMALL, "skip_layer_guidance_scale": 2.0, "skip_guidance_layers": [0]}) == 200
+    tie = {"if": {"properties": {"skip_layer_guidance_stop": present}, "required": ["skip_layer_guidance_stop"]},
+           "then": {"properties": {"skip_guidance_layers": present}, "required": ["skip_guidance_layers"]}}  # fmt: skip
+    assert tie in schema["allOf"]
 
 
 def test_a_video_family_takes_its_clip_fields(serve, tiny_wan):

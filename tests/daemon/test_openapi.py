@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from PIL import Image
@@ -97,6 +97,7 @@ def test_the_document_names_every_route(server):
         '["stream"]',
         '["output_compression"]',
         '["partial_images"]',
+        *(f'["skip_layer_guidance_{s}"]' for s in ("scale", "start", "stop")),  # the model's (test_field_rules.py)
     }
     side = min(caps.max_side, math.isqrt(engine.limits.max_pixels)) // caps.size_multiple * caps.size_multiple
     assert generation["properties"]["size"]["enum"][-1] == f"{side}x{side}"
@@ -122,7 +123,13 @@ def _property(operation, mode, checks, statuses, label):
     @given(case=operation.as_strategy(generation_mode=mode))
     @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     def check(case) -> None:
-        response = case.call_and_validate(checks=checks, timeout=60)
+        try:
+            response = case.call_and_validate(checks=checks, timeout=60)
+        except ValueError as exc:
+            # schemathesis' own limit, before any request is sent: its validator (jsonschema-rs) cannot read the
+            # file part of a negative multipart case. Another example is drawn; the daemon is never asked.
+            assume(mode is not GenerationMode.NEGATIVE or "Unsupported type: 'Binary'" not in str(exc))
+            raise
         key = (label, response.status_code)
         statuses[key] = statuses.get(key, 0) + 1
 

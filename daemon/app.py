@@ -51,6 +51,7 @@ from diffusiond.metrics.engine_metrics import PrometheusObserver
 from diffusiond.metrics.loop_lag import watch_loop_lag
 from diffusiond.metrics.registry import Metrics
 from diffusiond.models.base import Capabilities, ModelAdapter
+from diffusiond.models.loading.setup import SetupError
 from diffusiond.models.params import ParamError, RequestLimits, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -253,13 +254,28 @@ def warm_up_requests(
 
 def request_limits(config: ServeConfig, caps: Capabilities) -> RequestLimits:
     """The operator's limits, or defaults from the model: 4x its default image area (capped by its largest
-    sides), 4x its default step count (at least 50) and, for video, the most frames it makes."""
+    sides), 4x its default step count (at least 50) and, for video, the most frames it makes. SetupError (exit 2)
+    for limits under which the checkpoint can make nothing."""
     default_pixels = min(4 * caps.default_width * caps.default_height, caps.max_side * caps.max_side)
-    return RequestLimits(
+    limits = RequestLimits(
         max_pixels=config.max_pixels or default_pixels,
         max_steps=config.max_steps or max(50, 4 * caps.default_steps),
         max_frames=(config.max_frames or caps.max_num_frames) if caps.modality == "video" else None,
     )
+    # Limits below everything the checkpoint makes would refuse every request: refused at start instead.
+    fewest = caps.steps[0] if caps.steps else 1
+    if limits.max_steps < fewest:
+        raise SetupError(
+            f"--max-steps {limits.max_steps} is below the fewest steps this checkpoint declares ({fewest}): "
+            "no request could be served"
+        )
+    smallest = min(w * h for w, h in caps.sizes) if caps.sizes else caps.size_multiple**2
+    if caps.modality != "audio" and limits.max_pixels < smallest:
+        raise SetupError(
+            f"--max-pixels {limits.max_pixels} is below the smallest image this checkpoint makes ({smallest} "
+            "pixels): no request could be served"
+        )
+    return limits
 
 
 def _model_id(model: str) -> str:

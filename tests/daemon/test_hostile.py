@@ -296,6 +296,25 @@ async def test_defaults_come_from_the_model(server):
         assert (await resp.json())["error"]["param"] == "size"
 
 
+def test_limits_under_which_the_model_makes_nothing_are_refused_at_start(server):
+    """`--max-steps` below the fewest steps the checkpoint declares (the bundled model: 4), or `--max-pixels` below
+    its smallest image, would refuse every request: a start-up error naming the flag (exit 2, as a bad flag)."""
+    import dataclasses
+
+    from diffusiond.daemon.app import request_limits
+    from diffusiond.models.loading.setup import SetupError
+
+    caps = dataclasses.replace(server.state.engine.adapter.capabilities, steps=(4, 100))
+    config = server.config.__class__
+    assert request_limits(config(max_steps=4), caps).max_steps == 4
+    with pytest.raises(SetupError, match=r"--max-steps 3 is below the fewest steps this checkpoint declares \(4\)"):
+        request_limits(config(max_steps=3), caps)
+    multiple = caps.size_multiple
+    assert request_limits(config(max_pixels=multiple * multiple), caps).max_pixels == multiple * multiple
+    with pytest.raises(SetupError, match="--max-pixels"):
+        request_limits(config(max_pixels=multiple * multiple - 1), caps)
+
+
 # ---- 9. nothing internal reaches clients ----
 
 

@@ -127,7 +127,10 @@ def field_rules(engine: Engine) -> tuple[tuple[str, str | int], ...]:
     with_image = replace(base, image=image)
     image_taken = _takes(engine, with_image, "image") is True
     taken: dict[str, Any] = {}  # the fields taken alone so far, with their probes
+    generic = engine.adapter.capabilities.mode == "generic"
     for name, value in probes.items():
+        if generic and name in ("arguments", "images"):  # the call's own names (model_document.py lists them)
+            continue
         alone = _takes(engine, replace(base, **{name: value}), name)
         if not image_taken:  # no request has an image: what is taken alone is taken by any request
             beside = bool(alone)

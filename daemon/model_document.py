@@ -37,6 +37,8 @@ def served_document(
     if caps is None or limits is None:
         return doc
     narrow(doc, rules, lora_names if caps.lora else None)
+    if caps.mode == "generic":  # what a request may add to the pipeline's call: the names its signature settles
+        _call_names(doc["components"]["schemas"]["GenerationRequest"]["properties"], caps.fields)
     dropped = tuple(prefix for kind, prefix in KIND_ROUTES.items() if kind != caps.modality)
     if not caps.lora:
         dropped += ("/v1/loras",)
@@ -158,6 +160,14 @@ def narrow(doc: dict, rules: tuple[tuple[str, str | int], ...], lora_names: tupl
             schema.setdefault("required", []).append(image)
         if "lora" in props:
             props["lora"] = _loras(props["lora"], lora_names)
+
+
+def _call_names(props: dict, names: tuple[str, ...]) -> None:
+    """The generic path's `arguments` and `images` keyed only by the call's settable parameters."""
+    for field in ("arguments", "images"):
+        for option in props[field].get("anyOf", [props[field]]):
+            if option.get("type") == "object":
+                option["propertyNames"] = {"enum": list(names)}
 
 
 def _bound_items(props: dict, name: str, largest: int) -> None:

@@ -117,3 +117,18 @@ def test_lora_names_only_the_registered_adapters(server):
     form = some["paths"]["/v1/images/edits"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
     assert form["properties"]["lora"]["enum"] == ["[]", '[{"name": "style"}]', '[{"name": "ink"}]']
     assert _post(server, {**SMALL, "lora": [{"name": "unregistered"}]}) == 400
+
+
+def test_the_generic_path_lists_what_its_call_takes(serve, tiny_sd15):
+    """A pipeline served through its own call (SD 1.5): `arguments` keyed by the call's settable parameters (the
+    field probe leaves them to the call's signature), its image-to-image and video fields left out."""
+    server = serve(model=tiny_sd15)  # tests/daemon/test_generic_http.py's
+    caps = server.state.engine.adapter.capabilities
+    found = dict(field_rules(server.state.engine))
+    assert "arguments" not in found and found["image"] == NEVER and found["num_frames"] == NEVER
+    props = _document(server)["components"]["schemas"]["GenerationRequest"]["properties"]
+    (keyed,) = [o for o in props["arguments"]["anyOf"] if o.get("type") == "object"]
+    assert keyed["propertyNames"] == {"enum": list(caps.fields)} and "eta" in caps.fields
+    small = {**SMALL, "num_inference_steps": 2}
+    assert _post(server, {**small, "arguments": {"eta": 0.0}}) == 200
+    assert _post(server, {**small, "arguments": {"not_a_parameter": 1}}) == 400

@@ -8,7 +8,7 @@ import math
 
 from diffusiond.daemon.config import MAX_N
 from diffusiond.daemon.field_rules import NEVER, REQUIRED, WITHOUT_IMAGE
-from diffusiond.daemon.openapi import OPAQUE_BACKGROUNDS, document, edit_form, words_schema
+from diffusiond.daemon.openapi import FORMS, OPAQUE_BACKGROUNDS, document, form_schema, words_schema
 from diffusiond.models.base import Capabilities
 from diffusiond.models.params import RequestLimits
 
@@ -57,7 +57,7 @@ def served_document(
             props["num_inference_steps"] = _bounded(props["num_inference_steps"], maximum=limits.max_steps)
         if "n" in props and name.startswith("Image"):
             props["n"] = _bounded(props["n"], maximum=max_n)
-        if "size" in props and name.startswith("Image"):
+        if "size" in props and name.startswith(("Image", "Video")):
             props["size"] = {"type": "string", "enum": (["auto"] if fits else []) + sizes}
             if not fits:
                 schema.setdefault("required", []).append("size")
@@ -71,16 +71,30 @@ def served_document(
                 props[key] = {"type": "integer", "minimum": m, "maximum": side, "multipleOf": m}
             if not fits:
                 schema.setdefault("required", []).extend(["width", "height"])
+        if "num_frames" in props and caps.modality == "video" and caps.frame_step and limits.max_frames:
+            # Clips of 1 + frame_step * k frames, up to the model's most and --max-frames; required (not null)
+            # where the model's default clip is longer than the limit.
+            most = min(limits.max_frames, caps.max_num_frames or limits.max_frames)
+            frames = {"type": "integer", "enum": list(range(1, most + 1, caps.frame_step))}
+            if caps.default_num_frames is not None and caps.default_num_frames > most:
+                props["num_frames"] = frames
+                schema.setdefault("required", []).append("num_frames")
+            else:
+                props["num_frames"] = {"anyOf": [frames, {"type": "null"}]}
         if "num_inference_steps" in props and caps.default_steps > limits.max_steps:
             # Its default is above the limit: a number is required (null would mean the default).
             schema.setdefault("required", []).append("num_inference_steps")
             steps = props["num_inference_steps"]
             numbers = [s for s in steps.get("anyOf", []) if s.get("type") == "integer"]
             props["num_inference_steps"] = numbers[0] if numbers else steps
-    edits = doc["paths"].get("/v1/images/edits")
-    if edits is not None:  # the form, from the JSON schema as narrowed above
-        form = edit_form(schemas, lora_names if caps.lora else ())
-        edits["post"]["requestBody"]["content"]["multipart/form-data"]["schema"] = form
+    # The forms, from the JSON schemas as narrowed above; the files the model does not take, none.
+    untaken = {name for name, rule in rules if rule == NEVER}
+    untaken |= {"input_reference"} if "image" in untaken else set()
+    for path in FORMS:
+        item = doc["paths"].get(path)
+        if item is not None:
+            form = form_schema(schemas, path, lora_names if caps.lora else (), frozenset(untaken))
+            item["post"]["requestBody"]["content"]["multipart/form-data"]["schema"] = form
     return doc
 
 

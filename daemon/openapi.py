@@ -189,22 +189,34 @@ def _openai_words(schema: dict) -> None:
     ]
 
 
-def edit_form(components: dict, lora_names: tuple[str, ...] | None = None) -> dict:
-    """The edit's multipart form, from its JSON schema (`ImageEditRequest`, as narrowed for the model served): each
-    field as a form sends it (text: a number or word as the JSON field takes it, no null; `lora` as JSON text; the
-    lists and objects only JSON bodies take, none), the pairs refused together, and its image files. `lora_names`:
-    the adapters registered now (None: any, the code's document)."""
-    edit = components["ImageEditRequest"]
-    properties: dict[str, Any] = {name: _form_field(name, schema) for name, schema in edit["properties"].items()}
+# The multipart forms, by the JSON schema they take the fields of, and their files (the first is required).
+FORMS = {
+    "/v1/images/edits": ("ImageEditRequest", {"image": IMAGE_FILE, "mask": IMAGE_FILE}),
+    "/v1/videos": ("VideoCreateRequest", {"input_reference": IMAGE_FILE}),
+}
+
+
+def form_schema(
+    components: dict, path: str, lora_names: tuple[str, ...] | None = None, untaken: frozenset[str] = frozenset()
+) -> dict:
+    """A route's multipart form, from its JSON schema (as narrowed for the model served): each field as a form sends
+    it (text: a number or word as the JSON field takes it, no null; `lora` as JSON text; the lists and objects only
+    JSON bodies take, none), the pairs refused together, and its files (an edit's image required; a video's
+    reference where the JSON schema requires one; none the model does not take, in `untaken`). `lora_names`: the
+    adapters registered now (None: any, the code's document)."""
+    name, files = FORMS[path]
+    body = components[name]
+    properties: dict[str, Any] = {key: _form_field(key, schema) for key, schema in body["properties"].items()}
     properties["prompt"] = {"type": "string", **PROMPT}
-    properties |= {"image": IMAGE_FILE, "mask": IMAGE_FILE}
-    if lora_names is not None:  # JSON text naming one registered adapter, or none
+    properties |= {key: {"not": {}} if key in untaken else file for key, file in files.items()}
+    if lora_names is not None and "lora" in properties:  # JSON text naming one registered adapter, or none
         properties["lora"] = {**FORM_LORA, "enum": ["[]", *(f'[{{"name": "{n}"}}]' for n in lora_names)]}
-    required = ["image", "prompt", *(key for key in edit.get("required", []) if key != "prompt")]
+    first = [next(iter(files))] if name == "ImageEditRequest" else []
+    required = [*first, "prompt", *(key for key in body.get("required", []) if key != "prompt")]
     # Only these fields: the form refuses others by name, as the JSON bodies do.
     form = {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
-    if "allOf" in edit:
-        form["allOf"] = edit["allOf"]
+    if "allOf" in body:
+        form["allOf"] = body["allOf"]
     return form
 
 
@@ -275,7 +287,7 @@ def document() -> dict:
                 "summary": "OpenAI Images: edits (multipart)",
                 "requestBody": {
                     "required": True,
-                    "content": {"multipart/form-data": {"schema": edit_form(components)}},
+                    "content": {"multipart/form-data": {"schema": form_schema(components, "/v1/images/edits")}},
                 },
                 "responses": _responses(images, *generated),
             }
@@ -323,7 +335,7 @@ def document() -> dict:
             VIDEO,
             {"video/mp4": STR, "image/webp": STR},
             "OpenAI Videos: create a job (JSON or multipart)",
-            _body(_ref("VideoCreateRequest"), form={"type": "object", "properties": {"prompt": STR}}),
+            _body(_ref("VideoCreateRequest"), form=form_schema(components, "/v1/videos")),
         ),
         **_jobs(
             "/v1/audio/generations",

@@ -82,12 +82,22 @@ def test_an_image_to_image_family_ties_its_fields_to_the_image(server):
 
 
 def test_a_video_family_takes_its_clip_fields(serve, tiny_wan):
+    """Wan 2.1 T2V: its clip fields, their counts and sizes within the limits, no reference image, no sound."""
     server = serve(model=tiny_wan, max_pixels=64 * 64)  # tests/daemon/test_videos.py's
     found = dict(field_rules(server.state.engine))
     assert "num_frames" not in found and "fps" not in found
-    props = _document(server)["components"]["schemas"]["GenerationRequest"]["properties"]
-    assert props["video_format"].get("type") != "null" and props["num_frames"].get("type") != "null"
-    assert props["audio_format"]["type"] == "null"
+    doc = _document(server)
+    props = doc["components"]["schemas"]["GenerationRequest"]["properties"]
+    assert props["video_format"].get("type") != "null" and props["audio_format"]["type"] == "null"
+    # Clips of the model's form (1 + 4k frames) up to its limit; OpenAI's videos form takes no reference image
+    # from a text-to-video model, and the sizes the pixel limit allows (required: the default is beyond it).
+    caps, limits = server.state.engine.adapter.capabilities, server.state.engine.limits
+    (counts,) = [o["enum"] for o in props["num_frames"]["anyOf"] if o.get("type") == "integer"]
+    assert counts == list(range(1, limits.max_frames + 1, caps.frame_step))
+    form = doc["paths"]["/v1/videos"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert form["properties"]["input_reference"] == {"not": {}} and "size" in form["required"]
+    assert _post(server, {**SMALL, "num_frames": counts[1]}) == 200
+    assert _post(server, {**SMALL, "num_frames": counts[1] + 1}) == 400
 
 
 def test_an_instruction_edit_family_requires_its_image(serve, tiny_qwenimage_edit_plus):

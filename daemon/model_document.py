@@ -9,8 +9,9 @@ import math
 from diffusiond.daemon.config import MAX_N
 from diffusiond.daemon.field_rules import NEVER, REQUIRED, WITHOUT_IMAGE
 from diffusiond.daemon.openapi import FORMS, OPAQUE_BACKGROUNDS, document, form_schema, words_schema
+from diffusiond.daemon.video_requests import DEFAULT_SECONDS
 from diffusiond.models.base import Capabilities
-from diffusiond.models.params import RequestLimits
+from diffusiond.models.params import MAX_FRAMES, RequestLimits
 
 # The routes of one kind of model, by path prefix: a model of another kind answers them 400 naming the route to use
 # (daemon/openai_api.py `refuse_video`, videos_api.py `check_job_model`), so the document of a loaded model leaves
@@ -81,6 +82,8 @@ def served_document(
                 schema.setdefault("required", []).append("num_frames")
             else:
                 props["num_frames"] = {"anyOf": [frames, {"type": "null"}]}
+        if name == "VideoCreateRequest" and caps.modality == "video" and caps.frame_step and caps.default_fps:
+            _video_seconds(schema, caps, limits)
         if "num_inference_steps" in props and caps.default_steps > limits.max_steps:
             # Its default is above the limit: a number is required (null would mean the default).
             schema.setdefault("required", []).append("num_inference_steps")
@@ -96,6 +99,27 @@ def served_document(
             form = form_schema(schemas, path, lora_names if caps.lora else (), frozenset(untaken))
             item["post"]["requestBody"]["content"]["multipart/form-data"]["schema"] = form
     return doc
+
+
+def _video_seconds(schema: dict, caps: Capabilities, limits: RequestLimits) -> None:
+    """OpenAI's `seconds` on a video model (daemon/video_requests.py `frames_for`): the clip that plays that long
+    at the model's fps must fit the longest it makes under --max-frames (half a frame short of it, against float
+    rounding); seconds or num_frames, not both; where OpenAI's default length (or the model's own) does not fit,
+    one of them required. Understated: with a chosen `fps`, no `seconds` (the bound would be their product)."""
+    props = schema["properties"]
+    fps, step = caps.default_fps, caps.frame_step
+    longest = 1 + step * ((min(limits.max_frames or MAX_FRAMES, caps.max_num_frames or MAX_FRAMES) - 1) // step)
+    most = (longest - 0.5) / fps
+    options: list[dict] = [{"type": "number", "exclusiveMinimum": 0, "maximum": most}]
+    whole = [str(n) for n in range(1, int(most) + 1)]
+    if whole:
+        options.append({"type": "string", "enum": whole})
+    props["seconds"] = {"anyOf": [*options, {"type": "null"}], "description": f"at most {most:.3g} s at {fps} fps"}
+    rules = schema.setdefault("allOf", [])
+    rules.append({"if": _present("seconds"), "then": _absent("num_frames")})
+    rules.append({"if": _present("fps"), "then": _absent("seconds")})
+    if math.ceil(DEFAULT_SECONDS * fps - 1e-9) > longest:  # the default length's clip (or more) does not fit
+        rules.append({"anyOf": [_present("seconds"), _present("num_frames")]})
 
 
 def _bounded(schema: dict, maximum: int) -> dict:

@@ -40,8 +40,11 @@ EXAMPLES = 25
 LIMITS = {"max_steps": 2, "max_pixels": 64 * 64, "max_n": 2, "max_queue": 64, "max_frames": 9}
 
 
-@pytest.fixture(scope="module")
-def api_server(serve):
+@pytest.fixture(scope="module", params=["image", "video"])
+def api_server(serve, request):
+    """An image model (tiny SD3) and a video model (tiny Wan 2.1 T2V: the clip fields, the videos routes)."""
+    if request.param == "video":
+        return serve(model=request.getfixturevalue("tiny_wan"), **LIMITS)
     return serve(**LIMITS)
 
 
@@ -104,7 +107,12 @@ def test_the_document_names_every_route(server):
 
 
 # The requests that generate: each must succeed at least once (schemathesis reaches the success paths).
-GENERATING = ("POST /v1/images/generations", "POST /v1/images/edits", "POST /v1/generations")
+GENERATING = {
+    "image": ("POST /v1/images/generations", "POST /v1/images/edits", "POST /v1/generations"),
+    "video": ("POST /v1/videos", "POST /v1/generations"),
+}
+# The operations of each kind of model's document (the routes of the other kinds left out: the test above).
+OPERATIONS = {"image": 15, "video": 18}
 
 
 def _png() -> bytes:
@@ -145,7 +153,8 @@ def test_every_route_answers_only_what_it_documents(api_server):
     failures = []
     statuses: dict[tuple[str, int], int] = {}
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 15  # every route an image model serves (the test above)
+    kind = api_server.state.engine.adapter.capabilities.modality
+    assert len(operations) == OPERATIONS[kind], [f"{o.method} {o.path}" for o in operations]
     for operation, mode in itertools.product(operations, (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)):
         label = f"{operation.method.upper()} {operation.path}"
         checks = [*CHECKS, positive_data_acceptance]
@@ -159,7 +168,7 @@ def test_every_route_answers_only_what_it_documents(api_server):
             failures.append(f"{label} ({mode.value}): {exc}"[:2000])
     print(f"statuses: {dict(sorted(statuses.items()))}")
     assert not failures, "\n\n".join(failures)
-    for label in GENERATING:  # served and refused, both
+    for label in GENERATING[kind]:  # served and refused, both
         assert any(200 <= code < 300 for (at, code) in statuses if at == label), (label, statuses)
     assert sum(n for (_, code), n in statuses.items() if code == 400) > 10, statuses
     api_server.wait_idle()

@@ -9,7 +9,6 @@ Run once a loaded model, on the event loop (resolving is arithmetic and a few he
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 from typing import TYPE_CHECKING, Any
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from msgspec.structs import replace
 
+from diffusiond.daemon.image_encoding import gray_png
 from diffusiond.models.params import MAX_GUIDANCE, ParamError, SamplingParams
 
 if TYPE_CHECKING:
@@ -32,18 +32,18 @@ ANY, WITH_IMAGE, WITHOUT_IMAGE, NEVER, REQUIRED = "any", "with image", "without 
 LISTS = ("skip_guidance_layers", "stg_blocks")
 
 
-def _png(side: int) -> bytes:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.new("RGB", (side, side), (128, 128, 128)).save(buffer, "PNG")
-    return buffer.getvalue()
+def largest_square(caps: Any, max_pixels: int) -> int:
+    """The side of the largest square image the model makes within `max_pixels` (a multiple of its size multiple,
+    at most its largest side; at least one multiple)."""
+    m = caps.size_multiple
+    return max(m, min(caps.max_side, math.isqrt(max_pixels)) // m * m)
 
 
 def _probes(engine: Engine) -> dict[str, Any]:
     """A value for each optional field that its type allows and that differs from the model's default."""
     caps = engine.adapter.capabilities
-    image = _png(max(caps.size_multiple, 16))
+    side = max(caps.size_multiple, 16)
+    image = gray_png(side, side)
     frames = 1 + (caps.frame_step or 4)
     return {
         "negative_prompt": "a probe",
@@ -87,12 +87,10 @@ def _base(engine: Engine) -> SamplingParams:
     caps, limits = engine.adapter.capabilities, engine.limits
     steps = caps.steps[0] if caps.steps else 1  # the fewest it declares (models/declared.py)
     fields: dict[str, Any] = {"prompt": "a probe", "num_inference_steps": steps, "seed": 0}
-    m = caps.size_multiple
     if caps.sizes:
         fields["width"], fields["height"] = min(caps.sizes, key=lambda size: size[0] * size[1])
     elif limits is not None and caps.default_width * caps.default_height > limits.max_pixels:
-        side = max(m, min(caps.max_side, math.isqrt(limits.max_pixels)) // m * m)
-        fields["width"] = fields["height"] = side
+        fields["width"] = fields["height"] = largest_square(caps, limits.max_pixels)
     if caps.modality == "video" and caps.frame_step:
         fields["num_frames"] = 1 + caps.frame_step
     return SamplingParams(**fields)
@@ -128,8 +126,11 @@ def field_rules(engine: Engine) -> tuple[tuple[str, str | int], ...]:
     image_taken = _takes(engine, with_image, "image") is True
     taken: dict[str, Any] = {}  # the fields taken alone so far, with their probes
     generic = engine.adapter.capabilities.mode == "generic"
+    image_required = bool(rules)  # ("image", REQUIRED): nothing to ask of the image itself
     for name, value in probes.items():
         if generic and name in ("arguments", "images"):  # the call's own names (model_document.py lists them)
+            continue
+        if name == "image" and image_required:
             continue
         alone = _takes(engine, replace(base, **{name: value}), name)
         if not image_taken:  # no request has an image: what is taken alone is taken by any request
@@ -137,8 +138,6 @@ def field_rules(engine: Engine) -> tuple[tuple[str, str | int], ...]:
         else:
             beside = name == "image" or _takes(engine, replace(with_image, **{name: value}), name) is True
         if name == "image":
-            if rules[:1] == [("image", REQUIRED)]:
-                continue
             rule = ANY if alone else NEVER
         elif alone and beside:
             rule = ANY

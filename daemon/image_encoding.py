@@ -41,6 +41,13 @@ def encode_preview(image: np.ndarray, size: tuple[int, int], fmt: str = "png", q
     return encode_image(np.asarray(pil), fmt, quality)
 
 
+def gray_png(width: int, height: int) -> bytes:
+    """A plain gray PNG, as a client would send an input image (the warm-up's, the field probe's)."""
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (128, 128, 128)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def encoder_pool() -> concurrent.futures.ThreadPoolExecutor:
     """Threads for image encoding (numpy and PIL only, never torch), off the event loop. Few of them: on a CPU that the
     step thread's torch threads keep busy, every extra busy thread slows every forward. Measured on 2 cores, 8

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 
 from diffusiond.daemon.config import MAX_N
-from diffusiond.daemon.field_rules import NEVER, REQUIRED, WITHOUT_IMAGE
-from diffusiond.daemon.openapi import FORMS, OPAQUE_BACKGROUNDS, document, form_schema, words_schema
+from diffusiond.daemon.field_rules import NEVER, REQUIRED, WITHOUT_IMAGE, largest_square
+from diffusiond.daemon.openapi import FORMS, OPAQUE_BACKGROUNDS, document, form_schema, options, words_schema
 from diffusiond.daemon.video_requests import DEFAULT_SECONDS
 from diffusiond.models.base import Capabilities
 from diffusiond.models.params import MAX_FRAMES, RequestLimits
@@ -48,7 +48,7 @@ def served_document(
     if caps.lora and not lora_dir:
         doc["paths"]["/v1/loras"].pop("post")
     m = caps.size_multiple
-    side = max(m, min(caps.max_side, math.isqrt(limits.max_pixels)) // m * m)
+    side = largest_square(caps, limits.max_pixels)
     fits = caps.default_width * caps.default_height <= limits.max_pixels
     sizes = [f"{s}x{s}" for s in range(m, side + 1, m)]
     schemas = doc["components"]["schemas"]
@@ -88,11 +88,11 @@ def served_document(
             # Its default is above the limit: a number is required (null would mean the default).
             schema.setdefault("required", []).append("num_inference_steps")
             steps = props["num_inference_steps"]
-            numbers = [s for s in steps.get("anyOf", []) if s.get("type") == "integer"]
-            props["num_inference_steps"] = numbers[0] if numbers else steps
+            (props["num_inference_steps"],) = [s for s in options(steps) if s.get("type") == "integer"]
     # The forms, from the JSON schemas as narrowed above; the files the model does not take, none.
     untaken = {name for name, rule in rules if rule == NEVER}
-    untaken |= {"input_reference"} if "image" in untaken else set()
+    if "image" in untaken:  # under each schema's own name for it
+        untaken |= {field for field in IMAGE_FIELD.values() if field}
     for path in FORMS:
         item = doc["paths"].get(path)
         if item is not None:
@@ -160,9 +160,10 @@ def narrow(doc: dict, rules: tuple[tuple[str, str | int], ...], lora_names: tupl
     """The document's request schemas as the loaded model takes them (`field_rules`): a field it never takes is
     null only (the same as leaving it out), one it takes only beside an input image (or only without one), or beside
     another field, is tied to it by an if/then rule, or null only where the schema has no such field (an image
-    always there: no rule); a list of block
-    indices has its largest; `lora` names the adapters registered now (`lora_names`; None: the model takes none)."""
+    always there: no rule); a list of block indices has its largest; `lora` names the adapters registered now
+    (`lora_names`; None: the model takes none)."""
     schemas = doc["components"]["schemas"]
+    image_rule = dict(rules).get("image")
     for schema_name, image in IMAGE_FIELD.items():
         schema = schemas.get(schema_name)
         if schema is None:
@@ -189,9 +190,9 @@ def narrow(doc: dict, rules: tuple[tuple[str, str | int], ...], lora_names: tupl
                 schema.setdefault("allOf", []).append({"if": _present(name), "then": _present(other)})
             elif rule == WITHOUT_IMAGE and image:
                 schema.setdefault("allOf", []).append({"if": _present(image), "then": _absent(name)})
-        if image and dict(rules).get("image") == NEVER:
+        if image and image_rule == NEVER:
             props[image] = {"type": "null", "description": "this model takes no input image"}
-        elif image and dict(rules).get("image") == REQUIRED:
+        elif image and image_rule == REQUIRED:
             props[image] = {k: v for k, v in props[image].items() if k != "default"}
             if "anyOf" in props[image]:
                 props[image]["anyOf"] = [o for o in props[image]["anyOf"] if o.get("type") != "null"]
@@ -203,13 +204,13 @@ def narrow(doc: dict, rules: tuple[tuple[str, str | int], ...], lora_names: tupl
 def _call_names(props: dict, names: tuple[str, ...]) -> None:
     """The generic path's `arguments` and `images` keyed only by the call's settable parameters."""
     for field in ("arguments", "images"):
-        for option in props[field].get("anyOf", [props[field]]):
+        for option in options(props[field]):
             if option.get("type") == "object":
                 option["propertyNames"] = {"enum": list(names)}
 
 
 def _bound_items(props: dict, name: str, largest: int) -> None:
-    for option in props[name].get("anyOf", [props[name]]):
+    for option in options(props[name]):
         if option.get("type") == "array":
             option["items"] = {**option["items"], "maximum": largest}
 
@@ -218,7 +219,7 @@ def _loras(schema: dict, names: tuple[str, ...] | None) -> dict:
     """`lora` naming only registered adapters (none registered, or a model without LoRA: null or empty only)."""
     if not names:
         return {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}], "description": "no adapter registered"}
-    return {"anyOf": [_named(option, names) for option in schema.get("anyOf", [schema])]}
+    return {"anyOf": [_named(option, names) for option in options(schema)]}
 
 
 def _named(option: dict, names: tuple[str, ...]) -> dict:

@@ -130,9 +130,14 @@ IMAGE_FILE = {
 BASE64_IMAGE = {"format": "base64-image", "description": "base64 of a PNG, JPEG, WEBP, GIF or BMP file"}
 
 
+def options(schema: dict) -> list[dict]:
+    """A field's alternatives: its `anyOf` (a nullable field: the value's schema and null), or the schema alone."""
+    return schema.get("anyOf", [schema])
+
+
 def _base64_images(props: dict) -> None:
     for name in ("image", "mask", "reference_images"):
-        for option in props[name].get("anyOf", [props[name]]):
+        for option in options(props[name]):
             if option.get("type") == "string":
                 option.update(BASE64_IMAGE)
             elif option.get("type") == "array":
@@ -146,7 +151,7 @@ LEAST_STRENGTH = 1e-6
 
 
 def _least_strength(props: dict) -> None:
-    for option in props["strength"].get("anyOf", [props["strength"]]):
+    for option in options(props["strength"]):
         if option.get("type") == "number":
             option["minimum"] = LEAST_STRENGTH
 
@@ -227,13 +232,12 @@ FORM_LORA = {"type": "string", "contentMediaType": "application/json", "descript
 def _form_field(name: str, schema: dict) -> dict:
     """A JSON field's schema as a form field: its options without null (a form leaves a field out instead); a field
     taken only as null, or only as a list or object (JSON bodies), takes nothing."""
-    options = [o for o in schema.get("anyOf", [schema]) if o.get("type") != "null"]
     if name == "lora":
         return FORM_LORA
-    options = [o for o in options if o.get("type") not in ("array", "object")]
-    if not options:
+    texts = [o for o in options(schema) if o.get("type") not in ("null", "array", "object")]
+    if not texts:
         return {"not": {}, "description": schema.get("description", "taken in JSON bodies only")}
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    return texts[0] if len(texts) == 1 else {"anyOf": texts}
 
 
 def _id_param(name: str) -> list[dict]:

@@ -25,7 +25,7 @@ from diffusiond import __version__
 from diffusiond.daemon import audio_jobs, loras_api, native_api, openai_api, videos_api
 from diffusiond.daemon.api import ApiError, retry_later, too_large
 from diffusiond.daemon.auth import TENANTS, tenant_middleware
-from diffusiond.daemon.config import ServeConfig, model_setup
+from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.connections import CONNECTIONS, PROBES, ConnectionGuard, connection_limit, open_files_limit
 from diffusiond.daemon.edge import READ_BUDGET, ReadBudget, edge_middleware
 from diffusiond.daemon.field_rules import field_rules
@@ -38,6 +38,7 @@ from diffusiond.daemon.listener import served_marker
 from diffusiond.daemon.model_document import served_document
 from diffusiond.daemon.native_api import native_limit
 from diffusiond.daemon.replay import replays_ctx
+from diffusiond.daemon.startup import model_setup
 from diffusiond.daemon.state import ENCODERS, LOAD, METRICS, STATE, ServerState
 from diffusiond.daemon.streaming import ClientGone
 from diffusiond.daemon.tenants import TenantBook
@@ -152,9 +153,9 @@ async def _load(app: web.Application) -> None:
         result_cache_bytes=config.result_cache_bytes,
     )
     # Before it starts: the scheduler's own settings, and the paused states' budget (engine/parking.py).
-    engine.scheduler.aging_steps = config.priority_aging_steps
+    engine.scheduler.aging.steps = config.priority_aging_steps
     engine.scheduler.preemption = config.preemption
-    engine.scheduler.class_window_s = config.class_window_ms / 1000
+    engine.scheduler.short_steps.window_s = config.class_window_ms / 1000
     engine.paused_bytes = config.paused_bytes
     # Set before it loads, so that cleanup stops it whatever happens; routes wait for `ready`.
     state.engine = engine

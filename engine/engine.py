@@ -19,7 +19,8 @@ from diffusiond.engine.admission import AdmissionWindow
 from diffusiond.engine.clocks import RequestClocks
 from diffusiond.engine.comm import Communicator, LocalComm
 from diffusiond.engine.deadlines import AdmissionCosts, StepTimes, estimate_seconds
-from diffusiond.engine.executor import Executor, GroupFault
+from diffusiond.engine.executor import Executor
+from diffusiond.engine.failures import GroupFault
 from diffusiond.engine.mailbox import Mailbox
 from diffusiond.engine.observer import EngineObserver, NullObserver
 from diffusiond.engine.outputs import TERMINAL, Completed, Event, Failed

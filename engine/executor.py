@@ -37,37 +37,17 @@ import torch
 import torch.distributed
 
 from diffusiond.engine.comm import Communicator, LocalComm
+from diffusiond.engine.failures import FATAL, GroupFault, poisons_the_device, public_error
 from diffusiond.engine.outputs import Sound
 from diffusiond.engine.parking import Parking
 from diffusiond.engine.timing import stage_timer
 from diffusiond.engine.wire import StepPlan
-from diffusiond.kernels.collectives import CommError
 from diffusiond.models.base import ModelAdapter, RequestState
 from diffusiond.models.inputs import DECODED_INPUTS
 from diffusiond.models.params import ParamError, SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class GroupFault(RuntimeError):
-    """An error inside a stage that may run collectives: the group cannot go on (all ranks must restart)."""
-
-
-# A broken collective or a fault inside one is the group's failure, not a request's: it stops the engine.
-FATAL = (CommError, GroupFault, torch.distributed.DistError)
-
-
-def poisons_the_device(exc: BaseException) -> bool:
-    """A CUDA error after which every later call on the device fails too (an illegal address, a device-side
-    assert, a failed launch): retrying one request at a time or serving the next would fail them all, one by one.
-    Running out of memory is not one: that request fails, the others go on."""
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
-        return False
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(exc, accelerator_error):
-        return True
-    return isinstance(exc, RuntimeError) and str(exc).startswith(("CUDA error", "CUDA driver error"))
 
 
 @dataclass
@@ -95,11 +75,6 @@ class ExecResult:
 def _reused(states: Sequence[RequestState]) -> int:
     """The step cache reuses so far of these requests (counted by models/stepcache/methods.py)."""
     return sum(s.cache_reuses for s in states)
-
-
-def public_error(request_id: str, stage: str, rank: int | None = None) -> str:
-    where = f" on rank {rank}" if rank is not None else ""
-    return f"internal error while {stage} this request{where} (request {request_id}); details are in the server log"
 
 
 class Executor:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 
 from diffusiond.engine.comm import Communicator
-from diffusiond.engine.executor import FATAL, Executor, GroupFault
+from diffusiond.engine.executor import Executor
+from diffusiond.engine.failures import FATAL, GroupFault
 from diffusiond.engine.memory import Trimmer
 from diffusiond.engine.parking import PAUSED_BYTES
 from diffusiond.engine.wire import PlanKind, decode_plan

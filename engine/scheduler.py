@@ -13,14 +13,9 @@ waits, admissions of the running key leave one slot free for it.
 
 Priority classes (issue 34): each request has a class, 0 to MAX_PRIORITY, higher served first. A key's class is the
 highest effective class of its requests, and only keys of the highest class take turns (the round robin above runs
-among them); waiting requests are admitted highest class first. Aging bounds the wait of a low class: a request's
-effective class rises by one for every `aging_steps` steps served to a higher class (as asked) while it waited (to
-be admitted, or, running, to be advanced), up to the highest class in flight (it catches up, never overtakes), so a
-request of class p competes in the top class t after at most (t - p) * aging_steps steps of higher classes' work,
-and is served from there (admitted by fair share, then age; advanced by the round robin). A wait behind its own
-class (a queue of long clips) is no starvation and ages no one: otherwise a flood's own queue lifts it into the
-interactive class (measured: a tiny Wan flood waiting a second behind itself competed with class 9 at 3.4x its
-idle p99). Only keys of the top class earn round-robin credit.
+among them); waiting requests are admitted highest class first. Aging bounds the wait of a low class: its effective
+class rises with the steps served to higher classes while it waits (engine/class_policy.py). Only keys of the top
+class earn round-robin credit.
 
 A forward carries only its key's top class: lower ones (running, or waiting for a free slot) sit out the step, and
 join once aged into it; a request keeps the class it was admitted or advanced at (`floor`).
@@ -41,14 +36,8 @@ step it reached. At most as many are paused as this step admits, and at most `ma
 request keeps the class it was admitted at (aging's included), so a request that aged its way in is not paused
 again by the class it caught up with: the aging bound holds for paused requests too.
 
-Short steps beside a higher class: preemption acts at step boundaries, so a request of a higher class that arrives
-while a step of a lower class runs waits for that step (measured on the bundled model under a flood: 4 rows at 64x64,
-53-64 ms a step, against 13 ms for one; its tail was idle plus such a step). For `class_window_s` after a class was
-last in flight, a step of a lower class carries only the rows estimated (per key and row count, as measured) to take
-about one lone step of that class (or of its own key, when longer), at least one; the others sit out in turn (least
-recently advanced first). Where a full batch takes about a lone step's time (a GPU at small sizes) the batch stays
-full; where time grows with rows (the bundled model on this CPU: 4 rows 4x one) the lower class runs a row at a
-time while the higher class is active (measured: 14% fewer flood steps a second than in full steps).
+Short steps beside a higher class: for a while after a higher class was in flight, a lower class's steps carry
+only the rows that fit in about one of its lone steps (engine/class_policy.py).
 
 Admission in chunks: a step that advances running requests takes in only as many new ones as one step's time of
 encoding their prompts allows (`costs`, measured by the engine; at least one), so a burst of arrivals never holds
@@ -77,17 +66,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 
+from diffusiond.engine.class_policy import AGING_STEPS, CLASS_WINDOW_S, MAX_PRIORITY, Aging, ShortSteps
 from diffusiond.engine.deadlines import AdmissionCosts
 from diffusiond.engine.request import RequestStatus, SchedRequest, StepResult
 from diffusiond.engine.wire import NewRequest, StepPlan
-
-MAX_PRIORITY = 9
-# Steps a request waits per class it rises (issue 34's aging; `--priority-aging-steps`).
-AGING_STEPS = 20
-# Seconds after a request of a higher class was in flight that a lower class's steps stay short (`--class-window-ms`).
-CLASS_WINDOW_S = 2.0
-# How far over a higher class's lone step a short step of a lower class may be estimated to go.
-SHORT_STEP_SLACK = 1.25
 
 
 class QueueFullError(Exception):
@@ -123,22 +105,15 @@ class Scheduler:
         self._requests: dict[str, SchedRequest] = {}
         self._arrivals = itertools.count()
         self._step = 0
-        # Aging's clock, per class: the steps whose forward served a higher class (as asked). A wait behind one's
-        # own class (a queue of long clips) or behind decoding is no starvation, and ages no one.
-        self._above = [0] * (MAX_PRIORITY + 1)
+        self.aging = Aging(aging_steps)
         # Smooth weighted round robin: each step every candidate key earns its weight, the served key pays the total.
         self._credit: dict[Hashable, int] = {}
         self._pending_drop: list[str] = []
         # Whether a waiting request may join the running ones now (its LoRA adapters fit beside theirs); one that
         # may not stays waiting, and others of its key may go first.
         self.gate = gate
-        if aging_steps < 1:
-            raise ValueError(f"aging_steps must be >= 1, got {aging_steps}")
-        self.aging_steps = aging_steps
         # Work served per tenant (pixel-frame steps), for fair share.
         self.served: dict[str, float] = {}
-        # The highest class asked for by a request in flight (aging's ceiling), as of the last schedule().
-        self._ceiling = 0
         # Pause lower classes for higher ones (`--no-preemption` turns it off); at most `max_paused` at once.
         self.preemption = preemption
         self.max_paused = max_paused if max_paused is not None else self.max_running
@@ -146,11 +121,9 @@ class Scheduler:
         # Measured admission costs (engine/deadlines.py): with them, a step that advances running requests takes in
         # only as many new ones as a step's time of encoding allows (paused ones coming back cost no encoding).
         self.costs: AdmissionCosts | None = None
-        # Short steps: for `class_window_s` after a class was last in flight (`_recent`: class -> (when, a key of
-        # its), as of schedule()), a lower class's steps carry only the rows that fit in about one of its lone steps.
-        self.class_window_s = class_window_s
+        # Short steps beside a higher class (engine/class_policy.py), by the measured costs.
+        self.short_steps = ShortSteps(class_window_s)
         self.clock = clock
-        self._recent: dict[int, tuple[float, Hashable]] = {}
         # Requests admitted in one step of a key share a computation (the generic path's calls): they advance, pause
         # and resume together, whole calls in a step even where a short step would carry fewer rows.
         self.shares_calls = shares_calls
@@ -177,19 +150,13 @@ class Scheduler:
             self.served[req.tenant] = max(self.served.get(req.tenant, 0.0), min(active, default=0.0))
         req.status = RequestStatus.WAITING
         req.arrival = next(self._arrivals)
-        req.held_since = self._above[req.priority]
+        self.aging.restart(req)
         self.waiting.append(req)
         self._requests[req.request_id] = req
 
     def effective_priority(self, req: SchedRequest) -> int:
-        """Its class, raised by one for every `aging_steps` steps served to a higher class while it waited (to be
-        admitted, or to advance), up to the highest class asked for now: aging lets a low class catch up, never
-        overtake, so that within a class, fair share (not age) orders admissions. At least the class it ran at."""
-        return max(self._aged(req), req.floor)
-
-    def _aged(self, req: SchedRequest) -> int:
-        held = max(0, self._above[req.priority] - req.held_since)
-        return min(max(req.priority, self._ceiling), req.priority + held // self.aging_steps)
+        """Its class as aging has raised it (engine/class_policy.py), at least the class it ran at."""
+        return self.aging.effective(req)
 
     def _admission_order(self) -> list[SchedRequest]:
         """Waiting requests, the next to admit first: highest effective class, then earliest deadline (none: last),
@@ -237,10 +204,9 @@ class Scheduler:
     # ---- one step ----
 
     def schedule(self) -> StepPlan:
-        self._ceiling = max((r.priority for r in self._requests.values()), default=0)
+        self.aging.ceiling_of(self._requests.values())
         now = self.clock()
-        for req in self._requests.values():
-            self._recent[req.priority] = (now, req.key)
+        self.short_steps.seen(self._requests.values(), now)
         step = self._step
         self._step += 1
         drop = self._pending_drop
@@ -252,7 +218,7 @@ class Scheduler:
                     del slots[req.request_id]
 
         # A decode of a class above all other work runs alone, as that request's steps did: nothing else steps.
-        top_decode = max((self._aged(r) for r in self.decoding.values()), default=-1)
+        top_decode = max((self.aging.aged(r) for r in self.decoding.values()), default=-1)
         alone = top_decode > max(
             (self.effective_priority(r) for r in (*self.running.values(), *self.waiting)), default=-1
         )
@@ -269,7 +235,7 @@ class Scheduler:
             # A forward carries only its key's top class (a lower one beside it would slow it down); lower classes
             # rise into it by aging. If the top class cannot run now (its admission is gated), the rest may.
             top = self._top_class(key, group)
-            rows = self._rows(key, top, now)
+            rows = self.short_steps.rows(self.costs, key, top, now, self.max_batch)
             advance = self._whole_calls([r for r in group if self.effective_priority(r) >= top][:rows], group)
             encodes = self.costs.new_per_step(key) if self.costs is not None and advance else None
             admitted = self._admit(key, rows - len(advance), top, encodes)
@@ -298,13 +264,12 @@ class Scheduler:
         for req in advance:  # the class it ran at stays its own (aging's included)
             req.floor = max(req.floor, self.effective_priority(req))
             req.last_advanced = step
-            req.held_since = self._above[req.priority]
+            self.aging.restart(req)
         decode = self._decode_pieces(advance, floor=top_decode if alone else None)
         served = (
             max(r.priority for r in self.decoding.values()) if alone else max((r.priority for r in advance), default=0)
         )
-        for rank in range(served):  # every lower class waited this step out
-            self._above[rank] += 1
+        self.aging.served(served)
         return StepPlan(
             step=step,
             new=new,
@@ -325,9 +290,9 @@ class Scheduler:
         would hold up their completion."""
         if floor is None:
             floor = min((r.priority for r in advance), default=0)
-        eligible = [r for r in self.decoding.values() if self._aged(r) >= floor]
+        eligible = [r for r in self.decoding.values() if self.aging.aged(r) >= floor]
         for req in eligible:
-            req.held_since = self._above[req.priority]
+            self.aging.restart(req)
         eligible += [r for r in advance if r.steps_done + 1 >= r.total_steps]
         return [r.request_id for r in sorted(eligible, key=lambda r: (-r.priority, r.arrival))]
 
@@ -464,30 +429,12 @@ class Scheduler:
                 req.status = RequestStatus.PREEMPTED
                 req.pauses += 1
                 req.parked = True
-                req.held_since = self._above[req.priority]  # its wait, for aging, starts now
+                self.aging.restart(req)  # its wait, for aging, starts now
                 self.num_paused += 1
                 self.waiting.append(req)
                 paused.append(req.request_id)
             above = max(above, rank)  # this step's class now: a head below it would not run either
         return paused
-
-    def _rows(self, key: Hashable, rank: int, now: float) -> int:
-        """Requests a step of `key` at class `rank` may carry: `max_batch`; or, within `class_window_s` of a higher
-        class in flight, as many as are estimated to take about as long as one lone step of the highest such class,
-        or of `key` itself when that is longer (measured: `costs`; at least one), so that its next request waits at
-        most about that long for a step in progress. Where a full batch takes about a lone step's time (a GPU; a
-        small model whose fixed costs dominate), that is the full batch: fewer rows would cost throughput and save
-        no wait."""
-        if self.costs is None or self.class_window_s <= 0:
-            return self.max_batch
-        above = [(c, k) for c, (seen, k) in self._recent.items() if c > rank and now - seen <= self.class_window_s]
-        if not above:
-            return self.max_batch
-        lone = self.costs.seconds(max(above, key=lambda ck: ck[0])[1], 1)
-        if lone is None:
-            return self.max_batch
-        budget = max(lone, self.costs.seconds(key, 1) or 0.0)
-        return self.costs.rows_within(key, budget * SHORT_STEP_SLACK, self.max_batch)
 
     def _top_class(self, key: Hashable, group: list[SchedRequest]) -> int:
         """The highest effective class of a key's running requests, and of its waiting ones while a slot is free."""

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from diffusiond.engine import lora_commands
-from diffusiond.engine.executor import FATAL, ExecResult, GroupFault
+from diffusiond.engine.executor import ExecResult
+from diffusiond.engine.failures import FATAL, GroupFault
 from diffusiond.engine.memory import Trimmer
 from diffusiond.engine.outputs import (
     Cancelled,

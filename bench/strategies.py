@@ -66,7 +66,8 @@ def timed(fn, device, seconds: list[float]):
 def _setup(model: str, flags: list[str]):
     """The model setup `diffusiond serve --model MODEL FLAGS` would run, in this rank's group."""
     from diffusiond.daemon.cli import build_parser
-    from diffusiond.daemon.config import load_config, model_setup
+    from diffusiond.daemon.config import load_config
+    from diffusiond.daemon.startup import model_setup
 
     config, _ = load_config(vars(build_parser().parse_args(["serve", "--model", model, *flags])), {})
     return model_setup(config)

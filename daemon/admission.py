@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from diffusiond.daemon.api import ApiError, retry_later
-from diffusiond.daemon.config import class_deadlines
+from diffusiond.daemon.startup import class_deadlines
 from diffusiond.daemon.state import ServerState
 from diffusiond.daemon.tenants import Tenant
 from diffusiond.engine.engine import Engine, QueueFullError, RequestHandle

@@ -124,7 +124,8 @@ def generate_setup(args: argparse.Namespace):
     """`generate`'s model setup, request and what checks it before anything loads (no torch): the checkpoint's
     declarations (its sizes, steps, guidance), the input files, the setup's rules. (setup, params), or the exit code
     after printing why."""
-    from diffusiond.daemon.config import ConfigError, scheduler_changes
+    from diffusiond.daemon.config import ConfigError
+    from diffusiond.daemon.startup import scheduler_changes
     from diffusiond.models.declared import check_declared, read_declared
     from diffusiond.models.inputs import admit_image
     from diffusiond.models.loading.setup import ModelSetup, SetupError, check_setup
@@ -282,8 +283,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if loaded is None:
         return EXIT_USAGE
     from diffusiond.daemon.auth import exposure_warning
-    from diffusiond.daemon.config import ConfigError, check_serving
+    from diffusiond.daemon.config import ConfigError
     from diffusiond.daemon.launch import worker_config
+    from diffusiond.daemon.startup import check_serving
     from diffusiond.daemon.state_lock import StateDirBusy
     from diffusiond.models.loading.setup import SetupError, check_kernels
 
@@ -293,7 +295,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         setup = check_serving(config)  # before torch is imported
         # Before any rank starts or loads; the launcher counts this node's ranks, each rank itself only (its own
         # view of the GPUs may be one: daemon/ranks.py `cuda_device`).
-        from diffusiond.daemon.config import in_launched_group
+        from diffusiond.daemon.startup import in_launched_group
 
         check_kernels(setup, ranks_here=1 if in_launched_group() else config.nproc)
         _lock_state_dir(config)
@@ -308,7 +310,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     code = _serve(config)
     # The last line of every run says how it ended (a service manager's journal shows it beside the exit status).
     logging.getLogger("diffusiond").info("exiting with code %d", code)
-    from diffusiond.daemon.config import in_launched_group
+    from diffusiond.daemon.startup import in_launched_group
 
     if in_launched_group():  # a rank: gloo's threads must not meet the interpreter's finalization (`leave`)
         from diffusiond.daemon.ranks import leave
@@ -322,8 +324,8 @@ def _lock_state_dir(config) -> None:
     the process that lives as long as the daemon (not by the ranks of our own launcher, whose parent holds it)."""
     import os
 
-    from diffusiond.daemon.config import in_launched_group
     from diffusiond.daemon.launch import RANK_CONFIG_ENV
+    from diffusiond.daemon.startup import in_launched_group
     from diffusiond.daemon.state_lock import lock_state_dir
 
     if config.state_dir is None or config.state_url is not None:
@@ -334,7 +336,7 @@ def _lock_state_dir(config) -> None:
 
 
 def _serve(config) -> int:
-    from diffusiond.daemon.config import in_launched_group
+    from diffusiond.daemon.startup import in_launched_group
 
     if in_launched_group():  # a worker of torchrun or of our own launch below
         from diffusiond.daemon.launch import run_rank

@@ -1,7 +1,7 @@
 """`diffusiond serve --nproc N`: N SPMD ranks under torch.distributed's elastic agent (the API behind torchrun).
 
 The agent starts `python -m diffusiond serve` N times with RANK/WORLD_SIZE/MASTER_* set; each worker finds itself in
-a launched group (`config.in_launched_group`) and runs `run_rank`. `torchrun --nproc-per-node N -m diffusiond serve
+a launched group (`startup.in_launched_group`) and runs `run_rank`. `torchrun --nproc-per-node N -m diffusiond serve
 ...` takes exactly the same worker path. When a rank dies, rank 0 fails every request in flight and exits, the agent
 stops the group and starts it again (up to `max_restarts` times).
 
@@ -52,7 +52,7 @@ def launch(config: ServeConfig) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # `cmd_serve` checked the configuration and the model setup (daemon/config.py `check_serving`).
+    # `cmd_serve` checked the configuration and the model setup (daemon/startup.py `check_serving`).
     if config.model is None:
         from diffusiond.models.default import default_model
 
@@ -160,8 +160,8 @@ def worker_config(loaded: ServeConfig) -> ServeConfig:
 def run_rank(config: ServeConfig) -> int:
     import torch.distributed as dist
 
-    from diffusiond.daemon.config import model_setup
     from diffusiond.daemon.ranks import join_group
+    from diffusiond.daemon.startup import model_setup
     from diffusiond.engine.follower import run_follower
 
     setup = model_setup(config)

@@ -13,8 +13,9 @@ from aiohttp import web
 
 from diffusiond.daemon.api import ApiError, decode_body
 from diffusiond.daemon.auth import require_admin
-from diffusiond.daemon.config import ServeConfig, model_setup
+from diffusiond.daemon.config import ServeConfig
 from diffusiond.daemon.edge import read_body
+from diffusiond.daemon.startup import model_setup
 from diffusiond.daemon.state import STATE
 from diffusiond.engine.engine import Engine, EngineDeadError
 from diffusiond.models.loading.setup import lora_refusal

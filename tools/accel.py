@@ -93,7 +93,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from diffusiond.daemon.app import warm_up_requests
-    from diffusiond.daemon.config import scheduler_changes
+    from diffusiond.daemon.startup import scheduler_changes
     from diffusiond.engine.engine import Engine
     from diffusiond.models.loading.setup import ModelSetup, build_adapter
     from diffusiond.models.params import SamplingParams

@@ -140,7 +140,7 @@ def record_pairs(
 
 def calibrate(args: argparse.Namespace) -> int:
     from diffusiond.daemon.cli import resolve_model
-    from diffusiond.daemon.config import scheduler_changes
+    from diffusiond.daemon.startup import scheduler_changes
     from diffusiond.models.loading.setup import ModelSetup, check_kernels, check_setup
 
     model = resolve_model(args.model)

@@ -1,5 +1,5 @@
 """One model setup: what to load and how (family, dtype, device, attention, compile, quantization, offload, step
-cache, parallel layout, LoRA), resolved once into a frozen `ModelSetup` (daemon/config.py `model_setup` from the
+cache, parallel layout, LoRA), resolved once into a frozen `ModelSetup` (daemon/startup.py `model_setup` from the
 serving configuration; `generate` and the tools from their flags), checked once, and built by one function.
 
 - `check_setup`: every rule about which settings go together and what the family can do, with the messages users

@@ -22,7 +22,8 @@ import pytest
 from jobs import call, content, frames, job, wait_all
 from procs import free_port, kill_tree, ready, wait_ready
 
-from diffusiond.daemon.job_db import MIGRATIONS, JobDB, JobDBError, migrate
+from diffusiond.daemon.job_db import JobDB
+from diffusiond.daemon.job_schema import MIGRATIONS, JobDBError, migrate
 from diffusiond.daemon.videos_api import VIDEOS
 from diffusiond.models.default import default_model
 

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from diffusiond.daemon.job_db import MIGRATIONS, JobDB, JobDBError
+from diffusiond.daemon.job_db import JobDB
+from diffusiond.daemon.job_schema import MIGRATIONS, JobDBError
 
 LEASE = 1.0
 

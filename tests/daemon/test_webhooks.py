@@ -16,7 +16,8 @@ import openai
 import pytest
 from conftest import ServerThread
 
-from diffusiond.daemon.config import ConfigError, ServeConfig, check_serving, load_config
+from diffusiond.daemon.config import ConfigError, ServeConfig, load_config
+from diffusiond.daemon.startup import check_serving
 from diffusiond.daemon.tenants import Tenants, TenantsError
 from diffusiond.daemon.webhooks import WEBHOOKS, event_body, sign
 

@@ -16,7 +16,8 @@ import pytest
 from deploy.test_kubernetes import pod_templates
 
 from diffusiond.daemon.cli import build_parser
-from diffusiond.daemon.config import check_serving, load_config
+from diffusiond.daemon.config import load_config
+from diffusiond.daemon.startup import check_serving
 from diffusiond.models.families.specs import KNOWN_CHECKPOINTS
 
 ROOT = Path(__file__).parents[2]

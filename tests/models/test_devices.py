@@ -114,7 +114,8 @@ def test_defaults_on_a_gpu_are_what_runs_there(tmp_path):
     """`--dtype auto` (the default): bfloat16 on CUDA, float32 on the CPU (before: float32 everywhere, so flash-attn
     failed the warm-up and fp8 tripped torchao's assertion); combinations that cannot run are refused at start,
     before any torch import, naming the flag to change."""
-    from diffusiond.daemon.config import ServeConfig, model_setup
+    from diffusiond.daemon.config import ServeConfig
+    from diffusiond.daemon.startup import model_setup
     from diffusiond.models.loading.setup import ModelSetup, SetupError, check_setup
 
     assert model_setup(ServeConfig(device="cuda")).dtype == "bfloat16"

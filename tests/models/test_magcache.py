@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from diffusiond.daemon.config import ConfigError, cache_settings
+from diffusiond.daemon.config import ConfigError
+from diffusiond.daemon.startup import cache_settings
 from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.stepcache import core as stepcore
 from diffusiond.models.stepcache import methods as stepcache

@@ -334,6 +334,11 @@ def tiny_zimage(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_ovis(tmp_path_factory) -> str:
+    return str(build_tiny("ovis-image", tmp_path_factory.mktemp("tiny") / "ovis-image"))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwenimage(tmp_path_factory) -> str:
     return str(build_tiny("qwen-image", tmp_path_factory.mktemp("tiny") / "qwen-image"))
 

@@ -424,6 +424,24 @@ REQUESTS = {
         ),
     ],
 }
+REQUESTS["ovis-image"] = [
+    SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=4, guidance_scale=4.0),
+    SamplingParams(
+        prompt="a blue square on the grass",
+        negative_prompt="blurry",
+        seed=2,
+        width=64,
+        height=64,
+        num_inference_steps=3,
+        guidance_scale=3.0,
+    ),
+    SamplingParams(prompt="a cat", seed=3, width=48, height=48, num_inference_steps=3, guidance_scale=5.0),
+    # Guidance 1 (no CFG), finishing together: split between the ranks and decoded by both.
+    *(
+        SamplingParams(prompt=f"plain {i}", seed=10 + i, width=64, height=64, num_inference_steps=2, guidance_scale=1.0)
+        for i in range(3)
+    ),
+]
 FIXTURES = {
     "sd3": "tiny_sd3",
     "sdxl": "tiny_sdxl",
@@ -432,6 +450,7 @@ FIXTURES = {
     "flux2-klein": "tiny_flux2klein",
     "flux2": "tiny_flux2",
     "z-image": "tiny_zimage",
+    "ovis-image": "tiny_ovis",
     "qwen-image": "tiny_qwenimage",
     "qwen-image-21": "tiny_qwenimage21",
     "wan": "tiny_wan",

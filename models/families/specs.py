@@ -262,6 +262,17 @@ GENERIC = Family(
     needs=("greenlet",),
 )
 
+# Ovis-Image: FLUX.1's packed latents and rotary ids under its own MMDiT (no pooled text, no guidance embedding), a
+# Qwen3 text encoder read through a chat template, CFG whenever `guidance_scale` > 1.
+OVIS_IMAGE = Family(
+    "OvisImagePipeline",
+    "ovis-image",
+    "families.ovis:OvisImageAdapter",
+    guidance_styles=("cfg",),
+    parallel=("cfg-parallel",),
+    cache_methods=("fbcache", "dbcache", "x0cache"),
+)
+
 FAMILIES: dict[str, Family] = {
     f.pipeline_class: f
     for f in (
@@ -272,6 +283,7 @@ FAMILIES: dict[str, Family] = {
         FLUX2_KLEIN,
         FLUX2,
         Z_IMAGE,
+        OVIS_IMAGE,
         QWEN_IMAGE,
         QWEN_IMAGE_EDIT,
         QWEN_IMAGE_EDIT_PLUS,

@@ -1,7 +1,8 @@
 """The transformers' forwards with a step cache decision per request (models/stepcache/methods.py): SD3/SD3.5, FLUX.1,
-Qwen-Image and Wan, as their diffusers `forward`s compute them, with the blocks run by `methods.cached_blocks` and the
-output settled by `methods.settle` (x0cache). Each family's step cache (models/stepcache/cache.py) runs its own, as
-`forward(method, batched, shared, rows, states)` with the transformer (and Ulysses group) bound by keyword."""
+Ovis-Image, Qwen-Image and Wan, as their diffusers `forward`s compute them, with the blocks run by
+`methods.cached_blocks` and the output settled by `methods.settle` (x0cache). Each family's step cache
+(models/stepcache/cache.py) runs its own, as `forward(method, batched, shared, rows, states)` with the transformer
+(and Ulysses group) bound by keyword."""
 
 from __future__ import annotations
 
@@ -86,6 +87,35 @@ def flux_forward(
         method, blocks, Batch(h, enc, temb, rows, states, narrows=lora_narrows(t), block_kwargs=block_kwargs)
     )
     # (Under Ulysses the last block gathers the tokens: the output, as the input here, is every token.)
+    return settle(
+        method, t.proj_out(t.norm_out(out, temb)), batched["hidden_states"], batched["timestep"], rows, states
+    )
+
+
+@torch.inference_mode()
+def ovis_forward(
+    method: Method,
+    batched: dict[str, torch.Tensor],
+    shared: dict[str, torch.Tensor],
+    rows: int,
+    states: Sequence[Any],
+    *,
+    transformer: Any,
+) -> torch.Tensor:
+    """`OvisImageTransformer2DModel.forward` over B requests x `rows` rows (packed latents), with a cache decision per
+    request, as FLUX.1's (`flux_forward`): its blocks are FLUX's in kind; its embeddings differ (the timestep alone,
+    the text RMS-normed before its projection). Returns the model output [B * rows, seq, C * 4]."""
+    t = transformer
+    h = t.x_embedder(batched["hidden_states"])
+    timestep = batched["timestep"].to(h.dtype) * 1000
+    temb = t.timestep_embedder(t.time_proj(timestep).to(dtype=h.dtype))
+    enc = t.context_embedder(t.context_embedder_norm(batched["encoder_hidden_states"]))
+    rotary = t.pos_embed(torch.cat((shared["txt_ids"], shared["img_ids"]), dim=0))
+    blocks = [*t.transformer_blocks, *t.single_transformer_blocks]
+    block_kwargs = {"image_rotary_emb": rotary, "joint_attention_kwargs": None}
+    out = cached_blocks(
+        method, blocks, Batch(h, enc, temb, rows, states, narrows=lora_narrows(t), block_kwargs=block_kwargs)
+    )
     return settle(
         method, t.proj_out(t.norm_out(out, temb)), batched["hidden_states"], batched["timestep"], rows, states
     )

@@ -98,6 +98,7 @@ def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: boo
         ("flux2", "ulysses"),
         ("z-image", "cfg"),
         ("z-image", "ulysses"),
+        ("ovis-image", "cfg"),
         ("qwen-image", "cfg"),
         ("qwen-image", "ulysses"),
         ("wan", "cfg"),

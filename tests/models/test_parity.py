@@ -277,6 +277,23 @@ REQUESTS = {
 # A stochastic flow-matching scheduler (`stochastic_sampling`, as the bundled model ships): fresh noise at every
 # step, drawn from each request's own generator.
 REQUESTS["sd3-stochastic"] = REQUESTS["sd3"]
+REQUESTS["ovis-image"] = [
+    SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=6, guidance_scale=5.0),
+    SamplingParams(
+        prompt="a blue square on a white background",
+        negative_prompt="blurry",
+        seed=2,
+        width=64,
+        height=64,
+        num_inference_steps=4,
+        guidance_scale=3.0,
+        preview_every=1,
+    ),
+    SamplingParams(prompt="green", seed=3, width=64, height=64, num_inference_steps=5, guidance_scale=6.0),
+    SamplingParams(prompt="a photo of a cat", seed=4, width=96, height=64, num_inference_steps=3, guidance_scale=4.0),
+    # Guidance 1: no negative branch (one row), as the pipeline's `do_classifier_free_guidance`.
+    SamplingParams(prompt="a plain field", seed=5, width=64, height=64, num_inference_steps=3, guidance_scale=1.0),
+]
 # A checkpoint of a served class with another config (issue 52: a Qwen-Image-2512 layout is Qwen-Image's family's).
 REQUESTS["qwen-image-other-layout"] = REQUESTS["qwen-image"]
 
@@ -290,6 +307,7 @@ FIXTURES = {
     "flux2-klein": "tiny_flux2klein",
     "flux2": "tiny_flux2",
     "z-image": "tiny_zimage",
+    "ovis-image": "tiny_ovis",
     "qwen-image": "tiny_qwenimage",
     "qwen-image-other-layout": "tiny_qwenimage_other_layout",
     "qwen-image-21": "tiny_qwenimage21",

@@ -130,6 +130,8 @@ def field_rules(engine: Engine) -> tuple[tuple[str, str | int], ...]:
     for name, value in probes.items():
         if generic and name in ("arguments", "images"):  # the call's own names (model_document.py lists them)
             continue
+        if name == "arguments" and engine.adapter.capabilities.call_arguments:  # a family's call switches, by name
+            continue
         if name == "image" and image_required:
             continue
         alone = _takes(engine, replace(base, **{name: value}), name)

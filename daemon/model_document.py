@@ -40,6 +40,10 @@ def served_document(
     narrow(doc, rules, lora_names if caps.lora else None)
     if caps.mode == "generic":  # what a request may add to the pipeline's call: the names its signature settles
         _call_names(doc["components"]["schemas"]["GenerationRequest"]["properties"], caps.fields)
+    elif caps.call_arguments:  # a dedicated family's own call switches
+        _call_names(
+            doc["components"]["schemas"]["GenerationRequest"]["properties"], caps.call_arguments, ("arguments",)
+        )
     dropped = tuple(prefix for kind, prefix in KIND_ROUTES.items() if kind != caps.modality)
     if not caps.lora:
         dropped += ("/v1/loras",)
@@ -201,9 +205,10 @@ def narrow(doc: dict, rules: tuple[tuple[str, str | int], ...], lora_names: tupl
             props["lora"] = _loras(props["lora"], lora_names)
 
 
-def _call_names(props: dict, names: tuple[str, ...]) -> None:
-    """The generic path's `arguments` and `images` keyed only by the call's settable parameters."""
-    for field in ("arguments", "images"):
+def _call_names(props: dict, names: tuple[str, ...], fields: tuple[str, ...] = ("arguments", "images")) -> None:
+    """The generic path's `arguments` and `images` (or a dedicated family's `arguments`) keyed only by the call's
+    settable parameters."""
+    for field in fields:
         for option in options(props[field]):
             if option.get("type") == "object":
                 option["propertyNames"] = {"enum": list(names)}

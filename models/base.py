@@ -68,6 +68,8 @@ class Capabilities:
     # `fields` lists what a request may add to the call (`arguments`, `images`).
     mode: str = "dedicated"
     fields: tuple[str, ...] = ()
+    # A dedicated family's own call switches a request may set by name in `arguments` (LongCat-Image's prompt rewrite).
+    call_arguments: tuple[str, ...] = ()
     # Its images have an alpha channel (its VAE decodes RGBA: Qwen-Image 2.1): OpenAI's `background` keeps it.
     alpha: bool = False
 
@@ -97,6 +99,7 @@ class Capabilities:
             "mode": self.mode,
             "alpha": self.alpha,
             **({"fields": list(self.fields)} if self.mode == "generic" else {}),
+            **({"arguments": list(self.call_arguments)} if self.call_arguments else {}),
             **(
                 {
                     "default_num_frames": self.default_num_frames,

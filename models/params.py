@@ -180,7 +180,8 @@ class RequestFields(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     lora: Loras | None = None
     # The generic path (models/generic/): further arguments of the pipeline's call by name (JSON values: numbers,
     # booleans, strings, lists of numbers), and further images it takes by name (`control_image`, ...). What a
-    # pipeline takes is listed at /v1/models (`fields`); anything else is refused, naming it.
+    # pipeline takes is listed at /v1/models (`fields`); anything else is refused, naming it. A dedicated family with
+    # call switches of its own takes those in `arguments` (LongCat-Image's prompt rewrite: /v1/models `arguments`).
     arguments: Annotated[dict[ArgumentName, Argument], msgspec.Meta(max_length=32)] | None = None
     images: Annotated[dict[ArgumentName, ImageFile], msgspec.Meta(max_length=MAX_REFERENCES)] | None = None
 

@@ -339,6 +339,11 @@ def tiny_ovis(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_longcat(tmp_path_factory) -> str:
+    return str(build_tiny("longcat-image", tmp_path_factory.mktemp("tiny") / "longcat-image"))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwenimage(tmp_path_factory) -> str:
     return str(build_tiny("qwen-image", tmp_path_factory.mktemp("tiny") / "qwen-image"))
 

@@ -92,6 +92,7 @@ def reference(pipe, family: str, params: SamplingParams, **extra) -> np.ndarray:
         output_type="np",
     )
     accepted = inspect.signature(pipe.__call__).parameters
+    kwargs.update(params.arguments or {})  # a family's call switches a request sets by name (LongCat-Image's)
     if family in ("flux", "qwen-image", "qwen-image-edit-plus", "qwen-image-21"):
         kwargs["true_cfg_scale"] = params.true_cfg_scale
     if "guidance_scale" not in accepted:  # Qwen-Image 2.1: true CFG only

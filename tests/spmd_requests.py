@@ -5,6 +5,7 @@ that CFG-parallel splits both rows and requests), and each family's image inputs
 On the test path through `pythonpath = ["tests"]` in pyproject.toml: `from spmd_requests import ...`.
 """
 
+import msgspec
 from pictures import mask, picture
 
 from diffusiond.models.params import SamplingParams
@@ -442,6 +443,10 @@ REQUESTS["ovis-image"] = [
         for i in range(3)
     ),
 ]
+# LongCat-Image: its rewrite (on by default) runs on rank 0 with the other encodings; off where a prompt must matter.
+REQUESTS["longcat-image"] = [
+    msgspec.structs.replace(p, arguments={"enable_prompt_rewrite": i > 0}) for i, p in enumerate(REQUESTS["ovis-image"])
+]
 FIXTURES = {
     "sd3": "tiny_sd3",
     "sdxl": "tiny_sdxl",
@@ -451,6 +456,7 @@ FIXTURES = {
     "flux2": "tiny_flux2",
     "z-image": "tiny_zimage",
     "ovis-image": "tiny_ovis",
+    "longcat-image": "tiny_longcat",
     "qwen-image": "tiny_qwenimage",
     "qwen-image-21": "tiny_qwenimage21",
     "wan": "tiny_wan",

@@ -54,7 +54,7 @@ class OvisImageAdapter(FlowMatchAdapter):
         channels = self.transformer.config.in_channels // 4
         states = []
         for i, (request_id, p) in enumerate(requests):
-            (embeds,) = text[p.prompt]
+            (embeds,) = text[self.prompts.key(p.prompt, p)]
             sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
             if getattr(config, "use_flow_sigmas", False):
                 sigmas = None
@@ -70,10 +70,11 @@ class OvisImageAdapter(FlowMatchAdapter):
                 cond = {
                     "embeds": torch.cat([embeds, negative]),
                     "scale": torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32),
+                    **self._guidance(p),
                 }
             else:
                 cond = {"embeds": embeds}
-            shared = {"text_ids": _text_ids(embeds), "image_ids": image_ids}
+            shared = {"text_ids": self._text_ids(embeds), "image_ids": image_ids}
             states.append(RequestState(request_id, p, latents, sampler, cond=cond, shared=shared))
         return states
 
@@ -104,20 +105,27 @@ class OvisImageAdapter(FlowMatchAdapter):
         out = self.ranks.rows(rows, batched, ids, states)  # [B, rows, seq, C * 4]
         if rows == 1:
             return out[:, 0]
-        pos, neg = out[:, 0], out[:, 1]
-        return neg + cond["scale"].to(out.dtype).view(-1, 1, 1) * (pos - neg)
+        return self._guide(out[:, 0], out[:, 1], cond)
+
+    def _guidance(self, params: SamplingParams) -> dict[str, torch.Tensor]:
+        """A CFG request's conditioning beyond its rows and scale (tensors [1], concatenated along a batch)."""
+        return {}
+
+    def _guide(self, pos: torch.Tensor, neg: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
+        """The guided prediction [B, seq, C * 4] from the positive and negative rows, as the pipeline combines them."""
+        return neg + cond["scale"].to(pos.dtype).view(-1, 1, 1) * (pos - neg)
+
+    def _text_ids(self, embeds: torch.Tensor) -> torch.Tensor:
+        """The text tokens' rotary ids [L, 3], as the pipeline builds them: (0, i, i) for token i, in the text's
+        dtype."""
+        ids = torch.zeros(embeds.shape[1], 3, device=embeds.device)
+        position = torch.arange(embeds.shape[1], device=embeds.device)
+        ids[:, 1] = position
+        ids[:, 2] = position
+        return ids.to(embeds.dtype)
 
 
 class OvisRequests(RequestRules):
     def uses_cfg(self, params: SamplingParams) -> bool:
         # As the pipeline's `do_classifier_free_guidance`.
         return (params.guidance_scale or 0.0) > 1
-
-
-def _text_ids(embeds: torch.Tensor) -> torch.Tensor:
-    """The text tokens' rotary ids [L, 3], as the pipeline builds them: (0, i, i) for token i."""
-    ids = torch.zeros(embeds.shape[1], 3, device=embeds.device, dtype=embeds.dtype)
-    position = torch.arange(embeds.shape[1], device=embeds.device, dtype=embeds.dtype)
-    ids[:, 1] = position
-    ids[:, 2] = position
-    return ids

@@ -273,6 +273,18 @@ OVIS_IMAGE = Family(
     cache_methods=("fbcache", "dbcache", "x0cache"),
 )
 
+# LongCat-Image: Ovis-Image's kind of MMDiT (FLUX.1's packed latents), a Qwen2.5-VL text encoder that first rewrites
+# each prompt (generating text; `arguments: {"enable_prompt_rewrite": false}` skips it), CFG with renormalization.
+LONGCAT_IMAGE = Family(
+    "LongCatImagePipeline",
+    "longcat-image",
+    "families.longcat:LongCatImageAdapter",
+    guidance_styles=("cfg",),
+    parallel=("cfg-parallel",),
+    cache_methods=("fbcache", "dbcache", "x0cache"),
+    needs=("torchvision",),
+)
+
 FAMILIES: dict[str, Family] = {
     f.pipeline_class: f
     for f in (
@@ -284,6 +296,7 @@ FAMILIES: dict[str, Family] = {
         FLUX2,
         Z_IMAGE,
         OVIS_IMAGE,
+        LONGCAT_IMAGE,
         QWEN_IMAGE,
         QWEN_IMAGE_EDIT,
         QWEN_IMAGE_EDIT_PLUS,

@@ -11,6 +11,7 @@ rules on CFG, on its input images' sizes, its defaults).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Hashable
@@ -37,6 +38,9 @@ class RequestRules:
 
     # `true_cfg_scale` when a request sends none (families with true CFG beside a guidance embedding).
     default_true_cfg: ClassVar[float] = 1.0
+    # Arguments of the pipeline's own call a request may set by name (`SamplingParams.arguments`) where a family has
+    # switches of its own and no field of ours for them: name -> (type, its default as the call's, bounds for numbers).
+    call_arguments: ClassVar[dict[str, tuple[type, Any, tuple[float, float] | None]]] = {}
     # Img2img's strength when a request with an image sends none (the Img2Img pipelines' default), and with a mask
     # (the Inpaint pipelines').
     default_strength: ClassVar[float] = 0.6
@@ -52,6 +56,8 @@ class RequestRules:
         loras: Callable[[SamplingParams], tuple | None] | None = None,
         blocks: int | None = None,
     ) -> None:
+        if self.call_arguments:
+            caps = dataclasses.replace(caps, call_arguments=tuple(self.call_arguments))
         self.caps, self.declared, self.cache, self.clips = caps, declared, cache, clips
         self.loras = loras
         self.blocks = blocks
@@ -80,11 +86,11 @@ class RequestRules:
         caps = self.caps
         check_prompts(params)
         check_declared(self.declared, params)
-        for name in ("arguments", "images"):
-            if getattr(params, name):
-                raise ParamError(
-                    name, f"the {self.family} family is served by a dedicated adapter; {name} is for the generic path"
-                )
+        if params.images:
+            raise ParamError(
+                "images", f"the {self.family} family is served by a dedicated adapter; images is for the generic path"
+            )
+        arguments = self._call_arguments(params)
         strength = self._strength(params)
         width, height = self._size(params)
         for name, side in (("width", width), ("height", height)):
@@ -158,12 +164,47 @@ class RequestRules:
             start_step=self._start_step(steps, strength),
             **self._video(params),
             lora=self.loras(params) if self.loras is not None and params.lora else None,
+            arguments=arguments,
         )
         if resolved.steps_to_run < 1:
             raise ParamError(
                 "strength", f"strength {strength} leaves none of the {steps} steps to run; raise either of them"
             )
         return resolved
+
+    def _call_arguments(self, params: SamplingParams) -> dict[str, Any] | None:
+        """The call's own switches a request sets (`call_arguments`), each checked and the rest at their defaults;
+        None where the family has none (and a request that sends any: 400)."""
+        given = params.arguments or {}
+        if not self.call_arguments:
+            if given:
+                raise ParamError(
+                    "arguments",
+                    f"the {self.family} family is served by a dedicated adapter; arguments is for the generic path",
+                )
+            return None
+        out = {}
+        for name, (kind, default, bounds) in self.call_arguments.items():
+            value = given.get(name, default)
+            if kind is bool and not isinstance(value, bool):
+                raise ParamError("arguments", f"argument {name!r} must be true or false, got {value!r}")
+            if kind is float:
+                if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                    raise ParamError("arguments", f"argument {name!r} must be a number, got {value!r}")
+                if bounds is not None and not bounds[0] <= value <= bounds[1]:
+                    raise ParamError(
+                        "arguments", f"argument {name!r} must be between {bounds[0]:g} and {bounds[1]:g}, got {value}"
+                    )
+                value = float(value)
+            out[name] = value
+        unknown = sorted(set(given) - set(out))
+        if unknown:
+            raise ParamError(
+                "arguments",
+                f"the {self.family} family's call takes no argument {unknown[0]!r} from a request; it takes: "
+                + ", ".join(self.call_arguments),
+            )
+        return out
 
     def _video(self, params: SamplingParams) -> dict[str, Any]:
         """The resolved video fields (`num_frames`, `fps`): the clips' rules; image families refuse them."""

@@ -1,5 +1,5 @@
 """The transformers' forwards with a step cache decision per request (models/stepcache/methods.py): SD3/SD3.5, FLUX.1,
-Ovis-Image, Qwen-Image and Wan, as their diffusers `forward`s compute them, with the blocks run by
+Ovis-Image, LongCat-Image, Qwen-Image and Wan, as their diffusers `forward`s compute them, with the blocks run by
 `methods.cached_blocks` and the output settled by `methods.settle` (x0cache). Each family's step cache
 (models/stepcache/cache.py) runs its own, as `forward(method, batched, shared, rows, states)` with the transformer
 (and Ulysses group) bound by keyword."""
@@ -116,6 +116,31 @@ def ovis_forward(
     out = cached_blocks(
         method, blocks, Batch(h, enc, temb, rows, states, narrows=lora_narrows(t), block_kwargs=block_kwargs)
     )
+    return settle(
+        method, t.proj_out(t.norm_out(out, temb)), batched["hidden_states"], batched["timestep"], rows, states
+    )
+
+
+@torch.inference_mode()
+def longcat_forward(
+    method: Method,
+    batched: dict[str, torch.Tensor],
+    shared: dict[str, torch.Tensor],
+    rows: int,
+    states: Sequence[Any],
+    *,
+    transformer: Any,
+) -> torch.Tensor:
+    """`LongCatImageTransformer2DModel.forward` over B requests x `rows` rows, with a cache decision per request, as
+    `ovis_forward` (its own timestep embedding; the text projected as it comes). Returns [B * rows, seq, C * 4]."""
+    t = transformer
+    h = t.x_embedder(batched["hidden_states"])
+    temb = t.time_embed(batched["timestep"].to(h.dtype) * 1000, h.dtype)
+    enc = t.context_embedder(batched["encoder_hidden_states"])
+    rotary = t.pos_embed(torch.cat((shared["txt_ids"], shared["img_ids"]), dim=0))
+    blocks = [*t.transformer_blocks, *t.single_transformer_blocks]
+    batch = Batch(h, enc, temb, rows, states, narrows=lora_narrows(t), block_kwargs={"image_rotary_emb": rotary})
+    out = cached_blocks(method, blocks, batch)
     return settle(
         method, t.proj_out(t.norm_out(out, temb)), batched["hidden_states"], batched["timestep"], rows, states
     )

@@ -8,8 +8,8 @@ images at any height/width that is a multiple of 16 (SD3: up to 1024, as pos_emb
 well under a second at 256x256 on a CPU.
 
 The builders live beside this dispatcher, one module per group of families (`images`: SD3, SDXL, FLUX.1; `qwen`,
-`qwen21`, `ovis`, `wan`, `ltx2`, `hunyuan15`, `flux3`; `real`: real-size layouts; `lora`: adapters), on the shared
-text side (`text`: tokenizers over a fixed word list, tiny text encoders). Only this module imports them all.
+`qwen21`, `ovis`, `longcat`, `wan`, `ltx2`, `hunyuan15`, `flux3`; `real`: real-size layouts; `lora`: adapters), on the
+shared text side (`text`: tokenizers over a fixed word list, tiny text encoders). Only this module imports them all.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ FAMILIES: tuple[str, ...] = (
     "flux2",
     "z-image",
     "ovis-image",
+    "longcat-image",
     "qwen-image",
     "qwen-image-edit",
     "qwen-image-edit-plus",
@@ -54,7 +55,19 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
     """The tiny pipeline for `family`, in memory (fp32, CPU). Same weights as `build_tiny` writes."""
     import torch
 
-    from diffusiond.models.tiny import audio, flux3, hunyuan15, images, kandinsky6, ltx2, ovis, qwen, qwen21, wan
+    from diffusiond.models.tiny import (
+        audio,
+        flux3,
+        hunyuan15,
+        images,
+        kandinsky6,
+        longcat,
+        ltx2,
+        ovis,
+        qwen,
+        qwen21,
+        wan,
+    )
 
     builders = {
         "sd3": images.build_sd3,
@@ -77,6 +90,8 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
         "z-image": qwen.build_zimage,
         # Ovis-Image: a Qwen3 text encoder through its chat template, a FLUX-style MMDiT, FLUX's VAE.
         "ovis-image": ovis.build_ovis_image,
+        # LongCat-Image: a Qwen2.5-VL text encoder that also rewrites prompts (its processor needs torchvision).
+        "longcat-image": longcat.build_longcat_image,
         "qwen-image": qwen.build_qwenimage,
         # Qwen-Image-Edit and -2509's layouts (need torchvision, for their Qwen2-VL processor).
         "qwen-image-edit": lambda: qwen.build_qwenimage_edit_plus(plus=False),

@@ -99,6 +99,7 @@ def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: boo
         ("z-image", "cfg"),
         ("z-image", "ulysses"),
         ("ovis-image", "cfg"),
+        ("longcat-image", "cfg"),
         ("qwen-image", "cfg"),
         ("qwen-image", "ulysses"),
         ("wan", "cfg"),

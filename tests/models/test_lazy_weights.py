@@ -28,7 +28,8 @@ from diffusiond.models.tiny import FAMILIES, GENERIC_FAMILIES
 def test_read_a_part_at_a_time_equals_from_pretrained(family, dtype, request, tmp_path_factory):
     fixture = {"sd3": "tiny_sd3", "sd35": "tiny_sd35", "sdxl": "tiny_sdxl", "flux": "tiny_flux",
                "flux-kontext": "tiny_kontext", "flux2-klein": "tiny_flux2klein", "flux2": "tiny_flux2",
-               "z-image": "tiny_zimage", "qwen-image": "tiny_qwenimage", "qwen-image-21": "tiny_qwenimage21",
+               "z-image": "tiny_zimage", "ovis-image": "tiny_ovis", "longcat-image": "tiny_longcat",
+               "qwen-image": "tiny_qwenimage", "qwen-image-21": "tiny_qwenimage21",
                "qwen-image-edit-plus": "tiny_qwenimage_edit_plus", "wan": "tiny_wan",
                "qwen-image-edit": "tiny_qwenimage_edit", "wan-i2v": "tiny_wan_i2v", "wan22": "tiny_wan22",
                "wan22-i2v": "tiny_wan22_i2v", "wan22-ti2v": "tiny_wan22_ti2v", "ltx2": "tiny_ltx2",

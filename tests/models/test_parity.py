@@ -294,6 +294,43 @@ REQUESTS["ovis-image"] = [
     # Guidance 1: no negative branch (one row), as the pipeline's `do_classifier_free_guidance`.
     SamplingParams(prompt="a plain field", seed=5, width=64, height=64, num_inference_steps=3, guidance_scale=1.0),
 ]
+# LongCat-Image rewrites each prompt by default (its text encoder generates a new one): a random encoder's rewrite does
+# not depend on the prompt, so the requests whose prompt must matter here send the rewrite off. Renormalized CFG on,
+# off and floored, in one batch.
+NO_REWRITE = {"enable_prompt_rewrite": False}
+REQUESTS["longcat-image"] = [
+    SamplingParams(
+        prompt="a red circle",
+        seed=1,
+        width=64,
+        height=64,
+        num_inference_steps=6,
+        guidance_scale=5.0,
+        arguments=NO_REWRITE,
+    ),
+    SamplingParams(
+        prompt="a blue square on a white background",
+        negative_prompt="blurry",
+        seed=2,
+        width=64,
+        height=64,
+        num_inference_steps=4,
+        guidance_scale=3.0,
+        preview_every=1,
+        arguments={**NO_REWRITE, "enable_cfg_renorm": False},
+    ),
+    SamplingParams(prompt="green", seed=3, width=64, height=64, num_inference_steps=5, guidance_scale=6.0),
+    SamplingParams(
+        prompt="a photo of a cat",
+        seed=4,
+        width=64,
+        height=64,
+        num_inference_steps=3,
+        guidance_scale=4.0,
+        arguments={**NO_REWRITE, "cfg_renorm_min": 0.9},
+    ),
+    SamplingParams(prompt="a plain field", seed=5, width=96, height=64, num_inference_steps=3, guidance_scale=1.0),
+]
 # A checkpoint of a served class with another config (issue 52: a Qwen-Image-2512 layout is Qwen-Image's family's).
 REQUESTS["qwen-image-other-layout"] = REQUESTS["qwen-image"]
 
@@ -308,6 +345,7 @@ FIXTURES = {
     "flux2": "tiny_flux2",
     "z-image": "tiny_zimage",
     "ovis-image": "tiny_ovis",
+    "longcat-image": "tiny_longcat",
     "qwen-image": "tiny_qwenimage",
     "qwen-image-other-layout": "tiny_qwenimage_other_layout",
     "qwen-image-21": "tiny_qwenimage21",

@@ -1,0 +1,116 @@
+"""Ovis-Image and LongCat-Image behind a live server: four native streams started a step apart (mixed prompts, seeds,
+negative prompts, step counts and guidance, one without CFG; LongCat's rewrite on and off, its renormalization on and
+off) each equal the pipeline's own `__call__` (PNG within 2/255), while they share the transformer's forwards (a call
+carrying more rows than one request's two: one forward per request would never), and `/v1/models` names the family."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from sse import sse_events
+
+TIMEOUT = aiohttp.ClientTimeout(total=180)
+
+BODIES = [
+    {"prompt": "a red circle", "seed": 1, "num_inference_steps": 6, "guidance_scale": 5.0},
+    {"prompt": "a blue square on the grass", "negative_prompt": "blurry", "seed": 2, "num_inference_steps": 4},
+    {"prompt": "a cat", "seed": 3, "num_inference_steps": 5, "guidance_scale": 3.0, "negative_prompt": "a dog"},
+    {"prompt": "a plain field", "seed": 4, "num_inference_steps": 3, "guidance_scale": 1.0},
+]
+# family -> (fixture, pipeline class, its default guidance, each body's call switches)
+FAMILIES = {
+    "ovis-image": ("tiny_ovis", "OvisImagePipeline", 5.0, [{}] * 4),
+    "longcat-image": (
+        "tiny_longcat",
+        "LongCatImagePipeline",
+        4.5,
+        [
+            {"enable_prompt_rewrite": False},
+            {},
+            {"enable_prompt_rewrite": False, "enable_cfg_renorm": False},
+            {"enable_prompt_rewrite": False},
+        ],
+    ),
+}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+async def test_staggered_streams_equal_the_pipeline_and_share_forwards(serve, family, request):
+    import diffusers
+
+    fixture, pipeline_class, default_guidance, switches = FAMILIES[family]
+    path = request.getfixturevalue(fixture)
+    server = serve(model=path)
+    rows: list[int] = []
+    transformer = server.state.engine.adapter.transformer
+    hook = transformer.register_forward_pre_hook(
+        lambda m, a, k: rows.append(k["hidden_states"].shape[0]), with_kwargs=True
+    )
+    bodies = [
+        {**b, "width": 64, "height": 64, **({"arguments": s} if s else {})}
+        for b, s in zip(BODIES, switches, strict=True)
+    ]
+    try:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            async with session.get(f"{server.base_url}/v1/models") as resp:
+                (model,) = (await resp.json())["data"]
+            assert model["diffusiond"]["family"] == family
+            # The call switches a request may set by name (LongCat-Image's), in /v1/models and the document.
+            async with session.get(f"{server.base_url}/openapi.json") as resp:
+                document = await resp.json()
+            arguments = document["components"]["schemas"]["GenerationRequest"]["properties"]["arguments"]
+            keyed = [
+                o["propertyNames"]["enum"] for o in arguments.get("anyOf", [arguments]) if o.get("type") == "object"
+            ]
+            switches_taken = sorted({k for s in switches for k in s})
+            if switches_taken:
+                assert sorted(model["diffusiond"]["arguments"]) == sorted(keyed[0]) and set(switches_taken) <= set(
+                    keyed[0]
+                )
+            else:
+                assert "arguments" not in model["diffusiond"] and not keyed, arguments
+            started = [asyncio.Event() for _ in bodies]
+
+            async def one(i: int):
+                if i:
+                    await started[i - 1].wait()
+                async with session.post(f"{server.base_url}/v1/generations", json=bodies[i]) as resp:
+                    assert resp.status == 200, await resp.text()
+                    events = []
+                    async for name, data in sse_events(resp):
+                        events.append((name, data))
+                        if name == "progress":
+                            started[i].set()
+                    return events
+
+            streams = await asyncio.gather(*(one(i) for i in range(len(bodies))))
+    finally:
+        hook.remove()
+    assert max(rows) > 2, rows  # requests shared forwards (two rows each with CFG)
+    pipe = getattr(diffusers, pipeline_class).from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    for body, events in zip(bodies, streams, strict=True):
+        name, data = events[-1]
+        assert name == "completed", events[-1]
+        expected = pipe(
+            prompt=body["prompt"],
+            negative_prompt=body.get("negative_prompt", ""),
+            guidance_scale=body.get("guidance_scale", default_guidance),
+            num_inference_steps=body["num_inference_steps"],
+            width=64,
+            height=64,
+            generator=torch.Generator().manual_seed(body["seed"]),
+            output_type="np",
+            **body.get("arguments", {}),
+        ).images[0]
+        png = base64.b64decode(data["images"][0]["b64"])
+        got = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(float)
+        assert float(np.abs(got - np.round(expected * 255)).max()) <= 2, body

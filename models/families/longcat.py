@@ -43,6 +43,27 @@ class LongCatImageAdapter(OvisImageAdapter):
     def _request_rules(self, caps: Any, declared: Any, **parts: Any) -> RequestRules:
         return LongCatRequests(caps, declared, **parts)
 
+    def _tp_plan(self) -> dict[str, Any]:
+        """FLUX.1's plan (diffusers ships it; the blocks' linears are named alike): its single blocks' output
+        projection reads the attention's and the MLP's columns concatenated, each sharded on its own, in the
+        proportion of their widths (FLUX.1 stores them on the linear at init; LongCat-Image's does not)."""
+        from diffusers import FluxTransformer2DModel
+        from diffusers.hooks.tensor_parallel import PackedRowwiseParallel
+
+        plan = dict(FluxTransformer2DModel._tp_plan)
+        single = self.transformer.single_transformer_blocks
+        if len(single):
+            widths = [single[0].proj_out.in_features - single[0].mlp_hidden_dim, single[0].mlp_hidden_dim]
+            plan["single_transformer_blocks.*.proj_out"] = PackedRowwiseParallel(blocks=widths)
+        return plan
+
+    def _after_tp(self, degree: int) -> None:
+        from diffusers.models.transformers.transformer_longcat_image import LongCatImageAttention
+
+        for module in self.transformer.modules():
+            if isinstance(module, LongCatImageAttention):  # its processor splits heads by `attn.heads`
+                module.heads //= degree
+
     def _prompts(self) -> Prompts:
         return RewrittenPrompts(self._encode, self.requests.uses_cfg)
 

@@ -280,7 +280,7 @@ LONGCAT_IMAGE = Family(
     "longcat-image",
     "families.longcat:LongCatImageAdapter",
     guidance_styles=("cfg",),
-    parallel=("cfg-parallel",),
+    parallel=("cfg-parallel", "tp"),
     cache_methods=("fbcache", "dbcache", "x0cache"),
     needs=("torchvision",),
 )

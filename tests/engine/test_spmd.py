@@ -216,6 +216,7 @@ def test_ring_attention_matches_one_rank(family, ulysses, ring, request, tmp_pat
         ("qwen-image", 1),
         ("flux", 2),
         ("z-image", 1),
+        ("longcat-image", 1),
         ("qwen-image-edit-2511", 1),  # the Qwen-Image-Edit family's transformer is Qwen-Image's, with 2511's index
     ],
 )

@@ -34,12 +34,7 @@ def cache_settings(method: str, text: str | None) -> dict[str, Any]:
 
     if not text:
         return {}
-    try:
-        settings = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--cache-config: not JSON ({exc}): {text!r}") from None
-    if not isinstance(settings, dict):
-        raise ConfigError(f'--cache-config: give a JSON object such as \'{{"fn": 2, "bn": 1}}\', not {text!r}')
+    settings = _json_object("--cache-config", text, '{"fn": 2, "bn": 1}')
     try:
         check_cache_config(method, settings)
     except ValueError as exc:
@@ -52,13 +47,18 @@ def scheduler_changes(text: str | None) -> dict[str, Any]:
     those settings is checked when it loads (models/loading/loader.change_scheduler)."""
     if not text:
         return {}
+    return _json_object("--scheduler-config", text, '{"shift": 3.0}')
+
+
+def _json_object(flag: str, text: str, example: str) -> dict[str, Any]:
+    """`text` decoded as a JSON object; ConfigError naming `flag` (with `example`) otherwise."""
     try:
-        changes = json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"--scheduler-config: not JSON ({exc}): {text!r}") from None
-    if not isinstance(changes, dict):
-        raise ConfigError(f"--scheduler-config: give a JSON object such as '{{\"shift\": 3.0}}', not {text!r}")
-    return changes
+        raise ConfigError(f"{flag}: not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag}: give a JSON object such as '{example}', not {text!r}")
+    return value
 
 
 def in_launched_group() -> bool:

@@ -11,7 +11,6 @@ diffusers 0.42.1's call hands out no steps (no step callback), so the generic pa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from functools import partial
 from typing import Any, ClassVar
 
@@ -122,8 +121,5 @@ class RewrittenPrompts(Prompts):
         rewrite = (params.arguments or {}).get("enable_prompt_rewrite", True)
         return REWRITE + text if rewrite else text
 
-    def keys(self, params: Sequence[SamplingParams]) -> tuple[list[bool], list[str]]:
-        cfg = [self.uses_cfg(p) for p in params]
-        keys = [self.key(p.prompt, p) for p in params]
-        keys += [p.negative_prompt or "" for p, c in zip(params, cfg, strict=True) if c]
-        return cfg, keys
+    def negative_key(self, text: str, params: SamplingParams) -> str:
+        return text  # never rewritten

@@ -52,11 +52,8 @@ class PromptsWithImages(Prompts):
 
     def keys(self, params: Sequence[SamplingParams]) -> tuple[list[bool], list[str]]:
         """Which requests use CFG, and the keys of their prompts (and negative prompts), until the next plan's."""
-        cfg = [self.uses_cfg(p) for p in params]
-        keys = [self.key(p.prompt, p) for p in params]
-        keys += [self.key(p.negative_prompt or "", p) for p, c in zip(params, cfg, strict=True) if c]
         self.pending = {_digest(p): [p.image, *(p.reference_images or ())] for p in params if p.image is not None}
-        return cfg, keys
+        return super().keys(params)
 
 
 class QwenImageEditPlusAdapter(QwenImageAdapter):

@@ -77,12 +77,17 @@ class Prompts:
         """Which requests use CFG, and the cache's keys of their prompts and (with CFG) negative prompts: the texts
         themselves (`PromptsWithImages`: and the images they are read beside)."""
         cfg = [self.uses_cfg(p) for p in params]
-        texts = [p.prompt for p in params] + [p.negative_prompt or "" for p, c in zip(params, cfg, strict=True) if c]
-        return cfg, texts
+        keys = [self.key(p.prompt, p) for p in params]
+        keys += [self.negative_key(p.negative_prompt or "", p) for p, c in zip(params, cfg, strict=True) if c]
+        return cfg, keys
 
     def key(self, text: str, params: SamplingParams) -> str:
         """The cache's key of `text`, one of the request's prompts."""
         return text
+
+    def negative_key(self, text: str, params: SamplingParams) -> str:
+        """The cache's key of the request's negative prompt `text` (as a prompt's, unless a family reads it apart)."""
+        return self.key(text, params)
 
     def lookup(self, params: Sequence[SamplingParams]) -> tuple[list[bool], dict[str, tuple[torch.Tensor, ...]]]:
         """Which requests use CFG, and the encoded prompts (and negative prompts of those) by key, through the cache:

@@ -80,13 +80,31 @@ def flux_forward(
     else:
         temb = t.time_text_embed(timestep, guidance.to(h.dtype) * 1000, batched["pooled_projections"])
     enc = t.context_embedder(batched["encoder_hidden_states"])
-    rotary = t.pos_embed(torch.cat((shared["txt_ids"], img_ids), dim=0))
-    blocks = [*t.transformer_blocks, *t.single_transformer_blocks]
-    block_kwargs = {"image_rotary_emb": rotary, "joint_attention_kwargs": None}
-    out = cached_blocks(
-        method, blocks, Batch(h, enc, temb, rows, states, narrows=lora_narrows(t), block_kwargs=block_kwargs)
-    )
+    ids = torch.cat((shared["txt_ids"], img_ids), dim=0)
     # (Under Ulysses the last block gathers the tokens: the output, as the input here, is every token.)
+    return _flux_blocks(method, t, (h, enc, temb), ids, batched, rows, states, joint_attention_kwargs=None)
+
+
+def _flux_blocks(
+    method: Method,
+    t: Any,
+    embedded: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ids: torch.Tensor,
+    batched: dict[str, torch.Tensor],
+    rows: int,
+    states: Sequence[Any],
+    **block_kwargs: Any,
+) -> torch.Tensor:
+    """The rest of a FLUX-kind forward (FLUX.1, Ovis-Image, LongCat-Image) after its embeddings (`embedded`: image
+    tokens, text tokens, timestep embedding): rotary angles of `ids`, the double- then single-stream blocks through
+    the cache, the output layers, settled."""
+    h, enc, temb = embedded
+    rotary = t.pos_embed(ids)
+    blocks = [*t.transformer_blocks, *t.single_transformer_blocks]
+    batch = Batch(
+        h, enc, temb, rows, states, narrows=lora_narrows(t), block_kwargs={"image_rotary_emb": rotary, **block_kwargs}
+    )
+    out = cached_blocks(method, blocks, batch)
     return settle(
         method, t.proj_out(t.norm_out(out, temb)), batched["hidden_states"], batched["timestep"], rows, states
     )
@@ -110,15 +128,8 @@ def ovis_forward(
     timestep = batched["timestep"].to(h.dtype) * 1000
     temb = t.timestep_embedder(t.time_proj(timestep).to(dtype=h.dtype))
     enc = t.context_embedder(t.context_embedder_norm(batched["encoder_hidden_states"]))
-    rotary = t.pos_embed(torch.cat((shared["txt_ids"], shared["img_ids"]), dim=0))
-    blocks = [*t.transformer_blocks, *t.single_transformer_blocks]
-    block_kwargs = {"image_rotary_emb": rotary, "joint_attention_kwargs": None}
-    out = cached_blocks(
-        method, blocks, Batch(h, enc, temb, rows, states, narrows=lora_narrows(t), block_kwargs=block_kwargs)
-    )
-    return settle(
-        method, t.proj_out(t.norm_out(out, temb)), batched["hidden_states"], batched["timestep"], rows, states
-    )
+    ids = torch.cat((shared["txt_ids"], shared["img_ids"]), dim=0)
+    return _flux_blocks(method, t, (h, enc, temb), ids, batched, rows, states, joint_attention_kwargs=None)
 
 
 @torch.inference_mode()
@@ -137,13 +148,8 @@ def longcat_forward(
     h = t.x_embedder(batched["hidden_states"])
     temb = t.time_embed(batched["timestep"].to(h.dtype) * 1000, h.dtype)
     enc = t.context_embedder(batched["encoder_hidden_states"])
-    rotary = t.pos_embed(torch.cat((shared["txt_ids"], shared["img_ids"]), dim=0))
-    blocks = [*t.transformer_blocks, *t.single_transformer_blocks]
-    batch = Batch(h, enc, temb, rows, states, narrows=lora_narrows(t), block_kwargs={"image_rotary_emb": rotary})
-    out = cached_blocks(method, blocks, batch)
-    return settle(
-        method, t.proj_out(t.norm_out(out, temb)), batched["hidden_states"], batched["timestep"], rows, states
-    )
+    ids = torch.cat((shared["txt_ids"], shared["img_ids"]), dim=0)
+    return _flux_blocks(method, t, (h, enc, temb), ids, batched, rows, states)  # its blocks take no attention kwargs
 
 
 class _QwenBlock:

@@ -70,10 +70,25 @@ def build_sd3(num_layers: int = 2, **layout: Any) -> Any:
     )
 
 
+def flux_scheduler() -> Any:
+    """FLUX.1's flow-matching scheduler, its shift computed from the image's length (also Ovis-Image's and
+    LongCat-Image's)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+        shift=3.0,
+    )
+
+
 def build_flux(pipeline: str = "FluxPipeline", num_layers: int = 1, num_single_layers: int = 1) -> Any:
     """`pipeline`: FluxPipeline, or FluxKontextPipeline (the same components)."""
     import diffusers
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from diffusers import FluxTransformer2DModel
     from transformers import CLIPTextModel
 
     transformer = FluxTransformer2DModel(
@@ -93,14 +108,7 @@ def build_flux(pipeline: str = "FluxPipeline", num_layers: int = 1, num_single_l
     text_encoder = CLIPTextModel(clip_config(tokenizer))
     tokenizer_2 = make_t5_tokenizer()
     text_encoder_2 = t5_encoder(tokenizer_2, d_model=32)
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-        shift=3.0,
-    )
+    scheduler = flux_scheduler()
     return getattr(diffusers, pipeline)(
         transformer=transformer,
         scheduler=scheduler,

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from diffusiond.models.tiny.images import sd_vae
-from diffusiond.models.tiny.qwen import VISION_TOKENS, build_qwenimage, make_qwen_tokenizer
+from diffusiond.models.tiny.images import flux_scheduler, sd_vae
+from diffusiond.models.tiny.qwen import VISION_TOKENS, build_qwenimage, make_qwen_tokenizer, sharpen_text, vl_encoder
 from diffusiond.models.tiny.text import WORDS
 
 # The processor's chat template: message contents as a string or as a list of parts (the rewrite's), text parts only.
@@ -41,25 +41,12 @@ def _words() -> tuple[str, ...]:
 
 def build_longcat_image(num_layers: int = 1, num_single_layers: int = 1) -> Any:
     """`num_layers` double-stream and `num_single_layers` single-stream blocks (the deep cache tests take more)."""
-    import torch
-    from diffusers import FlowMatchEulerDiscreteScheduler, LongCatImagePipeline, LongCatImageTransformer2DModel
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor, Qwen2VLProcessor
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    from diffusers import LongCatImagePipeline, LongCatImageTransformer2DModel
 
     tokenizer = make_qwen_tokenizer(_words(), special=VISION_TOKENS)
     config = build_qwenimage().text_encoder.config
-    config.text_config.vocab_size = len(tokenizer)
     config.text_config.max_position_embeddings = 4096  # the rewrite's question and its new tokens
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
-    config.image_token_id, config.video_token_id = ids["<|image_pad|>"], ids["<|video_pad|>"]
-    config.vision_start_token_id, config.vision_end_token_id = ids["<|vision_start|>"], ids["<|vision_end|>"]
-    text_encoder = Qwen2_5_VLForConditionalGeneration(config)
-    processor = Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessor(),
-        tokenizer=tokenizer,
-        video_processor=Qwen2VLVideoProcessor(),
-        chat_template=CHAT_TEMPLATE,
-    )
+    text_encoder, processor = vl_encoder(config, tokenizer, CHAT_TEMPLATE)
     transformer = LongCatImageTransformer2DModel(
         patch_size=1,
         in_channels=64,  # 16 latent channels packed 2x2
@@ -72,24 +59,9 @@ def build_longcat_image(num_layers: int = 1, num_single_layers: int = 1) -> Any:
         axes_dims_rope=[4, 6, 6],  # sums to attention_head_dim
     )
     vae = sd_vae(scaling_factor=0.3611, shift_factor=0.1159)  # LongCat-Image decodes with FLUX.1's VAE
-    # With plain random weights the text barely reaches the image: sharper attention to the text's keys and larger
-    # text values, so that prompt, negative prompt and guidance each change a 64x64 image clearly.
-    with torch.no_grad():
-        for block in transformer.transformer_blocks:
-            block.attn.norm_q.weight.mul_(3.0)
-            block.attn.norm_added_k.weight.mul_(3.0)
-            block.attn.add_v_proj.weight.mul_(4.0)
-        vae.decoder.conv_out.weight.mul_(2.0)
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-        shift=3.0,
-    )
+    sharpen_text(transformer, vae)
     return LongCatImagePipeline(
-        scheduler=scheduler,
+        scheduler=flux_scheduler(),
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,

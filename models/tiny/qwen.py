@@ -108,23 +108,9 @@ def build_zimage(n_layers: int = 2) -> Any:
     """A tiny `ZImagePipeline`: Qwen3 text encoder, single-stream DiT (`n_layers` main layers), FLUX-style
     16-channel VAE."""
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
-    from transformers import Qwen3Config, Qwen3Model
 
     tokenizer = make_qwen_tokenizer()
-    text_encoder = Qwen3Model(
-        Qwen3Config(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=1024,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    )
+    text_encoder = qwen3_encoder(tokenizer)
     transformer = ZImageTransformer2DModel(
         all_patch_size=(2,),
         all_f_patch_size=(1,),
@@ -151,7 +137,6 @@ def build_zimage(n_layers: int = 2) -> Any:
 def build_qwenimage(num_layers: int = 2, axes_dims_rope: tuple[int, int, int] = (4, 6, 6)) -> Any:
     """A tiny `QwenImagePipeline`: Qwen2.5-VL text encoder (with a tiny vision tower), MMDiT (`num_layers` blocks;
     its rotary axes summing to its head dim, 16), Qwen-Image VAE."""
-    import torch
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
@@ -211,15 +196,7 @@ def build_qwenimage(num_layers: int = 2, axes_dims_rope: tuple[int, int, int] = 
         shift_terminal=0.02,
         time_shift_type="exponential",
     )
-    # With plain random weights the text barely reaches the image (another prompt or guidance scale moves pixels by
-    # ~5/255) and the decoder paints a flat gray: sharpen the image-to-text attention, amplify the text values and
-    # give the decoded image contrast.
-    with torch.no_grad():
-        for block in transformer.transformer_blocks:
-            block.attn.norm_q.weight.mul_(3.0)
-            block.attn.norm_added_k.weight.mul_(3.0)
-            block.attn.add_v_proj.weight.mul_(4.0)
-        vae.decoder.conv_out.weight.mul_(2.0)
+    sharpen_text(transformer, vae)
     pipe = QwenImagePipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )
@@ -248,23 +225,10 @@ def build_qwenimage_edit_plus(zero_cond_t: bool = False, plus: bool = True) -> A
     encoder whose vision tower reads the edit's images (Qwen2-VL processor: 14-pixel patches merged 2x2), and the
     vision markers in the tokenizer."""
     from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor, Qwen2VLProcessor
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
     base = build_qwenimage()
     tokenizer = make_qwen_tokenizer(WORDS + _EDIT_WORDS, special=VISION_TOKENS)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
-    config = base.text_encoder.config
-    config.text_config.vocab_size = len(tokenizer)
-    config.image_token_id, config.video_token_id = ids["<|image_pad|>"], ids["<|video_pad|>"]
-    config.vision_start_token_id, config.vision_end_token_id = ids["<|vision_start|>"], ids["<|vision_end|>"]
-    text_encoder = Qwen2_5_VLForConditionalGeneration(config)
-    processor = Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessor(),
-        tokenizer=tokenizer,
-        video_processor=Qwen2VLVideoProcessor(),
-        chat_template=CHAT_TEMPLATE,
-    )
+    text_encoder, processor = vl_encoder(base.text_encoder.config, tokenizer, CHAT_TEMPLATE)
     transformer = base.transformer
     if zero_cond_t:
         transformer.register_to_config(zero_cond_t=True)
@@ -285,6 +249,60 @@ def build_qwenimage_edit_plus(zero_cond_t: bool = False, plus: bool = True) -> A
     if n != drop:
         raise RuntimeError(f"the Qwen-Image-Edit prompt template prefix is {n} tokens, the pipeline drops {drop}")
     return pipe
+
+
+def qwen3_encoder(tokenizer: Any) -> Any:
+    """A tiny Qwen3 text model over `tokenizer` (hidden size 32), as Z-Image and Ovis-Image read prompts."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    return Qwen3Model(
+        Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=1024,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    )
+
+
+def vl_encoder(config: Any, tokenizer: Any, chat_template: str) -> tuple[Any, Any]:
+    """A tiny Qwen2.5-VL text encoder of `config` (a tiny Qwen-Image's) over `tokenizer`, with its vision markers,
+    and its Qwen2-VL processor (14-pixel patches merged 2x2; needs torchvision)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    config.text_config.vocab_size = len(tokenizer)
+    config.image_token_id, config.video_token_id = ids["<|image_pad|>"], ids["<|video_pad|>"]
+    config.vision_start_token_id, config.vision_end_token_id = ids["<|vision_start|>"], ids["<|vision_end|>"]
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(),
+        chat_template=chat_template,
+    )
+    return text_encoder, processor
+
+
+def sharpen_text(transformer: Any, vae: Any) -> None:
+    """With plain random weights the text barely reaches the image (another prompt or guidance scale moves pixels by
+    ~5/255) and the decoder paints a flat gray: sharpen the image-to-text attention of the double-stream blocks,
+    amplify the text values and give the decoded image contrast (Qwen-Image, Ovis-Image, LongCat-Image)."""
+    import torch
+
+    with torch.no_grad():
+        for block in transformer.transformer_blocks:
+            block.attn.norm_q.weight.mul_(3.0)
+            block.attn.norm_added_k.weight.mul_(3.0)
+            block.attn.add_v_proj.weight.mul_(4.0)
+        vae.decoder.conv_out.weight.mul_(2.0)
 
 
 def _flux2_parts(guidance_embeds: bool) -> tuple[Any, Any, Any]:

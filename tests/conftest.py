@@ -344,6 +344,11 @@ def tiny_longcat(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_longcat_edit(tmp_path_factory) -> str:
+    return str(build_tiny("longcat-image-edit", tmp_path_factory.mktemp("tiny") / "longcat-image-edit"))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwenimage(tmp_path_factory) -> str:
     return str(build_tiny("qwen-image", tmp_path_factory.mktemp("tiny") / "qwen-image"))
 

@@ -457,6 +457,7 @@ FIXTURES = {
     "z-image": "tiny_zimage",
     "ovis-image": "tiny_ovis",
     "longcat-image": "tiny_longcat",
+    "longcat-image-edit": "tiny_longcat_edit",
     "qwen-image": "tiny_qwenimage",
     "qwen-image-21": "tiny_qwenimage21",
     "wan": "tiny_wan",
@@ -471,6 +472,22 @@ FIXTURES = {
 # Edit-2511's layout (`zero_cond_t`: the input images' tokens modulated at timestep 0): Edit-Plus's requests.
 REQUESTS["qwen-image-edit-2511"] = REQUESTS["qwen-image-edit-plus"]
 # The first Qwen-Image-Edit: one image per request, no references.
+# LongCat-Image-Edit: edits of one image each, read beside the prompt on rank 0 and shared; guidance 1 on two.
+REQUESTS["longcat-image-edit"] = [
+    edit(prompt="make it red", strength=None, negative_prompt="blurry", guidance_scale=3.0, num_inference_steps=3),
+    edit(prompt="add a cat", image=picture(64, 64, seed=7), strength=None, seed=9, num_inference_steps=3),
+    *(
+        edit(
+            prompt=f"plain edit {i}",
+            image=picture(80, 64, seed=i),
+            strength=None,
+            seed=10 + i,
+            num_inference_steps=2,
+            guidance_scale=1.0,
+        )
+        for i in range(2)
+    ),
+]
 REQUESTS["qwen-image-edit"] = [
     edit(prompt="make it red", strength=None, negative_prompt="blurry", true_cfg_scale=3.0, num_inference_steps=3),
     *(

@@ -11,17 +11,24 @@ diffusers 0.42.1's call hands out no steps (no step callback), so the generic pa
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from functools import partial
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from diffusers import LongCatImagePipeline
+from diffusers.pipelines.longcat_image.pipeline_longcat_image_edit import calculate_dimensions, prepare_pos_ids
 
+from diffusiond.models.base import RequestState
 from diffusiond.models.families import specs
 from diffusiond.models.families.ovis import OvisImageAdapter, OvisRequests
 from diffusiond.models.flowmatch.prompts import Prompts
 from diffusiond.models.flowmatch.requests import RequestRules
-from diffusiond.models.params import SamplingParams
+from diffusiond.models.flowmatch.sampler import request_generator, shift_mu
+from diffusiond.models.inputs import image_size, open_rgb
+from diffusiond.models.params import ParamError, SamplingParams
 from diffusiond.models.stepcache import forwards
 from diffusiond.models.stepcache.cache import StepCache
 
@@ -123,3 +130,123 @@ class RewrittenPrompts(Prompts):
 
     def negative_key(self, text: str, params: SamplingParams) -> str:
         return text  # never rewritten
+
+
+class LongCatImageEditAdapter(LongCatImageAdapter):
+    """LongCat-Image-Edit (`LongCatImageEditPipeline` checkpoints): instruction edits of one image. The image enters
+    twice, as the pipeline does: the Qwen2.5-VL text encoder reads it (at half the output's sides) before the
+    instruction, and its VAE latent (at the output's size, latent mode: no draw) follows the noisy latents in every
+    step, its rotary ids on modality axis 2; the transformer's output for those tokens is dropped. No prompt rewrite,
+    no renormalization: plain CFG whenever `guidance_scale` > 1. The output's size defaults to the image's aspect at
+    1024x1024's area (the pipeline's: it takes no size); a request's `width` and `height` stand in for that size
+    everywhere the pipeline reads it (the encoder's image, the VAE's)."""
+
+    spec = specs.LONGCAT_IMAGE_EDIT
+
+    def _request_rules(self, caps: Any, declared: Any, **parts: Any) -> RequestRules:
+        return LongCatEditRequests(caps, declared, **parts)
+
+    def _prompts(self) -> Prompts:
+        return EditPrompts(self._encode, self.requests.uses_cfg)
+
+    def _resized(self, data: bytes, width: int, height: int) -> Any:
+        return self.pipe.image_processor.resize(open_rgb(data), height, width)
+
+    def _encode(self, keys: list[str]) -> list[tuple[torch.Tensor]]:
+        """The pipeline's own encoder, one prompt at a time beside its image (the pipeline encodes one prompt per
+        call), resized twice as the pipeline's call does: to the output's size, then to half its sides."""
+        self._stage(*self.TEXT_ENCODERS)
+        out = []
+        for key in keys:
+            context, _, text = key.partition("\x00")
+            data, width, height = self.prompts.pending[context]
+            image = self.pipe.image_processor.resize(self._resized(data, width, height), height // 2, width // 2)
+            embeds, _ = self.pipe.encode_prompt(prompt=[text], image=image)
+            out.append((embeds.clone(),))  # [1, L, D]: the image's tokens, then the padded text
+        return out
+
+    @torch.inference_mode()
+    def prepare(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[RequestState]:
+        params = [p for _, p in requests]
+        cfg, text = self.prompts.lookup(params)  # key -> ([1, L, D],)
+        channels = self.transformer.config.in_channels // 4
+        states = []
+        for i, (request_id, p) in enumerate(requests):
+            (embeds,) = text[self.prompts.key(p.prompt, p)]
+            self._stage("vae")
+            image = self.pipe.image_processor.preprocess(self._resized(p.image, p.width, p.height), p.height, p.width)
+            generator = request_generator(p)
+            latents, context, ids = self._latents(image, channels, p, embeds, generator)
+            sigmas = np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)
+            sampler = self._sampler(
+                p, generator, sigmas=sigmas, mu=shift_mu(self.pipe.scheduler.config, latents.shape[1])
+            )
+            cond: dict[str, Any] = {"embeds": embeds, "context": context}
+            if cfg[i]:
+                # Rows (positive, negative) per request; a batch interleaves them.
+                (negative,) = text[self.prompts.negative_key(p.negative_prompt or "", p)]
+                cond["embeds"] = torch.cat([embeds, negative])
+                cond["scale"] = torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)
+            shared = {"text_ids": self._text_ids(embeds), "image_ids": ids}
+            states.append(RequestState(request_id, p, latents, sampler, cond=cond, shared=shared))
+        return states
+
+    def _latents(
+        self, image: torch.Tensor, channels: int, p: SamplingParams, embeds: torch.Tensor, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the noise [1, seq, C * 4], the image's packed latent mode [1, ctx, C * 4], the rotary ids of both
+        [seq + ctx, 3]), as the pipeline's `prepare_latents` makes them, its own parts called here: it moves the image
+        to the pipeline's `device`, its first module's, the text encoder's, which a rank that does not encode keeps
+        on "meta" (`enable_encode_once`). The latent mode draws nothing: the noise is the generator's first draw."""
+        pipe, length = self.pipe, embeds.shape[1]
+        latents, _, latent_ids, _ = pipe.prepare_latents(
+            None, 1, channels, p.height, p.width, embeds.dtype, length, self.device, generator
+        )
+        mode = pipe._encode_vae_image(image.to(self.device, embeds.dtype), generator)  # [1, C, h, w]
+        context = pipe._pack_latents(mode, 1, channels, mode.shape[2], mode.shape[3])
+        context_ids = prepare_pos_ids(
+            modality_id=2, type="image", start=(length, length), height=mode.shape[2] // 2, width=mode.shape[3] // 2
+        ).to(self.device, dtype=torch.float64)
+        return latents, context, torch.cat([latent_ids, context_ids])
+
+    def _guide(self, pos: torch.Tensor, neg: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
+        return OvisImageAdapter._guide(self, pos, neg, cond)  # plain CFG: the edit pipeline does not renormalize
+
+
+class LongCatEditRequests(OvisRequests):
+    def _strength(self, params: SamplingParams) -> float | None:
+        if params.image is None:
+            raise ParamError("image", f"the {self.family} family edits images: send the image to edit (image)")
+        return super()._strength(params)
+
+    def _size(self, params: SamplingParams) -> tuple[int, int]:
+        """Unsent sides: the image's aspect at 1024x1024's area, as the pipeline's call sizes its output."""
+        if params.width is not None or params.height is not None or params.image is None:
+            return super()._size(params)
+        width, height = image_size(params.image)
+        return calculate_dimensions(1024 * 1024, width / height)
+
+    def context_size(self, params: SamplingParams) -> tuple[int | None, int | None] | None:
+        """The image is read and encoded at the output's size: a file that is not an image is refused here."""
+        if params.image is None:
+            return None
+        image_size(params.image)
+        return params.width, params.height
+
+
+class EditPrompts(Prompts):
+    """An instruction's encoding reads the image at the output's size: keyed by the image's digest, that size and
+    the text; the images of the keys being looked up wait in `pending` for the encoder, decoded only on a miss."""
+
+    pending: dict[str, tuple[bytes, int, int]]
+
+    def key(self, text: str, params: SamplingParams) -> str:
+        return f"{_context(params)}\x00{text}"
+
+    def keys(self, params: Sequence[SamplingParams]) -> tuple[list[bool], list[str]]:
+        self.pending = {_context(p): (p.image, p.width, p.height) for p in params}
+        return super().keys(params)
+
+
+def _context(params: SamplingParams) -> str:
+    return f"{hashlib.sha256(params.image).hexdigest()[:32]}:{params.width}x{params.height}"

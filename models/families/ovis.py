@@ -94,15 +94,18 @@ class OvisImageAdapter(FlowMatchAdapter):
         cond = self._batched_cond(states)
         shared = states[0].shared  # one size and one text length across the batch (its key)
         latents = torch.cat([s.latents for s in states])  # [B, seq, C * 4]
+        seq = latents.shape[1]
+        if "context" in cond:  # an edit's image tokens follow the latents (LongCat-Image-Edit); their output is dropped
+            latents = torch.cat([latents, cond["context"].to(latents.dtype)], dim=1)
         timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device, latents.dtype)  # [B]
         rows = cond["embeds"].shape[0] // len(states)  # 2 with CFG: (positive, negative) per request
         batched = {
-            "hidden_states": latents.repeat_interleave(rows, dim=0),  # [B * rows, seq, C * 4]
+            "hidden_states": latents.repeat_interleave(rows, dim=0),  # [B * rows, seq (+ context), C * 4]
             "timestep": timestep.repeat_interleave(rows) / 1000,
             "encoder_hidden_states": cond["embeds"],
         }
         ids = {"txt_ids": shared["text_ids"], "img_ids": shared["image_ids"]}
-        out = self.ranks.rows(rows, batched, ids, states)  # [B, rows, seq, C * 4]
+        out = self.ranks.rows(rows, batched, ids, states)[:, :, :seq]  # [B, rows, seq, C * 4]
         if rows == 1:
             return out[:, 0]
         return self._guide(out[:, 0], out[:, 1], cond)

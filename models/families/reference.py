@@ -29,11 +29,7 @@ ROWS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
 
 GENERIC_ONLY = "served on the generic path (its own call, one rank, no step cache): no dedicated family yet"
 # Why a row without a family of ours is not served as the reference serves it (else GENERIC_ONLY).
-WHY_ROW = {
-    "LongCatImageEditPipeline": "LongCat-Image is served with Cache-DiT, CFG-parallel and TP; LongCat-Image-Edit is "
-    "not: its call hands out no steps (no step callback, diffusers 0.42.1), so the generic path cannot step it, and no "
-    "dedicated family serves its edits yet",
-}
+WHY_ROW: dict[str, str] = {}
 # Why a cell the reference marks is not served by the family that serves the row.
 WHY_NOT = {
     ("LTX2Pipeline", "Cache-DiT"): "not yet: its video and audio streams need a cached forward of their own, and the "

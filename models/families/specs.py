@@ -284,6 +284,18 @@ LONGCAT_IMAGE = Family(
     cache_methods=("fbcache", "dbcache", "x0cache"),
     needs=("torchvision",),
 )
+# LongCat-Image-Edit: LongCat-Image's components; the image to edit is read by the text encoder and its latent follows
+# the noisy latents in every step (no rewrite, no renormalization).
+LONGCAT_IMAGE_EDIT = Family(
+    "LongCatImageEditPipeline",
+    "longcat-image-edit",
+    "families.longcat:LongCatImageEditAdapter",
+    guidance_styles=("cfg",),
+    parallel=LONGCAT_IMAGE.parallel,
+    cache_methods=LONGCAT_IMAGE.cache_methods,
+    image_inputs=("edit",),
+    needs=("torchvision",),
+)
 
 FAMILIES: dict[str, Family] = {
     f.pipeline_class: f
@@ -297,6 +309,7 @@ FAMILIES: dict[str, Family] = {
         Z_IMAGE,
         OVIS_IMAGE,
         LONGCAT_IMAGE,
+        LONGCAT_IMAGE_EDIT,
         QWEN_IMAGE,
         QWEN_IMAGE_EDIT,
         QWEN_IMAGE_EDIT_PLUS,

@@ -33,6 +33,7 @@ FAMILIES: tuple[str, ...] = (
     "z-image",
     "ovis-image",
     "longcat-image",
+    "longcat-image-edit",
     "qwen-image",
     "qwen-image-edit",
     "qwen-image-edit-plus",
@@ -92,6 +93,8 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
         "ovis-image": ovis.build_ovis_image,
         # LongCat-Image: a Qwen2.5-VL text encoder that also rewrites prompts (its processor needs torchvision).
         "longcat-image": longcat.build_longcat_image,
+        # LongCat-Image-Edit: the same components; the text encoder's vision tower reads the image to edit.
+        "longcat-image-edit": longcat.build_longcat_image_edit,
         "qwen-image": qwen.build_qwenimage,
         # Qwen-Image-Edit and -2509's layouts (need torchvision, for their Qwen2-VL processor).
         "qwen-image-edit": lambda: qwen.build_qwenimage_edit_plus(plus=False),

@@ -68,3 +68,12 @@ def build_longcat_image(num_layers: int = 1, num_single_layers: int = 1) -> Any:
         text_processor=processor,
         transformer=transformer,
     )
+
+
+def build_longcat_image_edit(num_layers: int = 1, num_single_layers: int = 1) -> Any:
+    """A tiny `LongCatImageEditPipeline`: LongCat-Image's components (the text encoder's vision tower reads the image
+    to edit beside the instruction; no rewrite)."""
+    from diffusers import LongCatImageEditPipeline
+
+    base = build_longcat_image(num_layers, num_single_layers)
+    return LongCatImageEditPipeline(**base.components)

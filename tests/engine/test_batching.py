@@ -127,6 +127,7 @@ async def test_clients_of_a_finished_batch_come_back_as_one(adapter, returning):
         "tiny_zimage",
         "tiny_ovis",
         "tiny_longcat",
+        "tiny_longcat_edit",
         "tiny_qwenimage",
         "tiny_wan",
         "tiny_wan_i2v",

@@ -100,6 +100,7 @@ def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: boo
         ("z-image", "ulysses"),
         ("ovis-image", "cfg"),
         ("longcat-image", "cfg"),
+        ("longcat-image-edit", "cfg"),
         ("qwen-image", "cfg"),
         ("qwen-image", "ulysses"),
         ("wan", "cfg"),
@@ -217,6 +218,7 @@ def test_ring_attention_matches_one_rank(family, ulysses, ring, request, tmp_pat
         ("flux", 2),
         ("z-image", 1),
         ("longcat-image", 1),
+        ("longcat-image-edit", 1),
         ("qwen-image-edit-2511", 1),  # the Qwen-Image-Edit family's transformer is Qwen-Image's, with 2511's index
     ],
 )

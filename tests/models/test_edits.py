@@ -18,6 +18,7 @@ from pictures import decoded, mask, picture
 
 from diffusiond.engine.outputs import Completed
 from diffusiond.models.loading.loader import load_adapter
+from diffusiond.models.loading.pipelines import channels_last_vae
 from diffusiond.models.params import ParamError, SamplingParams
 
 TOLERANCE = 1e-4
@@ -586,3 +587,84 @@ def test_conditioned_generation_matches_diffusers_qwen_image_21(tiny_qwenimage21
     # The output's size defaults to the last image's aspect at 1024x1024's area (48x96: 736x1440).
     size = adapter.resolve(SamplingParams(prompt="x", image=IMAGES[0], reference_images=(IMAGES[2],)))
     assert (size.width, size.height) == (736, 1440), (size.width, size.height)
+
+
+def test_instruction_edits_match_longcat_image_edit(tiny_longcat_edit, monkeypatch):
+    """LongCat-Image-Edit (`LongCatImageEditPipeline`): the image read beside the instruction by the VL text encoder
+    and its latent joining every step; five staggered edits (mixed images, prompts, negative prompts, seeds, step
+    counts, guidance; one without CFG), each equal to the pipeline's call. The pipeline takes no size: it sizes its
+    output by the image's aspect at 1024x1024's area, as the request at the default size here (928x1152 for 80x64);
+    the others send 64x64 and 48x80, which stand in for that size everywhere the pipeline reads it (its
+    `calculate_dimensions` answers them in the reference). Two edits of other images at one size share forwards."""
+    from diffusers.pipelines.longcat_image import pipeline_longcat_image_edit
+
+    adapter = load_adapter(tiny_longcat_edit)
+    assert adapter.family == "longcat-image-edit"
+    small = dict(width=64, height=64)
+    sent = [
+        SamplingParams(prompt="make it red", image=IMAGES[0], seed=1, num_inference_steps=4, **small),
+        SamplingParams(  # the same text, another image: its own encoding (the text encoder reads both)
+            prompt="make it red",
+            negative_prompt="blurry",
+            image=IMAGES[1],
+            seed=2,
+            num_inference_steps=5,
+            guidance_scale=3.0,
+            preview_every=1,
+            **small,
+        ),
+        SamplingParams(prompt="a blue sky", image=IMAGES[2], seed=3, num_inference_steps=3, width=48, height=80),
+        SamplingParams(
+            prompt="no guidance", image=IMAGES[0], seed=4, num_inference_steps=3, guidance_scale=1.0, **small
+        ),
+        SamplingParams(prompt="turn it green", image=IMAGES[0], seed=5, num_inference_steps=2),  # the default size
+    ]
+    handles, results, plans = asyncio.run(run_staggered(adapter, sent))
+    ids = [h.request_id for h in handles]
+    assert any({ids[0], ids[1]} <= set(p.advance) for p in plans)  # one size, CFG: shared forwards
+    assert (handles[4].params.width, handles[4].params.height) == (1152, 928)  # calculate_dimensions(2**20, 1.25)
+    pipe = diffusers.LongCatImageEditPipeline.from_pretrained(tiny_longcat_edit)
+    pipe.set_progress_bar_config(disable=True)
+    # The served VAE is channels-last on the CPU (models/loading/pipelines.py): decoding 1 Mpx so rounds otherwise
+    # (7.8e-4 here, the transformer's outputs equal to the bit); the reference's decoder takes the same layout.
+    channels_last_vae(pipe.vae)
+    default = pipeline_longcat_image_edit.calculate_dimensions
+
+    def expected(params: SamplingParams, image: bytes, **change) -> np.ndarray:
+        sized = default if params is handles[4].params else lambda area, ratio: (params.width, params.height)
+        monkeypatch.setattr(pipeline_longcat_image_edit, "calculate_dimensions", sized)
+        return reference(
+            pipe, "longcat-image-edit", SamplingParams(**{**_fields(params), **change}), image=decoded(image)
+        )
+
+    for handle, result in zip(handles, results, strict=True):
+        assert isinstance(result, Completed), result
+        params = handle.params
+        want = expected(params, params.image)
+        assert result.image.shape == want.shape == (params.height, params.width, 3)
+        diff = float(np.abs(result.image - want).max())
+        print(f"longcat-image-edit {params.prompt!r} {params.width}x{params.height}: max abs diff {diff:.2e}")
+        assert diff <= TOLERANCE, f"{params.prompt!r}: max abs diff {diff}"
+    # Not vacuous: another image, instruction or guidance changes the edit.
+    first = handles[0].params
+    for image, change in (
+        (IMAGES[1], {}),
+        (first.image, {"prompt": "a drawing of a dog"}),
+        (first.image, {"guidance_scale": 7.0}),
+    ):
+        assert float(np.abs(expected(first, image, **change) - results[0].image).max()) > 10 * TOLERANCE, change
+    # Refusals: an image is needed, strength and references do not apply, nor LongCat-Image's call switches.
+    for fields, param in (
+        ({}, "image"),
+        ({"image": IMAGES[0], "strength": 0.5}, "strength"),
+        ({"image": IMAGES[0], "reference_images": (IMAGES[1],)}, "reference_images"),
+        ({"image": IMAGES[0], "arguments": {"enable_prompt_rewrite": False}}, "arguments"),
+        ({"image": b"not an image"}, "image"),
+    ):
+        with pytest.raises(ParamError) as info:
+            adapter.resolve(SamplingParams(prompt="x", **small, **fields))
+        assert info.value.param == param
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {f: getattr(params, f) for f in params.__struct_fields__}

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ("tiny_zimage", ("cfg",), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
         ("tiny_ovis", ("cfg",), (), ("fbcache", "dbcache", "x0cache")),
         ("tiny_longcat", ("cfg",), (), ("fbcache", "dbcache", "x0cache")),
+        ("tiny_longcat_edit", ("cfg",), (), ("fbcache", "dbcache", "x0cache")),
         # The tiny Qwen-Image has no guidance embedding, so it drops "distilled" from its family's styles.
         ("tiny_qwenimage", ("true-cfg",), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
         ("tiny_wan", ("cfg",), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),

@@ -29,6 +29,7 @@ def test_read_a_part_at_a_time_equals_from_pretrained(family, dtype, request, tm
     fixture = {"sd3": "tiny_sd3", "sd35": "tiny_sd35", "sdxl": "tiny_sdxl", "flux": "tiny_flux",
                "flux-kontext": "tiny_kontext", "flux2-klein": "tiny_flux2klein", "flux2": "tiny_flux2",
                "z-image": "tiny_zimage", "ovis-image": "tiny_ovis", "longcat-image": "tiny_longcat",
+               "longcat-image-edit": "tiny_longcat_edit",
                "qwen-image": "tiny_qwenimage", "qwen-image-21": "tiny_qwenimage21",
                "qwen-image-edit-plus": "tiny_qwenimage_edit_plus", "wan": "tiny_wan",
                "qwen-image-edit": "tiny_qwenimage_edit", "wan-i2v": "tiny_wan_i2v", "wan22": "tiny_wan22",
@@ -67,7 +68,14 @@ def test_read_a_part_at_a_time_equals_from_pretrained(family, dtype, request, tm
         ]
         assert left == []
     # Families that need an image (i2v, Qwen-Image-Edit) are compared by the tensors above only.
-    needs_image = ("wan-i2v", "ltx2-i2v", "hunyuan-video-15-i2v", "qwen-image-edit", "qwen-image-edit-plus")
+    needs_image = (
+        "wan-i2v",
+        "ltx2-i2v",
+        "hunyuan-video-15-i2v",
+        "qwen-image-edit",
+        "qwen-image-edit-plus",
+        "longcat-image-edit",
+    )
     if dtype == "float32" and adapter.spec.family not in needs_image:
         for a, b in zip(generate(load_adapter(model)), generate(adapter), strict=True):
             assert np.abs(a - b).max() == 0

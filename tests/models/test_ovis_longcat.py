@@ -1,4 +1,5 @@
-"""Ovis-Image's and LongCat-Image's step caches (models/stepcache/forwards.py `ovis_forward`, `longcat_forward`) on
+"""Ovis-Image's, LongCat-Image's and LongCat-Image-Edit's step caches (models/stepcache/forwards.py `ovis_forward`,
+`longcat_forward`; the edit's image tokens run through the blocks with the rest) on
 deeper tiny checkpoints (2 double- and 3 single-stream blocks, so that DBCache's middle crosses from one kind to the
 other), saved and loaded through `from_pretrained`; LongCat-Image's call switches (`arguments`). The families' parity
 with their pipelines is tests/models/test_parity.py's; their batching tests/engine/test_batching.py's; CFG-parallel
@@ -16,15 +17,27 @@ import asyncio
 import msgspec
 import numpy as np
 import pytest
-from caching import ATOL, count_reuse, params, run
+from caching import ATOL, count_reuse, run
+from caching import params as shared_params
+from pictures import picture
 
 from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import ParamError, SamplingParams
-from diffusiond.models.tiny.longcat import build_longcat_image
+from diffusiond.models.tiny.longcat import build_longcat_image, build_longcat_image_edit
 from diffusiond.models.tiny.ovis import build_ovis_image
 
 METHODS = {"fbcache": None, "dbcache": {"fn": 1, "bn": 1, "warmup": 2}, "x0cache": None}
-BUILDERS = {"ovis-image": build_ovis_image, "longcat-image": build_longcat_image}
+BUILDERS = {
+    "ovis-image": build_ovis_image,
+    "longcat-image": build_longcat_image,
+    "longcat-image-edit": build_longcat_image_edit,
+}
+
+
+def params(family: str, seed: int, **kwargs) -> SamplingParams:
+    """The cache tests' request; an edit family's edits an image (its tokens run through the cache with the rest)."""
+    sent = shared_params(seed, **kwargs)
+    return msgspec.structs.replace(sent, image=picture(64, 64, seed=seed)) if family.endswith("-edit") else sent
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -41,7 +54,8 @@ def deep(request, tmp_path_factory) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def exact(deep) -> list[np.ndarray]:
-    return asyncio.run(run(load_adapter(deep[1]), [params(1), params(2, steps=5)], together=True))
+    family, path = deep
+    return asyncio.run(run(load_adapter(path), [params(family, 1), params(family, 2, steps=5)], together=True))
 
 
 @pytest.mark.parametrize("method", list(METHODS))
@@ -50,11 +64,13 @@ def test_threshold_zero_is_exact_and_a_batch_decides_per_request(method, deep, e
     adapter = load_adapter(path)
     assert adapter.family == family and method in adapter.capabilities.cache_methods
     adapter.enable_step_cache(method, 0.0, METHODS[method])
-    zero = asyncio.run(run(adapter, [params(1), params(2, steps=5)], together=True))
+    zero = asyncio.run(run(adapter, [params(family, 1), params(family, 2, steps=5)], together=True))
     for a, b in zip(exact, zero, strict=True):
         np.testing.assert_allclose(a, b, atol=ATOL)
     reused = count_reuse(monkeypatch)
-    mixed = asyncio.run(run(adapter, [params(1, threshold=0.0), params(3, threshold=10.0)], together=True))
+    mixed = asyncio.run(
+        run(adapter, [params(family, 1, threshold=0.0), params(family, 3, threshold=10.0)], together=True)
+    )
     np.testing.assert_allclose(mixed[0], exact[0], atol=ATOL)  # the exact request, beside a cached one
     assert sum(reused) > 0, "the cached request never reused"
     assert float(np.abs(mixed[1] - exact[0]).max()) > 100 * ATOL

@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints/cpu.txt
 PROMPT ?= a small red circle at the top left on a blue background
 PORT ?= 8000
+# pytest-xdist workers for `make test`: 2 on CI's 2 cores (each with one torch thread); 0 runs it in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: setup run generate test bench
 
@@ -25,7 +27,7 @@ generate: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile
 
 bench: setup
 	$(VENV)/bin/diffusiond bench compare

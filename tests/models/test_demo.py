@@ -25,8 +25,6 @@ from diffusiond.tools.demo.judge import ATTRIBUTES, accuracy, analyse, judge
 from diffusiond.tools.demo.text import CLIP_MAX_LENGTH, make_tokenizer
 from diffusiond.tools.demo.train import check_zero_token_trick, image_batch
 
-torch.set_num_threads(2)
-
 # Held-out captions (never trained on) served at the checkpoint's defaults, with evaluate.py's order and seeds.
 SERVE_PROMPTS = 8
 # Least right answers out of SERVE_PROMPTS. Measured on the shipped weights (v2) for these prompts: 8/8 on every

@@ -31,8 +31,6 @@ from diffusiond.models.preview import (
 from diffusiond.models.tiny import build_tiny
 from diffusiond.models.tiny.text import WORDS, make_clip_tokenizer, make_t5_tokenizer
 
-torch.set_num_threads(2)
-
 PIPELINES = {"sd3": StableDiffusion3Pipeline, "flux": FluxPipeline}
 # (subfolder, class) for every component of each family's checkpoint.
 COMPONENTS = {

@@ -93,6 +93,11 @@ Priority = Annotated[int, msgspec.Meta(ge=0, le=9)]
 DeadlineMs = Annotated[int, msgspec.Meta(ge=1, le=86_400_000)]
 
 
+# Arguments of the pipeline's call by name: the generic path's (`fields` at /v1/models), or a dedicated family's own
+# switches (`arguments` there).
+Arguments = Annotated[dict[ArgumentName, Argument], msgspec.Meta(max_length=32)]
+
+
 class ImageGenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """OpenAI `POST /v1/images/generations`, plus our extensions (from `negative_prompt` on)."""
 
@@ -129,6 +134,9 @@ class ImageGenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only
     cache_steps: CacheSteps | None = None
     # LoRA adapters for this request: [{"name": "style", "scale": 0.8}] (multipart edits: the same, as a JSON string).
     lora: Loras | None = None
+    # A family's own call switches by name (/v1/models `arguments`: Qwen-Image-Layered's `layers`), as on the native
+    # API (multipart edits: a JSON object string).
+    arguments: Arguments | None = None
     # Its class, 0-9, higher served first (engine/scheduler.py); default --default-priority.
     priority: Priority | None = None
     # Milliseconds its client waits: refused (429) when the engine's estimate is later; earlier deadlines first.
@@ -213,7 +221,7 @@ class AudioCreateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     num_inference_steps: Steps | None = None
     guidance_scale: Guidance | None = None
     # Further arguments of the pipeline's call by name (/v1/models lists them as `fields`).
-    arguments: Annotated[dict[ArgumentName, Argument], msgspec.Meta(max_length=32)] | None = None
+    arguments: Arguments | None = None
     format: Literal["wav", "flac"] = "wav"
     # The job's class, 0-9, higher served first (engine/scheduler.py); default --default-priority.
     priority: Priority | None = None
@@ -309,12 +317,16 @@ def convert_fields(fields: dict[str, str], type_: type[T]) -> T:
         raise _invalid(exc) from None
 
 
+# What a form's JSON field looks like, for the errors that name it.
+EXAMPLES = {"lora": '[{"name": "style", "scale": 0.8}]', "arguments": '{"layers": 4}'}
+
+
 def json_fields(fields: dict[str, str], types: dict[str, Any]) -> dict[str, Any]:
     """Form fields, with those named in `types` decoded from the JSON text a form carries them as (a list of
     objects, as `lora`), or a 400 ApiError naming the field."""
     out: dict[str, Any] = dict(fields)
-    example = '[{"name": "style", "scale": 0.8}]'
     for name, type_ in types.items():
+        example = EXAMPLES.get(name, "{}")
         if any(key.startswith(f"{name}[") for key in out):  # a client that flattens objects into form fields
             raise ApiError(400, f"{name} in a form is one field of JSON text, such as {example}", param=name)
         if name not in out:

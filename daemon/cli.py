@@ -202,6 +202,13 @@ async def _generate(args: argparse.Namespace, setup, params) -> int:
             elif isinstance(event, Preview):
                 path = Path(args.previews, f"step{event.step:03d}.png")
                 await asyncio.to_thread(_write, path, encode_image(event.image))
+            elif isinstance(event, Completed) and engine.adapter.capabilities.layers:  # [layers, H, W, 4]
+                out = Path(args.out)
+                paths = [out.with_name(f"{out.stem}-{i}{out.suffix}") for i in range(len(event.image))]
+                for path, layer in zip(paths, event.image, strict=True):
+                    await asyncio.to_thread(_write, path, encode_image(layer, fmt))
+                print(f"{', '.join(map(str, paths))} (seed {event.seed}, one image per layer)")
+                return 0
             elif isinstance(event, Completed) and event.image.ndim == 4:  # a video model's clip [F, H, W, 3]
                 from diffusiond.daemon.video_encoding import encode_video
 
@@ -399,7 +406,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="what to draw")
     gen.add_argument("--negative-prompt", help="what to steer away from (models that take one)")
     gen.add_argument(
-        "--out", default="out.png", help="file to write: .png, .jpg or .webp; video models: .mp4 (default: out.png)"
+        "--out",
+        default="out.png",
+        help="file to write: .png, .jpg or .webp; video models: .mp4; layered models: one file per layer, "
+        "out-0.png, out-1.png, ... (default: out.png)",
     )
     gen.add_argument("--size", type=parse_size, help="WIDTHxHEIGHT (default: the model's)")
     gen.add_argument("--steps", type=int, help="denoising steps (default: the model's)")

@@ -14,6 +14,12 @@ from PIL import Image
 INLINE_PIXELS = 64 * 64
 
 
+def answer_images(image: np.ndarray, layers: bool) -> list[np.ndarray]:
+    """The images of one request's answer: each layer of a model that answers several (`Capabilities.layers`:
+    Qwen-Image-Layered's [layers, H, W, 4]), else the one image."""
+    return list(image) if layers else [image]
+
+
 def to_uint8(image: np.ndarray) -> np.ndarray:
     """float [H, W, 3] in [0, 1] -> uint8, rounding as diffusers' `numpy_to_pil`."""
     if image.dtype == np.uint8:

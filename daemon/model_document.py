@@ -40,10 +40,11 @@ def served_document(
     narrow(doc, rules, lora_names if caps.lora else None)
     if caps.mode == "generic":  # what a request may add to the pipeline's call: the names its signature settles
         _call_names(doc["components"]["schemas"]["GenerationRequest"]["properties"], caps.fields)
-    elif caps.call_arguments:  # a dedicated family's own call switches
-        _call_names(
-            doc["components"]["schemas"]["GenerationRequest"]["properties"], caps.call_arguments, ("arguments",)
-        )
+    elif caps.call_arguments:  # a dedicated family's own call switches, on the native and the OpenAI routes
+        for name in ("GenerationRequest", "ImageGenerationRequest", "ImageEditRequest"):
+            props = doc["components"]["schemas"].get(name, {}).get("properties", {})
+            if "arguments" in props:
+                _call_names(props, caps.call_arguments, ("arguments",))
     dropped = tuple(prefix for kind, prefix in KIND_ROUTES.items() if kind != caps.modality)
     if not caps.lora:
         dropped += ("/v1/loras",)

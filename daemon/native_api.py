@@ -117,7 +117,9 @@ async def _follow(request: web.Request, replay: Replay) -> web.StreamResponse:
 async def _generate(request: web.Request, body: GenerationRequest, params: SamplingParams) -> web.StreamResponse:
     state = request.app[STATE]
     engine = state.require_engine()
-    modality = engine.adapter.capabilities.modality
+    caps = engine.adapter.capabilities
+    # "layers": images, several a request (Qwen-Image-Layered).
+    modality = "layers" if caps.layers else caps.modality
     video = modality == "video"
     if body.video_format is not None and not video:
         raise ApiError(400, f"video_format is for video models; this model makes {modality}", param="video_format")
@@ -216,6 +218,15 @@ async def _render(
             del payload["b64"]
             payload["url"] = await store_result(request, clip.data, clip.format)
         return "completed", {"seed": event.seed, "video": payload, **cached, **told}, None if by_url else clip.data
+    if isinstance(event, Completed) and modality == "layers":  # one image per layer, in order
+        files = [await encode_small(request, layer, body.output_format) for layer in event.image]
+        if by_url:
+            images = [
+                {"format": body.output_format, "url": await store_result(request, f, body.output_format)} for f in files
+            ]
+        else:
+            images = [{"format": body.output_format, "b64": base64.b64encode(f).decode()} for f in files]
+        return "completed", {"seed": event.seed, "images": images, **cached, **told}, None
     if isinstance(event, Completed):
         data = await encode_small(request, event.image, body.output_format)
         if by_url:

@@ -16,6 +16,7 @@ from aiohttp import web
 from diffusiond.daemon.admission import queue_requests
 from diffusiond.daemon.api import (
     ApiError,
+    Arguments,
     ImageEditRequest,
     ImageGenerationRequest,
     Loras,
@@ -30,7 +31,7 @@ from diffusiond.daemon.edge import read_body, read_form
 from diffusiond.daemon.files import store_result
 from diffusiond.daemon.handover import carried_ids, hand_over
 from diffusiond.daemon.idempotency import KEYS, fingerprint, started
-from diffusiond.daemon.image_encoding import encode_preview
+from diffusiond.daemon.image_encoding import answer_images, encode_preview
 from diffusiond.daemon.state import STATE, ServerState
 from diffusiond.daemon.streaming import (
     BLOB,
@@ -101,7 +102,7 @@ async def read_image_edit(request: web.Request, max_n: int, max_image_bytes: int
     fields, files = await read_form(request, limits, max_image_bytes, aliases=dict.fromkeys(IMAGE_PARTS, "image"))
     if not files["image"]:
         raise ApiError(400, "image is required: the file to edit", param="image")
-    body = convert_fields(json_fields(fields, {"lora": Loras}), ImageEditRequest)
+    body = convert_fields(json_fields(fields, {"lora": Loras, "arguments": Arguments}), ImageEditRequest)
     validate_openai(body, max_n)
     if body.input_fidelity is not None:
         raise ApiError(
@@ -205,12 +206,13 @@ async def _images(
         "output_format": fmt,
     }
     out = (fmt, body.output_compression, background == "opaque")
+    layered = engine.adapter.capabilities.layers  # each layer an image of the answer (Qwen-Image-Layered)
     headers = {"X-Request-Id": ",".join(h.request_id for h in handles)}
     if unknown := unknown_words(engine, resolved.prompt):
         headers[UNKNOWN_WORDS_HEADER] = ", ".join(unknown)
     if body.stream:
         started(request, [h.request_id for h in handles])
-        return await _openai_stream(request, state, handles, out, partial, meta, headers, kind)
+        return await _openai_stream(request, state, handles, out, partial, meta, headers, kind, layered)
     # Non-streaming: nothing to write until the end, so a client that hangs up is noticed through handler
     # cancellation (aiohttp), which cancels the requests through `track`.
     results = await asyncio.gather(*(last_event(state.track(h)) for h in handles))
@@ -218,7 +220,7 @@ async def _images(
     if unfinished:
         # Not started at all (each a retry): NotStarted, which the next rank 0 may serve (daemon/handover.py).
         raise terminal_error(min(unfinished, key=lambda r: isinstance(r, Failed) and r.retry))
-    images = [await encode_small(request, r.image, *out) for r in results]
+    images = [await encode_small(request, image, *out) for r in results for image in answer_images(r.image, layered)]
     if all(r.cached for r in results):  # every image from the result cache (engine/result_cache.py)
         headers[CACHE_HEADER] = "hit"
     if body.response_format == "url":
@@ -296,8 +298,9 @@ def _background(body: ImageGenerationRequest, fmt: str, caps: Capabilities) -> s
     return "transparent"
 
 
-async def _openai_stream(request, state, handles, out, partial, meta, headers, kind) -> web.StreamResponse:
-    """`out`: the images' format, compression and whether they are made opaque (`_background`)."""
+async def _openai_stream(request, state, handles, out, partial, meta, headers, kind, layered) -> web.StreamResponse:
+    """`out`: the images' format, compression and whether they are made opaque (`_background`); `layered`: each
+    request answers one image per layer, a `completed` event each (tagged with its `layer`)."""
     fmt, compression, _ = out
     response = await start_sse(request, headers)
     width, height = (int(v) for v in meta["size"].split("x"))
@@ -326,11 +329,14 @@ async def _openai_stream(request, state, handles, out, partial, meta, headers, k
                 await send(response, sse_event(name, payload), ids)
                 sent[i] += 1
             elif isinstance(event, Completed):
-                data = await encode_small(request, event.image, *out)
+                images = answer_images(event.image, layered)
+                item = event = None  # the image is let go before its file waits on the client
                 name = f"{kind}.completed"
                 payload = {"type": name, "b64_json": BLOB, "created_at": int(time.time()), **meta, "usage": _usage()}
-                item = event = None  # the image is let go before its file waits on the client
-                await send_event(response, name, {**payload, **tag}, ids, data)
+                for j in range(len(images)):
+                    data = await encode_small(request, images[j], *out)
+                    images[j] = None
+                    await send_event(response, name, {**payload, **tag, **({"layer": j} if layered else {})}, ids, data)
                 told = True
             elif isinstance(event, Cancelled | Failed):
                 error = {"type": "error", **terminal_error(event).body()}

@@ -227,6 +227,8 @@ def form_schema(
 
 # A form's `lora`: JSON text of the list (daemon/api.py `json_fields`).
 FORM_LORA = {"type": "string", "contentMediaType": "application/json", "description": 'JSON text: [{"name": ...}]'}
+# A form's `arguments`: JSON text of the object.
+FORM_ARGUMENTS = {"type": "string", "contentMediaType": "application/json", "description": 'JSON text: {"name": value}'}
 
 
 def _form_field(name: str, schema: dict) -> dict:
@@ -234,6 +236,8 @@ def _form_field(name: str, schema: dict) -> dict:
     taken only as null, or only as a list or object (JSON bodies), takes nothing."""
     if name == "lora":
         return FORM_LORA
+    if name == "arguments" and any(o.get("type") == "object" for o in options(schema)):
+        return FORM_ARGUMENTS  # taken by the model served (a family's call switches)
     texts = [o for o in options(schema) if o.get("type") not in ("null", "array", "object")]
     if not texts:
         return {"not": {}, "description": schema.get("description", "taken in JSON bodies only")}

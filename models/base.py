@@ -72,6 +72,8 @@ class Capabilities:
     call_arguments: tuple[str, ...] = ()
     # Its images have an alpha channel (its VAE decodes RGBA: Qwen-Image 2.1): OpenAI's `background` keeps it.
     alpha: bool = False
+    # Its answer to a request is several images, one per layer ([layers, H, W, C]: Qwen-Image-Layered).
+    layers: bool = False
 
     def public(self) -> dict:
         """What `/v1/models` and the playground show (not the vocabulary's every word: its size)."""
@@ -98,6 +100,7 @@ class Capabilities:
             "lora": self.lora,
             "mode": self.mode,
             "alpha": self.alpha,
+            "layers": self.layers,
             **({"fields": list(self.fields)} if self.mode == "generic" else {}),
             **({"arguments": list(self.call_arguments)} if self.call_arguments else {}),
             **(
@@ -348,5 +351,7 @@ class ModelAdapter(abc.ABC):
 
 
 def decodes_alpha(vae: Any) -> bool:
-    """Whether a VAE decodes RGBA (its config's `out_channels` is 4: Qwen-Image 2.1's)."""
-    return getattr(getattr(vae, "config", None), "out_channels", 3) == 4
+    """Whether a VAE decodes RGBA: its config's `out_channels` is 4 (Qwen-Image 2.1's), or where it has none, its
+    `input_channels` (Qwen-Image's VAE decodes as many channels as it reads: Qwen-Image-Layered's, 4)."""
+    config = getattr(vae, "config", None)
+    return getattr(config, "out_channels", getattr(config, "input_channels", 3)) == 4

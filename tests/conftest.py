@@ -380,6 +380,11 @@ def tiny_longcat_edit(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwenimage_layered(tmp_path_factory) -> str:
+    return str(build_tiny("qwen-image-layered", tmp_path_factory.mktemp("tiny") / "qwen-image-layered"))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwenimage(tmp_path_factory) -> str:
     return str(build_tiny("qwen-image", tmp_path_factory.mktemp("tiny") / "qwen-image"))
 

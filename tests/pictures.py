@@ -27,6 +27,16 @@ def picture(width: int, height: int, seed: int = 0, fmt: str = "PNG", mode: str 
     return buf.getvalue()
 
 
+def translucent(width: int, height: int, seed: int = 0) -> bytes:
+    """`picture`'s PNG with an alpha channel that varies, left (40) to right (255): for models that read RGBA."""
+    image = Image.open(io.BytesIO(picture(width, height, seed=seed))).convert("RGBA")
+    alpha = np.linspace(40, 255, width, dtype=np.float32)[None, :].repeat(height, 0)
+    image.putalpha(Image.fromarray(alpha.round().astype(np.uint8)))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def decoded(data: bytes) -> Image.Image:
     """What a pipeline is handed for the same file: PIL's decode, in RGB."""
     return Image.open(io.BytesIO(data)).convert("RGB")

@@ -467,6 +467,7 @@ FIXTURES = {
     "qwen-image-edit-plus": "tiny_qwenimage_edit_plus",
     "qwen-image-edit-2511": "tiny_qwenimage_edit_2511",
     "qwen-image-edit": "tiny_qwenimage_edit",
+    "qwen-image-layered": "tiny_qwenimage_layered",
     "hunyuan-video-15": "tiny_hunyuan15",
 }
 # Edit-2511's layout (`zero_cond_t`: the input images' tokens modulated at timestep 0): Edit-Plus's requests.
@@ -494,4 +495,27 @@ REQUESTS["qwen-image-edit"] = [
         edit(prompt=f"plain edit {i}", image=picture(80, 64, seed=i), strength=None, seed=10 + i, num_inference_steps=2)
         for i in range(2)
     ),
+]
+# Qwen-Image-Layered: decompositions of one image each (two layers; one of a single layer batches alone).
+REQUESTS["qwen-image-layered"] = [
+    edit(
+        prompt="layers",
+        strength=None,
+        negative_prompt="blurry",
+        true_cfg_scale=3.0,
+        num_inference_steps=3,
+        arguments={"layers": 2},
+    ),
+    *(
+        edit(
+            prompt=f"plain layers {i}",
+            image=picture(80, 64, seed=i),
+            strength=None,
+            seed=10 + i,
+            num_inference_steps=2,
+            arguments={"layers": 2},
+        )
+        for i in range(2)
+    ),
+    edit(prompt="one layer", strength=None, seed=3, num_inference_steps=2, arguments={"layers": 1}),
 ]

@@ -5,6 +5,7 @@ On the test path through `pythonpath = ["tests"]` in pyproject.toml: `from sse i
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
@@ -24,3 +25,23 @@ async def sse_events(resp: aiohttp.ClientResponse):
         elif line.startswith("data:"):
             data.append(line[len("data:") :].strip())
     assert not data, "stream ended inside an event"
+
+
+async def staggered_streams(session: aiohttp.ClientSession, url: str, bodies: list[dict]) -> list[list[tuple]]:
+    """Native generation streams of `bodies`, each started once the one before has made progress (so later ones
+    join a running batch); each stream's (event name, data) pairs."""
+    started = [asyncio.Event() for _ in bodies]
+
+    async def one(i: int) -> list[tuple]:
+        if i:
+            await started[i - 1].wait()
+        async with session.post(url, json=bodies[i]) as resp:
+            assert resp.status == 200, await resp.text()
+            events = []
+            async for name, data in sse_events(resp):
+                events.append((name, data))
+                if name == "progress":
+                    started[i].set()
+            return events
+
+    return list(await asyncio.gather(*(one(i) for i in range(len(bodies)))))

@@ -145,11 +145,19 @@ class QwenImageAdapter(FlowMatchAdapter):
             batched["encoder_hidden_states_mask"] = cond["text_mask"]  # [B * rows, L]
         if self.transformer.config.guidance_embeds:
             batched["guidance"] = cond["guidance"]
+        batched.update(self._extra_inputs(len(states) * rows))
         out = self.ranks.rows(rows, batched, states[0].shared, states)[:, :, :seq]  # [B, rows, seq, C * 4]
         if rows == 1:
             return out[:, 0]
-        pos, neg = out[:, 0], out[:, 1]
-        scale = cond["true_cfg"].to(out.dtype).view(-1, 1, 1)  # [B, 1, 1], built once per batch membership
+        return self._true_cfg(out[:, 0], out[:, 1], cond)
+
+    def _extra_inputs(self, batch: int) -> dict[str, Any]:
+        """Further per-row inputs of the family's transformer (Qwen-Image-Layered's RGB/RGBA index)."""
+        return {}
+
+    def _true_cfg(self, pos: torch.Tensor, neg: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
+        """True CFG, the combined prediction rescaled to the conditional one's norm, token by token."""
+        scale = cond["true_cfg"].to(pos.dtype).view(-1, 1, 1)  # [B, 1, 1], built once per batch membership
         combined = neg + scale * (pos - neg)
         return combined * (torch.norm(pos, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
 

@@ -29,12 +29,7 @@ ROWS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
 
 GENERIC_ONLY = "served on the generic path (its own call, one rank, no step cache): no dedicated family yet"
 # Why a row without a family of ours is not served as the reference serves it (else GENERIC_ONLY).
-WHY_ROW = {
-    "QwenImageLayeredPipeline": "not served: on the generic path a tiny checkpoint of its layout with an RGBA VAE "
-    "fails the daemon's warm-up (its VAE takes 4 channels; the warm-up's image has 3), and with an RGB VAE each "
-    "request fails when its answer is sent (the call returns a list of layers per request; an answer carries one "
-    "image); no dedicated family yet",
-}
+WHY_ROW: dict[str, str] = {}
 # Why a cell the reference marks is not served by the family that serves the row.
 WHY_NOT = {
     ("LTX2Pipeline", "Cache-DiT"): "not yet: its video and audio streams need a cached forward of their own, and the "

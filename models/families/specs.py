@@ -38,6 +38,8 @@ class Family:
     image_inputs: tuple[str, ...] = ()
     # What it makes: "image" or "video" (clips of frames; `Capabilities` then carries the frame rules).
     modality: str = "image"
+    # Its answer to a request is several images, one per layer (Qwen-Image-Layered).
+    layers: bool = False
     # LoRA per request (`SamplingParams.lora`, models/lora/registry.py): adapters of the denoiser, mixed in one batch.
     lora: bool = False
     # Packages its pipeline needs beyond diffusiond's own dependencies.
@@ -167,6 +169,21 @@ QWEN_IMAGE_EDIT = Family(
     lora=QWEN_IMAGE_EDIT_PLUS.lora,
     attention_masks=True,
     needs=QWEN_IMAGE_EDIT_PLUS.needs,
+)
+# Qwen-Image-Layered: an image decomposed into RGBA layers (`arguments`: `layers`, `resolution`, `cfg_normalize`),
+# the image's latents joining every step's sequence as an edit's; its Qwen2-VL processor needs torchvision.
+QWEN_IMAGE_LAYERED = Family(
+    "QwenImageLayeredPipeline",
+    "qwen-image-layered",
+    "families.qwenimage_layered:QwenImageLayeredAdapter",
+    guidance_styles=("true-cfg",),
+    parallel=("cfg-parallel", "ulysses", "ring", "tp"),
+    cache_methods=QWEN_IMAGE.cache_methods,
+    cache_with_ulysses=False,
+    image_inputs=("edit",),
+    layers=True,
+    attention_masks=True,
+    needs=("torchvision",),
 )
 # Qwen-Image 2.1: a Qwen3-VL text encoder and a single-stream block-causal transformer whose 16x VAE decodes RGBA.
 # Text to image, and conditioned on one to three images; CFG-parallel and Ulysses (models/families/qwenimage21.py says
@@ -313,6 +330,7 @@ FAMILIES: dict[str, Family] = {
         QWEN_IMAGE,
         QWEN_IMAGE_EDIT,
         QWEN_IMAGE_EDIT_PLUS,
+        QWEN_IMAGE_LAYERED,
         QWEN_IMAGE_21,
         WAN,
         WAN_I2V,
@@ -379,7 +397,7 @@ def families_table() -> str:
         cells = [
             f"`{name}`",
             f.family,
-            f.modality,
+            "image layers" if f.layers else f.modality,
             listed(f.guidance_styles),
             listed(f.parallel),
             listed(f.cache_methods),

@@ -209,10 +209,11 @@ def qwen_forward(
     enc = t.txt_in(t.txt_norm(batched["encoder_hidden_states"]))
     text_len, _, mask = compute_text_seq_len_from_mask(enc, batched.get("encoder_hidden_states_mask"))
     guidance = batched.get("guidance")
+    layered = batched.get("additional_t_cond")  # Qwen-Image-Layered's RGB/RGBA index per row
     if guidance is None:
-        temb = t.time_text_embed(timestep, h, None)
+        temb = t.time_text_embed(timestep, h, layered)
     else:
-        temb = t.time_text_embed(timestep, guidance.to(h.dtype) * 1000, h, None)
+        temb = t.time_text_embed(timestep, guidance.to(h.dtype) * 1000, h, layered)
     if index is not None:
         temb = torch.stack(temb.chunk(2), dim=1)  # [rows, 2, D]: the noise's, timestep 0's
     rotary = t.pos_embed(shared["img_shapes"], max_txt_seq_len=text_len, device=h.device)

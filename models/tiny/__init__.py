@@ -8,8 +8,9 @@ images at any height/width that is a multiple of 16 (SD3: up to 1024, as pos_emb
 well under a second at 256x256 on a CPU.
 
 The builders live beside this dispatcher, one module per group of families (`images`: SD3, SDXL, FLUX.1; `qwen`,
-`qwen21`, `ovis`, `longcat`, `wan`, `ltx2`, `hunyuan15`, `flux3`; `real`: real-size layouts; `lora`: adapters), on the
-shared text side (`text`: tokenizers over a fixed word list, tiny text encoders). Only this module imports them all.
+`qwen21`, `qwen_layered`, `ovis`, `longcat`, `wan`, `ltx2`, `hunyuan15`, `flux3`; `real`: real-size layouts; `lora`:
+adapters), on the shared text side (`text`: tokenizers over a fixed word list, tiny text encoders). Only this module
+imports them all.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ FAMILIES: tuple[str, ...] = (
     "qwen-image",
     "qwen-image-edit",
     "qwen-image-edit-plus",
+    "qwen-image-layered",
     "qwen-image-21",
     "wan",
     "wan-i2v",
@@ -67,6 +69,7 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
         ovis,
         qwen,
         qwen21,
+        qwen_layered,
         wan,
     )
 
@@ -99,6 +102,8 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
         # Qwen-Image-Edit and -2509's layouts (need torchvision, for their Qwen2-VL processor).
         "qwen-image-edit": lambda: qwen.build_qwenimage_edit_plus(plus=False),
         "qwen-image-edit-plus": qwen.build_qwenimage_edit_plus,
+        # Qwen-Image-Layered: an image decomposed into RGBA layers (an RGBA VAE; a layered transformer).
+        "qwen-image-layered": qwen_layered.build_qwenimage_layered,
         "flux2-klein": qwen.build_flux2klein,
         # Qwen-Image 2.1: a Qwen3-VL text encoder (its processor needs torchvision), an RGBA VAE.
         "qwen-image-21": qwen21.build_qwenimage21,

@@ -6,7 +6,6 @@ would never), and `/v1/models` names the family."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 
@@ -16,7 +15,7 @@ import pytest
 import torch
 from pictures import decoded, picture
 from PIL import Image
-from sse import sse_events
+from sse import staggered_streams
 
 TIMEOUT = aiohttp.ClientTimeout(total=180)
 
@@ -90,21 +89,7 @@ async def test_staggered_streams_equal_the_pipeline_and_share_forwards(serve, fa
                 )
             else:
                 assert "arguments" not in model["diffusiond"] and not keyed, arguments
-            started = [asyncio.Event() for _ in bodies]
-
-            async def one(i: int):
-                if i:
-                    await started[i - 1].wait()
-                async with session.post(f"{server.base_url}/v1/generations", json=bodies[i]) as resp:
-                    assert resp.status == 200, await resp.text()
-                    events = []
-                    async for name, data in sse_events(resp):
-                        events.append((name, data))
-                        if name == "progress":
-                            started[i].set()
-                    return events
-
-            streams = await asyncio.gather(*(one(i) for i in range(len(bodies))))
+            streams = await staggered_streams(session, f"{server.base_url}/v1/generations", bodies)
     finally:
         hook.remove()
     assert max(rows) > 2, rows  # requests shared forwards (two rows each with CFG)

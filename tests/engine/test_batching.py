@@ -129,6 +129,7 @@ async def test_clients_of_a_finished_batch_come_back_as_one(adapter, returning):
         "tiny_longcat",
         "tiny_longcat_edit",
         "tiny_qwenimage",
+        "tiny_qwenimage_layered",
         "tiny_wan",
         "tiny_wan_i2v",
     ],

@@ -116,6 +116,8 @@ def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: boo
         ("qwen-image-edit-plus", "cfg"),
         ("qwen-image-edit-2511", "ulysses"),
         ("qwen-image-edit", "ulysses"),
+        ("qwen-image-layered", "cfg"),
+        ("qwen-image-layered", "ulysses"),
         ("qwen-image-21", "cfg"),
         ("hunyuan-video-15", "ulysses"),
     ],
@@ -184,6 +186,7 @@ def test_qwen_image_21_ulysses_shards_the_target_image(tiny_qwenimage21, tmp_pat
         ("flux", 2, 2),
         ("qwen-image", 1, 2),  # texts of several lengths in a batch: their padding masked on the replicated keys
         ("qwen-image-edit-2511", 1, 2),
+        ("qwen-image-layered", 1, 2),  # every layer's frame and the image's in the sharded sequence
     ],
 )
 def test_ring_attention_matches_one_rank(family, ulysses, ring, request, tmp_path):
@@ -220,6 +223,7 @@ def test_ring_attention_matches_one_rank(family, ulysses, ring, request, tmp_pat
         ("longcat-image", 1),
         ("longcat-image-edit", 1),
         ("qwen-image-edit-2511", 1),  # the Qwen-Image-Edit family's transformer is Qwen-Image's, with 2511's index
+        ("qwen-image-layered", 1),
     ],
 )
 def test_tensor_parallel_matches_one_rank(family, cfg, request, tmp_path):

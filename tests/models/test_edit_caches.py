@@ -27,6 +27,7 @@ CASES = {
     ("tiny_qwenimage_edit_plus", "x0cache"),
     ("tiny_qwenimage_edit_2511", "teacache"),
     ("tiny_flux2klein", "teacache"),
+    ("tiny_qwenimage_layered", "dbcache"),  # four layers' frames and the image's in every forward
 }
 
 

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ("tiny_longcat_edit", ("cfg",), (), ("fbcache", "dbcache", "x0cache")),
         # The tiny Qwen-Image has no guidance embedding, so it drops "distilled" from its family's styles.
         ("tiny_qwenimage", ("true-cfg",), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
+        ("tiny_qwenimage_layered", ("true-cfg",), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
         ("tiny_wan", ("cfg",), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
         ("tiny_wan_i2v", ("cfg",), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
     ],

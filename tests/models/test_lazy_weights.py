@@ -32,7 +32,8 @@ def test_read_a_part_at_a_time_equals_from_pretrained(family, dtype, request, tm
                "longcat-image-edit": "tiny_longcat_edit",
                "qwen-image": "tiny_qwenimage", "qwen-image-21": "tiny_qwenimage21",
                "qwen-image-edit-plus": "tiny_qwenimage_edit_plus", "wan": "tiny_wan",
-               "qwen-image-edit": "tiny_qwenimage_edit", "wan-i2v": "tiny_wan_i2v", "wan22": "tiny_wan22",
+               "qwen-image-edit": "tiny_qwenimage_edit", "qwen-image-layered": "tiny_qwenimage_layered",
+               "wan-i2v": "tiny_wan_i2v", "wan22": "tiny_wan22",
                "wan22-i2v": "tiny_wan22_i2v", "wan22-ti2v": "tiny_wan22_ti2v", "ltx2": "tiny_ltx2",
                "ltx2-i2v": "tiny_ltx2_i2v", "hunyuan-video-15": "tiny_hunyuan15",
                "hunyuan-video-15-i2v": "tiny_hunyuan15_i2v"}[family]  # fmt: skip
@@ -75,6 +76,7 @@ def test_read_a_part_at_a_time_equals_from_pretrained(family, dtype, request, tm
         "qwen-image-edit",
         "qwen-image-edit-plus",
         "longcat-image-edit",
+        "qwen-image-layered",
     )
     if dtype == "float32" and adapter.spec.family not in needs_image:
         for a, b in zip(generate(load_adapter(model)), generate(adapter), strict=True):

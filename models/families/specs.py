@@ -182,6 +182,7 @@ QWEN_IMAGE_LAYERED = Family(
     cache_with_ulysses=False,
     image_inputs=("edit",),
     layers=True,
+    lora=True,
     attention_masks=True,
     needs=("torchvision",),
 )

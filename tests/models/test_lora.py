@@ -39,10 +39,11 @@ FAMILIES = {
     "flux2": "tiny_flux2",
     "qwen-image-21": "tiny_qwenimage21",
     "qwen-image-edit-plus": "tiny_qwenimage_edit_plus",
+    "qwen-image-layered": "tiny_qwenimage_layered",
     "flux-kontext": "tiny_kontext",
 }
 # Families that edit an image: every request edits one (and the pipeline is called with it).
-EDITS = ("qwen-image-edit-plus", "flux-kontext")
+EDITS = ("qwen-image-edit-plus", "qwen-image-layered", "flux-kontext")
 
 
 def loras_for(model: str, folder: Path, names=("a", "b", "c")) -> dict[str, Path]:
@@ -85,9 +86,13 @@ def run(adapter, requests, **engine_kwargs) -> tuple[list[np.ndarray], list[Samp
     return asyncio.run(go())
 
 
-def diffusers_images(model: str, family: str, files: dict[str, Path], resolved: list[SamplingParams]):
+def diffusers_images(model: str, family: str, files: dict[str, Path], resolved: list[SamplingParams], monkeypatch):
     """Each request through the pipeline with its adapters set (diffusers' own LoRA path), and without any."""
     pipe = getattr(diffusers, diffusers.DiffusionPipeline.load_config(model)["_class_name"]).from_pretrained(model)
+    if family == "qwen-image-layered":  # its call takes no size: the requests' 64x64 stands in for it
+        from diffusers.pipelines.qwenimage import pipeline_qwenimage_layered as layered
+
+        monkeypatch.setattr(layered, "calculate_dimensions", lambda area, ratio: (64, 64))
     with warnings.catch_warnings():  # "no LoRA keys for the text encoders": these files have none
         warnings.simplefilter("ignore")
         for name, path in files.items():
@@ -95,6 +100,8 @@ def diffusers_images(model: str, family: str, files: dict[str, Path], resolved: 
     with_lora, without = [], []
     for params in resolved:
         image = {"image": decoded(params.image)} if params.image is not None else {}  # an edit's
+        if family == "qwen-image-layered":  # its layers, as arguments by name
+            image = {"image": decoded(params.image).convert("RGBA")}
         if family == "flux-kontext":  # at the request's size (else the pipeline scales the output to 1 Mpx)
             image["max_area"] = params.width * params.height
         pipe.disable_lora()
@@ -140,7 +147,7 @@ def test_mixed_batch_matches_diffusers(family, batch, request, tmp_path, monkeyp
 
     assert forwards == [4] * 3  # every step: one forward for all four requests
     assert rows and len(set(rows)) == 1 and rows[0] % 4 == 0, rows  # the base linear over the whole batch at once
-    expected, plain = diffusers_images(model, family, files, resolved)
+    expected, plain = diffusers_images(model, family, files, resolved, monkeypatch)
     for params, image, want, base in zip(resolved, images, expected, plain, strict=True):
         assert np.abs(image - want).max() < TOLERANCE, (params.seed, np.abs(image - want).max())
         if params.lora:  # the adapter changed this image (a no-op LoRA path would pass the line above for none)

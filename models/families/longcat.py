@@ -24,7 +24,7 @@ from diffusers.pipelines.longcat_image.pipeline_longcat_image_edit import calcul
 from diffusiond.models.base import RequestState
 from diffusiond.models.families import specs
 from diffusiond.models.families.ovis import OvisImageAdapter, OvisRequests
-from diffusiond.models.flowmatch.prompts import Prompts
+from diffusiond.models.flowmatch.prompts import Prompts, PromptsWithImages
 from diffusiond.models.flowmatch.requests import RequestRules
 from diffusiond.models.flowmatch.sampler import request_generator, shift_mu
 from diffusiond.models.inputs import image_size, open_rgb
@@ -147,7 +147,9 @@ class LongCatImageEditAdapter(LongCatImageAdapter):
         return LongCatEditRequests(caps, declared, **parts)
 
     def _prompts(self) -> Prompts:
-        return EditPrompts(self._encode, self.requests.uses_cfg)
+        # An instruction's encoding reads the image at the output's size: keyed by the image's digest, that size and
+        # the text.
+        return PromptsWithImages(self._encode, self.requests.uses_cfg, _context, lambda p: (p.image, p.width, p.height))
 
     def _resized(self, data: bytes, width: int, height: int) -> Any:
         return self.pipe.image_processor.resize(open_rgb(data), height, width)
@@ -232,20 +234,6 @@ class LongCatEditRequests(OvisRequests):
             return None
         image_size(params.image)
         return params.width, params.height
-
-
-class EditPrompts(Prompts):
-    """An instruction's encoding reads the image at the output's size: keyed by the image's digest, that size and
-    the text; the images of the keys being looked up wait in `pending` for the encoder, decoded only on a miss."""
-
-    pending: dict[str, tuple[bytes, int, int]]
-
-    def key(self, text: str, params: SamplingParams) -> str:
-        return f"{_context(params)}\x00{text}"
-
-    def keys(self, params: Sequence[SamplingParams]) -> tuple[list[bool], list[str]]:
-        self.pending = {_context(p): (p.image, p.width, p.height) for p in params}
-        return super().keys(params)
 
 
 def _context(params: SamplingParams) -> str:

@@ -40,7 +40,7 @@ from diffusiond.kernels.attention import attention
 from diffusiond.kernels.ulysses import UlyssesGroup, ulysses_sdpa
 from diffusiond.models.base import RequestState, UnsupportedLayout
 from diffusiond.models.families import specs
-from diffusiond.models.families.qwenimage_edit import PromptsWithImages, _ratio, _ratios
+from diffusiond.models.families.qwenimage_edit import _ratio, _ratios, images_prompts
 from diffusiond.models.flowmatch.adapter import FlowMatchAdapter
 from diffusiond.models.flowmatch.prompts import Prompts
 from diffusiond.models.flowmatch.requests import RequestRules
@@ -78,7 +78,7 @@ class QwenImage21Adapter(FlowMatchAdapter):
         return Qwen21Requests(caps, declared, output_resolution=self.output_resolution, **parts)
 
     def _prompts(self) -> Prompts:
-        return PromptsWithImages(self._encode, self.requests.uses_cfg)
+        return images_prompts(self._encode, self.requests.uses_cfg)
 
     # ---- prompts ----
 

@@ -30,30 +30,11 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
 from diffusiond.models.base import RequestState
 from diffusiond.models.families import specs
 from diffusiond.models.families.qwenimage import QwenImageAdapter, QwenImageRequests
-from diffusiond.models.flowmatch.prompts import Prompts
+from diffusiond.models.flowmatch.prompts import Prompts, PromptsWithImages
 from diffusiond.models.flowmatch.requests import RequestRules
 from diffusiond.models.flowmatch.sampler import request_generator, shift_mu
 from diffusiond.models.inputs import image_size, open_rgb
 from diffusiond.models.params import ParamError, SamplingParams
-
-
-class PromptsWithImages(Prompts):
-    """Prompts of a family whose encoding reads the request's images: each keyed by its text and its images, and
-    the images of the keys being looked up wait in `pending` (by digest) for the family's encoder, decoded only
-    when a key of theirs misses the cache."""
-
-    pending: dict[str, list[bytes]]
-
-    def key(self, text: str, params: SamplingParams) -> str:
-        """The cache's key of `text` read beside the request's images (none: the text alone)."""
-        if params.image is None:
-            return text
-        return f"{_digest(params)}\x00{text}"
-
-    def keys(self, params: Sequence[SamplingParams]) -> tuple[list[bool], list[str]]:
-        """Which requests use CFG, and the keys of their prompts (and negative prompts), until the next plan's."""
-        self.pending = {_digest(p): [p.image, *(p.reference_images or ())] for p in params if p.image is not None}
-        return super().keys(params)
 
 
 class QwenImageEditPlusAdapter(QwenImageAdapter):
@@ -63,7 +44,7 @@ class QwenImageEditPlusAdapter(QwenImageAdapter):
         return QwenEditRequests(caps, declared, **parts)
 
     def _prompts(self) -> Prompts:
-        return PromptsWithImages(self._encode, self.requests.uses_cfg)
+        return images_prompts(self._encode, self.requests.uses_cfg)
 
     # ---- prompts: each keyed by its text and its images (`PromptsWithImages`) ----
 
@@ -133,6 +114,11 @@ class QwenImageEditPlusAdapter(QwenImageAdapter):
             shared = {"img_shapes": [shapes]}  # the transformer reads the first entry only: one per batch key
             states.append(RequestState(request_id, p, latents, sampler, cond=cond, rows=rows, shared=shared))
         return states
+
+
+def images_prompts(encode: Any, uses_cfg: Any) -> PromptsWithImages:
+    """Prompts keyed by their text and the request's images (`image`, then `reference_images`), in order."""
+    return PromptsWithImages(encode, uses_cfg, _digest, lambda p: [p.image, *(p.reference_images or ())])
 
 
 def _digest(params: SamplingParams) -> str:

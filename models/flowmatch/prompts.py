@@ -119,3 +119,32 @@ class Prompts:
     def prepared(self) -> None:
         """After prepare: the shared encodings of that plan are no longer needed here (the cache keeps its own)."""
         self._shared_texts.clear()
+
+
+class PromptsWithImages(Prompts):
+    """Prompts of a family whose encoding reads the request's images: each keyed by `context(params)` (a digest of
+    the images, and whatever else of the request the encoding reads: LongCat-Image-Edit's output size) and its text;
+    what the encoder needs of those requests (`inputs(params)`: the files, decoded only when a key of theirs misses
+    the cache) waits in `pending` by context. A request without an image: its text alone."""
+
+    def __init__(
+        self,
+        encode: Callable[[list[str]], list[tuple[torch.Tensor, ...]]],
+        uses_cfg: Callable,
+        context: Callable[[SamplingParams], str],
+        inputs: Callable[[SamplingParams], Any],
+    ) -> None:
+        super().__init__(encode, uses_cfg)
+        self.context, self.inputs = context, inputs
+        self.pending: dict[str, Any] = {}
+
+    def key(self, text: str, params: SamplingParams) -> str:
+        """The cache's key of `text` read beside the request's images (none: the text alone)."""
+        if params.image is None:
+            return text
+        return f"{self.context(params)}\x00{text}"
+
+    def keys(self, params: Sequence[SamplingParams]) -> tuple[list[bool], list[str]]:
+        """Which requests use CFG, and the keys of their prompts (and negative prompts), until the next plan's."""
+        self.pending = {self.context(p): self.inputs(p) for p in params if p.image is not None}
+        return super().keys(params)

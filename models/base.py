@@ -175,6 +175,7 @@ class ModelAdapter(abc.ABC):
     cache_with_ulysses: ClassVar[bool]
     image_inputs: ClassVar[tuple[str, ...]]
     modality: ClassVar[str]
+    layers: ClassVar[bool]
     lora: ClassVar[bool]
     needs: ClassVar[tuple[str, ...]]
     capabilities: Capabilities

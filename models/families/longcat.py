@@ -25,7 +25,7 @@ from diffusiond.models.base import RequestState
 from diffusiond.models.families import specs
 from diffusiond.models.families.ovis import OvisImageAdapter, OvisRequests
 from diffusiond.models.flowmatch.prompts import Prompts, PromptsWithImages
-from diffusiond.models.flowmatch.requests import RequestRules
+from diffusiond.models.flowmatch.requests import RequestRules, output_sized_context
 from diffusiond.models.flowmatch.sampler import request_generator, shift_mu
 from diffusiond.models.inputs import image_size, open_rgb
 from diffusiond.models.params import ParamError, SamplingParams
@@ -229,11 +229,7 @@ class LongCatEditRequests(OvisRequests):
         return calculate_dimensions(1024 * 1024, width / height)
 
     def context_size(self, params: SamplingParams) -> tuple[int | None, int | None] | None:
-        """The image is read and encoded at the output's size: a file that is not an image is refused here."""
-        if params.image is None:
-            return None
-        image_size(params.image)
-        return params.width, params.height
+        return output_sized_context(params)  # the image is read and encoded at the output's size
 
 
 def _context(params: SamplingParams) -> str:

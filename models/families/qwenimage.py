@@ -145,21 +145,23 @@ class QwenImageAdapter(FlowMatchAdapter):
             batched["encoder_hidden_states_mask"] = cond["text_mask"]  # [B * rows, L]
         if self.transformer.config.guidance_embeds:
             batched["guidance"] = cond["guidance"]
-        batched.update(self._extra_inputs(len(states) * rows))
+        if getattr(self.transformer.config, "use_additional_t_cond", False):
+            # Qwen-Image-Layered's RGB/RGBA embedding, indexed 0 for every row as the pipeline's call sends it.
+            batched["additional_t_cond"] = torch.zeros(len(states) * rows, dtype=torch.long, device=self.device)
         out = self.ranks.rows(rows, batched, states[0].shared, states)[:, :, :seq]  # [B, rows, seq, C * 4]
         if rows == 1:
             return out[:, 0]
         return self._true_cfg(out[:, 0], out[:, 1], cond)
 
-    def _extra_inputs(self, batch: int) -> dict[str, Any]:
-        """Further per-row inputs of the family's transformer (Qwen-Image-Layered's RGB/RGBA index)."""
-        return {}
-
     def _true_cfg(self, pos: torch.Tensor, neg: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
-        """True CFG, the combined prediction rescaled to the conditional one's norm, token by token."""
+        """True CFG, the combined prediction rescaled to the conditional one's norm, token by token; where the
+        requests carry `renorm` (Qwen-Image-Layered's `cfg_normalize`, off by default), only the rows that ask."""
         scale = cond["true_cfg"].to(pos.dtype).view(-1, 1, 1)  # [B, 1, 1], built once per batch membership
         combined = neg + scale * (pos - neg)
-        return combined * (torch.norm(pos, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+        rescaled = combined * (torch.norm(pos, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+        if "renorm" in cond:
+            return torch.where(cond["renorm"].view(-1, 1, 1) > 0, rescaled, combined)
+        return rescaled
 
     def _batched_rows(self, states: Sequence[RequestState]) -> dict[str, Any]:
         """Texts padded to the batch's longest [B * rows, L, D], with a mask when any is shorter."""

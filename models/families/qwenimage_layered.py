@@ -16,7 +16,6 @@ of an image sent without one (its text encoder generating up to 512 tokens) is n
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Hashable, Sequence
 from typing import Any, ClassVar
 
@@ -25,11 +24,11 @@ import torch
 from diffusers import QwenImageLayeredPipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_layered import calculate_dimensions
 
-from diffusiond.models.base import Capabilities, RequestState
+from diffusiond.models.base import RequestState
 from diffusiond.models.families import specs
 from diffusiond.models.families.qwenimage import QwenImageAdapter
 from diffusiond.models.families.qwenimage_edit import QwenEditRequests
-from diffusiond.models.flowmatch.requests import RequestRules
+from diffusiond.models.flowmatch.requests import RequestRules, output_sized_context
 from diffusiond.models.flowmatch.sampler import request_generator
 from diffusiond.models.inputs import image_size, open_rgb, open_rgba
 from diffusiond.models.params import ParamError, SamplingParams
@@ -48,9 +47,6 @@ class QwenImageLayeredAdapter(QwenImageAdapter):
 
     def _default_size(self) -> tuple[int, int]:
         return RESOLUTIONS[0], RESOLUTIONS[0]  # a square image at the default bucket
-
-    def _capabilities(self) -> Capabilities:
-        return dataclasses.replace(super()._capabilities(), layers=True)
 
     def _input_image(self, data: bytes, width: int, height: int) -> torch.Tensor:
         """[1, C, 1, H, W] in [-1, 1], as the call preprocesses it: RGBA where the VAE reads four channels."""
@@ -83,23 +79,12 @@ class QwenImageLayeredAdapter(QwenImageAdapter):
             if cfg[i]:
                 rows.append(text[p.negative_prompt or ""][0])
                 cond["true_cfg"] = torch.full([1], p.true_cfg_scale, device=self.device, dtype=torch.float32)
+                # Plain true CFG unless the request asks the call's normalization (QwenImageAdapter._true_cfg).
                 cond["renorm"] = torch.full([1], float(p.arguments["cfg_normalize"]), device=self.device)
             frame = (1, p.height // s // 2, p.width // s // 2)
             shared = {"img_shapes": [[frame] * (layers + 1) + [frame]]}  # one per batch key
             states.append(RequestState(request_id, p, latents, sampler, cond=cond, rows=rows, shared=shared))
         return states
-
-    def _extra_inputs(self, batch: int) -> dict[str, Any]:
-        """The RGB/RGBA embedding's index for every row: 0, as the call sends it."""
-        return {"additional_t_cond": torch.zeros(batch, dtype=torch.long, device=self.device)}
-
-    def _true_cfg(self, pos: torch.Tensor, neg: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
-        """The call's: plain true CFG, rescaled to the conditional prediction's norm where a request asks
-        (`cfg_normalize`)."""
-        scale = cond["true_cfg"].to(pos.dtype).view(-1, 1, 1)
-        combined = neg + scale * (pos - neg)
-        rescaled = combined * (torch.norm(pos, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
-        return torch.where(cond["renorm"].view(-1, 1, 1) > 0, rescaled, combined)
 
     def _unpack(self, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """The composite frame [B, C, h, w]: what previews show."""
@@ -161,11 +146,7 @@ class LayeredRequests(QwenEditRequests):
         return calculate_dimensions(side * side, width / height)
 
     def context_size(self, params: SamplingParams) -> tuple[int | None, int | None] | None:
-        """The image is read at the output's size: a file that is not an image is refused here."""
-        if params.image is None:
-            return None
-        image_size(params.image)
-        return params.width, params.height
+        return output_sized_context(params)  # the image is read and encoded at the output's size
 
     def batch_key(self, params: SamplingParams) -> Hashable:
         # Every frame of every layer is in the sequence: requests batch with those of as many layers.

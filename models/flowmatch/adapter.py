@@ -326,6 +326,7 @@ class FlowMatchAdapter(ModelAdapter):
             image_inputs=self.image_inputs,
             lora=self.lora,
             alpha=decodes_alpha(self.vae),
+            layers=self.layers,
         )
         return self.clips.capabilities(caps) if self.clips is not None else caps
 

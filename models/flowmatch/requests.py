@@ -356,3 +356,12 @@ class RequestRules:
                     name, f"the {self.family} family makes no sound; {name} is for audio-video models (LTX-2)"
                 )
         return {}
+
+
+def output_sized_context(params: SamplingParams) -> tuple[int | None, int | None] | None:
+    """`RequestRules.context_size` of a family whose one input image is read at the output's size (LongCat-Image-Edit,
+    Qwen-Image-Layered): that size; a file that is not an image is refused here, naming `image`."""
+    if params.image is None:
+        return None
+    image_size(params.image)
+    return params.width, params.height

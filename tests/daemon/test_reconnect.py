@@ -115,7 +115,10 @@ async def test_a_stream_that_ended_while_its_client_was_away_is_replayed_coalesc
     # ~150 steps each with a preview and a progress event happened while it was away: the latest of each is kept.
     assert names.count("progress") == 1 and names.count("preview") == 1, names
     assert names[-1] == "completed", names
-    assert after[-1][0] > 2 * STEPS  # the numbering counts every event, kept or not
+    # The numbering counts every event the stream had, kept or not: the ids jump over the coalesced ones. (About 300:
+    # queued, 150 progress, 149 previews, completed; fewer when the engine's mailbox coalesced progress for a pump
+    # that fell behind, engine/mailbox.py, as it did once in CI at 300.)
+    assert after[-1][0] - before[-1][0] > 10 * len(after), (before[-1][0], after[-1][0], len(after))
 
 
 @pytest.mark.asyncio

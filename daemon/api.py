@@ -238,7 +238,8 @@ class GenerationRequest(RequestFields, frozen=True, forbid_unknown_fields=True):
     output_format: Short = "png"
     # Video models: the file's format ("mp4", H.264; "webp", lossless animated WebP: the exact frames).
     video_format: VideoFormat | None = None
-    # Sound models (the generic path's audio pipelines): the file's format ("wav", 16-bit PCM; "flac", lossless).
+    # Sound models (Stable Audio Open, the generic path's audio pipelines): the file's format ("wav", 16-bit PCM;
+    # "flac", lossless).
     audio_format: Literal["wav", "flac"] | None = None
     # The completed event's file: in base64 inside it, or kept here and named by a signed, expiring URL
     # (daemon/files.py).

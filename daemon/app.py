@@ -226,6 +226,8 @@ def warm_up_params(caps: Capabilities, limits: RequestLimits | None = None) -> S
     # whose every step costs about a minute for Wan 14B at 81 frames on one GPU; it runs every kernel all the same.
     frames = 1 + caps.frame_step if caps.modality == "video" and caps.frame_step else None
     fields = dict(width=width, height=height, guidance_scale=caps.default_guidance, image=image, num_frames=frames)
+    if caps.modality == "audio":  # a sound has no size (Stable Audio's family: its seconds' defaults)
+        fields = {name: value for name, value in fields.items() if name not in ("width", "height")}
     if caps.mode == "generic":  # only what the pipeline's call takes (a sound model takes no size)
         fields = {name: value for name, value in fields.items() if name in caps.fields}
     return SamplingParams(prompt="warm-up", seed=0, num_inference_steps=steps, **fields)

@@ -1,4 +1,4 @@
-"""A sound model's jobs (the generic path's audio pipelines: Stable Audio Open, AudioLDM, ...): `POST
+"""A sound model's jobs (Stable Audio Open's family; the generic path's audio pipelines: AudioLDM, ...): `POST
 /v1/audio/generations` queues a job that runs whatever its client does, as a video's does (daemon/videos_api.py: the
 same store, job database, leases and reruns after a restart), and its file is WAV (16-bit PCM) or FLAC. Reading,
 listing and deleting them: daemon/jobs_api.py, under the same prefix.
@@ -58,7 +58,8 @@ def resolve_audio(engine: Engine, body: AudioCreateRequest) -> SamplingParams:
     """The request the job runs, checked against the model and the limits (errors name the field sent)."""
     arguments = dict(body.arguments or {})
     if body.seconds is not None:
-        fields = engine.adapter.capabilities.fields
+        caps = engine.adapter.capabilities
+        fields = caps.fields or caps.call_arguments  # the generic path's, or a dedicated family's (Stable Audio's)
         name = next((n for n in LENGTH_ARGUMENTS if n in fields), None)
         if name is None:
             raise ApiError(400, "this model's call takes no length: leave seconds out", param="seconds")

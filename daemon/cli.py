@@ -104,7 +104,7 @@ def resolve_model(model: str | None) -> str:
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from diffusiond.models.preview import write_preview_factors
-    from diffusiond.models.tiny import GENERIC_FAMILIES, build_tiny
+    from diffusiond.models.tiny import NO_PREVIEW_MAP, build_tiny
     from diffusiond.models.tiny.real import REAL_SIZE_FAMILIES, build_real_size
 
     if args.real_size:
@@ -114,7 +114,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
         print(build_real_size(args.family, args.out, seed=args.seed))
         return 0
     out = build_tiny(args.family, args.out, seed=args.seed)
-    if args.family not in GENERIC_FAMILIES:  # the generic path reads a published map or fits its own at load
+    if args.family not in NO_PREVIEW_MAP:  # the generic path reads a published map or fits its own at load
         write_preview_factors(out)
     print(out)
     return 0

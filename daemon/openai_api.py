@@ -115,8 +115,17 @@ async def read_image_edit(request: web.Request, max_n: int, max_image_bytes: int
 
 
 def refuse_video(engine: Engine) -> None:
-    """The Images API makes images; a video model's clips have routes of their own."""
-    if engine.adapter.capabilities.modality == "video":
+    """The Images API makes images; a video model's clips and a sound model's sound have routes of their own."""
+    modality = engine.adapter.capabilities.modality
+    if modality == "audio":
+        raise ApiError(
+            400,
+            "this server serves a sound model, and the Images API makes images: use POST /v1/audio/generations (a "
+            "job) or POST /v1/generations (the native stream, with audio_format)",
+            param="model",
+            code="unsupported_model",
+        )
+    if modality == "video":
         raise ApiError(
             400,
             "this server serves a video model, and the Images API makes images: use POST /v1/videos (OpenAI's "

@@ -365,7 +365,7 @@ class Executor:
         rows = [(state, gathered[i : i + 1]) for i, state in enumerate(order)]
 
         def postprocess(items: list[tuple[RequestState, torch.Tensor]]) -> list[tuple[RequestState, np.ndarray]]:
-            images = self.adapter.postprocess(torch.cat([row for _, row in items]))
+            images = self.adapter.outputs_of([state for state, _ in items], torch.cat([row for _, row in items]))
             return [(state, image) for (state, _), image in zip(items, images, strict=True)]
 
         return self._isolated(postprocess, rows, lambda item: item[0].request_id, "decoding", result)

@@ -263,7 +263,12 @@ class ModelAdapter(abc.ABC):
 
     def decode(self, states: Sequence[RequestState]) -> list[np.ndarray]:
         """Final images of `states` (one batch key)."""
-        return self.postprocess(self.decode_latents(states))
+        return self.outputs_of(states, self.decode_latents(states))
+
+    def outputs_of(self, states: Sequence[RequestState], decoded: torch.Tensor) -> list[np.ndarray]:
+        """`decode_latents`' output for `states` (in order) as their results: `postprocess`, unless a family's results
+        read their requests (Stable Audio's sound, cut to each request's seconds)."""
+        return self.postprocess(decoded)
 
     def decode_in_pieces(self, states: Sequence[RequestState]) -> Generator[None, None, list[np.ndarray]]:
         """`decode` as a generator that yields between pieces of its work, so that the executor can run a few

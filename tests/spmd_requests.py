@@ -447,7 +447,18 @@ REQUESTS["ovis-image"] = [
 REQUESTS["longcat-image"] = [
     msgspec.structs.replace(p, arguments={"enable_prompt_rewrite": i > 0}) for i, p in enumerate(REQUESTS["ovis-image"])
 ]
+# Stable Audio Open: sound, every clip the longest clip's frames; CFG on three (one with a negative prompt, one cut
+# to its seconds), guidance 1 on three finishing together.
+REQUESTS["stable-audio"] = [
+    SamplingParams(prompt="a dog barking", seed=1, num_inference_steps=4),
+    SamplingParams(prompt="a piano note", negative_prompt="noise", seed=2, num_inference_steps=3, guidance_scale=3.0),
+    SamplingParams(
+        prompt="rain", seed=3, num_inference_steps=3, arguments={"audio_start_in_s": 0.25, "audio_end_in_s": 0.75}
+    ),
+    *(SamplingParams(prompt=f"plain {i}", seed=10 + i, num_inference_steps=2, guidance_scale=1.0) for i in range(3)),
+]
 FIXTURES = {
+    "stable-audio": "tiny_stable_audio",
     "sd3": "tiny_sd3",
     "sdxl": "tiny_sdxl",
     "flux": "tiny_flux",

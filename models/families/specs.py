@@ -314,6 +314,18 @@ LONGCAT_IMAGE_EDIT = Family(
     image_inputs=("edit",),
     needs=("torchvision",),
 )
+# Stable Audio Open: sound alone, a DiT over the latent frames of the longest clip with the clip's seconds as its
+# global condition, the cosine DPM-Solver (an SDE: each request its own Brownian tree), CFG whenever guidance > 1.
+STABLE_AUDIO = Family(
+    "StableAudioPipeline",
+    "stable-audio",
+    "families.stable_audio:StableAudioAdapter",
+    guidance_styles=("cfg",),
+    parallel=("cfg-parallel",),
+    cache_methods=("teacache", "fbcache", "dbcache"),
+    modality="audio",
+    needs=("torchsde",),
+)
 
 FAMILIES: dict[str, Family] = {
     f.pipeline_class: f
@@ -339,6 +351,7 @@ FAMILIES: dict[str, Family] = {
         LTX2_I2V,
         HUNYUAN_VIDEO_15,
         HUNYUAN_VIDEO_15_I2V,
+        STABLE_AUDIO,
     )
 }
 
@@ -408,7 +421,7 @@ def families_table() -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append(
-        "| any other with a step callback (`StableDiffusionPipeline`, `StableAudioPipeline`, ...), and Modular "
+        "| any other with a step callback (`StableDiffusionPipeline`, `AudioLDMPipeline`, ...), and Modular "
         "pipelines (`modular_model_index.json`) | generic | what the call returns: image, video, audio | the call's "
         "own | - | - | - | what the call takes (`image`, `mask_image`; others by name in `images`) | "
         f"{listed(GENERIC.needs)} |"

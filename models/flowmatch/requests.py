@@ -94,6 +94,8 @@ class RequestRules:
         strength = self._strength(params)
         width, height = self._size(params)
         for name, side in (("width", width), ("height", height)):
+            if side is None:  # a sound family's: no size (`_size` refused one sent)
+                continue
             if side < caps.size_multiple or side > caps.max_side or side % caps.size_multiple:
                 raise ParamError(
                     name,

@@ -51,7 +51,9 @@ FAMILIES: tuple[str, ...] = (
     "hunyuan-video-15-i2v",
 )
 # Those no dedicated family serves: the generic path does (models/generic/), on one rank.
-GENERIC_FAMILIES: tuple[str, ...] = ("sd15", "stable-audio", "flux-modular", "kandinsky6", "flux3-klein")
+GENERIC_FAMILIES: tuple[str, ...] = ("sd15", "flux-modular", "kandinsky6", "flux3-klein")
+# Those whose latents no fitted picture map reads (make-tiny writes none): the generic path's, and sound.
+NO_PREVIEW_MAP: tuple[str, ...] = (*GENERIC_FAMILIES, "stable-audio")
 
 
 def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
@@ -80,7 +82,7 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
         "sdxl": images.build_sdxl,
         # Stable Diffusion 1.5: no dedicated family; served on the generic path (models/generic/).
         "sd15": images.build_sd15,
-        # Stable Audio Open: sound alone, on the generic path (its scheduler needs torchsde).
+        # Stable Audio Open: sound alone (models/families/stable_audio.py; its scheduler needs torchsde).
         "stable-audio": audio.build_stable_audio,
         # FLUX.1 as a Modular pipeline (modular_model_index.json): the generic path steps its denoise loop.
         "flux-modular": images.build_flux_modular,

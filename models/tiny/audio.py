@@ -1,6 +1,6 @@
-"""A tiny random-weight Stable Audio Open (`StableAudioPipeline`: the reference design's audio row), built offline. It
-has no dedicated family: the generic path serves it (models/generic/). Its scheduler (cosine DPM-Solver) needs
-torchsde, as the real checkpoint's does."""
+"""A tiny random-weight Stable Audio Open (`StableAudioPipeline`: the reference design's audio row), built offline,
+served by its family (models/families/stable_audio.py) or, with `--adapter generic`, the generic path. Its scheduler
+(cosine DPM-Solver) needs torchsde, as the real checkpoint's does."""
 
 from __future__ import annotations
 

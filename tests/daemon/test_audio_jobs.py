@@ -1,5 +1,5 @@
-"""A sound model's jobs (`/v1/audio/generations`, daemon/audio_jobs.py) on tiny Stable Audio Open, the generic path:
-a job's WAV or FLAC file holds the pipeline's own waveform (within 2/32767), its `seconds` the call's length
+"""A sound model's jobs (`/v1/audio/generations`, daemon/audio_jobs.py) on tiny Stable Audio Open (its family): a job's
+WAV or FLAC file holds the pipeline's own waveform (within 2/32767), its `seconds` the call's length
 argument (`audio_end_in_s`) and then the file's real length; jobs of the two kinds are listed and found under their
 own prefix only; a DELETE stops a running job at its next step; a job left running at a shutdown runs again at the
 next start on the same `--state-dir` and completes with the sound an uninterrupted run makes; a model of another

@@ -115,7 +115,13 @@ class Family:
 VIDEO = {"width": 64, "height": 64, "num_frames": 5, "video_format": "webp"}
 FAMILIES = {
     "stable-audio": Family(
-        "tiny_stable_audio", load_classic("StableAudioPipeline"), sound_of, decode_sound, 2 / 32767, {}
+        "tiny_stable_audio",
+        load_classic("StableAudioPipeline"),
+        sound_of,
+        decode_sound,
+        2 / 32767,
+        {},
+        serve={"adapter": "generic"},  # its dedicated family: tests/daemon/test_stable_audio.py
     ),
     "kandinsky6": Family(
         "tiny_kandinsky6",

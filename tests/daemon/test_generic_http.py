@@ -180,7 +180,8 @@ async def test_a_higher_class_overtakes_a_running_call(one_slot, sd15):
 
 @pytest.mark.asyncio
 async def test_sound_comes_back_as_wav_or_flac(serve, tiny_stable_audio):
-    server = serve(model=tiny_stable_audio)
+    server = serve(model=tiny_stable_audio, adapter="generic")  # the dedicated family's: test_stable_audio.py
+    assert server.state.engine.adapter.capabilities.mode == "generic"
     pipe = diffusers.StableAudioPipeline.from_pretrained(tiny_stable_audio)
     pipe.set_progress_bar_config(disable=True)
     body = {"prompt": "a dog barking", "seed": 5, "num_inference_steps": 3}

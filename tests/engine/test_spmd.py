@@ -120,6 +120,7 @@ def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: boo
         ("qwen-image-layered", "ulysses"),
         ("qwen-image-21", "cfg"),
         ("hunyuan-video-15", "ulysses"),
+        ("stable-audio", "cfg"),
     ],
 )
 def test_two_ranks_match_one(family, strategy, request, tmp_path):

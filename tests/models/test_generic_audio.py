@@ -39,7 +39,7 @@ def reference(pipe, p: SamplingParams) -> np.ndarray:
 
 
 def test_sound_requests_equal_the_pipeline_s_own_call(tiny_stable_audio, stable_audio):
-    adapter = load_adapter(tiny_stable_audio)
+    adapter = load_adapter(tiny_stable_audio, adapter="generic")  # its dedicated family: test_stable_audio.py
     assert isinstance(adapter, GenericAdapter)
     caps = adapter.capabilities
     assert (caps.modality, caps.audio_sample_rate) == ("audio", AUDIO_SAMPLE_RATE)

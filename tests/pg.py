@@ -42,30 +42,28 @@ class Postgres:
         if user is not None:
             os.chown(self.folder, user.pw_uid, user.pw_gid)
 
-        def run_as() -> None:
-            if user is not None:
-                os.setgid(user.pw_gid)
-                os.setuid(user.pw_uid)
-
-        self._preexec = run_as
+        # The user switch done by subprocess itself, in C between fork and exec: never a `preexec_fn`, whose Python
+        # code in the forked child of a threaded process (an xdist worker: execnet's and torch's threads) can block
+        # for good on a lock another thread held at the fork (it hung a CI run for 10 minutes in initdb's fork).
+        self._as = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []} if user is not None else {}
         subprocess.run(
             [bin_dir / "initdb", "-D", self.data, "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8"],
             check=True,
             capture_output=True,
-            preexec_fn=run_as,
+            **self._as,
         )
         self.log = open(self.folder / "server.log", "w")  # noqa: SIM115 - closed in stop()
         self.bin_dir = bin_dir
         self._start()
 
     def _start(self) -> None:
-        bin_dir, run_as = self.bin_dir, self._preexec
+        bin_dir = self.bin_dir
         self.proc = subprocess.Popen(
             [bin_dir / "postgres", "-D", self.data, "-p", str(self.port), "-h", "127.0.0.1",
              "-k", self.folder, "-c", "fsync=off", "-c", "max_connections=50"],
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            preexec_fn=run_as,
+            **self._as,
         )  # fmt: skip
         self._wait()
 

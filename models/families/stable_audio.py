@@ -204,11 +204,13 @@ class StableAudioAdapter(FlowMatchAdapter):
         raise NotImplementedError("a waveform's result reads its request's seconds (`outputs_of`)")
 
     def preview(self, x0: torch.Tensor) -> np.ndarray:
-        """The latent's channels over time, each row a channel (bright: high), 4 pixels a channel and a frame."""
+        """The latent's channels over time, a band per channel (bright: high), each channel's own range: up to 4
+        pixels a channel and a frame (the real checkpoint's 64 x 1024 latent: 256 x 1024 pixels)."""
         x = x0.float()
         low, high = x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)
         grey = ((x - low) / (high - low).clamp_min(1e-6) * 255).round().to(torch.uint8).cpu().numpy()
-        grey = grey.repeat(4, axis=0).repeat(4, axis=1)
+        tall, wide = (max(1, min(4, side // n)) for side, n in ((256, x.shape[0]), (1024, x.shape[1])))
+        grey = grey.repeat(tall, axis=0).repeat(wide, axis=1)
         return np.repeat(grey[:, :, None], 3, axis=2)
 
     @torch.inference_mode()

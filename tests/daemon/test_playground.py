@@ -130,3 +130,29 @@ def test_the_form_follows_the_model_and_reports_unknown_words(demo, browser):
         assert not errors, errors
     finally:
         page.close()
+
+
+def test_a_sound_model_plays_its_track(serve, tiny_stable_audio, browser):
+    """Stable Audio Open's family: the form asks no size, previews are pictures of the sound, and the answer is a
+    track the page plays (WAV)."""
+    server = serve(model=tiny_stable_audio)
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        page.goto(server.base_url + "/")
+        page.wait_for_function("document.getElementById('model').textContent.includes('stable-audio')")
+        assert not page.is_visible("#width") and "Makes sound (64 Hz)" in page.text_content("#draws")
+        page.fill("#steps", "4")
+        page.fill("#every", "1")
+        page.fill("#seed", "5")
+        page.select_option("#mode", "vae")
+        page.click("#go")
+        page.wait_for_function("document.getElementById('status').dataset.state === 'completed'", timeout=60_000)
+        assert int(page.get_attribute("#status", "data-previews")) == 3  # steps 1-3: none after the last
+        assert page.is_visible("#sound")
+        assert page.get_attribute("#sound", "src").startswith("data:audio/wav;base64,")
+        assert "Done (seed 5)" in page.text_content("#status")
+        assert not errors, errors
+    finally:
+        page.close()

@@ -129,7 +129,7 @@ def _encode_mp4(frames: np.ndarray, fps: int, path: str | None, audio: Sound | N
     options = {"movflags": "+faststart"} if path is not None else {}
     with av.open(out, mode="w", format="mp4", options=options) as container:
         stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height = width + width % 2, height + height % 2
+        stream.width, stream.height = size = width + width % 2, height + height % 2
         stream.pix_fmt = "yuv420p"
         stream.options = {"crf": CRF, "preset": PRESET}
         stream.codec_context.thread_count = X264_THREADS
@@ -142,7 +142,7 @@ def _encode_mp4(frames: np.ndarray, fps: int, path: str | None, audio: Sound | N
         container.mux(stream.encode())
         if sound is not None and audio is not None:
             _mux_aac(container, sound, audio)
-    return stream.width, stream.height
+    return size  # (PyAV 18.1.1 refuses a closed container's stream's attributes)
 
 
 def _aac_stream(container, audio: Sound):

@@ -74,7 +74,7 @@ def create_app(config: ServeConfig, *, load: Loader | None = None, healing: bool
             guard.middleware(),
             edge_middleware(config),
             tenant_middleware(tenants),
-            *([wait_for_heal] if healing else []),
+            wait_for_heal,
         ],
     )
     app[CONNECTIONS] = guard
@@ -322,9 +322,10 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
 
 @web.middleware
 async def wait_for_heal(request: web.Request, handler) -> web.StreamResponse:
-    """A restarted group's rank 0: API requests wait for the model to be ready again (probes answer at once)."""
+    """A restarted group's rank 0 (`ServerState.healing`): API requests wait for the model to be ready again (probes
+    answer at once)."""
     state = request.app[STATE]
-    if not state.ready and request.path not in PROBES:
+    if state.healing and not state.ready and request.path not in PROBES:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(state.loaded.wait(), HEAL_WAIT_S)
     return await handler(request)

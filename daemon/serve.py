@@ -130,6 +130,9 @@ class Service:
             self.address = f"{host}:{port}"
             log.info("listening on http://%s", self.address)
             if lent is not None and lent.carried:
+                # Requests carried over a heal: this is one, whatever torchelastic's restart count says (a restart
+                # for another node's rejoining is not counted: it said 0 once, and the carried requests got 503).
+                state.healing = True
                 count = await adopt(runner.app, lent.carried)
                 runner.app[METRICS].carried.inc(count)
                 log.info("serving %d requests the failed group had not started, on their own connections", count)

@@ -14,7 +14,7 @@ from diffusiond.models.base import Capabilities
 from diffusiond.models.params import MAX_FRAMES, RequestLimits
 
 # The routes of one kind of model, by path prefix: a model of another kind answers them 400 naming the route to use
-# (daemon/openai_api.py `refuse_video`, videos_api.py `check_job_model`), so the document of a loaded model leaves
+# (daemon/openai_api.py `refuse_non_images`, videos_api.py `check_job_model`), so the document of a loaded model leaves
 # them out.
 KIND_ROUTES = {"image": "/v1/images/", "video": "/v1/videos", "audio": "/v1/audio/"}
 

@@ -114,22 +114,22 @@ async def read_image_edit(request: web.Request, max_n: int, max_image_bytes: int
     return body, files
 
 
-def refuse_video(engine: Engine) -> None:
+# What a model other than an image model makes, and the routes that make it.
+OTHER_ROUTES = {
+    "video": ("a video model", "POST /v1/videos (OpenAI's Videos API) or POST /v1/generations (the native stream, "
+              "with num_frames and fps)"),
+    "audio": ("a sound model", "POST /v1/audio/generations (a job) or POST /v1/generations (the native stream, with "
+              "audio_format)"),
+}  # fmt: skip
+
+
+def refuse_non_images(engine: Engine) -> None:
     """The Images API makes images; a video model's clips and a sound model's sound have routes of their own."""
-    modality = engine.adapter.capabilities.modality
-    if modality == "audio":
+    other = OTHER_ROUTES.get(engine.adapter.capabilities.modality)
+    if other is not None:
         raise ApiError(
             400,
-            "this server serves a sound model, and the Images API makes images: use POST /v1/audio/generations (a "
-            "job) or POST /v1/generations (the native stream, with audio_format)",
-            param="model",
-            code="unsupported_model",
-        )
-    if modality == "video":
-        raise ApiError(
-            400,
-            "this server serves a video model, and the Images API makes images: use POST /v1/videos (OpenAI's "
-            "Videos API) or POST /v1/generations (the native stream, with num_frames and fps)",
+            f"this server serves {other[0]}, and the Images API makes images: use {other[1]}",
             param="model",
             code="unsupported_model",
         )
@@ -173,7 +173,7 @@ async def images_edits(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body, files = await read_image_edit(request, state.config.max_n, state.config.max_image_bytes)
     engine = state.require_engine()
-    refuse_video(engine)
+    refuse_non_images(engine)
     if files["mask"] and "mask" not in engine.adapter.capabilities.image_inputs:
         raise ApiError(400, "this model edits whole images; it takes no mask", param="mask")
     image, *references = files["image"]
@@ -194,7 +194,7 @@ async def _images(
     """Generations and edits alike: `n` requests, answered at once or streamed as `{kind}.partial_image` and
     `{kind}.completed` events."""
     engine = state.require_engine()
-    refuse_video(engine)
+    refuse_non_images(engine)
     state.model_named(body.model)
     many = expand(engine, body, base)  # before anything is queued
     resolved = many[0]

@@ -132,13 +132,6 @@ class SDXLAdapter(FlowMatchAdapter):
             return_dict=False,
         )[0]
 
-    def step(self, states: Sequence[RequestState], model_output: torch.Tensor) -> None:
-        for i, state in enumerate(states):
-            state.latents = state.sampler.step(model_output[i : i + 1], state.latents)
-            if state.inpaint is not None:
-                state.latents = state.inpaint.blend(state.latents, state.sampler)
-            state.step_index += 1
-
     def _image_start(self) -> ImageStart:
         start = super()._image_start()
         start.start = self._start_latents

@@ -120,10 +120,10 @@ class StableAudioAdapter(FlowMatchAdapter):
         params = [p for _, p in requests]
         cfg, text = self.prompts.lookup(params)  # text -> (embeds [1, L, D],)
         shape = (1, self.transformer.config.in_channels, self.transformer.config.sample_size)
+        self._stage("projection_model")  # the seconds' embeddings
         states = []
         for i, (request_id, p) in enumerate(requests):
             (embeds,) = text[p.prompt]
-            self._stage("projection_model")
             start, end = self._seconds(p.arguments["audio_start_in_s"], p.arguments["audio_end_in_s"])
             context = torch.cat([embeds, start, end], dim=1)  # [1, L + 2, D]
             global_states = torch.cat([start, end], dim=2)  # [1, 1, 2D]
@@ -165,17 +165,9 @@ class StableAudioAdapter(FlowMatchAdapter):
         uncond, text = out[:, 0], out[:, 1]
         return uncond + cond["scale"].to(out.dtype).view(-1, 1, 1) * (text - uncond)
 
-    def step(self, states: Sequence[RequestState], model_output: torch.Tensor) -> None:
-        for i, state in enumerate(states):
-            state.latents = state.sampler.step(model_output[i : i + 1], state.latents)
-            state.step_index += 1
-
     def predicted_x0(self, state: RequestState, model_output: torch.Tensor) -> torch.Tensor:
         """The scheduler's own denoised estimate (its EDM preconditioning), [C, T]."""
-        scheduler = state.sampler.scheduler
-        sigma = scheduler.sigmas[state.sampler.index].to(torch.float32)
-        x0 = scheduler.precondition_outputs(state.latents.float(), model_output.float(), sigma)
-        return x0[0]
+        return state.sampler.predicted_x0(state.latents, model_output)[0]
 
     # ---- outputs ----
 
@@ -241,7 +233,7 @@ class AudioRequests(RequestRules):
     the longest clip), checked as the call's `check_inputs` and a little more (an empty clip is refused)."""
 
     def __init__(self, caps: Any, declared: Any, *, longest: float, bounds: tuple[float, float], **parts: Any) -> None:
-        self.longest, self.bounds = longest, bounds
+        self.longest = longest
         self.call_arguments = {
             "audio_start_in_s": (float, 0.0, (float(bounds[0]), float(bounds[1]))),
             "audio_end_in_s": (float, longest, (float(bounds[0]), float(bounds[1]))),

@@ -90,8 +90,9 @@ class FlowMatchSampler:
         return self.sigmas[self.index]
 
 
-def step_batch(samplers: Sequence[FlowMatchSampler], sample: torch.Tensor, model_output: torch.Tensor) -> torch.Tensor:
-    """One sampler step for a batch whose rows belong to different requests at different positions.
+def step_batch(samplers: Sequence[Any], sample: torch.Tensor, model_output: torch.Tensor) -> torch.Tensor:
+    """One sampler step for a batch whose rows belong to different requests at different positions
+    (`FlowMatchSampler`s, or `SchedulerSampler`s: each row by its scheduler's own `step`).
 
     sample, model_output: [B, ...]; returns the next sample [B, ...] in `model_output`'s dtype, elementwise identical
     to each request's own `scheduler.step` (float32 upcast included).
@@ -118,9 +119,11 @@ def step_batch(samplers: Sequence[FlowMatchSampler], sample: torch.Tensor, model
 class SchedulerSampler:
     """Any diffusers scheduler (Euler, Euler ancestral, DPM++ 2M, UniPC...), one copy per request, advanced by its
     own `step`: multi-step schedulers keep history on `self` (DPM++ 2M its previous outputs), and ancestral ones draw
-    noise from the request's generator at every step, as the pipeline hands them its generator."""
+    noise from the request's generator at every step, as the pipeline hands them its generator. A batch steps them
+    through `step_batch`, row by row."""
 
     __slots__ = ("index", "scheduler", "step_kwargs", "timesteps")
+    euler = False  # never the batched Euler update
 
     def __init__(
         self,
@@ -168,17 +171,15 @@ class SchedulerSampler:
     def scale_model_input(self, sample: torch.Tensor) -> torch.Tensor:
         return self.scheduler.scale_model_input(sample, self.timestep)
 
-    def step(self, model_output: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
-        out = self.scheduler.step(model_output, self.timestep, sample, **self.step_kwargs, return_dict=False)[0]
-        self.index += 1
-        return out
-
     def predicted_x0(self, sample: torch.Tensor, model_output: torch.Tensor) -> torch.Tensor:
         """The clean sample the model predicts now (previews), float32. Flow prediction: `x - sigma * v`.
         Karras-style schedulers (initial noise sigma
         above 1: Euler, Heun, ...) keep `x0 + sigma * noise`; the others `sqrt(a) x0 + sqrt(1 - a) noise`."""
         config = self.scheduler.config
         x, out = sample.to(torch.float32), model_output.to(torch.float32)
+        precondition = getattr(self.scheduler, "precondition_outputs", None)
+        if precondition is not None:  # EDM-style schedulers (cosine DPM-Solver, EDM Euler): their own estimate
+            return precondition(x, out, self.scheduler.sigmas[self.index].to(x.device, torch.float32))
         if config.get("prediction_type") == "flow_prediction":  # UniPC and DPM++ on flow sigmas (Wan): x - sigma v
             sigma = self.scheduler.sigmas[self.index].to(x.device, torch.float32)
             return x - sigma * out

@@ -3,6 +3,7 @@ previews arrive, then the final image."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -37,11 +38,20 @@ def browser():
         browser.close()
 
 
-def test_previews_then_final_image(server, browser):
-    page = browser.new_page()
+@contextlib.contextmanager
+def opened(browser, **options):
+    """A new page of `browser` (closed after) and the errors its scripts raise, collected."""
+    page = browser.new_page(**options)
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     try:
+        yield page, errors
+    finally:
+        page.close()
+
+
+def test_previews_then_final_image(server, browser):
+    with opened(browser) as (page, errors):
         page.goto(server.base_url + "/")
         page.wait_for_function("document.getElementById('model').textContent.includes('(')")
         page.fill("#prompt", "a small blue square in the middle on a yellow background")
@@ -70,8 +80,6 @@ def test_previews_then_final_image(server, browser):
         # The load indicator reads /metrics.
         page.wait_for_function("document.getElementById('load').textContent.includes('mean batch')")
         assert not errors, errors
-    finally:
-        page.close()
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +92,7 @@ def test_the_form_follows_the_model_and_reports_unknown_words(demo, browser):
     unknown words are shown; on a narrow screen the form stacks above the image. PLAYGROUND_SCREENSHOTS=DIR saves
     screenshots mid-request and done (docs/playground has the README's)."""
     shots = os.environ.get("PLAYGROUND_SCREENSHOTS")
-    page = browser.new_page(viewport={"width": 1100, "height": 760})
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    try:
+    with opened(browser, viewport={"width": 1100, "height": 760}) as (page, errors):
         page.goto(demo.base_url + "/")
         page.wait_for_function("document.getElementById('model').textContent.includes('diffusiond-shapes')")
         assert page.is_disabled("#width") and page.is_disabled("#height") and page.is_disabled("#negative")
@@ -128,18 +133,13 @@ def test_the_form_follows_the_model_and_reports_unknown_words(demo, browser):
         if shots:
             page.screenshot(path=str(Path(shots) / "playground-narrow.png"), full_page=True)
         assert not errors, errors
-    finally:
-        page.close()
 
 
 def test_a_sound_model_plays_its_track(serve, tiny_stable_audio, browser):
     """Stable Audio Open's family: the form asks no size, previews are pictures of the sound, and the answer is a
     track the page plays (WAV)."""
     server = serve(model=tiny_stable_audio)
-    page = browser.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    try:
+    with opened(browser) as (page, errors):
         page.goto(server.base_url + "/")
         page.wait_for_function("document.getElementById('model').textContent.includes('stable-audio')")
         assert not page.is_visible("#width") and "Makes sound (64 Hz)" in page.text_content("#draws")
@@ -154,5 +154,3 @@ def test_a_sound_model_plays_its_track(serve, tiny_stable_audio, browser):
         assert page.get_attribute("#sound", "src").startswith("data:audio/wav;base64,")
         assert "Done (seed 5)" in page.text_content("#status")
         assert not errors, errors
-    finally:
-        page.close()

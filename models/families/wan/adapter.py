@@ -389,11 +389,6 @@ class WanAdapter(FlowMatchAdapter):
         finally:
             plan.text, plan.image = [], []
 
-    def step(self, states: Sequence[RequestState], model_output: torch.Tensor) -> None:
-        for i, state in enumerate(states):
-            state.latents = state.sampler.step(model_output[i : i + 1], state.latents)
-            state.step_index += 1
-
     def predicted_x0(self, state: RequestState, model_output: torch.Tensor) -> torch.Tensor:
         x0 = state.sampler.predicted_x0(state.latents, model_output)
         return (self._pinned(x0, state.cond) if self.expand_timesteps else x0)[0]  # [C, T, h, w]

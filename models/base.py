@@ -141,6 +141,8 @@ class RequestState:
     inpaint: Any = None
     # Its LoRA adapters and scales, resident while it lives (kernels/lora_rows.Selection; () for none).
     lora: tuple = ()
+    # Step caches of its other rows, where its rows run in several calls of a step (LTX-2's passes: by pass and prompt).
+    row_caches: dict = field(default_factory=dict)
     # Step cache reuses of histories it left (`models/stepcache/core.py restart`: a two-expert checkpoint's switch).
     reused_before: int = 0
     # Its steps where they are not its parameters' (`steps_to_run`): a generic call's, once its pipeline set its
@@ -173,6 +175,7 @@ class ModelAdapter(abc.ABC):
     parallel: ClassVar[tuple[str, ...]]
     cache_methods: ClassVar[tuple[str, ...]]
     cache_with_ulysses: ClassVar[bool]
+    cache_with_cfg_parallel: ClassVar[bool]
     image_inputs: ClassVar[tuple[str, ...]]
     modality: ClassVar[str]
     layers: ClassVar[bool]

@@ -32,8 +32,6 @@ GENERIC_ONLY = "served on the generic path (its own call, one rank, no step cach
 WHY_ROW: dict[str, str] = {}
 # Why a cell the reference marks is not served by the family that serves the row.
 WHY_NOT = {
-    ("LTX2Pipeline", "Cache-DiT"): "not yet: its video and audio streams need a cached forward of their own, and the "
-    "issue's quality floor for caches on sound and frames is not measured",
     ("LTX2Pipeline", "Ring"): "not yet: its video-audio cross-attention attends across two sharded sequences, which "
     "ring attention does not pass around (kernels/ulysses.py `ulysses_cross`)",
 }

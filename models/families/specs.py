@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from diffusiond.models.stepcache.settings import CACHES
+
 # How a family guides: "cfg" (a negative branch whenever `guidance_scale` says so), "distilled" (`guidance_scale`
 # feeds a guidance embedding, one row), "true-cfg" (a negative branch with `true_cfg_scale` and a negative prompt),
 # "skip-layer" (skip-layer guidance on top of CFG, `skip_guidance_layers`), "audio-video" (LTX-2: besides the video's
@@ -32,6 +34,7 @@ class Family:
     # Step caches it implements (models/stepcache/methods.py), besides "none", and whether they run with Ulysses.
     cache_methods: tuple[str, ...] = ()
     cache_with_ulysses: bool = True
+    cache_with_cfg_parallel: bool = True
     # Images a request may bring: "img2img" (starts from it, `strength`), "mask" (inpainting, with img2img), "edit"
     # (instruction editing), "references" (edits with more images: `reference_images`), "first-frame" (a video
     # that starts from the image).
@@ -230,6 +233,10 @@ LTX2 = Family(
     "families.ltx2.adapter:LTX2Adapter",
     guidance_styles=("cfg", "audio-video"),
     parallel=("cfg-parallel", "ulysses"),
+    # Decided per row (models/families/ltx2/cache.py): a row's cache stays on one rank, its tokens whole.
+    cache_methods=("fbcache", "dbcache", "x0cache"),
+    cache_with_ulysses=False,
+    cache_with_cfg_parallel=False,
     modality="video",
     image_inputs=("first-frame",),
     lora=True,
@@ -240,6 +247,9 @@ LTX2_I2V = Family(
     "families.ltx2.adapter:LTX2I2VAdapter",
     guidance_styles=LTX2.guidance_styles,
     parallel=LTX2.parallel,
+    cache_methods=LTX2.cache_methods,
+    cache_with_ulysses=False,
+    cache_with_cfg_parallel=False,
     modality="video",
     image_inputs=("first-frame",),
     lora=True,
@@ -414,7 +424,7 @@ def families_table() -> str:
             "image layers" if f.layers else f.modality,
             listed(f.guidance_styles),
             listed(f.parallel),
-            listed(f.cache_methods),
+            "all" if set(f.cache_methods) == set(CACHES) else listed(f.cache_methods),
             "yes" if f.lora else "-",
             listed(f.image_inputs),
             listed(f.needs),

@@ -244,6 +244,11 @@ def _check_family(setup: ModelSetup, family: Family, heads: int | None) -> None:
         raise SetupError(
             f"--cache {cache} with --ulysses {ulysses}: the {family.family} family cannot combine them yet"
         )
+    if cache != "none" and layout.cfg_degree > 1 and not family.cache_with_cfg_parallel:
+        raise SetupError(
+            f"--cache {cache} with --cfg-parallel: the {family.family} family cannot combine them yet (a request's "
+            "rows move between ranks as requests come and go, and their caches would stay behind)"
+        )
     if cache != "none" and cache not in family.cache_methods:
         offered = ", ".join(family.cache_methods) or "none"
         raise SetupError(f"--cache {cache}: the {family.family} family implements {offered}")

@@ -73,6 +73,16 @@ def test_loaded_checkpoints_declare_what_they_support(fixture, guidance, ulysses
         ("tiny_sd3", ["--nproc", "2", "--cfg-parallel", "2", "--tp", "2"], "x --tp (2) = 4 must equal"),
         ("tiny_sd3", ["--shard-weights"], "--shard-weights splits the weights over the ranks: it needs --nproc 2"),
         ("tiny_ltx2", ["--nproc", "2", "--cfg-parallel", "2", "--vae-parallel", "2"], "does not decode in strips"),
+        (
+            "tiny_ltx2",
+            ["--nproc", "2", "--cfg-parallel", "2", "--cache", "dbcache"],
+            "--cache dbcache with --cfg-parallel: the ltx2 family cannot combine them yet",
+        ),
+        (
+            "tiny_ltx2",
+            ["--cache", "teacache"],
+            "--cache teacache: the ltx2 family implements fbcache, dbcache, x0cache",
+        ),
         ("tiny_sd3", ["--vae-parallel", "2"], "--vae-parallel 2 decodes on that many ranks"),
         (
             "tiny_qwenimage",

@@ -12,7 +12,7 @@ an STG delta (against the prediction with self-attention perturbed in `stg_block
 the prediction with the audio <-> video cross-attention off), each with a video and an audio scale, then each
 modality's guidance rescale. A batch runs one transformer call for every request's CFG rows, one per set of STG
 blocks among the requests that use STG, and one for the requests that use modality guidance: the pipeline's three
-passes, with rows of any number of requests.
+passes, with rows of any number of requests. Step caches decide per row of those calls (models/families/ltx2/cache.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Hashable, Sequence
+from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
@@ -41,12 +42,14 @@ from diffusiond.kernels.ulysses import UlyssesGroup
 from diffusiond.models.base import Capabilities, RequestState
 from diffusiond.models.families import specs
 from diffusiond.models.families.ltx2 import ulysses as ltx2_ulysses
+from diffusiond.models.families.ltx2.cache import RowState, ltx2_forward, pack
 from diffusiond.models.flowmatch.adapter import FlowMatchAdapter
 from diffusiond.models.flowmatch.clips import VideoClips
 from diffusiond.models.flowmatch.requests import RequestRules
 from diffusiond.models.flowmatch.sampler import request_generator
 from diffusiond.models.inputs import open_rgb
 from diffusiond.models.params import MAX_GUIDANCE, ParamError, SamplingParams
+from diffusiond.models.stepcache.cache import StepCache
 
 # The pipeline's `__call__` defaults besides `guidance_scale` (video CFG, the family's default guidance).
 AUDIO_VIDEO_DEFAULTS: dict[str, float] = {
@@ -106,6 +109,14 @@ class LTX2Adapter(FlowMatchAdapter):
         super().__init__(pipe, source=source, lazy=lazy)
         # The image-to-video pipeline's processor resizes the first frame bilinearly (the text-to-video one's, bicubic).
         self.first_frame_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor, resample="bilinear")
+
+    def _step_cache(self) -> StepCache:
+        cached = partial(ltx2_forward, transformer=self.transformer)
+        return StepCache(self.family, self.cache_methods, self._call, cached)
+
+    def _call(self, batched: dict[str, Any], shared: dict[str, Any]) -> torch.Tensor:
+        video, audio = self.transformer(**batched)
+        return pack(video.float(), audio.float())
 
     def _clips(self) -> VideoClips:
         return VideoClips(
@@ -238,9 +249,9 @@ class LTX2Adapter(FlowMatchAdapter):
         *,
         isolate: bool = False,
         stg_blocks: tuple[int, ...] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:
         """One transformer call over `rows` (state index, "positive" or "negative" prompt): float32 velocities of
-        the video [R, S_v, C_v] and the audio [R, S_a, C_a]."""
+        the video and the audio, each row's flattened end to end ([R, S_v * C_v + S_a * C_a])."""
         index = torch.tensor([i for i, _ in rows], device=video.device)
         texts = [states[i].shared[which] for i, which in rows]
         timestep = torch.stack([states[i].sampler.timestep for i, _ in rows]).to(self.device)  # [R]
@@ -256,31 +267,35 @@ class LTX2Adapter(FlowMatchAdapter):
         )
         audio_coords = self.transformer.audio_rope.prepare_audio_coords(count, layout.audio, self.device)
         mask = torch.cat([t[2] for t in texts])
+        arguments = dict(
+            hidden_states=video[index].to(self.dtype),
+            audio_hidden_states=audio[index].to(self.dtype),
+            encoder_hidden_states=torch.cat([t[0] for t in texts]),
+            audio_encoder_hidden_states=torch.cat([t[1] for t in texts]),
+            timestep=video_timestep,
+            audio_timestep=timestep,
+            sigma=timestep,
+            encoder_attention_mask=mask,
+            audio_encoder_attention_mask=mask,
+            num_frames=layout.frames,
+            height=layout.height,
+            width=layout.width,
+            fps=fps,
+            audio_num_frames=layout.audio,
+            video_coords=video_coords,
+            audio_coords=audio_coords,
+            isolate_modalities=isolate,
+            spatio_temporal_guidance_blocks=list(stg_blocks) if stg_blocks else None,
+            perturbation_mask=None,
+            use_cross_timestep=True,
+            return_dict=False,
+        )
+        # Each row's noise level (x0cache's prediction) and, for a step cache, its own cache: its pass and prompt.
+        sigmas = {"sigma": torch.stack([states[i].sampler.device_sigmas[states[i].sampler.index] for i, _ in rows])}
+        key = "modality" if isolate else ("stg", stg_blocks) if stg_blocks else "cfg"
+        row_states = [RowState(states[i], (key, which)) for i, which in rows]
         with self.loras.rows([self.loras.of(states[i]) for i, _ in rows]):
-            out_video, out_audio = self.transformer(
-                hidden_states=video[index].to(self.dtype),
-                audio_hidden_states=audio[index].to(self.dtype),
-                encoder_hidden_states=torch.cat([t[0] for t in texts]),
-                audio_encoder_hidden_states=torch.cat([t[1] for t in texts]),
-                timestep=video_timestep,
-                audio_timestep=timestep,
-                sigma=timestep,
-                encoder_attention_mask=mask,
-                audio_encoder_attention_mask=mask,
-                num_frames=layout.frames,
-                height=layout.height,
-                width=layout.width,
-                fps=fps,
-                audio_num_frames=layout.audio,
-                video_coords=video_coords,
-                audio_coords=audio_coords,
-                isolate_modalities=isolate,
-                spatio_temporal_guidance_blocks=list(stg_blocks) if stg_blocks else None,
-                perturbation_mask=None,
-                use_cross_timestep=True,
-                return_dict=False,
-            )
-        return out_video.float(), out_audio.float()
+            return self.cache.forward(arguments, sigmas, 1, row_states)
 
     def step_rows(self, states: Sequence[RequestState]) -> list[tuple[Hashable, int, str]]:
         """Every transformer row of the states' step: (pass, state index, prompt), grouped by pass (a call each):
@@ -312,8 +327,7 @@ class LTX2Adapter(FlowMatchAdapter):
                 kwargs: dict[str, Any] = {"isolate": key == "modality"}
                 if isinstance(key, tuple):
                     kwargs["stg_blocks"] = key[1]
-                out_video, out_audio = self._transformer_call(rows, states, video, audio, layout, **kwargs)
-                outs.append(torch.cat([out_video.flatten(1), out_audio.flatten(1)], dim=1))
+                outs.append(self._transformer_call(rows, states, video, audio, layout, **kwargs))
             return torch.cat(outs)  # [hi - lo, N]
 
         flat = compute(0, len(items)) if self.ranks.cfg_group is None else self.ranks.split_by(len(items), compute)

@@ -9,7 +9,8 @@ Guidance is the checkpoint's guider (`ClassifierFreeGuidance`): its scale is eac
 (default: the guider's), its rescale, formulation and step range the checkpoint's. The pipeline runs the prompt and
 the negative prompt in two transformer calls; here one call takes every request's rows (a negative row where the
 request guides at that step). The transformer tells text from image to video by whether every row's image embedding
-is zero, so the two batch apart.
+is zero, so the two batch apart. Step caches decide per row (`cached_forward`): a negative row runs only on the
+guided steps, so it keeps a cache of its own.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ from diffusiond.models.flowmatch.requests import RequestRules
 from diffusiond.models.flowmatch.sampler import request_generator
 from diffusiond.models.inputs import image_size, open_rgb
 from diffusiond.models.params import MAX_FRAMES, ParamError, SamplingParams
+from diffusiond.models.stepcache.cache import StepCache
+from diffusiond.models.stepcache.forwards import lora_narrows
+from diffusiond.models.stepcache.methods import Batch, Method, cached_blocks, settle
+from diffusiond.models.stepcache.span import RowState, spanned
 
 
 class HunyuanVideo15Adapter(FlowMatchAdapter):
@@ -165,18 +170,30 @@ class HunyuanVideo15Adapter(FlowMatchAdapter):
                 later = sampler.timesteps[sampler.index + 1 :]
                 ends.append(later[0] if len(later) else torch.tensor(0.0, device=self.device))
             kwargs["timestep_r"] = torch.stack(ends).to(self.device, self.dtype)
+        arguments = dict(
+            hidden_states=hidden,
+            image_embeds=torch.cat([states[i].cond["image_embeds"] for i, _ in rows]),
+            timestep=timestep,
+            encoder_hidden_states=torch.cat([t[0] for t in texts]),
+            encoder_attention_mask=torch.cat([t[1] for t in texts]),
+            encoder_hidden_states_2=torch.cat([t[2] for t in texts]),
+            encoder_attention_mask_2=torch.cat([t[3] for t in texts]),
+            return_dict=False,
+            **kwargs,
+        )
+        # A step cache's rows: each its own (a negative row runs only on the guided steps), and their noise levels.
+        sigmas = {"sigma": torch.stack([states[i].sampler.device_sigmas[states[i].sampler.index] for i, _ in rows])}
+        row_states = [RowState(states[i], which, which == "positive") for i, which in rows]
         with self.loras.rows([self.loras.of(states[i]) for i, _ in rows]):
-            return self.transformer(
-                hidden_states=hidden,
-                image_embeds=torch.cat([states[i].cond["image_embeds"] for i, _ in rows]),
-                timestep=timestep,
-                encoder_hidden_states=torch.cat([t[0] for t in texts]),
-                encoder_attention_mask=torch.cat([t[1] for t in texts]),
-                encoder_hidden_states_2=torch.cat([t[2] for t in texts]),
-                encoder_attention_mask_2=torch.cat([t[3] for t in texts]),
-                return_dict=False,
-                **kwargs,
-            )[0]
+            return self.cache.forward(arguments, sigmas, 1, row_states)
+
+    def _step_cache(self) -> StepCache:
+        return StepCache(
+            self.family, self.cache_methods, self._call, partial(cached_forward, transformer=self.transformer)
+        )
+
+    def _call(self, batched: dict[str, Any], shared: dict[str, Any]) -> torch.Tensor:
+        return self.transformer(**batched)[0]
 
     def step_rows(self, states: Sequence[RequestState]) -> list[tuple[int, str]]:
         """The rows of the states' step: (state index, prompt), a negative after a positive where it guides now."""
@@ -281,6 +298,40 @@ class Hunyuan15Requests(RequestRules):
             if asked is not None and asked != side:
                 raise ParamError(name, f"an image to video clip is {width}x{height}, its image's bucket; got {asked}")
         return width, height
+
+
+@torch.inference_mode()
+def cached_forward(
+    method: Method, batched: dict[str, Any], shared: dict[str, Any], rows: int, states: Sequence[Any], *, transformer
+) -> torch.Tensor:
+    """One transformer call (`batched`: its arguments) with a step cache decision per row (`states`: `RowState`s):
+    the transformer's own forward, its blocks run by `cached_blocks` (models/stepcache/span.py). The video tokens are
+    the cached stream; the text, which the dual-stream blocks change too, is kept for DBCache's last blocks."""
+    with spanned(transformer, partial(_cached_blocks, method, states, lora_narrows(transformer))):
+        out = transformer(**batched)[0]
+    x = batched["hidden_states"][:, : out.shape[1]]  # the noisy latents (the condition's channels follow them)
+    return settle(method, out, x, shared["sigma"], rows, states)
+
+
+def _cached_blocks(method: Method, states: Sequence[Any], narrows, blocks, video, text, temb, mask, freqs):
+    """The blocks as the forward calls them (positionally: video, text, temb, text mask, rotary angles)."""
+    batch = Batch(video, text, temb, 1, states, {"attention_mask": mask}, narrows, {"freqs_cis": freqs})
+    return cached_blocks(method, [_TextFirst(b) for b in blocks], batch), text  # the text after them: unused
+
+
+class _TextFirst:
+    """A HunyuanVideo-1.5 block as `cached_blocks` calls blocks: (text, video) out where it returns (video, text);
+    its other attributes its own (TeaCache reads its `norm1`)."""
+
+    def __init__(self, block: Any) -> None:
+        self.block = block
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.block, name)
+
+    def __call__(self, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        video, text = self.block(**kwargs)
+        return text, video
 
 
 class Hunyuan15AttnProcessor:

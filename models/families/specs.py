@@ -262,6 +262,10 @@ HUNYUAN_VIDEO_15 = Family(
     "families.hunyuan15:HunyuanVideo15Adapter",
     guidance_styles=("cfg",),
     parallel=("cfg-parallel", "ulysses"),
+    # Decided per row (models/stepcache/span.py): a row's cache stays on one rank, its tokens whole.
+    cache_methods=("fbcache", "dbcache", "teacache", "x0cache", "magcache"),
+    cache_with_ulysses=False,
+    cache_with_cfg_parallel=False,
     modality="video",
     attention_masks=True,
 )
@@ -271,6 +275,9 @@ HUNYUAN_VIDEO_15_I2V = Family(
     "families.hunyuan15:HunyuanVideo15I2VAdapter",
     guidance_styles=("cfg",),
     parallel=HUNYUAN_VIDEO_15.parallel,
+    cache_methods=HUNYUAN_VIDEO_15.cache_methods,
+    cache_with_ulysses=False,
+    cache_with_cfg_parallel=False,
     modality="video",
     image_inputs=("first-frame",),
     attention_masks=True,

@@ -42,7 +42,7 @@ from diffusiond.kernels.ulysses import UlyssesGroup
 from diffusiond.models.base import Capabilities, RequestState
 from diffusiond.models.families import specs
 from diffusiond.models.families.ltx2 import ulysses as ltx2_ulysses
-from diffusiond.models.families.ltx2.cache import RowState, ltx2_forward, pack
+from diffusiond.models.families.ltx2.cache import ltx2_forward, pack
 from diffusiond.models.flowmatch.adapter import FlowMatchAdapter
 from diffusiond.models.flowmatch.clips import VideoClips
 from diffusiond.models.flowmatch.requests import RequestRules
@@ -50,6 +50,7 @@ from diffusiond.models.flowmatch.sampler import request_generator
 from diffusiond.models.inputs import open_rgb
 from diffusiond.models.params import MAX_GUIDANCE, ParamError, SamplingParams
 from diffusiond.models.stepcache.cache import StepCache
+from diffusiond.models.stepcache.span import RowState
 
 # The pipeline's `__call__` defaults besides `guidance_scale` (video CFG, the family's default guidance).
 AUDIO_VIDEO_DEFAULTS: dict[str, float] = {
@@ -293,7 +294,7 @@ class LTX2Adapter(FlowMatchAdapter):
         # Each row's noise level (x0cache's prediction) and, for a step cache, its own cache: its pass and prompt.
         sigmas = {"sigma": torch.stack([states[i].sampler.device_sigmas[states[i].sampler.index] for i, _ in rows])}
         key = "modality" if isolate else ("stg", stg_blocks) if stg_blocks else "cfg"
-        row_states = [RowState(states[i], (key, which)) for i, which in rows]
+        row_states = [RowState(states[i], (key, which), (key, which) == ("cfg", "positive")) for i, which in rows]
         with self.loras.rows([self.loras.of(states[i]) for i, _ in rows]):
             return self.cache.forward(arguments, sigmas, 1, row_states)
 

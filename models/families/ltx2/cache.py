@@ -5,62 +5,28 @@ A block of LTX-2 updates two sequences, the video's and the audio's (each attend
 them as one: each row's video and audio tokens flattened and laid end to end ([R, S_v * D_v + S_a * D_a]), so a
 row's change signal reads both streams and a reusing row adds the residual both got. Everything around the blocks
 is the transformer's own forward (its embeddings, modulations, rotary angles, masks and output layers): for the
-call, its block list is one span (`CachedSpan`) that runs the real blocks through `cached_blocks`, so threshold 0 is
-the same blocks in the same order as the uncached call.
+call, its block list is one span (models/stepcache/span.py) that runs the real blocks through `cached_blocks`, so
+threshold 0 is the same blocks in the same order as the uncached call.
 
 Decisions are per row, not per request: a request's rows run in several calls of one step (its CFG rows in the
 first, its STG and modality rows in calls of their own, each beside other requests' rows), so each row (request,
 pass, prompt: `RowState`) keeps a cache of its own and decides from its own change. The positive row of the CFG pass
-keeps the request's cache (`RequestState.cache`, what its reuse count reads); the others theirs in
-`RequestState.row_caches`. Not with CFG-parallel (a row's pass moves between ranks as requests come and go, and its
-cache would stay behind) nor with Ulysses (the blocks' hooks shard the tokens the span hands them): refused at start.
+keeps the request's cache (what its reuse count reads). Not with CFG-parallel (a row's pass moves between ranks as
+requests come and go, and its cache would stay behind) nor with Ulysses (the blocks' hooks shard the tokens the span
+hands them): refused at start.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
 
 from diffusiond.models.stepcache.forwards import lora_narrows
 from diffusiond.models.stepcache.methods import Batch, Method, cached_blocks, settle
-
-# The row whose cache is the request's own: the CFG pass's positive prompt.
-PRIMARY = ("cfg", "positive")
-
-
-class RowState:
-    """One transformer row of a request as the step cache reads it: the request's parameters and step, and the row's
-    own cache (`key`: its pass and prompt)."""
-
-    __slots__ = ("key", "state")
-
-    def __init__(self, state: Any, key: Hashable) -> None:
-        self.state, self.key = state, key
-
-    @property
-    def params(self) -> Any:
-        return self.state.params
-
-    @property
-    def step_index(self) -> int:
-        return self.state.step_index
-
-    @property
-    def total_steps(self) -> int:
-        return self.state.total_steps
-
-    @property
-    def cache(self) -> Any:
-        return self.state.cache if self.key == PRIMARY else self.state.row_caches.get(self.key)
-
-    @cache.setter
-    def cache(self, value: Any) -> None:
-        if self.key == PRIMARY:
-            self.state.cache = value
-        else:
-            self.state.row_caches[self.key] = value
+from diffusiond.models.stepcache.span import spanned
 
 
 def pack(video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
@@ -102,33 +68,26 @@ class _Joint:
         return encoder_hidden_states, pack(video, audio)
 
 
-class CachedSpan(torch.nn.Module):
-    """The transformer's blocks as one, for one call: takes what the transformer's forward hands its first block and
-    runs every block through `cached_blocks` with a decision per row (`states`: `RowState`s)."""
-
-    def __init__(self, blocks: Sequence[Any], method: Method, states: Sequence[Any], stg: set[int], narrows) -> None:
-        super().__init__()
-        self._blocks = list(blocks)  # a plain list: the blocks stay the transformer's modules
-        self.method, self.states, self.stg, self.narrows = method, states, stg, narrows
-
-    def forward(self, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        video, audio = kwargs.pop("hidden_states"), kwargs.pop("audio_hidden_states")
-        enc, temb = kwargs.pop("encoder_hidden_states"), kwargs.pop("temb")
-        kwargs.pop("perturbation_mask"), kwargs.pop("all_perturbed")  # per block: `_Joint.perturbed`
-        count = video.shape[0]
-        rows: dict[str, torch.Tensor | None] = {}
-        fixed: dict[str, Any] = {}
-        for name, value in kwargs.items():
-            if isinstance(value, tuple):  # rotary angles (cos, sin), a row each
-                rows[f"{name}:cos"], rows[f"{name}:sin"] = value
-            elif value is None or (torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == count):
-                rows[name] = value
-            else:
-                fixed[name] = value
-        shapes = (video.shape[1:], audio.shape[1:])
-        blocks = [_Joint(block, shapes, i in self.stg) for i, block in enumerate(self._blocks)]
-        batch = Batch(pack(video, audio), enc, temb, 1, self.states, rows, self.narrows, fixed, context=True)
-        return unpack(cached_blocks(self.method, blocks, batch), shapes)
+def _blocks(method: Method, states: Sequence[Any], stg: set[int], narrows, blocks: Sequence[Any], **kwargs: Any):
+    """What the transformer's forward hands its first block, through every block with a decision per row
+    (`states`: `RowState`s): the video and audio tokens after the last."""
+    video, audio = kwargs.pop("hidden_states"), kwargs.pop("audio_hidden_states")
+    enc, temb = kwargs.pop("encoder_hidden_states"), kwargs.pop("temb")
+    kwargs.pop("perturbation_mask"), kwargs.pop("all_perturbed")  # per block: `_Joint.perturbed`
+    count = video.shape[0]
+    rows: dict[str, torch.Tensor | None] = {}
+    fixed: dict[str, Any] = {}
+    for name, value in kwargs.items():
+        if isinstance(value, tuple):  # rotary angles (cos, sin), a row each
+            rows[f"{name}:cos"], rows[f"{name}:sin"] = value
+        elif value is None or (torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == count):
+            rows[name] = value
+        else:
+            fixed[name] = value
+    shapes = (video.shape[1:], audio.shape[1:])
+    joints = [_Joint(block, shapes, i in stg) for i, block in enumerate(blocks)]
+    batch = Batch(pack(video, audio), enc, temb, 1, states, rows, narrows, fixed, context=True)
+    return unpack(cached_blocks(method, joints, batch), shapes)
 
 
 @torch.inference_mode()
@@ -144,12 +103,7 @@ def ltx2_forward(
     """One LTX-2 transformer call (`batched`: its arguments) with a cache decision per row: the float32 outputs
     packed ([R, S_v * C_v + S_a * C_a]). `shared["sigma"]`: each row's noise level [R] (x0cache's prediction)."""
     stg = set(batched.get("spatio_temporal_guidance_blocks") or ())
-    blocks = transformer.transformer_blocks
-    span = CachedSpan(blocks, method, states, stg, lora_narrows(transformer))
-    transformer.transformer_blocks = torch.nn.ModuleList([span])
-    try:
+    with spanned(transformer, partial(_blocks, method, states, stg, lora_narrows(transformer))):
         video, audio = transformer(**batched)
-    finally:
-        transformer.transformer_blocks = blocks
     x = pack(batched["hidden_states"].float(), batched["audio_hidden_states"].float())
     return settle(method, pack(video.float(), audio.float()), x, shared["sigma"], rows, states)

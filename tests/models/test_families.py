@@ -83,6 +83,11 @@ def test_loaded_checkpoints_declare_what_they_support(fixture, guidance, ulysses
             ["--cache", "teacache"],
             "--cache teacache: the ltx2 family implements fbcache, dbcache, x0cache",
         ),
+        (
+            "tiny_hunyuan15",
+            ["--nproc", "2", "--ulysses", "2", "--cache", "fbcache"],
+            "--cache fbcache with --ulysses 2: the hunyuan-video-15 family cannot combine them yet",
+        ),
         ("tiny_sd3", ["--vae-parallel", "2"], "--vae-parallel 2 decodes on that many ranks"),
         (
             "tiny_qwenimage",

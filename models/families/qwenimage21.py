@@ -22,13 +22,16 @@ text's share of each forward.
 On several ranks: CFG-parallel (each rank one row of every true-CFG request, or half of a batch's requests without
 it), and Ulysses: the target image's tokens are sharded (the text and condition-image prefix stays whole on every
 rank, as other families' text does) and each block's block-causal attention runs over the whole sequence for the
-rank's heads. LoRA per request in every call. Not served yet: step caches, the other parallel strategies, and
+rank's heads. LoRA per request in every call. Step caches decide per row (`cached_forward`: a request's rows may
+run in calls of different layouts). Not served yet: the other parallel strategies, and
 checkpoints that fix their schedule (`sample_sigmas`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
@@ -47,6 +50,10 @@ from diffusiond.models.flowmatch.requests import RequestRules
 from diffusiond.models.flowmatch.sampler import request_generator, shift_mu
 from diffusiond.models.inputs import open_rgba
 from diffusiond.models.params import ParamError, SamplingParams
+from diffusiond.models.stepcache.cache import StepCache
+from diffusiond.models.stepcache.forwards import lora_narrows
+from diffusiond.models.stepcache.methods import Batch, Method, cached_blocks, settle
+from diffusiond.models.stepcache.span import RowState, spanned
 
 
 class QwenImage21Adapter(FlowMatchAdapter):
@@ -195,10 +202,17 @@ class QwenImage21Adapter(FlowMatchAdapter):
                 "timestep": timestep[index],
                 "encoder_hidden_states": torch.stack([states[i].rows[r] for i, r in (members[k] for k in ks)]),
             }
+            # A step cache's rows: each its own (a request's rows may run in calls of different layouts).
+            row_states = [RowState(states[i], r, r == 0) for i, r in (members[k] for k in ks)]
             with self.loras.rows([self.loras.of(states[members[k][0]]) for k in ks]):
-                pred = self._call(batched, {"img_shapes": [shapes] * len(ks), "img_mask": img_mask})[:, -seq:]
+                shared = {"img_shapes": [shapes] * len(ks), "img_mask": img_mask}
+                pred = self.cache.forward(batched, shared, 1, row_states)[:, -seq:]
             out[torch.tensor(ks, device=self.device)] = pred
         return out
+
+    def _step_cache(self) -> StepCache:
+        cached = partial(cached_forward, transformer=self.transformer)
+        return StepCache(self.family, self.cache_methods, self._call, cached)
 
     def enable_ulysses(self, group: UlyssesGroup) -> None:
         """The target image's tokens (the joint sequence's suffix) sharded across `group` from the first block on,
@@ -339,3 +353,43 @@ class UlyssesQwen21AttnProcessor:
         out = ulysses_sdpa(q, k, v, self.g, replicated=prefix, replicated_first=True, attend=attend)
         out = out.transpose(1, 2).flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
+
+
+@torch.inference_mode()
+def cached_forward(
+    method: Method, batched: dict[str, Any], shared: dict[str, Any], rows: int, states: Sequence[Any], *, transformer
+) -> torch.Tensor:
+    """One transformer call with a step cache decision per row (`states`: `RowState`s): the transformer's own forward
+    around a span of its blocks (models/stepcache/span.py). The cached stream is the whole joint sequence (text,
+    condition images and target: its one stream changes them all); the output, the target image's tokens."""
+    with spanned(transformer, partial(_cached_blocks, method, states, lora_narrows(transformer))):
+        out = transformer(**batched, **shared, return_dict=False)[0]
+    seq = math.prod(shared["img_shapes"][0][-1])  # the target's tokens, last in the joint sequence
+    x = batched["hidden_states"][:, -seq:]
+    return settle(method, out[:, -seq:], x, batched["timestep"], rows, states)  # its timestep: sigma
+
+
+def _cached_blocks(method: Method, states: Sequence[Any], narrows, blocks, *, hidden_states, modulation, **kwargs):
+    """The blocks over the joint sequence. Their modulation has a row per call row and, with `causal_condition`, a
+    last one (t = 0) every row reads: a sub-batch takes its rows' and that one (`_Rows`)."""
+    count = hidden_states.shape[0]
+    ids = torch.arange(count, device=hidden_states.device)  # as `temb`: each sub-batch's rows
+    rows = {"key_valid": kwargs.pop("key_valid")}
+    kwargs["modulation"] = modulation
+    joints = [_Rows(block, modulation.shape[0] > count) for block in blocks]
+    context = hidden_states.new_zeros(count, 0, hidden_states.shape[2])  # no separate text: one stream
+    batch = Batch(hidden_states, context, ids, 1, states, rows, narrows, kwargs, context=True)
+    return cached_blocks(method, joints, batch)
+
+
+class _Rows:
+    """A Qwen-Image 2.1 block as `cached_blocks` calls blocks, over a sub-batch (`temb`: its rows' indices)."""
+
+    def __init__(self, block: Any, shared_row: bool) -> None:
+        self.block, self.shared_row = block, shared_row
+
+    def __call__(self, hidden_states, encoder_hidden_states, temb, modulation, **kwargs):
+        mine = modulation[temb]
+        if self.shared_row:
+            mine = torch.cat([mine, modulation[-1:]])
+        return encoder_hidden_states, self.block(hidden_states=hidden_states, modulation=mine, **kwargs)

@@ -198,6 +198,10 @@ QWEN_IMAGE_21 = Family(
     "families.qwenimage21:QwenImage21Adapter",
     guidance_styles=("true-cfg",),
     parallel=("cfg-parallel", "ulysses"),
+    # Decided per row (models/stepcache/span.py): no TeaCache (its blocks modulate by token, not by norm1).
+    cache_methods=("fbcache", "dbcache", "x0cache", "magcache"),
+    cache_with_ulysses=False,
+    cache_with_cfg_parallel=False,
     image_inputs=("edit", "references"),
     lora=True,
     attention_masks=True,

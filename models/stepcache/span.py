@@ -65,6 +65,17 @@ class Span(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._run(self._blocks, *args, **kwargs)
 
+    def __getattr__(self, name: str) -> Any:
+        """What a forward reads of its blocks besides calling them (Qwen-Image 2.1: their attention processors),
+        from the first block."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            blocks = self.__dict__.get("_blocks")
+            if not blocks:
+                raise
+            return getattr(blocks[0], name)
+
 
 @contextmanager
 def spanned(transformer: Any, run: Callable[..., Any]) -> Iterator[None]:

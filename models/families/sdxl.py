@@ -9,11 +9,13 @@ generator), since their updates are not one formula across a batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from diffusiond.kernels.host import to_device
 from diffusiond.models.base import RequestState
 from diffusiond.models.families import specs
 from diffusiond.models.flowmatch.adapter import FlowMatchAdapter
@@ -21,6 +23,9 @@ from diffusiond.models.flowmatch.images import ImageStart
 from diffusiond.models.flowmatch.requests import RequestRules
 from diffusiond.models.flowmatch.sampler import SchedulerSampler, request_generator
 from diffusiond.models.params import SamplingParams
+from diffusiond.models.stepcache.cache import StepCache
+from diffusiond.models.stepcache.forwards import lora_narrows
+from diffusiond.models.stepcache.methods import Method, settle_x0, x0_computing
 
 
 class SDXLAdapter(FlowMatchAdapter):
@@ -131,6 +136,38 @@ class SDXLAdapter(FlowMatchAdapter):
             added_cond_kwargs={"text_embeds": batched["text_embeds"], "time_ids": batched["time_ids"]},
             return_dict=False,
         )[0]
+
+    def _step_cache(self) -> StepCache:
+        return StepCache(self.family, self.cache_methods, self._call, self._x0cache_forward)
+
+    @torch.inference_mode()
+    def _x0cache_forward(
+        self, method: Method, batched: dict[str, Any], shared: dict[str, Any], rows: int, states: Sequence[Any]
+    ) -> torch.Tensor:
+        """x0cache on the UNet (models/stepcache/methods.py): a request that holds its clean image skips the whole
+        UNet (its rows leave the call); its output is the one its own scheduler maps to that image at this step
+        (`SchedulerSampler.output_for`: epsilon, v or flow prediction, EDM's preconditioning alike)."""
+        computing = x0_computing(method, states)
+        hidden = batched["hidden_states"]
+        picked = [i * rows + r for i in computing for r in range(rows)]
+        if len(picked) == hidden.shape[0]:
+            out = self._call(batched, shared)
+        else:
+            out = hidden.new_zeros((hidden.shape[0], self.transformer.config.out_channels, *hidden.shape[2:]))
+            if picked:
+                index = to_device(picked, hidden.device)
+                with ExitStack() as narrowed:
+                    for plan in lora_narrows(self.transformer):
+                        narrowed.enter_context(plan.narrow(picked))
+                    out[index] = self._call({name: t[index] for name, t in batched.items()}, shared)
+        mine = [slice(i * rows, (i + 1) * rows) for i in range(len(states))]
+        x0 = torch.cat([s.sampler.predicted_x0(s.latents, out[m]) for s, m in zip(states, mine, strict=True)])
+
+        def output_of(rows_of: slice, held: torch.Tensor) -> torch.Tensor:
+            state = states[rows_of.start // rows]
+            return state.sampler.output_for(state.latents, held)
+
+        return settle_x0(method, out, x0, rows, states, output_of)
 
     def _image_start(self) -> ImageStart:
         start = super()._image_start()

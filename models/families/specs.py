@@ -70,6 +70,8 @@ SDXL = Family(
     "families.sdxl:SDXLAdapter",
     guidance_styles=("cfg",),
     parallel=("cfg-parallel", "shard-weights", "vae-parallel"),
+    # A UNet: x0cache only (it skips the whole denoiser; the block caches read a transformer's blocks).
+    cache_methods=("x0cache",),
     image_inputs=("img2img", "mask"),
     lora=True,
 )

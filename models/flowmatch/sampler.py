@@ -193,6 +193,12 @@ class SchedulerSampler:
             return alpha.sqrt() * x - (1 - alpha).sqrt() * out
         return (x - (1 - alpha).sqrt() * out) / alpha.sqrt()
 
+    def output_for(self, sample: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        """The model output that `predicted_x0` maps to `x0` at this step (x0cache's held clean image), float32.
+        Every parametrisation above is affine in the output, x0 = a + b * out, so it inverts through itself."""
+        a = self.predicted_x0(sample, torch.zeros_like(x0))
+        return (x0.to(torch.float32) - a) / (self.predicted_x0(sample, torch.ones_like(x0)) - a)
+
 
 def shift_mu(config: Any, image_seq_len: int, max_shift: float = 1.15) -> float:
     """The dynamic shift for `image_seq_len` tokens from a scheduler's `config`, as the pipelines compute it

@@ -128,10 +128,10 @@ def _every_block(
     return ran.h, residuals
 
 
-def _x0cache(method: Method, blocks: Sequence[Any], batch: Batch) -> torch.Tensor:
-    """x0cache's decision and blocks: the reusing requests' rows run none (their output is replaced by `settle`)."""
+def x0_computing(method: Method, states: Sequence[Any]) -> list[int]:
+    """x0cache's decision, before anything runs: the requests that compute (the others hold their clean image)."""
     computing: list[int] = []
-    for i, state in enumerate(batch.states):
+    for i, state in enumerate(states):
         cache = state.cache
         estimate = None if cache is None or cache.rate is None else cache.rate * (cache.since + 1)
         if cache is not None and cache.since >= method.max_run:
@@ -142,24 +142,34 @@ def _x0cache(method: Method, blocks: Sequence[Any], batch: Batch) -> torch.Tenso
             cache.reused += 1
         else:
             computing.append(i)
-    return run_blocks(blocks, batch.h, batch.enc, batch, computing).h
+    return computing
+
+
+def _x0cache(method: Method, blocks: Sequence[Any], batch: Batch) -> torch.Tensor:
+    """x0cache's decision and blocks: the reusing requests' rows run none (their output is replaced by `settle`)."""
+    return run_blocks(blocks, batch.h, batch.enc, batch, x0_computing(method, batch.states)).h
 
 
 def settle(method: Method, out: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, rows: int, states: Sequence[Any]):
     """x0cache, after the forward: the model output `out` [B * rows, ...] for the input `x` at noise levels `sigma`
-    [B * rows]. A computing request's predicted clean image renews its cache (and its rate of change, measured over
-    all its rows on every rank: `changes`); a reusing request's rows become the output that predicts its cached one.
-    Other methods: `out` as it is."""
+    [B * rows] (flow matching: x0 = x - sigma * out). Other methods: `out` as it is."""
     if method.name != "x0cache":
         return out
     sigma = sigma.to(out.dtype).view(-1, *([1] * (out.dim() - 1)))
-    x0 = x - sigma * out
+    return settle_x0(method, out, x - sigma * out, rows, states, lambda mine, x0: (x[mine] - x0) / sigma[mine])
+
+
+def settle_x0(method: Method, out: torch.Tensor, x0: torch.Tensor, rows: int, states: Sequence[Any], output_of):
+    """x0cache, after the forward, for any parametrisation: `x0` [B * rows, ...] the clean image `out` predicts, and
+    `output_of(rows, x0)` the output that predicts a given one for those rows (a slice). A computing request's
+    predicted clean image renews its cache (and its rate of change, measured over all its rows on every rank:
+    `changes`); a reusing request's rows become the output that predicts its cached one."""
     previous = [None if s.cache is None or s.cache.holding else s.cache.signal for s in states]
     for i, (state, change) in enumerate(zip(states, changes(x0, rows, previous), strict=True)):
         mine = slice(i * rows, (i + 1) * rows)
         cache = state.cache
         if cache is not None and cache.holding:
-            out[mine] = (x[mine] - cache.signal) / sigma[mine]
+            out[mine] = output_of(mine, cache.signal).to(out.dtype)
             cache.holding = False
         elif cache is None:
             state.cache = RequestCache(x0[mine].clone(), torch.empty(0), computed=1)

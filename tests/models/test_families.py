@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ("tiny_sd3", ("cfg", "skip-layer"), (2, 4), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
         ("tiny_flux", ("distilled", "true-cfg"), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
         ("tiny_kontext", ("distilled", "true-cfg"), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
-        ("tiny_sdxl", ("cfg",), (), ()),
+        ("tiny_sdxl", ("cfg",), (), ("x0cache",)),
         ("tiny_flux2klein", ("cfg",), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
         ("tiny_zimage", ("cfg",), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
         ("tiny_ovis", ("cfg",), (), ("fbcache", "dbcache", "x0cache")),
@@ -61,7 +61,7 @@ def test_loaded_checkpoints_declare_what_they_support(fixture, guidance, ulysses
             "--ulysses 3 must divide the number of attention heads (2)",
         ),
         ("tiny_sd3", ["--nproc", "3", "--ulysses", "3"], "--ulysses 3 must divide the number of attention heads (4)"),
-        ("tiny_sdxl", ["--cache", "teacache"], "--cache teacache: the sdxl family implements none"),
+        ("tiny_sdxl", ["--cache", "teacache"], "--cache teacache: the sdxl family implements x0cache"),
         (
             "tiny_zimage",
             ["--nproc", "2", "--ulysses", "2", "--cache", "fbcache"],

@@ -378,12 +378,13 @@ def test_step_cache_decisions_agree_across_ranks(family, strategy, method, reque
         ("z-image", "tiny_zimage", "fbcache"),
         ("z-image", "tiny_zimage_deep", DBCACHE),
         ("flux2-klein", "tiny_flux2klein", "teacache"),
+        ("sdxl", "tiny_sdxl", "x0cache"),
     ],
 )
 def test_step_caches_of_issue_52_agree_across_ranks(family, fixture, method, request, tmp_path):
     """The families whose step-cache menu came with issue 52, on CFG-parallel (their caches refuse Ulysses at
     start): Z-Image's joint sequence (its rows' captions padded to a batch's longest; DBCache with its text-free
-    span on 4 layers), FLUX.2 klein's modulations narrowed with the rows."""
+    span on 4 layers), FLUX.2 klein's modulations narrowed with the rows, SDXL's UNet left by held rows."""
     _caches_agree_across_ranks(family, request.getfixturevalue(fixture), "cfg", method, tmp_path)
 
 

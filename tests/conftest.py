@@ -38,19 +38,36 @@ torch.set_num_threads(THREADS)
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
-# Under pytest-xdist each file runs whole on one worker (`--dist loadfile`: module fixtures built once), in collection
-# order: the files that take minutes start first, so that the run does not end with one worker on a long file while
-# the other waits (measured: the last 4% of a run took 7 of its 27 minutes, the image build among them).
+# Under pytest-xdist each file runs whole on one worker (`--dist loadfile`: module fixtures built once), handed out in
+# collection order (`--no-loadscope-reorder` in the Makefile: xdist's default reorder sorts files by their number of
+# tests, which put a file of 10 slow tests last): the longest files first, so that the run does not end with one
+# worker on a long file while the other waits (measured: the last 4% of a run took 7 of its 27 minutes, the image
+# build among them). Ordered by their seconds in a CI run (2026-12-07: 581, 271, 260, 251, 168, 140, ... s).
 SLOW_FIRST = (
     "tests/engine/test_spmd.py",
-    "tests/service/test_image.py",
-    "tests/spmd/",
-    "tests/bench/",
-    "tests/deploy/",
-    "tests/models/test_edits.py",
+    "tests/spmd/test_serve_ranks.py",
     "tests/test_readme.py",
+    "tests/models/test_edits.py",
+    "tests/service/test_image.py",
     "tests/models/test_demo.py",
+    "tests/models/test_hunyuan15.py",
+    "tests/service/test_serve.py",
+    "tests/bench/test_priorities.py",
+    "tests/daemon/test_edits.py",
+    "tests/models/test_edit_caches.py",
+    "tests/models/test_lora.py",
+    "tests/daemon/test_connections.py",
+    "tests/models/test_lazy_weights.py",
+    "tests/daemon/test_job_db.py",
+    "tests/deploy/test_shared_jobs.py",
     "tests/kernels/test_compile.py",
+    "tests/bench/test_compare.py",
+    "tests/models/test_hunyuan15_cache.py",
+    "tests/deploy/test_haproxy.py",
+    "tests/models/test_stepcache.py",
+    "tests/bench/",
+    "tests/models/test_wan.py",
+    "tests/spmd/",
 )
 
 

@@ -23,7 +23,7 @@ def attention_lse(
     the scaled scores [B, H, Sq], float32). `bias`: [B, 1, 1, Sk] added to the scores (-inf: a key masked out; every
     query keeps at least one key). SDPA kernels that return the log-sum-exp where the device has one (CPU: the flash
     kernel; CUDA: the memory-efficient kernel), else the math."""
-    if k.shape[2] == 0:
+    if k.shape[2] == 0 or q.shape[2] == 0:  # a ring block (or a query shard) of a short sequence may be empty
         return torch.zeros_like(q), q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
     if bias is not None:
         bias = bias.to(q.dtype)
@@ -46,10 +46,11 @@ def attention_lse(
 def merge(
     out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the union of two key sets from the attention over each (float32 out)."""
+    """Attention over the union of two key sets from the attention over each (float32 out). Two empty key sets
+    (both log-sum-exps -inf: ring blocks of a short sequence) merge to nothing, not NaN."""
     total = torch.logaddexp(lse, other_lse)
-    merged = out.float() * torch.exp(lse - total)[..., None] + other.float() * torch.exp(other_lse - total)[..., None]
-    return merged, total
+    mine, theirs = (torch.nan_to_num(torch.exp(x - total), nan=0.0)[..., None] for x in (lse, other_lse))
+    return out.float() * mine + other.float() * theirs, total
 
 
 def _exchange(block: torch.Tensor, recv_tokens: int, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:

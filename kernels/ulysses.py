@@ -216,13 +216,23 @@ def ulysses_cross(
 ) -> torch.Tensor:
     """Attention of one sharded sequence over another, each with its own shard sizes (LTX-2: video over audio and
     audio over video; a self-attention passes the same sizes twice). q: [B, H, Sq_local, d], k, v:
-    [B, H, Skv_local, d] -> [B, H, Sq_local, d]. Both go to the whole sequences for H/U heads and the output comes
-    back to the query's shard: no ring, no mask, nothing replicated."""
+    [B, H, Skv_local, d] -> [B, H, Sq_local, d]. Both go to their Ulysses subgroup's whole block for H/U heads (the
+    whole sequences without a ring); with a ring the key blocks travel round it (`ring_attention`, nothing
+    replicated, each block its own size: a ring rank may hold none of a short sequence) and the output comes back to
+    the query's shard. No mask."""
+    u, r = g.ulysses_size, g.ring_rank
+    q_block, kv_block = q_shards[r * u : (r + 1) * u], kv_shards[r * u : (r + 1) * u]
+    k, v = _seq_to_heads(k, g, kv_block), _seq_to_heads(v, g, kv_block)
+    q = _seq_to_heads(q, g, q_block)
     if g.ring_size > 1:
-        raise ValueError("attention across two sharded sequences does not run with ring attention")
-    k, v = _seq_to_heads(k, g, kv_shards), _seq_to_heads(v, g, kv_shards)
-    out = attention(_seq_to_heads(q, g, q_shards), k, v, backend)
-    return _heads_to_seq(out.contiguous(), g, q_shards)
+        blocks = [sum(kv_shards[i * u : (i + 1) * u]) for i in range(g.ring_size)]
+        assert g.ring is not None
+        out = ring_attention(
+            q, k, v, group=g.ring, rank=r, size=g.ring_size, blocks=blocks, replicated=0, replicated_first=True
+        )
+    else:
+        out = attention(q, k, v, backend)
+    return _heads_to_seq(out.contiguous(), g, q_block)
 
 
 def shard_output(module: torch.nn.Module, g: UlyssesGroup, dim: int = 1) -> None:

@@ -85,3 +85,27 @@ async def _terminal(events):
         if isinstance(event, TERMINAL):
             return event
     raise AssertionError("no terminal event")
+
+
+def run_batch(adapter, requests: list[SamplingParams], kept: list | None = None) -> list[Completed]:
+    """The requests submitted together (one batch): their results. `kept`, when a list, receives the states the
+    adapter prepared, whose step caches the test reads after the run."""
+
+    async def main():
+        engine = Engine(adapter, max_batch=max(4, len(requests)), batch_wait=0.5)
+        await engine.start()
+        try:
+            handles = [engine.add_request(p) for p in requests]
+            return [await h.result() for h in handles]
+        finally:
+            await engine.stop()
+
+    if kept is not None:
+        prepare = adapter.prepare
+        adapter.prepare = lambda pending: kept.extend(prepare(pending)) or kept[-len(pending) :]
+    try:
+        results = asyncio.run(main())
+    finally:
+        adapter.__dict__.pop("prepare", None)
+    assert all(isinstance(r, Completed) for r in results), results
+    return results

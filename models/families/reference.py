@@ -31,10 +31,7 @@ GENERIC_ONLY = "served on the generic path (its own call, one rank, no step cach
 # Why a row without a family of ours is not served as the reference serves it (else GENERIC_ONLY).
 WHY_ROW: dict[str, str] = {}
 # Why a cell the reference marks is not served by the family that serves the row.
-WHY_NOT = {
-    ("LTX2Pipeline", "Ring"): "not yet: its video-audio cross-attention attends across two sharded sequences, which "
-    "ring attention does not pass around (kernels/ulysses.py `ulysses_cross`)",
-}
+WHY_NOT: dict[tuple[str, str], str] = {}
 
 
 def served(pipeline_class: str, column: str) -> bool:

@@ -238,7 +238,7 @@ LTX2 = Family(
     "ltx2",
     "families.ltx2.adapter:LTX2Adapter",
     guidance_styles=("cfg", "audio-video"),
-    parallel=("cfg-parallel", "ulysses"),
+    parallel=("cfg-parallel", "ulysses", "ring"),
     # Decided per row (models/families/ltx2/cache.py): a row's cache stays on one rank, its tokens whole.
     cache_methods=("fbcache", "dbcache", "x0cache"),
     cache_with_ulysses=False,

@@ -488,6 +488,8 @@ def _row_split_requests(family: str) -> list[SamplingParams]:
     [
         ("ltx2", "tiny_ltx2", "cfg"),
         ("ltx2", "tiny_ltx2", "ulysses"),
+        # Ring attention over both sequences: in the cross-attentions the other sequence's key blocks travel.
+        ("ltx2", "tiny_ltx2", "ring"),
         # The image-to-video checkpoints under Ulysses (their rows split as the text-to-video ones' do).
         ("ltx2-i2v", "tiny_ltx2_i2v", "ulysses"),
         ("hunyuan-video-15", "tiny_hunyuan15", "cfg"),
@@ -499,12 +501,18 @@ def test_a_step_s_rows_split_and_match_one_rank(family, fixture, strategy, reque
     HunyuanVideo-1.5: a negative row only where a request guides at that step): with --cfg-parallel 2 the step's
     rows are split between the ranks, each computing half of them (a split that computes everything on both ranks:
     red); with --ulysses 2 every rank runs every row over its half of the video tokens (LTX-2: and of the audio
-    tokens). The frames (and LTX-2's sound) equal one rank's. Text and image-to-video checkpoints alike."""
+    tokens; with --ring 2 the same halves, and no attention kernel sees a whole sequence's keys of more than one
+    token). The frames (and LTX-2's sound) equal one rank's. Text and image-to-video checkpoints alike."""
     model = request.getfixturevalue(fixture)
     requests = _row_split_requests(family)
     sounds: list = []
     expected = one_rank(model, requests, sounds=sounds if family.startswith("ltx2") else None)
-    got, forwards = two_ranks(model, tmp_path, *((2, 1) if strategy == "cfg" else (1, 2)), requests)
+    layout = {"cfg": (2, 1), "ulysses": (1, 2), "ring": (1, 1)}[strategy]
+    got, forwards = two_ranks(model, tmp_path, *layout, requests, ring=2 if strategy == "ring" else 1)
+    if strategy == "ring":
+        for r in range(2):
+            calls = json.loads((tmp_path / f"ring{r}.json").read_text())
+            assert calls and all(keys < whole for keys, whole in calls if whole > 1), calls[:8]
     for i, (params, a, b) in enumerate(zip(requests, expected, got, strict=True)):
         diffs = [float(np.abs(a - b).max())]
         if sounds:

@@ -10,15 +10,11 @@ audio tokens, a decision per row (request, guidance pass, prompt) in every pass'
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 import numpy as np
 import pytest
-from caching import count_reuse
+from caching import count_reuse, run_batch
 
-from diffusiond.engine.engine import Engine
-from diffusiond.engine.outputs import Completed
 from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import SamplingParams
 
@@ -47,21 +43,9 @@ REQUESTS = [
 ]
 
 
-def run(adapter, requests: list[SamplingParams]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The requests in one batch: each one's frames and waveform, and its states' row caches after the run."""
-
-    async def main():
-        engine = Engine(adapter, max_batch=4, batch_wait=0.5)
-        await engine.start()
-        try:
-            handles = [engine.add_request(p) for p in requests]
-            return [await h.result() for h in handles]
-        finally:
-            await engine.stop()
-
-    results = asyncio.run(main())
-    assert all(isinstance(r, Completed) for r in results), results
-    return [(r.image, r.audio.samples) for r in results]
+def run(adapter, requests: list[SamplingParams], kept: list | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The requests in one batch: each one's frames and waveform."""
+    return [(r.image, r.audio.samples) for r in run_batch(adapter, requests, kept)]
 
 
 def close(a, b) -> bool:
@@ -81,18 +65,10 @@ def test_exact_at_zero_and_each_row_reuses_its_own(method, tiny_ltx2, exact, mon
     for i, (a, b) in enumerate(zip(exact, zero, strict=True)):
         assert close(a, b), f"request {i}: threshold 0 changed its clip or sound"
 
-    prepared = adapter.prepare
-    kept = []
-
-    def keeping(requests):
-        states = prepared(requests)
-        kept.extend(states)
-        return states
-
-    monkeypatch.setattr(adapter, "prepare", keeping)
+    kept: list = []
     reused = count_reuse(monkeypatch)
     cached = msgspec.structs.replace(REQUESTS[0], cache_threshold=10.0)
-    mixed = run(adapter, [msgspec.structs.replace(REQUESTS[0], cache_threshold=0.0), cached])
+    mixed = run(adapter, [msgspec.structs.replace(REQUESTS[0], cache_threshold=0.0), cached], kept)
     assert close(mixed[0], exact[0]), "the exact request changed beside a cached one"
     assert sum(reused) > 0, "nothing was reused"
     assert not close(mixed[1], exact[0]), "the cached request skipped nothing"

@@ -13,16 +13,12 @@ image, target), whose modulation has a shared t = 0 row (`causal_condition`) tha
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 import numpy as np
 import pytest
-from caching import count_reuse
+from caching import count_reuse, run_batch
 from pictures import picture
 
-from diffusiond.engine.engine import Engine
-from diffusiond.engine.outputs import Completed
 from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import SamplingParams
 
@@ -49,24 +45,7 @@ REQUESTS = [
 
 
 def run(adapter, requests, kept: list | None = None) -> list[np.ndarray]:
-    async def main():
-        engine = Engine(adapter, max_batch=4, batch_wait=0.5)
-        await engine.start()
-        try:
-            handles = [engine.add_request(p) for p in requests]
-            return [await h.result() for h in handles]
-        finally:
-            await engine.stop()
-
-    if kept is not None:
-        prepare = adapter.prepare
-        adapter.prepare = lambda requests: kept.extend(prepare(requests)) or kept[-len(requests) :]
-    try:
-        results = asyncio.run(main())
-    finally:
-        adapter.__dict__.pop("prepare", None)
-    assert all(isinstance(r, Completed) for r in results), results
-    return [r.image for r in results]
+    return [r.image for r in run_batch(adapter, requests, kept)]
 
 
 @pytest.fixture(scope="module")

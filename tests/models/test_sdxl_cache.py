@@ -11,17 +11,13 @@ whole UNet, and its output is the one its own scheduler maps to that image at th
 
 from __future__ import annotations
 
-import asyncio
-
 import diffusers
 import msgspec
 import numpy as np
 import pytest
 import torch
-from caching import count_reuse
+from caching import count_reuse, run_batch
 
-from diffusiond.engine.engine import Engine
-from diffusiond.engine.outputs import Completed
 from diffusiond.models.flowmatch.sampler import SchedulerSampler
 from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import SamplingParams
@@ -69,21 +65,11 @@ def run(adapter, requests) -> tuple[list[np.ndarray], int]:
         rows[0] += sample.shape[0]
         return forward(sample, *args, **kwargs)
 
-    async def main():
-        engine = Engine(adapter, max_batch=4, batch_wait=0.5)
-        await engine.start()
-        try:
-            handles = [engine.add_request(p) for p in requests]
-            return [await h.result() for h in handles]
-        finally:
-            await engine.stop()
-
     adapter.transformer.forward = counting
     try:
-        results = asyncio.run(main())
+        results = run_batch(adapter, requests)
     finally:
         del adapter.transformer.forward
-    assert all(isinstance(r, Completed) for r in results), results
     return [r.image for r in results], rows[0]
 
 

@@ -40,7 +40,7 @@ from diffusiond.models.params import MAX_FRAMES, ParamError, SamplingParams
 from diffusiond.models.stepcache.cache import StepCache
 from diffusiond.models.stepcache.forwards import lora_narrows
 from diffusiond.models.stepcache.methods import Batch, Method, cached_blocks, settle
-from diffusiond.models.stepcache.span import RowState, spanned
+from diffusiond.models.stepcache.span import RowState, sigmas, spanned
 
 
 class HunyuanVideo15Adapter(FlowMatchAdapter):
@@ -181,11 +181,10 @@ class HunyuanVideo15Adapter(FlowMatchAdapter):
             return_dict=False,
             **kwargs,
         )
-        # A step cache's rows: each its own (a negative row runs only on the guided steps), and their noise levels.
-        sigmas = {"sigma": torch.stack([states[i].sampler.device_sigmas[states[i].sampler.index] for i, _ in rows])}
+        # A step cache's rows: each its own (a negative row runs only on the guided steps).
         row_states = [RowState(states[i], which, which == "positive") for i, which in rows]
         with self.loras.rows([self.loras.of(states[i]) for i, _ in rows]):
-            return self.cache.forward(arguments, sigmas, 1, row_states)
+            return self.cache.forward(arguments, {}, 1, row_states)
 
     def _step_cache(self) -> StepCache:
         return StepCache(
@@ -310,7 +309,7 @@ def cached_forward(
     with spanned(transformer, partial(_cached_blocks, method, states, lora_narrows(transformer))):
         out = transformer(**batched)[0]
     x = batched["hidden_states"][:, : out.shape[1]]  # the noisy latents (the condition's channels follow them)
-    return settle(method, out, x, shared["sigma"], rows, states)
+    return settle(method, out, x, sigmas(states), rows, states)
 
 
 def _cached_blocks(method: Method, states: Sequence[Any], narrows, blocks, video, text, temb, mask, freqs):

@@ -9,7 +9,6 @@ generator), since their updates are not one formula across a batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from diffusiond.models.flowmatch.requests import RequestRules
 from diffusiond.models.flowmatch.sampler import SchedulerSampler, request_generator
 from diffusiond.models.params import SamplingParams
 from diffusiond.models.stepcache.cache import StepCache
+from diffusiond.models.stepcache.core import narrowed
 from diffusiond.models.stepcache.forwards import lora_narrows
 from diffusiond.models.stepcache.methods import Method, settle_x0, x0_computing
 
@@ -156,9 +156,7 @@ class SDXLAdapter(FlowMatchAdapter):
             out = hidden.new_zeros((hidden.shape[0], self.transformer.config.out_channels, *hidden.shape[2:]))
             if picked:
                 index = to_device(picked, hidden.device)
-                with ExitStack() as narrowed:
-                    for plan in lora_narrows(self.transformer):
-                        narrowed.enter_context(plan.narrow(picked))
+                with narrowed(lora_narrows(self.transformer), picked):
                     out[index] = self._call({name: t[index] for name, t in batched.items()}, shared)
         mine = [slice(i * rows, (i + 1) * rows) for i in range(len(states))]
         x0 = torch.cat([s.sampler.predicted_x0(s.latents, out[m]) for s, m in zip(states, mine, strict=True)])

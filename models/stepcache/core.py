@@ -5,8 +5,8 @@ and what they do with these, are in models/stepcache/methods.py."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import ExitStack
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,6 +209,16 @@ class Ran:
     text: torch.Tensor | None = None
 
 
+@contextmanager
+def narrowed(narrows: Sequence[Any], picked: list[int] | None) -> Iterator[None]:
+    """The row plans (a transformer's LoRA layers, Wan's projections) narrowed to a sub-batch's rows (`picked`; None:
+    every row)."""
+    with ExitStack() as stack:
+        for plan in narrows:
+            stack.enter_context(plan.narrow(picked))
+        yield
+
+
 def run_blocks(
     blocks: Sequence[Any], h: torch.Tensor, enc: torch.Tensor, batch: Batch, computing: list[int], text: bool = False
 ) -> Ran:
@@ -225,9 +235,7 @@ def run_blocks(
         index = to_device(picked, h.device)
         hc, ec, tc = h[index], enc[index], temb[index]
         row_kwargs = {name: None if t is None else t[index] for name, t in row_kwargs.items()}
-    with ExitStack() as narrowed:
-        for plan in batch.narrows:
-            narrowed.enter_context(plan.narrow(picked if index is not None else None))
+    with narrowed(batch.narrows, picked if index is not None else None):
         for block in blocks:
             ec, hc = block(hidden_states=hc, encoder_hidden_states=ec, temb=tc, **row_kwargs, **batch.block_kwargs)
     if index is None:

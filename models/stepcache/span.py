@@ -43,6 +43,12 @@ class RowState:
         return self.state.total_steps
 
     @property
+    def sigma(self) -> torch.Tensor:
+        """The request's noise level at this step (x0cache's prediction, x0 = x - sigma * v)."""
+        sampler = self.state.sampler
+        return sampler.device_sigmas[sampler.index]
+
+    @property
     def cache(self) -> Any:
         return self.state.cache if self.primary else self.state.row_caches.get(self.key)
 
@@ -75,6 +81,11 @@ class Span(torch.nn.Module):
             if not blocks:
                 raise
             return getattr(blocks[0], name)
+
+
+def sigmas(states: Sequence[RowState]) -> torch.Tensor:
+    """Each row's noise level [R]."""
+    return torch.stack([s.sigma for s in states])
 
 
 @contextmanager

@@ -291,12 +291,11 @@ class LTX2Adapter(FlowMatchAdapter):
             use_cross_timestep=True,
             return_dict=False,
         )
-        # Each row's noise level (x0cache's prediction) and, for a step cache, its own cache: its pass and prompt.
-        sigmas = {"sigma": torch.stack([states[i].sampler.device_sigmas[states[i].sampler.index] for i, _ in rows])}
+        # For a step cache, each row's own cache: its pass and prompt.
         key = "modality" if isolate else ("stg", stg_blocks) if stg_blocks else "cfg"
         row_states = [RowState(states[i], (key, which), (key, which) == ("cfg", "positive")) for i, which in rows]
         with self.loras.rows([self.loras.of(states[i]) for i, _ in rows]):
-            return self.cache.forward(arguments, sigmas, 1, row_states)
+            return self.cache.forward(arguments, {}, 1, row_states)
 
     def step_rows(self, states: Sequence[RequestState]) -> list[tuple[Hashable, int, str]]:
         """Every transformer row of the states' step: (pass, state index, prompt), grouped by pass (a call each):

@@ -26,7 +26,7 @@ import torch
 
 from diffusiond.models.stepcache.forwards import lora_narrows
 from diffusiond.models.stepcache.methods import Batch, Method, cached_blocks, settle
-from diffusiond.models.stepcache.span import spanned
+from diffusiond.models.stepcache.span import sigmas, spanned
 
 
 def pack(video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
@@ -101,9 +101,9 @@ def ltx2_forward(
     transformer: Any,
 ) -> torch.Tensor:
     """One LTX-2 transformer call (`batched`: its arguments) with a cache decision per row: the float32 outputs
-    packed ([R, S_v * C_v + S_a * C_a]). `shared["sigma"]`: each row's noise level [R] (x0cache's prediction)."""
+    packed ([R, S_v * C_v + S_a * C_a]); x0cache predicts with each row's noise level (`RowState.sigma`)."""
     stg = set(batched.get("spatio_temporal_guidance_blocks") or ())
     with spanned(transformer, partial(_blocks, method, states, stg, lora_narrows(transformer))):
         video, audio = transformer(**batched)
     x = pack(batched["hidden_states"].float(), batched["audio_hidden_states"].float())
-    return settle(method, pack(video.float(), audio.float()), x, shared["sigma"], rows, states)
+    return settle(method, pack(video.float(), audio.float()), x, sigmas(states), rows, states)

@@ -267,6 +267,11 @@ def tiny_qwenimage21(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_glm_image(tmp_path_factory) -> str:
+    return str(build_tiny("glm-image", tmp_path_factory.mktemp("tiny") / "glm-image"))
+
+
+@pytest.fixture(scope="session")
 def tiny_wan(tmp_path_factory) -> str:
     return str(build_tiny("wan", tmp_path_factory.mktemp("tiny") / "wan"))
 

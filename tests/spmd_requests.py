@@ -447,6 +447,17 @@ REQUESTS["ovis-image"] = [
 REQUESTS["longcat-image"] = [
     msgspec.structs.replace(p, arguments={"enable_prompt_rewrite": i > 0}) for i, p in enumerate(REQUESTS["ovis-image"])
 ]
+# GLM-Image: the prior's tokens sampled on rank 0 with the glyphs and shared; glyphs of three lengths (quoted text),
+# so a step runs a call per length on each rank; guidance 1 on three finishing together.
+REQUESTS["glm-image"] = [
+    SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=4, guidance_scale=4.0),
+    SamplingParams(prompt="a sign that says 'open'", seed=2, width=64, height=64, num_inference_steps=3),
+    SamplingParams(prompt='a "cat" on a hill', seed=3, width=96, height=64, num_inference_steps=3, guidance_scale=5.0),
+    *(
+        SamplingParams(prompt=f"plain {i}", seed=10 + i, width=64, height=64, num_inference_steps=2, guidance_scale=1.0)
+        for i in range(3)
+    ),
+]
 # Stable Audio Open: sound, every clip the longest clip's frames; CFG on three (one with a negative prompt, one cut
 # to its seconds), guidance 1 on three finishing together.
 REQUESTS["stable-audio"] = [
@@ -469,6 +480,7 @@ FIXTURES = {
     "ovis-image": "tiny_ovis",
     "longcat-image": "tiny_longcat",
     "longcat-image-edit": "tiny_longcat_edit",
+    "glm-image": "tiny_glm_image",
     "qwen-image": "tiny_qwenimage",
     "qwen-image-21": "tiny_qwenimage21",
     "wan": "tiny_wan",

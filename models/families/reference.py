@@ -75,4 +75,6 @@ def reference_table() -> str:
                 cells.append(f"no ({reasons.index(note) + 1})")
         lines.append(f"| {name} (`{'`, `'.join(classes)}`) | " + " | ".join(cells) + " |")
     notes = [f"({i}) {text}" for i, text in enumerate(reasons, start=1)]
+    if not notes:  # every marked cell served
+        return "\n".join(lines) + "\n"
     return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"

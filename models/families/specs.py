@@ -337,6 +337,16 @@ LONGCAT_IMAGE_EDIT = Family(
     image_inputs=("edit",),
     needs=("torchvision",),
 )
+# GLM-Image: an autoregressive prior samples each image's tokens, which condition a DiT beside the glyphs of the
+# prompt's quoted text (ByT5); CFG whenever guidance > 1, its negative row without the prior's tokens.
+GLM_IMAGE = Family(
+    "GlmImagePipeline",
+    "glm-image",
+    "families.glm_image:GlmImageAdapter",
+    guidance_styles=("cfg",),
+    parallel=("cfg-parallel", "tp"),
+    needs=("torchvision",),
+)
 # Stable Audio Open: sound alone, a DiT over the latent frames of the longest clip with the clip's seconds as its
 # global condition, the cosine DPM-Solver (an SDE: each request its own Brownian tree), CFG whenever guidance > 1.
 STABLE_AUDIO = Family(
@@ -374,6 +384,7 @@ FAMILIES: dict[str, Family] = {
         LTX2_I2V,
         HUNYUAN_VIDEO_15,
         HUNYUAN_VIDEO_15_I2V,
+        GLM_IMAGE,
         STABLE_AUDIO,
     )
 }

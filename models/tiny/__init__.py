@@ -8,9 +8,9 @@ images at any height/width that is a multiple of 16 (SD3: up to 1024, as pos_emb
 well under a second at 256x256 on a CPU.
 
 The builders live beside this dispatcher, one module per group of families (`images`: SD3, SDXL, FLUX.1; `qwen`,
-`qwen21`, `qwen_layered`, `ovis`, `longcat`, `wan`, `ltx2`, `hunyuan15`, `flux3`; `real`: real-size layouts; `lora`:
-adapters), on the shared text side (`text`: tokenizers over a fixed word list, tiny text encoders). Only this module
-imports them all.
+`qwen21`, `qwen_layered`, `ovis`, `longcat`, `glm_image`, `wan`, `ltx2`, `hunyuan15`, `flux3`; `real`: real-size
+layouts; `lora`: adapters), on the shared text side (`text`: tokenizers over a fixed word list, tiny text
+encoders). Only this module imports them all.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ FAMILIES: tuple[str, ...] = (
     "ovis-image",
     "longcat-image",
     "longcat-image-edit",
+    "glm-image",
     "qwen-image",
     "qwen-image-edit",
     "qwen-image-edit-plus",
@@ -63,6 +64,7 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
     from diffusiond.models.tiny import (
         audio,
         flux3,
+        glm_image,
         hunyuan15,
         images,
         kandinsky6,
@@ -100,6 +102,8 @@ def build_tiny_pipeline(family: str, seed: int = 0) -> Any:
         "longcat-image": longcat.build_longcat_image,
         # LongCat-Image-Edit: the same components; the text encoder's vision tower reads the image to edit.
         "longcat-image-edit": longcat.build_longcat_image_edit,
+        # GLM-Image: an autoregressive prior (its processor needs torchvision), a ByT5 glyph encoder, a DiT.
+        "glm-image": glm_image.build_glm_image,
         "qwen-image": qwen.build_qwenimage,
         # Qwen-Image-Edit and -2509's layouts (need torchvision, for their Qwen2-VL processor).
         "qwen-image-edit": lambda: qwen.build_qwenimage_edit_plus(plus=False),

@@ -1,6 +1,7 @@
-"""Ovis-Image, LongCat-Image and LongCat-Image-Edit behind a live server: four native streams started a step apart
-(mixed prompts, seeds, negative prompts, step counts and guidance, one without CFG; LongCat's rewrite on and off, its
-renormalization on and off; the edits of two images) each equal the pipeline's own `__call__` (PNG within 2/255),
+"""Ovis-Image, LongCat-Image, LongCat-Image-Edit and GLM-Image behind a live server: four native streams started a
+step apart (mixed prompts, seeds, negative prompts, step counts and guidance, one without CFG; LongCat's rewrite on and
+off, its renormalization on and off; the edits of two images; GLM-Image's quoted glyph text, and no negative prompt:
+its pipeline takes none) each equal the pipeline's own `__call__` (PNG within 2/255),
 while they share the transformer's forwards (a call carrying more rows than one request's two: one forward per request
 would never), and `/v1/models` names the family."""
 
@@ -40,7 +41,10 @@ FAMILIES = {
         ],
     ),
     "longcat-image-edit": ("tiny_longcat_edit", "LongCatImageEditPipeline", 4.5, [{}] * 4),
+    "glm-image": ("tiny_glm_image", "GlmImagePipeline", 1.5, [{}] * 4),
 }
+# GLM-Image's bodies: no negative prompt (its pipeline takes none); quoted text its glyph encoder reads.
+GLM_PROMPTS = ["a red circle", "a sign that says 'open'", 'a "cat" on the grass', "a plain field"]
 # The edit family's images (two of one aspect, two of another), sent base64 in the native body.
 EDITS = [picture(80, 64, seed=1), picture(64, 64, seed=2), picture(160, 128, seed=3), picture(64, 64, seed=4)]
 
@@ -60,6 +64,11 @@ async def test_staggered_streams_equal_the_pipeline_and_share_forwards(serve, fa
         lambda m, a, k: rows.append(k["hidden_states"].shape[0]), with_kwargs=True
     )
     edits = family.endswith("-edit")
+    if family == "glm-image":
+        bodies = zip(BODIES, GLM_PROMPTS, strict=True)
+        base = [{**{k: v for k, v in b.items() if k != "negative_prompt"}, "prompt": p} for b, p in bodies]
+    else:
+        base = BODIES
     bodies = [
         {
             **b,
@@ -68,7 +77,7 @@ async def test_staggered_streams_equal_the_pipeline_and_share_forwards(serve, fa
             **({"arguments": s} if s else {}),
             **({"image": base64.b64encode(image).decode()} if edits else {}),
         }
-        for b, s, image in zip(BODIES, switches, EDITS, strict=True)
+        for b, s, image in zip(base, switches, EDITS, strict=True)
     ]
     try:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
@@ -101,9 +110,10 @@ async def test_staggered_streams_equal_the_pipeline_and_share_forwards(serve, fa
     for body, events, image in zip(bodies, streams, EDITS, strict=True):
         name, data = events[-1]
         assert name == "completed", events[-1]
+        negative = {} if family == "glm-image" else {"negative_prompt": body.get("negative_prompt", "")}
         expected = pipe(
             prompt=body["prompt"],
-            negative_prompt=body.get("negative_prompt", ""),
+            **negative,
             guidance_scale=body.get("guidance_scale", default_guidance),
             num_inference_steps=body["num_inference_steps"],
             generator=torch.Generator().manual_seed(body["seed"]),

@@ -28,10 +28,18 @@ MAGCACHE = 'magcache:{"ratios": [1.0, 1.01]}'
 DISTILLED = ("flux2",)
 
 
-def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: bool = True, cfg_rows: bool = True) -> int:
+def check_split(
+    strategy: str,
+    forwards: list[list[dict]],
+    *,
+    shared_decode: bool = True,
+    cfg_rows: bool = True,
+    grouped: bool = False,
+) -> int:
     """Asserts the split; returns how many images the ranks decoded in all. `strategy`: "cfg" (2 ranks), or
     "sequence" (Ulysses, ring, or both: every rank shards the sequence). `cfg_rows`: the family has CFG batches
-    (guidance-distilled families have none: CFG-parallel splits their requests only)."""
+    (guidance-distilled families have none: CFG-parallel splits their requests only). `grouped`: a step runs a
+    call per text length (GLM-Image): each rank's rows are counted over its calls."""
     world = len(forwards)
     assert forwards[0] and all(len(f) == len(forwards[0]) for f in forwards), "every rank runs the same forwards"
     for steps in zip(*forwards, strict=True):
@@ -47,6 +55,9 @@ def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: boo
                 assert rows == [full] * world, steps  # every rank all rows, its shard of the tokens
             continue
         calls = [c for f in steps for c in f["calls"]]
+        if grouped:
+            assert all(f["calls"] for f in steps), steps
+            calls = [{"rows": sum(c["rows"] for c in f["calls"])} for f in steps]
         assert len(calls) == world, "one transformer call per forward on each rank"
         if strategy == "cfg":
             c0, c1 = calls
@@ -101,6 +112,7 @@ def check_split(strategy: str, forwards: list[list[dict]], *, shared_decode: boo
         ("ovis-image", "cfg"),
         ("longcat-image", "cfg"),
         ("longcat-image-edit", "cfg"),
+        ("glm-image", "cfg"),
         ("qwen-image", "cfg"),
         ("qwen-image", "ulysses"),
         ("wan", "cfg"),
@@ -129,7 +141,10 @@ def test_two_ranks_match_one(family, strategy, request, tmp_path):
     expected = one_rank(model, requests)
     cfg, ulysses = (2, 1) if strategy == "cfg" else (1, 2)
     got, forwards = two_ranks(model, tmp_path, cfg, ulysses, requests)
-    split = check_split("cfg" if strategy == "cfg" else "sequence", forwards, cfg_rows=family not in DISTILLED)
+    grouped = family == "glm-image"  # a call per glyph length
+    split = check_split(
+        "cfg" if strategy == "cfg" else "sequence", forwards, cfg_rows=family not in DISTILLED, grouped=grouped
+    )
     assert split == len(requests)
     # Prompts are encoded once, on rank 0, and broadcast: rank 1 never runs a text encoder.
     encoded = [json.loads((tmp_path / f"encode{r}.json").read_text()) for r in range(2)]
@@ -223,6 +238,7 @@ def test_ring_attention_matches_one_rank(family, ulysses, ring, request, tmp_pat
         ("z-image", 1),
         ("longcat-image", 1),
         ("longcat-image-edit", 1),
+        ("glm-image", 1),
         ("qwen-image-edit-2511", 1),  # the Qwen-Image-Edit family's transformer is Qwen-Image's, with 2511's index
         ("qwen-image-layered", 1),
     ],

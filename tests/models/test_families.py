@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ("tiny_ovis", ("cfg",), (), ("fbcache", "dbcache", "x0cache")),
         ("tiny_longcat", ("cfg",), (), ("fbcache", "dbcache", "x0cache")),
         ("tiny_longcat_edit", ("cfg",), (), ("fbcache", "dbcache", "x0cache")),
+        ("tiny_glm_image", ("cfg",), (), ()),
         # The tiny Qwen-Image has no guidance embedding, so it drops "distilled" from its family's styles.
         ("tiny_qwenimage", ("true-cfg",), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
         ("tiny_qwenimage_layered", ("true-cfg",), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
@@ -109,7 +110,7 @@ def test_the_reference_table_is_generated_from_the_declarations():
     table = re.search(r"<!-- reference:start -->\n(.*?)<!-- reference:end -->", page, re.S)
     assert table is not None, "docs/families.md has no reference table"
     assert table.group(1) == reference_table(), "docs/families.md's reference table drifted: paste reference_table()"
-    cells, notes = table.group(1).split("\n\n")
+    cells, _, notes = table.group(1).partition("\n\n")
     for number in set(re.findall(r"no \((\d+)\)", cells)):
         assert f"\n({number}) " in f"\n{notes}", f"no ({number}) has no reason"
 

@@ -29,7 +29,7 @@ def test_read_a_part_at_a_time_equals_from_pretrained(family, dtype, request, tm
     fixture = {"sd3": "tiny_sd3", "sd35": "tiny_sd35", "sdxl": "tiny_sdxl", "flux": "tiny_flux",
                "flux-kontext": "tiny_kontext", "flux2-klein": "tiny_flux2klein", "flux2": "tiny_flux2",
                "z-image": "tiny_zimage", "ovis-image": "tiny_ovis", "longcat-image": "tiny_longcat",
-               "longcat-image-edit": "tiny_longcat_edit",
+               "longcat-image-edit": "tiny_longcat_edit", "glm-image": "tiny_glm_image",
                "qwen-image": "tiny_qwenimage", "qwen-image-21": "tiny_qwenimage21",
                "qwen-image-edit-plus": "tiny_qwenimage_edit_plus", "wan": "tiny_wan",
                "qwen-image-edit": "tiny_qwenimage_edit", "qwen-image-layered": "tiny_qwenimage_layered",

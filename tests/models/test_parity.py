@@ -331,6 +331,23 @@ REQUESTS["longcat-image"] = [
     ),
     SamplingParams(prompt="a plain field", seed=5, width=96, height=64, num_inference_steps=3, guidance_scale=1.0),
 ]
+# GLM-Image: the prior's tokens depend on prompt, size and seed; quoted text is read as glyphs, of a length per
+# prompt (rows of one length share a call); guidance 1 runs one row.
+REQUESTS["glm-image"] = [
+    SamplingParams(prompt="a red circle", seed=1, width=64, height=64, num_inference_steps=6, guidance_scale=5.0),
+    SamplingParams(
+        prompt="a sign that says 'open' on a door",
+        seed=2,
+        width=64,
+        height=64,
+        num_inference_steps=4,
+        guidance_scale=3.0,
+        preview_every=1,
+    ),
+    SamplingParams(prompt='a "cat" and a "dog"', seed=3, width=64, height=64, num_inference_steps=5),
+    SamplingParams(prompt="a photo of a cat", seed=4, width=96, height=64, num_inference_steps=3, guidance_scale=4.0),
+    SamplingParams(prompt="a plain field", seed=5, width=64, height=64, num_inference_steps=3, guidance_scale=1.0),
+]
 # A checkpoint of a served class with another config (issue 52: a Qwen-Image-2512 layout is Qwen-Image's family's).
 REQUESTS["qwen-image-other-layout"] = REQUESTS["qwen-image"]
 
@@ -349,6 +366,7 @@ FIXTURES = {
     "qwen-image": "tiny_qwenimage",
     "qwen-image-other-layout": "tiny_qwenimage_other_layout",
     "qwen-image-21": "tiny_qwenimage21",
+    "glm-image": "tiny_glm_image",
 }
 
 
@@ -432,6 +450,41 @@ def test_qwen_image_21_rows_of_one_text_length_share_a_forward(tiny_qwenimage21)
         hook.remove()
     assert all(isinstance(r, Completed) for r in results), results
     assert sorted(calls) == [1, 1, 3, 3, 4, 4], calls
+
+
+def test_glm_image_rows_of_one_glyph_length_share_a_forward(tiny_glm_image):
+    """GLM-Image's DiT takes no text mask (a padded glyph sequence would change the image), so a step runs one call
+    per glyph length: three CFG requests whose prompts quote nothing (their glyphs: the empty text's, as every
+    negative row's) and a fourth that quotes a word, admitted together, make per step one call of the 3 positives and
+    4 negatives and one of the quoting positive: not a call per row or per request. A negative prompt is refused (the
+    pipeline takes none), and /v1/models says so."""
+    adapter = load_adapter(tiny_glm_image)
+    assert adapter.capabilities.public()["negative_prompt"] is False
+    with pytest.raises(ParamError) as info:
+        adapter.resolve(SamplingParams(prompt="a cat", negative_prompt="blurry"))
+    assert info.value.param == "negative_prompt"
+    calls: list[int] = []
+    hook = adapter.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(len(kwargs["hidden_states"])), with_kwargs=True
+    )
+
+    async def run():
+        engine = Engine(adapter, max_batch=4, batch_wait=0.5)
+        await engine.start()
+        try:
+            cfg = dict(guidance_scale=3.0, width=64, height=64, num_inference_steps=2)
+            prompts = ["a red circle", "a blue square", "a cat", "a sign that says 'open'"]
+            handles = [engine.add_request(SamplingParams(prompt=p, seed=i, **cfg)) for i, p in enumerate(prompts)]
+            return [await h.result() for h in handles]
+        finally:
+            await engine.stop()
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        hook.remove()
+    assert all(isinstance(r, Completed) for r in results), results
+    assert sorted(calls) == [1, 1, 7, 7], calls
 
 
 def test_rgba_images_keep_their_alpha_except_in_jpeg():

@@ -427,7 +427,14 @@ def test_qwen_image_21_rows_of_one_text_length_share_a_forward(tiny_qwenimage21)
     runs one call per text length: three requests whose prompts encode to one length, with true CFG and negatives of
     another, and a fourth with a longer prompt and the same negative, admitted together, make per step a call of
     the 3 positives, one of the 4 negatives and one of the long positive: not a call per row."""
-    adapter = load_adapter(tiny_qwenimage21)
+    prompts = ["a red circle 1", "a red circle 2", "a red circle 3", "a blue square on a white background"]
+    cfg = dict(negative_prompt="blurry", true_cfg_scale=4.0)
+    calls = _rows_per_call(load_adapter(tiny_qwenimage21), prompts, **cfg)
+    assert sorted(calls) == [1, 1, 3, 3, 4, 4], calls
+
+
+def _rows_per_call(adapter, prompts: list[str], **cfg) -> list[int]:
+    """The rows of each transformer call while `prompts` (64x64, 2 steps, `cfg`) run admitted together."""
     calls: list[int] = []
     hook = adapter.transformer.register_forward_pre_hook(
         lambda module, args, kwargs: calls.append(len(kwargs["hidden_states"])), with_kwargs=True
@@ -437,9 +444,10 @@ def test_qwen_image_21_rows_of_one_text_length_share_a_forward(tiny_qwenimage21)
         engine = Engine(adapter, max_batch=4, batch_wait=0.5)
         await engine.start()
         try:
-            cfg = dict(negative_prompt="blurry", true_cfg_scale=4.0, width=64, height=64, num_inference_steps=2)
-            prompts = ["a red circle 1", "a red circle 2", "a red circle 3", "a blue square on a white background"]
-            handles = [engine.add_request(SamplingParams(prompt=p, seed=i, **cfg)) for i, p in enumerate(prompts)]
+            size = dict(width=64, height=64, num_inference_steps=2)
+            handles = [
+                engine.add_request(SamplingParams(prompt=p, seed=i, **size, **cfg)) for i, p in enumerate(prompts)
+            ]
             return [await h.result() for h in handles]
         finally:
             await engine.stop()
@@ -449,7 +457,7 @@ def test_qwen_image_21_rows_of_one_text_length_share_a_forward(tiny_qwenimage21)
     finally:
         hook.remove()
     assert all(isinstance(r, Completed) for r in results), results
-    assert sorted(calls) == [1, 1, 3, 3, 4, 4], calls
+    return calls
 
 
 def test_glm_image_rows_of_one_glyph_length_share_a_forward(tiny_glm_image):
@@ -463,27 +471,8 @@ def test_glm_image_rows_of_one_glyph_length_share_a_forward(tiny_glm_image):
     with pytest.raises(ParamError) as info:
         adapter.resolve(SamplingParams(prompt="a cat", negative_prompt="blurry"))
     assert info.value.param == "negative_prompt"
-    calls: list[int] = []
-    hook = adapter.transformer.register_forward_pre_hook(
-        lambda module, args, kwargs: calls.append(len(kwargs["hidden_states"])), with_kwargs=True
-    )
-
-    async def run():
-        engine = Engine(adapter, max_batch=4, batch_wait=0.5)
-        await engine.start()
-        try:
-            cfg = dict(guidance_scale=3.0, width=64, height=64, num_inference_steps=2)
-            prompts = ["a red circle", "a blue square", "a cat", "a sign that says 'open'"]
-            handles = [engine.add_request(SamplingParams(prompt=p, seed=i, **cfg)) for i, p in enumerate(prompts)]
-            return [await h.result() for h in handles]
-        finally:
-            await engine.stop()
-
-    try:
-        results = asyncio.run(run())
-    finally:
-        hook.remove()
-    assert all(isinstance(r, Completed) for r in results), results
+    prompts = ["a red circle", "a blue square", "a cat", "a sign that says 'open'"]
+    calls = _rows_per_call(adapter, prompts, guidance_scale=3.0)
     assert sorted(calls) == [1, 1, 7, 7], calls
 
 

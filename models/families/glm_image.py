@@ -13,8 +13,8 @@ Batching. The DiT takes no text mask (the pipeline pads nothing: it encodes one 
 call only with rows whose glyphs have the same length: each step groups the batch's rows (a request's positive and
 negative rows too) by glyph length and runs one call per group. On several ranks: CFG-parallel (each rank one row
 of every CFG request, or half of a batch's requests without it) and tensor parallelism (each block's attention
-heads and feed-forward columns). Not served yet: condition images (the pipeline's image-to-image, through the DiT's
-KV cache).
+heads and feed-forward columns). Not served: condition images (the pipeline's image-to-image, through the DiT's KV
+cache), which diffusers 0.42.1's call itself fails on with transformers 5.25 (no oracle; docs/families.md).
 """
 
 from __future__ import annotations

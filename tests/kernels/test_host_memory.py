@@ -96,9 +96,9 @@ def run_steps(case: str, **env: str) -> tuple[str, int, int]:
 def test_a_steps_freed_memory_is_kept_for_the_next_step_until_given_back():
     """`keep_freed_memory` (set by every command that runs steps): 10 forwards of a small MLP whose activations are
     16 MB fault their pages in again by default (glibc gives its heap's top back past twice its threshold: measured
-    37,000 faults), and not once kept; the kept memory goes back with `give_back` (the engine's idle trim). Broken
-    on purpose (the call made a no-op): red."""
-    assert run_steps("default")[1] > 10_000
+    37,000 faults alone, 8,195 in a CI run beside the other worker), and not once kept; the kept memory goes back
+    with `give_back` (the engine's idle trim). Broken on purpose (the call made a no-op): red."""
+    assert run_steps("default")[1] > 5_000
     kept, faults, given_back = run_steps("kept")
     assert kept == "True"
     assert faults < 2_000, faults

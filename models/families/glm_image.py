@@ -13,7 +13,8 @@ Batching. The DiT takes no text mask (the pipeline pads nothing: it encodes one 
 call only with rows whose glyphs have the same length: each step groups the batch's rows (a request's positive and
 negative rows too) by glyph length and runs one call per group. On several ranks: CFG-parallel (each rank one row
 of every CFG request, or half of a batch's requests without it) and tensor parallelism (each block's attention
-heads and feed-forward columns). Not served: condition images (the pipeline's image-to-image, through the DiT's KV
+heads and feed-forward columns). Step caches (fbcache, DBCache, x0cache) decide per row (`cached_forward`). Not
+served: condition images (the pipeline's image-to-image, through the DiT's KV
 cache), which diffusers 0.42.1's call itself fails on with transformers 5.25 (no oracle; docs/families.md).
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -35,6 +37,10 @@ from diffusiond.models.flowmatch.prompts import Prompts
 from diffusiond.models.flowmatch.requests import RequestRules
 from diffusiond.models.flowmatch.sampler import request_generator
 from diffusiond.models.params import ParamError, SamplingParams
+from diffusiond.models.stepcache.cache import StepCache
+from diffusiond.models.stepcache.forwards import lora_narrows
+from diffusiond.models.stepcache.methods import Batch, Method, cached_blocks, settle
+from diffusiond.models.stepcache.span import RowState, TextFirst, sigmas, spanned
 
 # The pipeline hands its processor the target size as plain keyword arguments, which transformers 5.25 warns about at
 # every call: nothing a deployment can act on, dropped from its log.
@@ -63,6 +69,10 @@ class GlmImageAdapter(FlowMatchAdapter):
 
     def _prompts(self) -> Prompts:
         return PriorPrompts(self._encode, self.requests.uses_cfg)
+
+    def _step_cache(self) -> StepCache:
+        cached = partial(cached_forward, transformer=self.transformer)
+        return StepCache(self.family, self.cache_methods, self._call, cached)
 
     def _tp_plan(self) -> dict[str, str]:
         """diffusers 0.42 has none for GLM-Image: each block's attention projections (column-wise: whole heads, each
@@ -199,8 +209,10 @@ class GlmImageAdapter(FlowMatchAdapter):
                 "target_size": torch.cat([states[i].shared["target_size"] for i, _ in pairs]),
                 "crop_coords": torch.cat([states[i].shared["crop_coords"] for i, _ in pairs]),
             }
+            # A step cache's rows: each its own (a request's rows may run in calls of different glyph lengths).
+            rows = [RowState(states[i], r, r == 0) for i, r in pairs]
             with self.loras.rows([self.loras.of(states[i]) for i, _ in pairs]):
-                pred = self.cache.forward(batched, {}, 1, [states[i] for i, _ in pairs])
+                pred = self.cache.forward(batched, {}, 1, rows)
             out[torch.tensor(ks, device=self.device)] = pred.float()
         return out
 
@@ -211,6 +223,26 @@ class GlmImageAdapter(FlowMatchAdapter):
         std = torch.tensor(config.latents_std).view(1, -1, 1, 1).to(latents.device, self.vae.dtype)
         latents = latents.to(self.vae.dtype) * std + mean
         return self.vae.decode(latents, return_dict=False)[0]
+
+
+@torch.inference_mode()
+def cached_forward(
+    method: Method, batched: dict[str, Any], shared: dict[str, Any], rows: int, states: Sequence[Any], *, transformer
+) -> torch.Tensor:
+    """One DiT call with a step cache decision per row (`states`: `RowState`s): the transformer's own forward, its
+    blocks run by `cached_blocks` (models/stepcache/span.py). The image tokens are the cached stream; the glyph
+    tokens, which the dual-stream blocks change too, are kept for DBCache's last blocks."""
+    with spanned(transformer, partial(_cached_blocks, method, states, lora_narrows(transformer))):
+        out = transformer(**batched, **shared, return_dict=False)[0]
+    return settle(method, out, batched["hidden_states"], sigmas(states), rows, states)
+
+
+def _cached_blocks(method: Method, states, narrows, blocks, hidden_states, text, temb, rotary, mask, kwargs, **_):
+    """The blocks as the forward calls them (positionally: image, glyphs, temb, rotary angles, a text mask (None),
+    attention kwargs; no KV cache without condition images)."""
+    extra = {"image_rotary_emb": rotary, "attention_mask": mask, "attention_kwargs": kwargs}
+    batch = Batch(hidden_states, text, temb, 1, states, {}, narrows, extra)
+    return cached_blocks(method, [TextFirst(b) for b in blocks], batch), text  # the glyphs after them: unused
 
 
 class PriorPrompts(Prompts):

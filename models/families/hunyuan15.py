@@ -40,7 +40,7 @@ from diffusiond.models.params import MAX_FRAMES, ParamError, SamplingParams
 from diffusiond.models.stepcache.cache import StepCache
 from diffusiond.models.stepcache.forwards import lora_narrows
 from diffusiond.models.stepcache.methods import Batch, Method, cached_blocks, settle
-from diffusiond.models.stepcache.span import RowState, sigmas, spanned
+from diffusiond.models.stepcache.span import RowState, TextFirst, sigmas, spanned
 
 
 class HunyuanVideo15Adapter(FlowMatchAdapter):
@@ -315,22 +315,7 @@ def cached_forward(
 def _cached_blocks(method: Method, states: Sequence[Any], narrows, blocks, video, text, temb, mask, freqs):
     """The blocks as the forward calls them (positionally: video, text, temb, text mask, rotary angles)."""
     batch = Batch(video, text, temb, 1, states, {"attention_mask": mask}, narrows, {"freqs_cis": freqs})
-    return cached_blocks(method, [_TextFirst(b) for b in blocks], batch), text  # the text after them: unused
-
-
-class _TextFirst:
-    """A HunyuanVideo-1.5 block as `cached_blocks` calls blocks: (text, video) out where it returns (video, text);
-    its other attributes its own (TeaCache reads its `norm1`)."""
-
-    def __init__(self, block: Any) -> None:
-        self.block = block
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.block, name)
-
-    def __call__(self, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        video, text = self.block(**kwargs)
-        return text, video
+    return cached_blocks(method, [TextFirst(b) for b in blocks], batch), text  # the text after them: unused
 
 
 class Hunyuan15AttnProcessor:

@@ -345,6 +345,9 @@ GLM_IMAGE = Family(
     "families.glm_image:GlmImageAdapter",
     guidance_styles=("cfg",),
     parallel=("cfg-parallel", "tp"),
+    # Its caches decide per row (a request's rows run in calls of their glyph lengths): not with CFG-parallel.
+    cache_methods=("fbcache", "dbcache", "x0cache"),
+    cache_with_cfg_parallel=False,
     needs=("torchvision",),
 )
 # Stable Audio Open: sound alone, a DiT over the latent frames of the longest clip with the clip's seconds as its

@@ -83,6 +83,21 @@ class Span(torch.nn.Module):
             return getattr(blocks[0], name)
 
 
+class TextFirst:
+    """A block that returns (image, text) as `cached_blocks` calls blocks: (text, image) out (HunyuanVideo-1.5's,
+    GLM-Image's); its other attributes its own (TeaCache reads its `norm1`)."""
+
+    def __init__(self, block: Any) -> None:
+        self.block = block
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.block, name)
+
+    def __call__(self, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        image, text = self.block(**kwargs)
+        return text, image
+
+
 def sigmas(states: Sequence[RowState]) -> torch.Tensor:
     """Each row's noise level [R]."""
     return torch.stack([s.sigma for s in states])

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ("tiny_ovis", ("cfg",), (), ("fbcache", "dbcache", "x0cache")),
         ("tiny_longcat", ("cfg",), (), ("fbcache", "dbcache", "x0cache")),
         ("tiny_longcat_edit", ("cfg",), (), ("fbcache", "dbcache", "x0cache")),
-        ("tiny_glm_image", ("cfg",), (), ()),
+        ("tiny_glm_image", ("cfg",), (), ("fbcache", "dbcache", "x0cache")),
         # The tiny Qwen-Image has no guidance embedding, so it drops "distilled" from its family's styles.
         ("tiny_qwenimage", ("true-cfg",), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
         ("tiny_qwenimage_layered", ("true-cfg",), (2,), ("fbcache", "dbcache", "teacache", "x0cache", "magcache")),
@@ -78,6 +78,11 @@ def test_loaded_checkpoints_declare_what_they_support(fixture, guidance, ulysses
             "tiny_ltx2",
             ["--nproc", "2", "--cfg-parallel", "2", "--cache", "dbcache"],
             "--cache dbcache with --cfg-parallel: the ltx2 family cannot combine them yet",
+        ),
+        (
+            "tiny_glm_image",
+            ["--nproc", "2", "--cfg-parallel", "2", "--cache", "fbcache"],
+            "--cache fbcache with --cfg-parallel: the glm-image family cannot combine them yet",
         ),
         (
             "tiny_ltx2",

@@ -1,5 +1,6 @@
-"""Ovis-Image's, LongCat-Image's and LongCat-Image-Edit's step caches (models/stepcache/forwards.py `ovis_forward`,
-`longcat_forward`; the edit's image tokens run through the blocks with the rest) on
+"""Ovis-Image's, LongCat-Image's, LongCat-Image-Edit's and GLM-Image's step caches (models/stepcache/forwards.py
+`ovis_forward`, `longcat_forward`; the edit's image tokens run through the blocks with the rest; GLM-Image's
+`cached_forward`, its rows deciding apart: a quoting prompt's positive row runs in a call of its own glyph length) on
 deeper tiny checkpoints (2 double- and 3 single-stream blocks, so that DBCache's middle crosses from one kind to the
 other), saved and loaded through `from_pretrained`; LongCat-Image's call switches (`arguments`). The families' parity
 with their pipelines is tests/models/test_parity.py's; their batching tests/engine/test_batching.py's; CFG-parallel
@@ -17,12 +18,13 @@ import asyncio
 import msgspec
 import numpy as np
 import pytest
-from caching import ATOL, count_reuse, run
+from caching import ATOL, count_reuse, run, run_batch
 from caching import params as shared_params
 from pictures import picture
 
 from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import ParamError, SamplingParams
+from diffusiond.models.tiny.glm_image import build_glm_image
 from diffusiond.models.tiny.longcat import build_longcat_image, build_longcat_image_edit
 from diffusiond.models.tiny.ovis import build_ovis_image
 
@@ -31,12 +33,15 @@ BUILDERS = {
     "ovis-image": build_ovis_image,
     "longcat-image": build_longcat_image,
     "longcat-image-edit": build_longcat_image_edit,
+    "glm-image": lambda num_layers, num_single_layers: build_glm_image(num_layers=num_layers + num_single_layers),
 }
 
 
 def params(family: str, seed: int, **kwargs) -> SamplingParams:
     """The cache tests' request; an edit family's edits an image (its tokens run through the cache with the rest)."""
     sent = shared_params(seed, **kwargs)
+    if family == "glm-image" and seed % 2:  # quoted text: its positive row in a call apart from the negatives
+        return msgspec.structs.replace(sent, prompt=f"{sent.prompt} saying 'hi'")
     return msgspec.structs.replace(sent, image=picture(64, 64, seed=seed)) if family.endswith("-edit") else sent
 
 
@@ -74,6 +79,22 @@ def test_threshold_zero_is_exact_and_a_batch_decides_per_request(method, deep, e
     np.testing.assert_allclose(mixed[0], exact[0], atol=ATOL)  # the exact request, beside a cached one
     assert sum(reused) > 0, "the cached request never reused"
     assert float(np.abs(mixed[1] - exact[0]).max()) > 100 * ATOL
+
+
+def test_glm_image_rows_each_reuse_from_their_own_cache(tiny_glm_image, monkeypatch):
+    """A GLM-Image request that quotes text runs its positive row in a call of that glyph length and its negative row
+    in the empty prompt's: at threshold 10 each row reuses from its own cache (one cache per request: red)."""
+    adapter = load_adapter(tiny_glm_image)
+    adapter.enable_step_cache("fbcache", 0.0)
+    reused = count_reuse(monkeypatch)
+    kept: list = []
+    request = SamplingParams(
+        prompt="a sign saying 'hi'", seed=1, width=64, height=64, num_inference_steps=6, cache_threshold=10.0
+    )
+    run_batch(adapter, [request], kept)
+    (state,) = kept
+    assert sum(reused) > 0 and set(state.row_caches) == {1}, state.row_caches
+    assert state.cache.reused > 0 and state.row_caches[1].reused > 0
 
 
 def test_longcat_takes_its_call_switches_by_name_and_ovis_none(tiny_longcat, tiny_ovis):

@@ -237,10 +237,10 @@ def cached_forward(
     return settle(method, out, batched["hidden_states"], sigmas(states), rows, states)
 
 
-def _cached_blocks(method: Method, states, narrows, blocks, hidden_states, text, temb, rotary, mask, kwargs, **_):
-    """The blocks as the forward calls them (positionally: image, glyphs, temb, rotary angles, a text mask (None),
-    attention kwargs; no KV cache without condition images)."""
-    extra = {"image_rotary_emb": rotary, "attention_mask": mask, "attention_kwargs": kwargs}
+def _cached_blocks(method: Method, states, narrows, blocks, hidden_states, text, temb, *rest, **_):
+    """The blocks as the forward calls them (positionally: image, glyphs, temb, then rotary angles, a text mask (None)
+    and attention kwargs; no KV cache without condition images)."""
+    extra = dict(zip(("image_rotary_emb", "attention_mask", "attention_kwargs"), rest, strict=True))
     batch = Batch(hidden_states, text, temb, 1, states, {}, narrows, extra)
     return cached_blocks(method, [TextFirst(b) for b in blocks], batch), text  # the glyphs after them: unused
 

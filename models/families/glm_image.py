@@ -169,19 +169,10 @@ class GlmImageAdapter(FlowMatchAdapter):
         latents = torch.cat([s.latents for s in states]).to(self.transformer.dtype)  # [B, C, h, w]
         # The pipeline's `t.expand(B) - 1`.
         timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device) - 1  # [B]
-        rows, n, g = len(states[0].rows), len(states), self.ranks.cfg_group  # rows: 2 with CFG (batch key)
-        if g is not None and rows == 2:
-            # CFG-parallel: each rank computes one row (positive, negative) of every request; gathered.
-            mine = self._predict(states, latents, timestep, [(i, g.rank) for i in range(n)])
-            out = torch.stack(self.ranks.gathered(mine), dim=1)  # [B, 2, C, h, w]
-        elif g is not None and n > 1:
-            # No CFG in this batch: the two ranks split the requests (the first takes the odd one).
-            out = self.ranks.split_by(
-                n, lambda lo, hi: self._predict(states, latents, timestep, [(i, 0) for i in range(lo, hi)])
-            ).unsqueeze(1)
-        else:
-            members = [(i, r) for i in range(n) for r in range(rows)]
-            out = self._predict(states, latents, timestep, members).unflatten(0, (n, rows))
+        rows = len(states[0].rows)  # 2 with CFG (batch key)
+        out = self.ranks.members(
+            len(states), rows, lambda members: self._predict(states, latents, timestep, members)
+        )  # [B, rows, C, h, w]
         if rows == 1:
             return out[:, 0]
         scale = torch.cat([s.cond["scale"] for s in states]).view(-1, 1, 1, 1)

@@ -164,19 +164,10 @@ class QwenImage21Adapter(FlowMatchAdapter):
             context = torch.cat([s.cond["context"] for s in states]).to(latents.dtype)
             latents = torch.cat([context, latents], dim=1)
         timestep = torch.stack([s.sampler.timestep for s in states]).to(self.device, latents.dtype) / 1000  # [B]
-        rows, n, g = len(states[0].rows), len(states), self.ranks.cfg_group  # rows: 2 with true CFG (batch key)
-        if g is not None and rows == 2:
-            # CFG-parallel: each rank computes one row (positive, negative) of every request; gathered.
-            mine = self._predict(states, latents, timestep, seq, [(i, g.rank) for i in range(n)])
-            out = torch.stack(self.ranks.gathered(mine), dim=1)  # [B, 2, seq, C]
-        elif g is not None and n > 1:
-            # No CFG in this batch: the two ranks split the requests (the first takes the odd one).
-            out = self.ranks.split_by(
-                n, lambda lo, hi: self._predict(states, latents, timestep, seq, [(i, 0) for i in range(lo, hi)])
-            ).unsqueeze(1)  # [B, 1, seq, C]
-        else:
-            members = [(i, r) for i in range(n) for r in range(rows)]
-            out = self._predict(states, latents, timestep, seq, members).view(n, rows, seq, -1)
+        rows = len(states[0].rows)  # 2 with true CFG (batch key)
+        out = self.ranks.members(
+            len(states), rows, lambda members: self._predict(states, latents, timestep, seq, members)
+        )  # [B, rows, seq, C]
         if rows == 1:
             return out[:, 0]
         scale = torch.cat([s.cond["true_cfg"] for s in states]).to(out.dtype).view(-1, 1, 1)

@@ -143,6 +143,18 @@ class RankWiring:
         with self.loras.plan(states, rows):
             return self.cache.forward(batched, shared, rows, states).unflatten(0, (n, rows))
 
+    def members(self, n: int, rows: int, predict: Callable[[list[tuple[int, int]]], torch.Tensor]) -> torch.Tensor:
+        """A step of n requests x `rows` rows whose family runs its own calls (a call per text layout: Qwen-Image 2.1,
+        GLM-Image): `predict(members)` gives the outputs [len, ...] of (request, row) pairs in their order; returns
+        [n, rows, ...]. With CFG-parallel and two rows, each rank of the CFG group computes one row of every request
+        (gathered); without CFG the two ranks split the requests; else every pair here."""
+        g = self.cfg_group
+        if g is not None and rows == 2:
+            return torch.stack(self.gathered(predict([(i, g.rank) for i in range(n)])), dim=1)
+        if g is not None and n > 1:
+            return self.split_by(n, lambda lo, hi: predict([(i, 0) for i in range(lo, hi)])).unsqueeze(1)
+        return predict([(i, r) for i in range(n) for r in range(rows)]).unflatten(0, (n, rows))
+
     def split_requests(
         self, n: int, batched: dict[str, torch.Tensor], shared: dict[str, Any], states: Sequence[Any]
     ) -> torch.Tensor:

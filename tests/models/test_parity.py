@@ -10,9 +10,9 @@ import asyncio
 import diffusers
 import numpy as np
 import pytest
+from caching import run_batch
 from engines import reference, run_staggered
 
-from diffusiond.engine.engine import Engine
 from diffusiond.engine.outputs import Completed
 from diffusiond.models.loading.loader import load_adapter
 from diffusiond.models.params import ParamError, SamplingParams
@@ -439,24 +439,11 @@ def _rows_per_call(adapter, prompts: list[str], **cfg) -> list[int]:
     hook = adapter.transformer.register_forward_pre_hook(
         lambda module, args, kwargs: calls.append(len(kwargs["hidden_states"])), with_kwargs=True
     )
-
-    async def run():
-        engine = Engine(adapter, max_batch=4, batch_wait=0.5)
-        await engine.start()
-        try:
-            size = dict(width=64, height=64, num_inference_steps=2)
-            handles = [
-                engine.add_request(SamplingParams(prompt=p, seed=i, **size, **cfg)) for i, p in enumerate(prompts)
-            ]
-            return [await h.result() for h in handles]
-        finally:
-            await engine.stop()
-
+    size = dict(width=64, height=64, num_inference_steps=2)
     try:
-        results = asyncio.run(run())
+        run_batch(adapter, [SamplingParams(prompt=p, seed=i, **size, **cfg) for i, p in enumerate(prompts)])
     finally:
         hook.remove()
-    assert all(isinstance(r, Completed) for r in results), results
     return calls
 
 

@@ -14,6 +14,7 @@ import diffusers
 import numpy as np
 import pytest
 import torch
+from caching import run_batch
 from engines import run_staggered
 from pictures import picture
 from PIL import Image
@@ -314,12 +315,12 @@ def test_projections_are_reused_exactly(tiny_wan):
         lambda module, args, out: projected.append(out.shape[0])
     )
     try:
-        reused = asyncio.run(_together(adapter, requests))
+        reused = run_batch(adapter, requests)
         with_reuse = list(projected)
         projected.clear()
         cache, adapter.projections = adapter.projections, None
         try:
-            plain = asyncio.run(_together(adapter, requests))
+            plain = run_batch(adapter, requests)
         finally:
             adapter.projections = cache
     finally:
@@ -353,7 +354,7 @@ def test_each_expert_reuses_its_own_projections(tiny_wan22):
         for e, expert in enumerate(adapter.experts)
     ]
     try:
-        results = asyncio.run(_together(adapter, requests))
+        results = run_batch(adapter, requests)
     finally:
         for hook in hooks:
             hook.remove()
@@ -362,18 +363,6 @@ def test_each_expert_reuses_its_own_projections(tiny_wan22):
         assert diff <= TOLERANCE, (params.prompt, diff)
     # Three texts ("a red cat", "a blue dog", the negative ""), once per expert; none in the 4 steps.
     assert sorted(projected) == [(0, 1)] * 3 + [(1, 1)] * 3, projected
-
-
-async def _together(adapter, requests):
-    from diffusiond.engine.engine import Engine
-
-    engine = Engine(adapter, max_batch=4, batch_wait=0.5)
-    await engine.start()
-    try:
-        handles = [engine.add_request(p) for p in requests]
-        return [await h.result() for h in handles]
-    finally:
-        await engine.stop()
 
 
 def test_changed_weights_are_not_served_from_the_cache(tiny_wan):

@@ -99,12 +99,12 @@ class GlmImageAdapter(FlowMatchAdapter):
         self._stage(*self.TEXT_ENCODERS)
         out = []
         for key in keys:
-            text = key.partition("\x00")[2] if key.startswith(_PRIOR) else key
+            head, _, text = key.partition("\x00") if key.startswith(_PRIOR) else ("", "", key)
             glyphs = self.pipe._get_glyph_embeds([text], self.max_sequence_length, self.device, self.dtype)
-            if not key.startswith(_PRIOR):
+            if not head:
                 out.append((glyphs,))
                 continue
-            size, _, seed = key[1:].partition("\x00")[0].partition(":")
+            size, _, seed = head[1:].partition(":")
             width, height = (int(x) for x in size.split("x"))
             out.append((glyphs, self._prior_tokens(text, width, height, int(seed))))
         return out
@@ -131,6 +131,7 @@ class GlmImageAdapter(FlowMatchAdapter):
         cfg, text = self.prompts.lookup(params)
         channels = self.transformer.config.in_channels
         p_size = self.transformer.config.patch_size
+        config = self.pipe.scheduler.config
         states = []
         for i, (request_id, p) in enumerate(requests):
             glyphs, prior = text[self.prompts.key(p.prompt, p)]
@@ -139,10 +140,9 @@ class GlmImageAdapter(FlowMatchAdapter):
                 1, channels, p.height, p.width, glyphs.dtype, self.device, generator
             )  # [1, C, h, w]
             steps = p.num_inference_steps
-            timesteps = np.linspace(self.pipe.scheduler.config.num_train_timesteps, 1.0, steps + 1)[:-1]
+            timesteps = np.linspace(config.num_train_timesteps, 1.0, steps + 1)[:-1]
             timesteps = timesteps.astype(np.int64).astype(np.float32)
             seq = (p.height // self.vae_scale_factor) * (p.width // self.vae_scale_factor) // p_size**2
-            config = self.pipe.scheduler.config
             mu = calculate_shift(
                 seq,
                 config.get("base_image_seq_len", 256),
@@ -158,8 +158,7 @@ class GlmImageAdapter(FlowMatchAdapter):
                 (negative,) = text[self.prompts.negative_key("", p)]
                 rows.append(negative)
                 cond["scale"] = torch.full([1], p.guidance_scale, device=self.device, dtype=torch.float32)
-            size = torch.tensor([[p.height, p.width]], dtype=glyphs.dtype, device=self.device)
-            shared = {"target_size": size, "crop_coords": torch.zeros_like(size)}
+            shared = {"target_size": torch.tensor([[p.height, p.width]], dtype=glyphs.dtype, device=self.device)}
             states.append(RequestState(request_id, p, latents, sampler, cond=cond, rows=rows, shared=shared))
         return states
 
@@ -191,14 +190,15 @@ class GlmImageAdapter(FlowMatchAdapter):
             index = torch.tensor([i for i, _ in pairs], device=self.device)
             prior = torch.cat([states[i].cond["prior"] for i, _ in pairs])
             drop = torch.tensor([r == 1 for _, r in pairs], device=self.device)[:, None].expand_as(prior)
+            target = torch.cat([states[i].shared["target_size"] for i, _ in pairs])
             batched = {
                 "hidden_states": latents[index],
                 "encoder_hidden_states": torch.cat([states[i].rows[r] for i, r in pairs]),
                 "prior_token_id": prior,
                 "prior_token_drop": drop.contiguous(),
                 "timestep": timestep[index],
-                "target_size": torch.cat([states[i].shared["target_size"] for i, _ in pairs]),
-                "crop_coords": torch.cat([states[i].shared["crop_coords"] for i, _ in pairs]),
+                "target_size": target,
+                "crop_coords": torch.zeros_like(target),  # the pipeline's default (0, 0): no request sets it
             }
             # A step cache's rows: each its own (a request's rows may run in calls of different glyph lengths).
             rows = [RowState(states[i], r, r == 0) for i, r in pairs]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from diffusiond.models.tiny.images import sd_vae
 from diffusiond.models.tiny.qwen import qwen_vocab_and_merges
 from diffusiond.models.tiny.text import WORDS, t5_encoder
 
@@ -96,7 +97,7 @@ def _prior(tokenizer: Any) -> Any:
 
 
 def build_glm_image(num_layers: int = 2) -> Any:
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
     from transformers import ByT5Tokenizer, GlmImageImageProcessor, GlmImageProcessor
 
     tokenizer = make_glm_tokenizer()
@@ -118,17 +119,10 @@ def build_glm_image(num_layers: int = 2) -> Any:
         condition_dim=16,
         prior_vq_quantizer_codebook_size=VISION_VOCAB,
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 16, 16),
-        latent_channels=16,
-        norm_num_groups=8,
-        sample_size=64,
-        latents_mean=[0.05 * (i - 8) for i in range(16)],
-        latents_std=[1.0 + 0.1 * i for i in range(16)],
+    # The SD3/FLUX-style tiny VAE (16 channels, 8x) with per-channel statistics, which GLM-Image's pipeline reads
+    # instead of a scaling and shift factor.
+    vae = sd_vae(
+        1.0, 0.0, latents_mean=[0.05 * (i - 8) for i in range(16)], latents_std=[1.0 + 0.1 * i for i in range(16)]
     )
     return GlmImagePipeline(
         tokenizer=byt5,

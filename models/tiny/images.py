@@ -8,7 +8,8 @@ from typing import Any
 from diffusiond.models.tiny.text import clip_config, make_clip_tokenizer, make_t5_tokenizer, t5_encoder
 
 
-def sd_vae(scaling_factor: float, shift_factor: float) -> Any:
+def sd_vae(scaling_factor: float, shift_factor: float, **config: Any) -> Any:
+    """`config`: further AutoencoderKL arguments (GLM-Image's per-channel latent statistics)."""
     from diffusers import AutoencoderKL
 
     # Four blocks, so vae_scale_factor = 2 ** (4 - 1) = 8 as in the real SD3/FLUX VAEs; 16 latent channels.
@@ -27,6 +28,7 @@ def sd_vae(scaling_factor: float, shift_factor: float) -> Any:
         shift_factor=shift_factor,
         use_quant_conv=False,
         use_post_quant_conv=False,
+        **config,
     )
 
 
